@@ -1,0 +1,100 @@
+"""From kept trajectories to padded tensors and per-token log-probs.
+
+Per-token log-probs come from TRL's fused LM head (``model(..., labels=..., fused_lm_head=True)``,
+installed by GRPOTrainer): it projects hidden states through the LM head in tiles and never
+materialises ``[tokens x vocab]`` logits, so a 32k-token trajectory with Qwen2.5's 152k vocabulary
+fits. Only sampled tokens are labelled, so on GPUs only those positions are projected at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .trajectory import Trajectory
+
+
+@dataclass
+class TrainingSample:
+    """A kept trajectory, cut to the training budget, with its advantage."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    sampler_logprobs: list[float]
+    advantage: float
+    truncated: bool
+    """True if the trajectory was longer than the training budget and only its prefix is trained."""
+
+    @classmethod
+    def from_trajectory(cls, trajectory: Trajectory, advantage: float, max_tokens: int) -> TrainingSample:
+        # Tokens after the last sampled one carry no loss: don't spend a forward pass on them.
+        mask = trajectory.loss_mask
+        end = max((i + 1 for i, m in enumerate(mask) if m), default=0)
+        truncated = end > max_tokens
+        end = min(end, max_tokens)
+        return cls(
+            token_ids=trajectory.token_ids[:end],
+            loss_mask=mask[:end],
+            sampler_logprobs=trajectory.sampler_logprobs[:end],
+            advantage=advantage,
+            truncated=truncated,
+        )
+
+
+@dataclass
+class Batch:
+    input_ids: Tensor
+    attention_mask: Tensor
+    loss_mask: Tensor
+    advantages: Tensor
+    sampler_logprobs: Tensor
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(**{name: value.to(device) for name, value in vars(self).items()})
+
+
+def collate(samples: Sequence[TrainingSample], pad_token_id: int) -> Batch:
+    """Right-pad a list of samples into tensors."""
+    width = max(len(s.token_ids) for s in samples)
+    shape = (len(samples), width)
+    input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros(shape, dtype=torch.long)
+    loss_mask = torch.zeros(shape, dtype=torch.long)
+    sampler_logprobs = torch.zeros(shape, dtype=torch.float32)
+    for row, sample in enumerate(samples):
+        n = len(sample.token_ids)
+        input_ids[row, :n] = torch.tensor(sample.token_ids, dtype=torch.long)
+        attention_mask[row, :n] = 1
+        loss_mask[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.long)
+        sampler_logprobs[row, :n] = torch.tensor(sample.sampler_logprobs, dtype=torch.float32)
+    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    return Batch(input_ids, attention_mask, loss_mask, advantages, sampler_logprobs)
+
+
+def token_logprobs(model: torch.nn.Module, batch: Batch) -> Tensor:
+    """``[B, T]`` log-prob of each token given the ones before it; 0 where ``loss_mask`` is 0."""
+    labels = batch.input_ids.masked_fill(batch.loss_mask == 0, -100)
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        labels=labels,
+        fused_lm_head=True,
+        use_cache=False,
+    )
+    shifted = out.log_probs  # [B, T-1]: log p(token t+1 | tokens <= t)
+    return torch.cat([shifted.new_zeros(shifted.shape[0], 1), shifted], dim=1) * batch.loss_mask
+
+
+def minibatch_indices(num_samples: int, minibatch_size: int, generator: torch.Generator) -> Iterator[list[int]]:
+    """One epoch: a fresh shuffle of all samples (across tasks), cut into minibatches."""
+    order = torch.randperm(num_samples, generator=generator).tolist()
+    for start in range(0, num_samples, minibatch_size):
+        yield order[start : start + minibatch_size]
+
+
+def chunks(items: Sequence[int], size: int) -> Iterator[list[int]]:
+    for start in range(0, len(items), size):
+        yield list(items[start : start + size])

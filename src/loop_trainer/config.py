@@ -1,0 +1,146 @@
+"""LOOPConfig: GRPOConfig plus LOOP's own knobs, with the paper's settings as defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from trl import GRPOConfig
+
+# GRPO options that have no meaning in LOOP; setting one away from its neutral value is an error
+# rather than a silent no-op.
+_UNSUPPORTED_GRPO_OPTIONS = {
+    "beta": 0.0,
+    "num_iterations": 1,
+    "use_vllm": False,
+    "top_entropy_quantile": 1.0,
+    "entropy_coef": 0.0,
+    "sync_ref_model": False,
+}
+
+
+@dataclass
+class LOOPConfig(GRPOConfig):
+    r"""Configuration of :class:`~loop_trainer.LOOPTrainer`.
+
+    Defaults reproduce Chen et al. (2025) "Reinforcement Learning for Long-Horizon Interactive LLM
+    Agents": 40 tasks x 6 rollouts per iteration, leave-one-out advantages without std
+    normalisation, rollouts with :math:`|A| < 0.01` dropped, 2 epochs of shuffled minibatches of
+    32 trajectories, per-token PPO clipping with :math:`\epsilon = 0.1` (range ``[1/1.1, 1.1]``),
+    AdamW at a constant 5e-5 with weight decay 0.01, gradient-norm clip 0.1, no KL penalty and no
+    reference model.
+
+    One *iteration* collects rollouts, then runs ``ppo_epochs`` passes of optimizer steps over
+    them. ``iterations`` sets the run's length; ``trainer.state.global_step`` counts iterations,
+    so ``logging_steps``, ``save_steps`` and ``eval_steps`` are in iterations too.
+
+    Every field of :class:`trl.GRPOConfig` is accepted; the ones that mean nothing for LOOP
+    (``beta``, ``num_iterations``, ``loss_type``, entropy bonuses, ...) are rejected if changed.
+    """
+
+    # --- the iteration -------------------------------------------------------------------------
+    iterations: int = field(default=200, metadata={"help": "LOOP iterations (collect, then update)."})
+    tasks_per_iteration: int = field(default=40, metadata={"help": "Tasks sampled per iteration."})
+    rollouts_per_task: int = field(default=6, metadata={"help": "Rollouts per task: the leave-one-out group."})
+    train_split: str = field(default="train", metadata={"help": "Environment split to sample tasks from."})
+
+    # --- advantages and filtering --------------------------------------------------------------
+    advantage_threshold: float = field(
+        default=0.01, metadata={"help": "Drop rollouts with |advantage| below this (0 keeps all)."}
+    )
+    std_normalize_advantages: bool = field(
+        default=False, metadata={"help": "Divide advantages by the group's reward std (ablation only)."}
+    )
+
+    # --- the update ----------------------------------------------------------------------------
+    minibatch_size: int = field(
+        default=32, metadata={"help": "Trajectories per optimizer step; also the loss's constant divisor."}
+    )
+    ppo_epochs: int = field(default=2, metadata={"help": "Passes over the kept rollouts, each freshly shuffled."})
+    max_training_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Trajectories longer than this are trained on their prefix (counted); "
+            "None = max_trajectory_tokens."
+        },
+    )
+    kl_abort_threshold: float = field(
+        default=20.0, metadata={"help": "Abort the iteration's remaining updates if |KL estimate| exceeds this."}
+    )
+
+    # --- episodes ------------------------------------------------------------------------------
+    max_turns: int = field(default=40, metadata={"help": "Model replies per episode."})
+    max_new_tokens_per_turn: int = field(default=1500, metadata={"help": "Token limit of one reply."})
+    max_trajectory_tokens: int = field(
+        default=32000, metadata={"help": "Whole-conversation budget; the episode ends when it is used up."}
+    )
+    early_stop_done_fraction: float = field(
+        default=1.0, metadata={"help": "Stop collecting once this fraction of rollouts finished (paper: 0.9)..."}
+    )
+    early_stop_task_fraction: float = field(
+        default=1.0,
+        metadata={"help": "...and every task has this fraction of its rollouts finished (paper: 0.75)."},
+    )
+    max_concurrent_episodes: int = field(default=256, metadata={"help": "Episodes in flight at once."})
+    env_timeout: float = field(default=300.0, metadata={"help": "Seconds one environment call may take."})
+    max_failed_fraction: float = field(
+        default=0.25, metadata={"help": "Stop the run if more than this fraction of an iteration's rollouts fail."}
+    )
+    generation_batch_limit: int = field(
+        default=64, metadata={"help": "Most sequences the transformers backend samples in one batch."}
+    )
+
+    # --- outputs -------------------------------------------------------------------------------
+    save_rollouts: bool = field(
+        default=False, metadata={"help": "Write each iteration's trajectories to output_dir/rollouts/ (datasets)."}
+    )
+    plot_curves: bool = field(default=True, metadata={"help": "Write learning_curve.png to output_dir."})
+
+    # --- GRPOConfig fields whose defaults change -------------------------------------------------
+    learning_rate: float = field(default=5e-5, metadata={"help": "AdamW learning rate (constant)."})
+    lr_scheduler_type: str = field(default="constant", metadata={"help": "Learning-rate schedule."})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
+    max_grad_norm: float = field(default=0.1, metadata={"help": "Gradient-norm clip (global norm over ranks)."})
+    epsilon: float = field(default=0.1, metadata={"help": "PPO clip: ratio kept in [1/(1+eps), 1+eps]."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (no top-p/top-k)."})
+    per_device_train_batch_size: int = field(
+        default=1, metadata={"help": "Trajectories per forward/backward pass (gradient accumulation inside a minibatch)."}
+    )
+    activation_checkpointing: bool | None = field(
+        default=True, metadata={"help": "Recompute activations in the backward pass (long trajectories need it)."}
+    )
+    gradient_checkpointing: bool | None = field(
+        default=None, metadata={"help": "Deprecated alias of activation_checkpointing (transformers 5)."}
+    )
+    logging_steps: float = field(default=1, metadata={"help": "Log every N iterations."})
+    report_to: Any = field(default="none", metadata={"help": "Trackers: 'wandb', 'trackio', 'tensorboard', 'none'."})
+    save_strategy: Any = field(default="no", metadata={"help": "'no' or 'steps' (every save_steps iterations)."})
+
+    def __post_init__(self) -> None:
+        for name, neutral in _UNSUPPORTED_GRPO_OPTIONS.items():
+            if getattr(self, name) != neutral:
+                raise ValueError(f"LOOPConfig: {name}={getattr(self, name)!r} is not supported by LOOP (keep {neutral!r})")
+        if self.rollouts_per_task < 2:
+            raise ValueError("LOOPConfig: rollouts_per_task must be >= 2 (leave-one-out needs a group)")
+        for name in ("iterations", "tasks_per_iteration", "minibatch_size", "ppo_epochs", "max_turns",
+                     "max_new_tokens_per_turn", "max_trajectory_tokens", "max_concurrent_episodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LOOPConfig: {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("early_stop_done_fraction", "early_stop_task_fraction", "max_failed_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"LOOPConfig: {name} must be in [0, 1], got {getattr(self, name)}")
+        if self.top_p != 1.0 or self.top_k not in (0, None) or (self.min_p or 0.0) != 0.0:
+            raise ValueError("LOOPConfig: LOOP samples with temperature only; leave top_p=1, top_k=0, min_p unset")
+        if self.bf16 is None:
+            # TRL turns bf16 on by default, which fails on machines without a bf16 accelerator.
+            self.bf16 = not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        # GRPOConfig sizes its generation batch in groups of num_generations; LOOP's groups are tasks.
+        self.num_generations = self.rollouts_per_task
+        self.steps_per_generation = self.rollouts_per_task
+        self.generation_batch_size = None
+        self.max_steps = self.iterations
+        self.max_completion_length = self.max_trajectory_tokens
+        super().__post_init__()
+        if self.max_training_tokens is None:
+            self.max_training_tokens = self.max_trajectory_tokens

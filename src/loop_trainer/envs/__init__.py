@@ -1,0 +1,65 @@
+"""Environments: the interface (:mod:`.base`), the built-in ``vault`` world, and a registry.
+
+``make_environment(name, **kwargs)`` resolves ``name`` as, in order: a built-in environment, an
+entry point in the ``loop_trainer.environments`` group (how a separate package plugs one in), or an
+import path ``package.module:ClassName``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any
+
+from .base import Environment, Episode, Message, Score, Step, as_score
+from .vault import VaultEnv
+
+__all__ = [
+    "Environment",
+    "Episode",
+    "Message",
+    "Score",
+    "Step",
+    "VaultEnv",
+    "as_score",
+    "available_environments",
+    "make_environment",
+]
+
+BUILTIN: dict[str, Callable[..., Environment]] = {"vault": VaultEnv}
+ENTRY_POINT_GROUP = "loop_trainer.environments"
+
+
+def available_environments() -> list[str]:
+    return sorted({*BUILTIN, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
+
+
+def _resolve(name: str) -> Callable[..., Environment]:
+    if name in BUILTIN:
+        return BUILTIN[name]
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            return ep.load()
+    if ":" in name:
+        module_name, _, attribute = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"cannot import environment {name!r}: {error}") from None
+    raise ValueError(
+        f"unknown environment {name!r}; available: {', '.join(available_environments())} "
+        "(or give an import path 'package.module:ClassName')"
+    )
+
+
+def make_environment(name: str, **kwargs: Any) -> Environment:
+    """Build an environment by name (see the module docstring for how names resolve)."""
+    factory = _resolve(name)
+    try:
+        environment = factory(**kwargs)
+    except TypeError as error:
+        raise ValueError(f"bad arguments for environment {name!r}: {error}") from None
+    if not isinstance(environment, Environment):
+        raise ValueError(f"{name!r} built a {type(environment).__name__}, not a loop_trainer Environment")
+    return environment

@@ -1,0 +1,134 @@
+"""``vault``: the built-in environment, a miniature of AppWorld's "look it up through APIs" tasks.
+
+Each task has its own small world: a directory that maps people to account ids and a vault
+that maps account ids to codes. The task names a person; the agent must
+
+1. ``find <person>`` -- the directory answers with the person's account id,
+2. ``open <id>``     -- the vault answers with the account's code,
+3. ``submit <code>`` -- which ends the episode.
+
+Neither the id nor the code can be known before the call that reveals it, so solving a task takes
+several turns of calls whose arguments come from earlier observations. A reply may contain several
+commands; they run in order, like the concatenated code blocks of an AppWorld reply. A reply
+without a command gets an observation saying so.
+
+Reward = fraction of the task's four checks passed (as AppWorld's training reward is the fraction
+of unit tests passed): the agent used the directory, looked up the right person, opened the right
+account, submitted the right code. ``success`` is all four.
+
+The vocabulary is a few dozen words, so a tiny model built from a config (see
+:mod:`loop_trainer.tiny`) can learn it from scratch on a CPU in minutes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+from datasets import Dataset
+
+from .base import Environment, Episode, Message, Score, Step
+
+PEOPLE = ("ann", "bob", "cat", "dan", "eve", "fay", "gus", "hal")
+ACCOUNT_IDS = tuple(f"k{i}" for i in range(10))
+CODES = tuple(str(i) for i in range(10))
+COMMANDS = ("find", "open", "submit")
+MESSAGE_WORDS = ("fetch", "code", "of", "id", "no", "such", "person", "account", "command", "tools", ":")
+CHECKS = ("used_directory", "found_person", "opened_account", "submitted_code")
+SYSTEM_PROMPT = "tools : find open submit"
+
+
+class VaultEpisode(Episode):
+    def __init__(self, task: Mapping[str, Any]):
+        self.target: str = task["person"]
+        self.directory: dict[str, str] = dict(zip(task["people"], task["account_ids"], strict=True))
+        self.vault: dict[str, str] = dict(zip(task["account_ids"], task["codes"], strict=True))
+        self.passed = dict.fromkeys(CHECKS, False)
+
+    def start(self) -> list[Message]:
+        return [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": f"fetch code of {self.target}"},
+        ]
+
+    def step(self, reply: str) -> Step:
+        words = reply.split()
+        observations = []
+        for position, word in enumerate(words):
+            if word not in COMMANDS:
+                continue
+            argument = words[position + 1] if position + 1 < len(words) else ""
+            if word == "submit":
+                self.passed["submitted_code"] = argument == self.vault[self.directory[self.target]]
+                return Step(done=True)
+            observations.append(self._run(word, argument))
+        text = "\n".join(observations) if observations else "no command"
+        return Step(messages=[{"role": "user", "content": text}])
+
+    def _run(self, command: str, argument: str) -> str:
+        if command == "find":
+            self.passed["used_directory"] = True
+            if argument == self.target:
+                self.passed["found_person"] = True
+            if argument in self.directory:
+                return f"{argument} id {self.directory[argument]}"
+            return f"no such person {argument}".strip()
+        if argument == self.directory[self.target]:
+            self.passed["opened_account"] = True
+        if argument in self.vault:
+            return f"{argument} code {self.vault[argument]}"
+        return f"no such account {argument}".strip()
+
+    def score(self) -> Score:
+        return Score(
+            reward=sum(self.passed.values()) / len(CHECKS),
+            success=all(self.passed.values()),
+            info={"checks": dict(self.passed)},
+        )
+
+
+class VaultEnv(Environment):
+    """The built-in environment. ``num_tasks`` worlds per split, generated from ``seed``."""
+
+    name = "vault"
+
+    def __init__(self, num_tasks: int = 64, people_per_task: int = 4, seed: int = 0):
+        if not 1 <= people_per_task <= len(PEOPLE):
+            raise ValueError(f"people_per_task must be between 1 and {len(PEOPLE)}")
+        self.num_tasks = num_tasks
+        self.people_per_task = people_per_task
+        self.seed = seed
+
+    def tasks(self, split: str = "train") -> Dataset:
+        if split not in ("train", "test"):
+            raise ValueError(f"vault has splits 'train' and 'test', not {split!r}")
+        rng = random.Random(f"{self.seed}-{split}")
+        rows = []
+        for index in range(self.num_tasks):
+            people = rng.sample(PEOPLE, self.people_per_task)
+            rows.append(
+                {
+                    "task_id": f"{split}-{index:04d}",
+                    "person": rng.choice(people),
+                    "people": people,
+                    "account_ids": rng.sample(ACCOUNT_IDS, self.people_per_task),
+                    "codes": [rng.choice(CODES) for _ in people],
+                }
+            )
+        return Dataset.from_list(rows)
+
+    def episode(self, task: Mapping[str, Any]) -> VaultEpisode:
+        return VaultEpisode(task)
+
+    @staticmethod
+    def vocabulary() -> list[str]:
+        """Every word the environment's messages and a perfect agent's replies use."""
+        return [*COMMANDS, *PEOPLE, *ACCOUNT_IDS, *CODES, *MESSAGE_WORDS]
+
+
+def solve(task: Mapping[str, Any]) -> list[str]:
+    """The replies of a perfect agent, turn by turn (for tests and sanity checks)."""
+    account = dict(zip(task["people"], task["account_ids"], strict=True))[task["person"]]
+    code = dict(zip(task["account_ids"], task["codes"], strict=True))[account]
+    return [f"find {task['person']}", f"open {account}", f"submit {code}"]

@@ -1,0 +1,133 @@
+"""Recipes: YAML + command-line flags -> (ScriptArguments, LOOPConfig, ModelConfig), TRL-style.
+
+``--config recipe.yaml`` sets values, flags override them, a top-level ``env:`` mapping is exported
+as environment variables (TrlParser's conventions). Unlike a bare TrlParser, every YAML value goes
+through the same type checks as a flag, and a mistake -- an unknown key, a bad value, a missing
+file -- becomes one :class:`RecipeError` line with a did-you-mean, not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+from trl import ModelConfig, TrlParser
+
+from .config import LOOPConfig
+
+
+class RecipeError(ValueError):
+    """A mistake in a recipe or on the command line, explained in one line."""
+
+
+@dataclass
+class ScriptArguments:
+    """What to train on (the rest of a recipe is LOOPConfig and TRL's ModelConfig)."""
+
+    environment: str = field(
+        default="vault",
+        metadata={"help": "Environment: a built-in name, an entry point, or 'package.module:Class'."},
+    )
+    environment_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "Keyword arguments for the environment (a mapping, or JSON on the CLI)."}
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.environment_kwargs, str):
+            try:
+                self.environment_kwargs = json.loads(self.environment_kwargs)
+            except json.JSONDecodeError as error:
+                raise RecipeError(f"environment_kwargs is not valid JSON: {error}") from None
+        if self.environment_kwargs is not None and not isinstance(self.environment_kwargs, dict):
+            raise RecipeError("environment_kwargs must be a mapping")
+
+
+class _Parser(TrlParser):
+    def error(self, message: str) -> None:  # argparse would print usage and exit
+        raise RecipeError(message.replace("the following arguments are required", "missing required arguments"))
+
+
+DATACLASSES = (ScriptArguments, LOOPConfig, ModelConfig)
+
+
+def make_parser() -> TrlParser:
+    return _Parser(DATACLASSES)
+
+
+def _known_keys() -> set[str]:
+    return {f.name for cls in DATACLASSES for f in dataclasses.fields(cls)}
+
+
+def _did_you_mean(key: str) -> str:
+    close = difflib.get_close_matches(key, sorted(_known_keys()), n=1, cutoff=0.7)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _as_flags(config: dict[str, Any], source: str) -> tuple[list[str], dict[str, Any]]:
+    """YAML values as command-line flags, so argparse type-checks them like flags; ``None``
+    values (which flags cannot spell) are returned separately as parser defaults."""
+    known = _known_keys()
+    flags: list[str] = []
+    nulls: dict[str, Any] = {}
+    for key, value in config.items():
+        if key not in known:
+            raise RecipeError(f"unknown key '{key}' in {source}{_did_you_mean(key)}")
+        if value is None:
+            nulls[key] = None
+        elif isinstance(value, bool):
+            flags += [f"--{key}", str(value).lower()]
+        elif isinstance(value, list):
+            flags += [f"--{key}", *map(str, value)]
+        elif isinstance(value, dict):
+            flags += [f"--{key}", json.dumps(value)]
+        else:
+            flags += [f"--{key}", str(value)]
+    return flags, nulls
+
+
+def parse_recipe(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, LOOPConfig, ModelConfig]:
+    """Parse ``[--config recipe.yaml] [--key value ...]``; raise :class:`RecipeError` on mistakes."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = make_parser()
+    config_flags: list[str] = []
+    if "--config" in argv:
+        index = argv.index("--config")
+        if index + 1 >= len(argv):
+            raise RecipeError("--config needs a path to a YAML recipe")
+        path = argv[index + 1]
+        del argv[index : index + 2]
+        if not os.path.isfile(path):
+            raise RecipeError(f"recipe file not found: {path}")
+        try:
+            with open(path) as handle:
+                config = yaml.safe_load(handle) or {}
+        except yaml.YAMLError as error:
+            raise RecipeError(f"{path} is not valid YAML: {str(error).splitlines()[0]}") from None
+        if not isinstance(config, dict):
+            raise RecipeError(f"{path} must contain a YAML mapping of keys to values")
+        exported = config.pop("env", None) or {}
+        if not isinstance(exported, dict):
+            raise RecipeError(f"'env' in {path} must be a mapping of environment variables")
+        os.environ.update({str(k): str(v) for k, v in exported.items()})
+        config_flags, nulls = _as_flags(config, path)
+        parser.set_defaults(**nulls)
+    for token in argv:
+        if token.startswith("--") and token[2:].split("=", 1)[0] not in _known_keys():
+            key = token[2:].split("=", 1)[0]
+            raise RecipeError(f"unknown option '--{key}'{_did_you_mean(key)}")
+    try:
+        script_args, training_args, model_args = parser.parse_args_into_dataclasses(args=config_flags + argv)
+    except RecipeError:
+        raise
+    except (ValueError, TypeError, argparse.ArgumentError) as error:
+        raise RecipeError(str(error).splitlines()[0]) from None
+    return script_args, training_args, model_args

@@ -1,0 +1,76 @@
+"""Run outputs a person reads: metrics.jsonl (one object per iteration) and the learning curve."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+CURVE_FILE = "learning_curve.png"
+
+
+def append_metrics(output_dir: str | os.PathLike[str], record: Mapping[str, Any]) -> Path:
+    path = Path(output_dir) / METRICS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+    with path.open("a") as handle:
+        handle.write(json.dumps(clean) + "\n")
+    return path
+
+
+def read_metrics(output_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    path = Path(output_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _moving_average(values: Sequence[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_learning_curve(history: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
+    """Reward (mean +- std per iteration, and a moving average), kept fraction and KL."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def series(key: str) -> list[float]:
+        return [float(h[key]) if h.get(key) is not None else math.nan for h in history]
+
+    iterations = [int(h["iteration"]) for h in history]
+    reward, std = series("reward_mean"), series("reward_std")
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
+    top.plot(iterations, reward, color="tab:blue", alpha=0.45, label="reward (iteration mean)")
+    top.fill_between(iterations, [r - s for r, s in zip(reward, std)], [r + s for r, s in zip(reward, std)],
+                     color="tab:blue", alpha=0.1, linewidth=0)
+    top.plot(iterations, _moving_average([0.0 if math.isnan(r) else r for r in reward], 5), color="tab:blue",
+             linewidth=2, label="reward (5-iteration average)")
+    if any(not math.isnan(v) for v in series("success_rate")):
+        top.plot(iterations, series("success_rate"), color="tab:green", alpha=0.7, label="success rate")
+    top.set_ylim(-0.02, 1.02)
+    top.set_ylabel("reward")
+    top.legend(loc="upper left", fontsize=8)
+    top.grid(alpha=0.3)
+    top.set_title("LOOP training")
+    bottom.plot(iterations, series("kept_fraction"), color="tab:orange", label="kept fraction")
+    bottom.plot(iterations, series("clip_frac"), color="tab:red", label="clip fraction")
+    bottom.set_xlabel("iteration")
+    bottom.legend(loc="upper left", fontsize=8)
+    bottom.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

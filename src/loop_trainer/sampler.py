@@ -1,0 +1,47 @@
+"""Which tasks each iteration trains on: shuffled passes over the task list."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TaskSampler:
+    """Walks seeded random permutations of ``range(num_tasks)``, ``n`` tasks at a time.
+
+    Every task is used once per pass before any is reused. The state (pass, position) is two
+    integers, so a resumed run draws exactly the tasks it would have drawn.
+    """
+
+    num_tasks: int
+    seed: int = 0
+    epoch: int = 0
+    position: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_tasks < 1:
+            raise ValueError("the environment has no tasks in this split")
+
+    def _permutation(self) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.num_tasks, generator=generator).tolist()
+
+    def next(self, n: int) -> list[int]:
+        picked: list[int] = []
+        order = self._permutation()
+        while len(picked) < n:
+            if self.position == self.num_tasks:
+                self.epoch, self.position = self.epoch + 1, 0
+                order = self._permutation()
+            take = min(n - len(picked), self.num_tasks - self.position)
+            picked.extend(order[self.position : self.position + take])
+            self.position += take
+        return picked
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -1,0 +1,1 @@
+"""TRL-style scripts (a parser plus ``main``), runnable with ``accelerate launch -m``."""

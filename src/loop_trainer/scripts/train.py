@@ -1,0 +1,105 @@
+"""Train with LOOP from a recipe -- the ``loop-train`` command.
+
+    loop-train --config recipes/demo.yaml [--key value ...]
+    accelerate launch --config_file recipes/accelerate/zero3.yaml -m loop_trainer.scripts.train --config RECIPE
+
+Like TRL's own scripts: ``make_parser()`` builds the TrlParser over (ScriptArguments, LOOPConfig,
+ModelConfig) and ``main(script_args, training_args, model_args)`` runs the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from transformers import AutoTokenizer
+from trl import ModelConfig, get_peft_config
+
+from ..config import LOOPConfig
+from ..envs import Environment, make_environment
+from ..recipe import RecipeError, ScriptArguments, make_parser, parse_recipe
+from ..tiny import PREFIX as TINY_PREFIX
+from ..tiny import build_tiny_for_environment
+from ..trainer import LOOPTrainer
+
+__all__ = ["main", "make_parser", "cli"]
+logger = logging.getLogger("loop_trainer")
+
+
+def load_model_and_tokenizer(model_args: ModelConfig, training_args: LOOPConfig, env: Environment):
+    """A model id/path (loaded by the trainer, like TRL) or ``tiny:<label>``, a tiny model built
+    from a config for the environment's vocabulary."""
+    name = model_args.model_name_or_path
+    if not name:
+        raise RecipeError("model_name_or_path is not set (a model id, a local directory, or 'tiny:<label>')")
+    if name.startswith(TINY_PREFIX):
+        if not hasattr(env, "vocabulary"):
+            raise RecipeError(f"'{name}' needs an environment with a vocabulary(); {env.name!r} has none")
+        return build_tiny_for_environment(env.vocabulary(), seed=training_args.seed)
+    kwargs = dict(revision=model_args.model_revision, trust_remote_code=model_args.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left", **kwargs)
+    except (OSError, ValueError) as error:
+        where = "local directory" if os.path.isdir(name) else "model id (no local directory of that name)"
+        raise RecipeError(f"cannot load model_name_or_path '{name}' as a {where}: {str(error).splitlines()[0]}") from None
+    init = dict(training_args.model_init_kwargs or {})
+    init.update(kwargs, attn_implementation=model_args.attn_implementation)
+    if model_args.dtype not in (None, "auto"):
+        init["dtype"] = model_args.dtype
+    training_args.model_init_kwargs = {k: v for k, v in init.items() if v is not None}
+    return name, tokenizer
+
+
+def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: ModelConfig) -> LOOPTrainer:
+    try:
+        env = make_environment(script_args.environment, **(script_args.environment_kwargs or {}))
+    except ValueError as error:
+        raise RecipeError(str(error)) from None
+    model, tokenizer = load_model_and_tokenizer(model_args, training_args, env)
+    trainer = LOOPTrainer(
+        model=model,
+        env=env,
+        args=training_args,
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    if training_args.push_to_hub:
+        trainer.push_to_hub()
+    env.close()
+    if trainer.is_world_process_zero():
+        print(summary(trainer))
+    return trainer
+
+
+def summary(trainer: LOOPTrainer, window: int = 5) -> str:
+    rewards = [h["reward_mean"] for h in trainer.history]
+    k = max(1, min(window, len(rewards) // 2))
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    return "\n".join(
+        [
+            f"LOOP: {len(rewards)} iterations on '{trainer.env.name}'.",
+            f"  mean reward, first {k} iterations: {first:.3f}   last {k} iterations: {last:.3f}",
+            f"  metrics:        {trainer.metrics_path}",
+            f"  learning curve: {trainer.curve_path}",
+            f"  model:          {trainer.args.output_dir}",
+        ]
+    )
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    """Entry point: one actionable line on user errors, exit status 2."""
+    try:
+        script_args, training_args, model_args = parse_recipe(argv)
+        main(script_args, training_args, model_args)
+    except RecipeError as error:
+        print(f"loop-train: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,57 @@
+"""A trajectory: one rollout as the trainer sees it -- token ids, loss mask, sampler log-probs, reward."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from .envs.base import Message
+
+Status = Literal["completed", "failed", "cancelled"]
+Ending = Literal["done", "turn_limit", "trajectory_budget", "error", "cancelled"]
+
+
+@dataclass
+class Trajectory:
+    """One episode, token-exact.
+
+    ``token_ids`` is the whole conversation as the model saw and produced it. ``loss_mask`` is 1
+    exactly on the tokens the policy sampled (its replies, including each sampled stop token) and 0
+    on everything else: system and user messages, observations, the assistant header, and any token
+    the rollout engine appended (the newline after a stop token, or a stop token after a reply cut
+    by the per-turn limit). ``sampler_logprobs`` holds the sampler's log-prob of each sampled token
+    (0 elsewhere); the trainer recomputes its own and only compares.
+    """
+
+    task_id: str
+    group: int
+    """Index of the task within its iteration: the leave-one-out group."""
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    sampler_logprobs: list[float] = field(default_factory=list)
+    prompt_length: int = 0
+    """Tokens of the opening prompt (before the first reply)."""
+    reward: float = 0.0
+    success: bool | None = None
+    status: Status = "completed"
+    ending: Ending = "done"
+    num_turns: int = 0
+    truncated_turns: int = 0
+    """Replies cut by the per-turn token limit (they got a stop token appended, mask 0)."""
+    error: str | None = None
+    seconds: float = 0.0
+    messages: list[Message] = field(default_factory=list)
+    """The conversation as text, replies included (for logs and the trajectory viewer)."""
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    def append(self, token_ids: list[int], *, sampled: bool, logprobs: list[float] | None = None) -> None:
+        self.token_ids.extend(token_ids)
+        self.loss_mask.extend([int(sampled)] * len(token_ids))
+        self.sampler_logprobs.extend(logprobs if logprobs is not None else [0.0] * len(token_ids))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,74 @@
+"""Shared test doubles: a scripted generation backend and small environments."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from datasets import Dataset
+
+from loop_trainer.envs.base import Environment, Episode, Message, Score, Step
+from loop_trainer.rollout.backend import Completion
+
+
+class ScriptedBackend:
+    """Replies with ``reply(prompt_ids) -> text``, tokenised, plus the stop token; log-prob -1."""
+
+    def __init__(self, tokenizer, reply: Callable[[list[int]], str], stop: bool = True, delay: float = 0.0):
+        self.tokenizer = tokenizer
+        self.reply = reply
+        self.stop = stop
+        self.delay = delay
+        self.calls = 0
+
+    async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> Completion:
+        self.calls += 1
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        ids = self.tokenizer.encode(self.reply(list(prompt_ids)), add_special_tokens=False)
+        if self.stop:
+            ids = ids + [self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        stopped = self.stop and len(ids) <= max_new_tokens
+        ids = ids[:max_new_tokens]
+        return Completion(token_ids=ids, logprobs=[-1.0] * len(ids), stopped=stopped)
+
+
+class EchoEpisode(Episode):
+    """Answers every reply with ``obs <n>``; done after ``turns`` replies. Records its life cycle."""
+
+    def __init__(self, env: EchoEnv, task: Mapping[str, Any]):
+        self.env, self.task, self.turn = env, task, 0
+
+    async def start(self) -> list[Message]:
+        self.env.events.append(("start", self.task["task_id"]))
+        if self.task.get("fail_at") == "start":
+            raise RuntimeError("boom at start")
+        return [{"role": "system", "content": "sys"}, {"role": "user", "content": f"task {self.task['task_id']}"}]
+
+    async def step(self, reply: str) -> Step:
+        self.turn += 1
+        await asyncio.sleep(self.task.get("step_seconds", 0.0))
+        if self.task.get("fail_at") == "step":
+            raise RuntimeError("boom at step")
+        return Step(messages=[{"role": "user", "content": f"obs {self.turn}"}], done=self.turn >= self.task["turns"])
+
+    async def score(self) -> Score:
+        return Score(reward=float(self.task.get("reward", 1.0)), success=True)
+
+    async def close(self) -> None:
+        self.env.events.append(("close", self.task["task_id"]))
+
+
+class EchoEnv(Environment):
+    name = "echo"
+
+    def __init__(self, rows: list[dict[str, Any]]):
+        self.rows = rows
+        self.events: list[tuple[str, str]] = []
+
+    def tasks(self, split: str = "train") -> Dataset:
+        return Dataset.from_list(self.rows)
+
+    def episode(self, task: Mapping[str, Any]) -> EchoEpisode:
+        return EchoEpisode(self, task)

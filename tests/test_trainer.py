@@ -1,0 +1,189 @@
+"""LOOPTrainer on CPU with a tiny model: the update direction, the loop, its outputs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+from helpers import ScriptedBackend
+from loop_trainer import LOOPConfig, LOOPTrainer
+from loop_trainer.envs.base import Environment, Episode, Score, Step
+from loop_trainer.reporting import read_metrics
+
+REQUIRED_METRICS = {"iteration", "reward_mean", "reward_std", "num_rollouts", "num_kept", "tokens", "clip_frac",
+                    "kl", "grad_norm", "seconds", "sampler_logprob_diff", "rollout_seconds", "update_seconds"}
+
+
+def tiny_args(tmp_path, **overrides) -> LOOPConfig:
+    base = dict(output_dir=str(tmp_path / "run"), iterations=2, tasks_per_iteration=4, rollouts_per_task=4,
+                minibatch_size=8, max_turns=4, max_new_tokens_per_turn=4, max_trajectory_tokens=256,
+                learning_rate=3e-3, activation_checkpointing=False, per_device_train_batch_size=8,
+                disable_tqdm=True, seed=0)
+    base.update(overrides)
+    return LOOPConfig(**base)
+
+
+class PreferFindEpisode(Episode):
+    """One turn; reward 1 if the reply starts with 'find', else 0."""
+
+    def __init__(self):
+        self.reward = 0.0
+
+    def start(self):
+        return [{"role": "user", "content": "fetch code of ann"}]
+
+    def step(self, reply: str) -> Step:
+        self.reward = float(reply.startswith("find"))
+        return Step(done=True)
+
+    def score(self) -> Score:
+        return Score(self.reward)
+
+
+class PreferFindEnv(Environment):
+    name = "prefer-find"
+
+    def tasks(self, split: str = "train") -> Dataset:
+        return Dataset.from_list([{"task_id": f"t{i}"} for i in range(2)])
+
+    def episode(self, task: Mapping[str, Any]) -> Episode:
+        return PreferFindEpisode()
+
+
+def reply_logprob(model, tok, reply: str) -> float:
+    prompt = tok.apply_chat_template([{"role": "user", "content": "fetch code of ann"}], add_generation_prompt=True)
+    prompt = prompt["input_ids"] if isinstance(prompt, Mapping) else prompt
+    target = tok.encode(reply) + [tok.eos_token_id]
+    ids = torch.tensor([list(prompt) + target])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(target)[:, None]).sum().item()
+
+
+def test_one_iteration_moves_probability_toward_positive_advantage(tmp_path, vault_tiny):
+    _, model, tok = vault_tiny
+    calls = iter(range(10**6))
+    backend = ScriptedBackend(tok, lambda prompt: "find ann" if next(calls) % 2 == 0 else "open k3")
+    args = tiny_args(tmp_path, tasks_per_iteration=2, rollouts_per_task=4, minibatch_size=4, iterations=1)
+    trainer = LOOPTrainer(model, PreferFindEnv(), args, processing_class=tok, generation_backend=backend)
+    before = {r: reply_logprob(model, tok, r) for r in ("find ann", "open k3")}
+    record = trainer.run_iteration()
+    after = {r: reply_logprob(model, tok, r) for r in ("find ann", "open k3")}
+    assert record["num_rollouts"] == 8 and record["num_kept"] == 8 and record["reward_mean"] == 0.5
+    assert record["optimizer_steps"] == 2 * 2  # 2 epochs x ceil(8 / 4)
+    assert after["find ann"] > before["find ann"] + 0.05
+    assert after["open k3"] < before["open k3"] - 0.05
+
+
+def test_groups_with_equal_rewards_are_dropped(tmp_path, vault_tiny):
+    _, model, tok = vault_tiny
+    backend = ScriptedBackend(tok, lambda prompt: "find ann")  # everyone gets reward 1
+    args = tiny_args(tmp_path, tasks_per_iteration=2, rollouts_per_task=3, iterations=1)
+    trainer = LOOPTrainer(model, PreferFindEnv(), args, processing_class=tok, generation_backend=backend)
+    weights = [p.detach().clone() for p in model.parameters()]
+    record = trainer.run_iteration()
+    assert record["num_kept"] == 0 and record["optimizer_steps"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+
+
+class Counter(TrainerCallback):
+    def __init__(self):
+        self.steps, self.logs = 0, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
+
+
+def test_train_end_to_end_writes_metrics_curve_and_a_loadable_model(tmp_path, vault_tiny):
+    env, model, tok = vault_tiny
+    counter = Counter()
+    args = tiny_args(tmp_path, save_rollouts=True)
+    trainer = LOOPTrainer(model, env, args, processing_class=tok, callbacks=[counter])
+    output = trainer.train()
+    assert output.global_step == 2 and trainer.state.global_step == 2
+    records = read_metrics(args.output_dir)
+    assert [r["iteration"] for r in records] == [1, 2]
+    for record in records:
+        assert REQUIRED_METRICS <= record.keys()
+        assert record["num_rollouts"] == 16
+        assert record["sampler_logprob_diff"] < 1e-4  # sampler and trainer agree on the same policy
+    assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 10_000
+    assert counter.steps == 2 and len(counter.logs) == 2 and "reward_mean" in counter.logs[0]
+    rollouts = sorted((tmp_path / "run" / "rollouts").glob("*.jsonl"))
+    assert len(rollouts) == 2
+    first = json.loads(rollouts[0].read_text().splitlines()[0])
+    assert {"token_ids", "loss_mask", "reward", "advantage", "messages"} <= first.keys()
+
+    trainer.save_model(str(tmp_path / "saved"))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    reloaded_tok = AutoTokenizer.from_pretrained(tmp_path / "saved")
+    assert reloaded_tok.chat_template == tok.chat_template
+    for (name, a), b in zip(trainer.model.state_dict().items(), reloaded.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_lora_trains_only_the_adapter(tmp_path, vault_tiny):
+    from peft import LoraConfig
+
+    env, model, tok = vault_tiny
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    args = tiny_args(tmp_path, iterations=1, learning_rate=1e-2)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+    trainer = LOOPTrainer(model, env, args, processing_class=tok, peft_config=config)
+    trainer.train()
+    record = trainer.history[-1]
+    assert record["optimizer_steps"] > 0
+    state = trainer.model.state_dict()
+    lora = [k for k in state if "lora_B" in k]
+    assert lora and any(state[k].abs().sum() > 0 for k in lora)  # B starts at zero: it moved
+    for key, value in base.items():
+        module, _, leaf = key.rpartition(".")
+        same = state.get(f"base_model.model.{module}.base_layer.{leaf}", state.get(f"base_model.model.{key}"))
+        assert same is not None and torch.equal(same, value), key
+
+
+def test_kl_guard_aborts_the_iteration(tmp_path, vault_tiny):
+    env, model, tok = vault_tiny
+    args = tiny_args(tmp_path, iterations=1, kl_abort_threshold=0.0, minibatch_size=2, learning_rate=5e-2)
+    trainer = LOOPTrainer(model, env, args, processing_class=tok)
+    record = trainer.run_iteration()
+    assert record["aborted_on_kl"] == 1
+    assert record["optimizer_steps"] < 2 * -(-record["num_kept"] // 2)
+
+
+def test_long_trajectories_are_trained_on_their_prefix_and_counted(tmp_path, vault_tiny):
+    env, model, tok = vault_tiny
+    args = tiny_args(tmp_path, iterations=1, max_training_tokens=40, advantage_threshold=0.0)
+    trainer = LOOPTrainer(model, env, args, processing_class=tok)
+    record = trainer.run_iteration()
+    assert record["truncated_for_training"] > 0
+    assert record["tokens"] <= 40 * record["num_kept"]
+
+
+def test_config_rejects_what_loop_does_not_do():
+    with pytest.raises(ValueError, match="beta"):
+        LOOPConfig(output_dir="x", beta=0.1)
+    with pytest.raises(ValueError, match="rollouts_per_task"):
+        LOOPConfig(output_dir="x", rollouts_per_task=1)
+    with pytest.raises(ValueError, match="temperature only"):
+        LOOPConfig(output_dir="x", top_p=0.9)
+
+
+def test_config_defaults_are_the_papers():
+    args = LOOPConfig(output_dir="x")
+    assert (args.tasks_per_iteration, args.rollouts_per_task, args.minibatch_size, args.ppo_epochs) == (40, 6, 32, 2)
+    assert (args.epsilon, args.advantage_threshold, args.learning_rate, args.weight_decay) == (0.1, 0.01, 5e-5, 0.01)
+    assert (args.max_grad_norm, args.lr_scheduler_type, args.warmup_steps) == (0.1, "constant", 0)
+    assert (args.max_turns, args.max_new_tokens_per_turn, args.max_trajectory_tokens) == (40, 1500, 32000)
+    assert (args.temperature, args.top_p, args.top_k, args.beta) == (1.0, 1.0, 0, 0.0)
+    assert (args.early_stop_done_fraction, args.early_stop_task_fraction) == (1.0, 1.0)
+    assert args.iterations == 200 and not args.std_normalize_advantages
