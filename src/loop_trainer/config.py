@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
+from transformers.trainer_utils import SaveStrategy
 from trl import GRPOConfig
 
 # GRPO options that have no meaning in LOOP; setting one away from its neutral value is an error
@@ -114,8 +114,8 @@ class LOOPConfig(GRPOConfig):
         default=None, metadata={"help": "Deprecated alias of activation_checkpointing (transformers 5)."}
     )
     logging_steps: float = field(default=1, metadata={"help": "Log every N iterations."})
-    report_to: Any = field(default="none", metadata={"help": "Trackers: 'wandb', 'trackio', 'tensorboard', 'none'."})
-    save_strategy: Any = field(default="no", metadata={"help": "'no' or 'steps' (every save_steps iterations)."})
+    report_to: None | str | list[str] = field(default="none", metadata={"help": "Trackers: 'wandb', 'trackio', 'tensorboard', 'none'."})
+    save_strategy: SaveStrategy | str = field(default="no", metadata={"help": "'no' or 'steps' (every save_steps iterations)."})
 
     def __post_init__(self) -> None:
         for name, neutral in _UNSUPPORTED_GRPO_OPTIONS.items():

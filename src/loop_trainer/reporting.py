@@ -74,3 +74,32 @@ def plot_learning_curve(history: Sequence[Mapping[str, Any]], path: str | os.Pat
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def format_iteration(iteration: int, record: Mapping[str, Any]) -> str:
+    """One readable line per iteration for the console (the full record goes to metrics.jsonl)."""
+
+    def number(key: str, spec: str = ".3f") -> str:
+        value = record.get(key)
+        return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+    line = (
+        f"iteration {iteration}: reward {number('reward_mean')} ± {number('reward_std', '.2f')}"
+        f"  success {number('success_rate', '.2f')}"
+        f"  kept {number('num_kept', '.0f')}/{number('num_rollouts', '.0f')}"
+        f"  kl {number('kl', '.4f')}  clip {number('clip_frac', '.3f')}"
+        f"  {number('seconds', '.1f')}s"
+    )
+    failed = record.get("num_failed") or 0
+    return line + (f"  FAILED {failed:.0f}" if failed else "")
+
+
+class IterationLineMixin:
+    """Print :func:`format_iteration` instead of transformers' raw dict of every logged value."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001 - TrainerCallback signature
+        if not state.is_world_process_zero or not logs or "reward_mean" not in logs:
+            return
+        line = format_iteration(state.global_step, logs)
+        bar = getattr(self, "training_bar", None)
+        bar.write(line) if bar is not None else print(line)

@@ -1,8 +1,15 @@
 """Tiny models built from a config, with a word-level ChatML tokenizer: no download needed.
 
-Used by the demo (``model_name_or_path: tiny:vault``) and the tests. The tokenizer knows the words
-of one environment plus ChatML's special tokens, so a model of a few hundred thousand parameters
-can learn that environment from scratch on a CPU.
+Two model specs, for environments that declare their ``vocabulary()``:
+
+* ``tiny:<env>`` -- a small Qwen2 decoder, randomly initialised (the tests use it);
+* ``tiny-instruct:<env>`` -- the same model after a few seconds of supervised warm-up on the
+  environment's ``demonstrations()`` (an agent that knows the protocol but gets arguments wrong
+  half the time). LOOP starts from it as the paper starts from an instruct model: knowing the
+  format, not yet reliable. ``make demo`` uses it.
+
+The tokenizer knows the environment's words plus ChatML's special tokens, so a model of a few
+hundred thousand parameters trains in seconds on a CPU.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ CHATML_TEMPLATE = (
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ROLES = ("system", "user", "assistant", "tool")
-PREFIX = "tiny:"
+RANDOM_PREFIX = "tiny:"
+INSTRUCT_PREFIX = "tiny-instruct:"
 
 
 def build_word_tokenizer(words: Iterable[str]) -> PreTrainedTokenizerFast:
@@ -81,4 +89,72 @@ def build_tiny_for_environment(words: Iterable[str], seed: int = 0) -> tuple[Qwe
     model = build_tiny_model(
         len(tokenizer), seed=seed, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
+    return model, tokenizer
+
+
+def warm_start(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    conversations: list[list[dict[str, str]]],
+    *,
+    steps: int = 400,
+    batch_size: int = 32,
+    learning_rate: float = 3e-3,
+    seed: int = 0,
+) -> Qwen2ForCausalLM:
+    """Supervised warm-up on chat conversations (loss on assistant replies only), so a tiny model
+    starts RL the way the paper's model does: knowing the format, not yet reliable."""
+    rows = [_assistant_masked_ids(tokenizer, messages) for messages in conversations]
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        picked = torch.randint(len(rows), (batch_size,), generator=generator).tolist()
+        width = max(len(rows[i][0]) for i in picked)
+        input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+        labels = torch.full((batch_size, width), -100)
+        attention = torch.zeros((batch_size, width), dtype=torch.long)
+        for row, i in enumerate(picked):
+            ids, mask = rows[i]
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            labels[row, : len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
+            attention[row, : len(ids)] = 1
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    return model
+
+
+def _assistant_masked_ids(tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    ids: list[int] = []
+    mask: list[int] = []
+    for end in range(1, len(messages) + 1):
+        prefix = tokenizer.apply_chat_template(messages[:end], tokenize=False)
+        new = tokenizer.encode(prefix, add_special_tokens=False)[len(ids) :]
+        ids.extend(new)
+        is_reply = messages[end - 1]["role"] == "assistant"
+        # train on the reply and its <|im_end|>, not on the "<|im_start|>assistant\n" header
+        header = 3 if is_reply else len(new)
+        mask.extend([0] * header + [1] * (len(new) - header - 1) + [0] if is_reply else [0] * len(new))
+    return ids, mask
+
+
+def is_tiny_spec(name: str) -> bool:
+    return name.startswith((RANDOM_PREFIX, INSTRUCT_PREFIX))
+
+
+def build_tiny_from_spec(name: str, env, seed: int = 0) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
+    """Build the model a ``tiny:<env>`` / ``tiny-instruct:<env>`` spec names, for ``env``."""
+    label = name.split(":", 1)[1]
+    if label != env.name:
+        raise ValueError(f"'{name}' is a tiny model for the '{label}' environment, but the environment is '{env.name}'")
+    if not hasattr(env, "vocabulary"):
+        raise ValueError(f"'{name}' needs an environment with a vocabulary(); '{env.name}' has none")
+    model, tokenizer = build_tiny_for_environment(env.vocabulary(), seed=seed)
+    if name.startswith(INSTRUCT_PREFIX):
+        if not hasattr(env, "demonstrations"):
+            raise ValueError(f"'{name}' needs an environment with demonstrations(); '{env.name}' has none")
+        warm_start(model, tokenizer, env.demonstrations(512, seed=seed), seed=seed)
     return model, tokenizer

@@ -29,6 +29,7 @@ import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import TrainOutput
 from trl import GRPOTrainer
 
@@ -37,11 +38,19 @@ from .chat import ChatFormatter
 from .config import LOOPConfig
 from .envs.base import Environment
 from .objective import advantage_keep_mask, leave_one_out_advantages, loop_policy_loss
-from .reporting import CURVE_FILE, METRICS_FILE, append_metrics, plot_learning_curve
+from .reporting import CURVE_FILE, METRICS_FILE, IterationLineMixin, append_metrics, plot_learning_curve
 from .rollout import EpisodeLimits, GenerationBackend, RolloutBatch, RolloutEngine, TransformersBackend
 from .sampler import TaskSampler
 
 logger = logging.getLogger(__name__)
+
+
+class LOOPProgressCallback(IterationLineMixin, ProgressCallback):
+    """transformers' progress bar over iterations, with one readable line per iteration."""
+
+
+class LOOPPrinterCallback(IterationLineMixin, PrinterCallback):
+    """One readable line per iteration when progress bars are disabled."""
 
 _CITATION = """\
 @article{chen2025reinforcement,
@@ -107,6 +116,9 @@ class LOOPTrainer(GRPOTrainer):
             optimizers=optimizers,
             peft_config=peft_config,
         )
+        for stock, ours in ((ProgressCallback, LOOPProgressCallback), (PrinterCallback, LOOPPrinterCallback)):
+            if self.pop_callback(stock) is not None:
+                self.add_callback(ours)
         self.env = env
         tokenizer = self.processing_class
         tokenizer = tokenizer.tokenizer if isinstance(tokenizer, ProcessorMixin) else tokenizer

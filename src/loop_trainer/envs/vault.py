@@ -3,14 +3,15 @@
 Each task has its own small world: a directory that maps people to account ids and a vault
 that maps account ids to codes. The task names a person; the agent must
 
-1. ``find <person>`` -- the directory answers with the person's account id,
-2. ``open <id>``     -- the vault answers with the account's code,
+1. ``find <person>`` -- the directory answers with the person's account id and selects that
+   account (server-side session state, like a login token),
+2. ``open``          -- the vault answers with the code of the selected account,
 3. ``submit <code>`` -- which ends the episode.
 
-Neither the id nor the code can be known before the call that reveals it, so solving a task takes
-several turns of calls whose arguments come from earlier observations. A reply may contain several
-commands; they run in order, like the concatenated code blocks of an AppWorld reply. A reply
-without a command gets an observation saying so.
+The code cannot be known before the calls that reveal it, so solving a task takes several turns,
+and the last one must copy a value out of an earlier observation. A reply may contain several
+commands; the first one runs (one tool call per turn). A reply without a command gets an
+observation saying so.
 
 Reward = fraction of the task's four checks passed (as AppWorld's training reward is the fraction
 of unit tests passed): the agent used the directory, looked up the right person, opened the right
@@ -45,6 +46,7 @@ class VaultEpisode(Episode):
         self.directory: dict[str, str] = dict(zip(task["people"], task["account_ids"], strict=True))
         self.vault: dict[str, str] = dict(zip(task["account_ids"], task["codes"], strict=True))
         self.passed = dict.fromkeys(CHECKS, False)
+        self.selected: str | None = None
 
     def start(self) -> list[Message]:
         return [
@@ -54,31 +56,31 @@ class VaultEpisode(Episode):
 
     def step(self, reply: str) -> Step:
         words = reply.split()
-        observations = []
-        for position, word in enumerate(words):
-            if word not in COMMANDS:
-                continue
-            argument = words[position + 1] if position + 1 < len(words) else ""
-            if word == "submit":
-                self.passed["submitted_code"] = argument == self.vault[self.directory[self.target]]
-                return Step(done=True)
-            observations.append(self._run(word, argument))
-        text = "\n".join(observations) if observations else "no command"
-        return Step(messages=[{"role": "user", "content": text}])
+        position = next((i for i, word in enumerate(words) if word in COMMANDS), None)
+        if position is None:
+            return Step(messages=[{"role": "user", "content": "no command"}])
+        command = words[position]
+        argument = words[position + 1] if position + 1 < len(words) else ""
+        if command == "submit":
+            self.passed["submitted_code"] = argument == self.vault[self.directory[self.target]]
+            return Step(done=True)
+        observation = self._find(argument) if command == "find" else self._open()
+        return Step(messages=[{"role": "user", "content": observation}])
 
-    def _run(self, command: str, argument: str) -> str:
-        if command == "find":
-            self.passed["used_directory"] = True
-            if argument == self.target:
-                self.passed["found_person"] = True
-            if argument in self.directory:
-                return f"{argument} id {self.directory[argument]}"
-            return f"no such person {argument}".strip()
-        if argument == self.directory[self.target]:
+    def _find(self, person: str) -> str:
+        self.passed["used_directory"] = True
+        self.passed["found_person"] |= person == self.target
+        if person not in self.directory:
+            return f"no such person {person}".strip()
+        self.selected = self.directory[person]
+        return f"{person} id {self.selected}"
+
+    def _open(self) -> str:
+        if self.selected is None:
+            return "no account"
+        if self.selected == self.directory[self.target]:
             self.passed["opened_account"] = True
-        if argument in self.vault:
-            return f"{argument} code {self.vault[argument]}"
-        return f"no such account {argument}".strip()
+        return f"{self.selected} code {self.vault[self.selected]}"
 
     def score(self) -> Score:
         return Score(
@@ -121,6 +123,28 @@ class VaultEnv(Environment):
     def episode(self, task: Mapping[str, Any]) -> VaultEpisode:
         return VaultEpisode(task)
 
+    def demonstrations(self, num_conversations: int, accuracy: float = 0.5, seed: int = 0) -> list[list[Message]]:
+        """Conversations of an agent that knows the protocol but is unreliable: each argument it
+        gives is right with probability ``accuracy`` and a random other value otherwise. The
+        observations come from real episodes of the train split."""
+        rng = random.Random(seed)
+        tasks = self.tasks("train")
+        conversations = []
+        for index in range(num_conversations):
+            task = tasks[index % len(tasks)]
+            episode = self.episode(task)
+            messages = episode.start()
+            target = task["person"]
+            person = target if rng.random() < accuracy else rng.choice([p for p in PEOPLE if p != target])
+            for reply in (f"find {person}", "open"):
+                messages.append({"role": "assistant", "content": reply})
+                messages.extend(episode.step(reply).messages)
+            seen = messages[-1]["content"].split()[-1]
+            code = seen if rng.random() < accuracy else rng.choice([c for c in CODES if c != seen])
+            messages.append({"role": "assistant", "content": f"submit {code}"})
+            conversations.append(messages)
+        return conversations
+
     @staticmethod
     def vocabulary() -> list[str]:
         """Every word the environment's messages and a perfect agent's replies use."""
@@ -131,4 +155,5 @@ def solve(task: Mapping[str, Any]) -> list[str]:
     """The replies of a perfect agent, turn by turn (for tests and sanity checks)."""
     account = dict(zip(task["people"], task["account_ids"], strict=True))[task["person"]]
     code = dict(zip(task["account_ids"], task["codes"], strict=True))[account]
-    return [f"find {task['person']}", f"open {account}", f"submit {code}"]
+    return [f"find {task['person']}", "open", f"submit {code}"]
+

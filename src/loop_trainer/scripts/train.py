@@ -20,8 +20,7 @@ from trl import ModelConfig, get_peft_config
 from ..config import LOOPConfig
 from ..envs import Environment, make_environment
 from ..recipe import RecipeError, ScriptArguments, make_parser, parse_recipe
-from ..tiny import PREFIX as TINY_PREFIX
-from ..tiny import build_tiny_for_environment
+from ..tiny import build_tiny_from_spec, is_tiny_spec
 from ..trainer import LOOPTrainer
 
 __all__ = ["main", "make_parser", "cli"]
@@ -29,16 +28,17 @@ logger = logging.getLogger("loop_trainer")
 
 
 def load_model_and_tokenizer(model_args: ModelConfig, training_args: LOOPConfig, env: Environment):
-    """A model id/path (loaded by the trainer, like TRL) or ``tiny:<label>``, a tiny model built
-    from a config for the environment's vocabulary."""
+    """A model id/path (loaded by the trainer, like TRL) or a ``tiny:<env>`` /
+    ``tiny-instruct:<env>`` spec (see :mod:`loop_trainer.tiny`)."""
     name = model_args.model_name_or_path
     if not name:
-        raise RecipeError("model_name_or_path is not set (a model id, a local directory, or 'tiny:<label>')")
-    if name.startswith(TINY_PREFIX):
-        if not hasattr(env, "vocabulary"):
-            raise RecipeError(f"'{name}' needs an environment with a vocabulary(); {env.name!r} has none")
-        return build_tiny_for_environment(env.vocabulary(), seed=training_args.seed)
-    kwargs = dict(revision=model_args.model_revision, trust_remote_code=model_args.trust_remote_code)
+        raise RecipeError("model_name_or_path is not set (a model id, a local directory, or 'tiny:<env>')")
+    if is_tiny_spec(name):
+        try:
+            return build_tiny_from_spec(name, env, seed=training_args.seed)
+        except ValueError as error:
+            raise RecipeError(str(error)) from None
+    kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left", **kwargs)
     except (OSError, ValueError) as error:
