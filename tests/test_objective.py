@@ -114,7 +114,7 @@ def test_policy_loss_metrics():
     assert out.num_tokens.item() == 5
     # default divisor is the batch size
     assert out.loss.item() == pytest.approx(
-        brute_force_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.1, 2), rel=1e-5
+        brute_force_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.1, 2), rel=1e-4
     )
 
 

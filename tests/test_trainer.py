@@ -123,6 +123,10 @@ def test_train_end_to_end_writes_metrics_curve_and_a_loadable_model(tmp_path, va
     first = json.loads(rollouts[0].read_text().splitlines()[0])
     assert {"token_ids", "loss_mask", "reward", "advantage", "messages"} <= first.keys()
 
+    trainer.create_model_card(model_name="vault-tiny")
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert "LOOP" in card and "2502.01600" in card and "Reinforcement Learning for Long-Horizon" in card
+
     trainer.save_model(str(tmp_path / "saved"))
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     reloaded_tok = AutoTokenizer.from_pretrained(tmp_path / "saved")

@@ -36,7 +36,7 @@ def test_rewards_are_the_fraction_of_checks_passed(env):
     other = next(p for p in task["people"] if p != task["person"])
     assert play(env, task, [])[0].reward == 0.0
     assert play(env, task, ["hello"])[0].reward == 0.0
-    assert play(env, task, [f"find {other}", "open", "submit 0"])[0].reward == 0.25
+    assert play(env, task, [f"find {other}", "open", "submit x"])[0].reward == 0.25
     right = solve(task)
     assert play(env, task, [right[0], "submit x"])[0].reward == 0.5
     assert play(env, task, right[:2] + ["submit x"])[0].reward == 0.75
@@ -75,6 +75,6 @@ def test_demonstrations_are_real_episodes_with_the_requested_accuracy(env):
 
 def test_tiny_specs(env):
     model, tok = build_tiny_from_spec("tiny:vault", make_environment("vault"))
-    assert model.config.head_dim == 32 and len(tok) == model.config.vocab_size
+    assert model.config.hidden_size // model.config.num_attention_heads == 32 and len(tok) == model.config.vocab_size
     with pytest.raises(ValueError, match="for the 'other' environment"):
         build_tiny_from_spec("tiny:other", env)

@@ -43,6 +43,7 @@ from .rollout import EpisodeLimits, GenerationBackend, RolloutBatch, RolloutEngi
 from .sampler import TaskSampler
 
 logger = logging.getLogger(__name__)
+PLOT_INTERVAL_SECONDS = 10.0
 
 
 class LOOPProgressCallback(IterationLineMixin, ProgressCallback):
@@ -142,6 +143,7 @@ class LOOPTrainer(GRPOTrainer):
         )
         self.task_sampler = TaskSampler(len(tasks), seed=args.seed)
         self.history: list[dict[str, Any]] = []
+        self._last_plot = -math.inf
 
     # ------------------------------------------------------------------------------------------
     # The loop
@@ -171,6 +173,7 @@ class LOOPTrainer(GRPOTrainer):
             if self.control.should_save:
                 self._save_checkpoint(model, trial)
                 self.control = self.callback_handler.on_save(args, self.state, self.control)
+        self._plot(force=True)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         losses = [h["loss"] for h in self.history if math.isfinite(h.get("loss", math.nan))]
         metrics = {"train_runtime": time.time() - started, "iterations": self.state.global_step}
@@ -257,26 +260,29 @@ class LOOPTrainer(GRPOTrainer):
     def update_policy(self, samples: list[TrainingSample]) -> dict[str, float]:
         """``ppo_epochs`` passes of shuffled minibatches over ``samples``, one optimizer step each."""
         args = self.args
-        old_logprobs, sampler_diff = self.compute_old_logprobs(samples)
         generator = torch.Generator().manual_seed(args.seed * 1_000_003 + self.state.global_step)
+        schedule = [
+            minibatch
+            for _ in range(args.ppo_epochs)
+            for minibatch in minibatch_indices(len(samples), args.minibatch_size, generator)
+        ]
+        mine = sorted({i for minibatch in schedule for i in self._share(minibatch)})
+        old_logprobs, sampler_diff = self.compute_old_logprobs(samples, mine)
         steps: list[dict[str, float]] = []
         skipped_nonfinite = 0
         aborted_on_kl = False
-        for _ in range(args.ppo_epochs):
-            for minibatch in minibatch_indices(len(samples), args.minibatch_size, generator):
-                step = self._minibatch_step(samples, old_logprobs, minibatch)
-                if step is None:
-                    skipped_nonfinite += 1
-                    continue
-                steps.append(step)
-                if abs(step["kl"]) > args.kl_abort_threshold:
-                    logger.warning(
-                        "iteration %d: KL estimate %.3g exceeds %.3g; step skipped, remaining updates aborted",
-                        self.state.global_step + 1, step["kl"], args.kl_abort_threshold,
-                    )
-                    aborted_on_kl = True
-                    break
-            if aborted_on_kl:
+        for minibatch in schedule:
+            step = self._minibatch_step(samples, old_logprobs, minibatch)
+            if step is None:
+                skipped_nonfinite += 1
+                continue
+            steps.append(step)
+            if abs(step["kl"]) > args.kl_abort_threshold:
+                logger.warning(
+                    "iteration %d: KL estimate %.3g exceeds %.3g; step skipped, remaining updates aborted",
+                    self.state.global_step + 1, step["kl"], args.kl_abort_threshold,
+                )
+                aborted_on_kl = True
                 break
         taken = [s for s in steps if s["stepped"]]
         tokens = sum(s["num_tokens"] for s in steps) or 1.0
@@ -298,31 +304,38 @@ class LOOPTrainer(GRPOTrainer):
             **sampler_diff,
         }
 
+    def _share(self, minibatch: list[int]) -> list[int]:
+        """This process's trajectories of a minibatch (round-robin over processes)."""
+        return minibatch[self.accelerator.process_index :: self.accelerator.num_processes]
+
     @torch.no_grad()
-    def compute_old_logprobs(self, samples: list[TrainingSample]) -> tuple[list[torch.Tensor], dict[str, float]]:
-        """Log-probs of every kept trajectory under the current policy, in eval mode.
+    def compute_old_logprobs(
+        self, samples: list[TrainingSample], indices: list[int] | None = None
+    ) -> tuple[dict[int, torch.Tensor], dict[str, float]]:
+        """Log-probs of ``samples[i]`` for ``i`` in ``indices`` (default: all) under the current
+        policy, in eval mode.
 
         LOOP takes its PPO denominator from the trainer, not the sampler; the sampler's
         log-probs are only compared, as a health check of the generation path.
         """
+        indices = list(range(len(samples))) if indices is None else indices
         model = self.model_wrapped
         was_training = model.training
         model.eval()
-        old: list[torch.Tensor] = []
+        old: dict[int, torch.Tensor] = {}
         abs_diff_sum, abs_diff_max, count = 0.0, 0.0, 0
         try:
-            for indices in chunks(range(len(samples)), self.args.per_device_train_batch_size):
-                batch = collate([samples[i] for i in indices], self.tokenizer.pad_token_id).to(self.accelerator.device)
+            for chunk in chunks(indices, self.args.per_device_train_batch_size):
+                batch = collate([samples[i] for i in chunk], self.tokenizer.pad_token_id).to(self.accelerator.device)
                 with self.accelerator.autocast():
                     logprobs = token_logprobs(model, batch).float()
-                mask = batch.loss_mask.bool()
-                diff = (logprobs - batch.sampler_logprobs)[mask].abs()
+                diff = (logprobs - batch.sampler_logprobs)[batch.loss_mask.bool()].abs()
                 if diff.numel():
                     abs_diff_sum += float(diff.sum())
                     abs_diff_max = max(abs_diff_max, float(diff.max()))
                     count += diff.numel()
-                for row, index in enumerate(indices):
-                    old.append(logprobs[row, : len(samples[index].token_ids)].cpu())
+                for row, i in enumerate(chunk):
+                    old[i] = logprobs[row, : len(samples[i].token_ids)].cpu()
         finally:
             model.train(was_training)
         return old, {
@@ -331,13 +344,17 @@ class LOOPTrainer(GRPOTrainer):
         }
 
     def _minibatch_step(
-        self, samples: list[TrainingSample], old_logprobs: list[torch.Tensor], minibatch: list[int]
+        self, samples: list[TrainingSample], old_logprobs: dict[int, torch.Tensor], minibatch: list[int]
     ) -> dict[str, float] | None:
         """Accumulate the loss of one minibatch (this process's share), then one optimizer step.
         Returns None if the loss was not finite (the step is skipped)."""
         args, accelerator, model = self.args, self.accelerator, self.model_wrapped
-        world, rank = accelerator.num_processes, accelerator.process_index
-        mine = minibatch[rank::world]
+        world = accelerator.num_processes
+        mine = self._share(minibatch)
+        # A process with no trajectory in this minibatch still runs a forward/backward (of a
+        # zero-advantage stand-in: zero loss, zero gradient) so gradient collectives stay matched.
+        stand_in = not mine
+        mine = mine or minibatch[:1]
         # Each process divides by minibatch_size / world so that averaging gradients across
         # processes yields sum(trajectory losses) / minibatch_size, the paper's constant divisor.
         divisor = args.minibatch_size / world
@@ -349,7 +366,11 @@ class LOOPTrainer(GRPOTrainer):
             batch = collate([samples[j] for j in indices], self.tokenizer.pad_token_id).to(accelerator.device)
             old = torch.zeros_like(batch.sampler_logprobs)
             for row, j in enumerate(indices):
-                old[row, : old_logprobs[j].numel()] = old_logprobs[j]
+                if j in old_logprobs:
+                    old[row, : old_logprobs[j].numel()] = old_logprobs[j]
+            if stand_in:
+                batch.advantages.zero_()
+                batch.loss_mask.zero_()
             last = i == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or world == 1 else accelerator.no_sync(model)
             with sync:
@@ -409,8 +430,15 @@ class LOOPTrainer(GRPOTrainer):
         if not self.is_world_process_zero():
             return
         append_metrics(self.args.output_dir, record)
-        if self.args.plot_curves:
+        self._plot()
+
+    def _plot(self, force: bool = False) -> None:
+        # Redrawing costs ~0.3 s: often enough to watch a run, not every iteration of a fast one.
+        if not self.args.plot_curves or not self.history or not self.is_world_process_zero():
+            return
+        if force or time.monotonic() - self._last_plot >= PLOT_INTERVAL_SECONDS:
             plot_learning_curve(self.history, Path(self.args.output_dir) / CURVE_FILE)
+            self._last_plot = time.monotonic()
 
     def _save_rollouts(self, batch: RolloutBatch, advantages: dict[int, float]) -> None:
         rows = []
