@@ -109,6 +109,11 @@ class LOOPConfig(GRPOConfig):
         metadata={"help": "After each weight sync, stop if vLLM's and the trainer's log-probs on the probe sequence "
                   "differ by more than this (default: 1e-3 in fp32, 0.25 in bf16; negative: never stop)."},
     )
+    vllm_sync_dir: str | None = field(
+        default=None,
+        metadata={"help": "Server mode: a directory the vLLM server can read, where adapters and weight shards are "
+                  "written for it (default: output_dir/weight-sync)."},
+    )
     vllm_probe_tokens: int = field(
         default=64, metadata={"help": "Length of the fixed probe sequence scored after each weight sync."}
     )

@@ -21,6 +21,7 @@ import torch
 
 from .batching import TrainingSample, collate, token_logprobs
 from .rollout.vllm_backend import VLLMBackend, build_colocated_llm, sleep_mode_available
+from .rollout.vllm_server import GeneratorServerError, VLLMServerBackend
 from .weight_sync import WeightSync, default_tolerance, probe_token_ids
 
 logger = logging.getLogger(__name__)
@@ -81,12 +82,13 @@ class VLLMGenerationMixin:
     weight_sync: WeightSync | None = None
     _generator_version: int = -1
 
-    def _build_vllm_backend(self) -> VLLMBackend:
+    def _build_vllm_backend(self) -> VLLMBackend | VLLMServerBackend:
         args = self.args
-        require_vllm()
+        if args.vllm_mode == "server":
+            return self._build_server_backend()
         if args.vllm_mode != "colocate":
-            raise GeneratorConfigError(f"vllm_mode={args.vllm_mode!r}: this version of loop_trainer runs vLLM colocated "
-                             "(vllm_mode: colocate)")
+            raise GeneratorConfigError(f"vllm_mode={args.vllm_mode!r}: use colocate or server")
+        require_vllm()
         if args.vllm_tensor_parallel_size != 1:
             raise GeneratorConfigError(
                 "vllm_tensor_parallel_size must be 1 in colocate mode: every process runs its own engine on its own "
@@ -113,15 +115,36 @@ class VLLMGenerationMixin:
             enable_sleep_mode=sleep,
         )
         backend = VLLMBackend(llm, stop_token_ids=self.eos_token_ids, temperature=args.temperature, sleep_mode=sleep)
-        special = set(self.tokenizer.all_special_ids)
+        self._attach_weight_sync(backend, getattr(torch, dtype))
+        return backend
+
+    def _build_server_backend(self) -> VLLMServerBackend:
+        """Generation on a running vLLM server (``trl vllm-serve`` / ``vllm serve``)."""
+        args = self.args
+        url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        try:
+            backend = VLLMServerBackend(
+                url, stop_token_ids=self.eos_token_ids, temperature=args.temperature,
+                sync_dir=args.vllm_sync_dir or os.path.join(args.output_dir, "weight-sync"),
+                max_concurrency=args.max_concurrent_episodes, connect_timeout=args.vllm_server_timeout,
+                is_main_process=self.accelerator.is_main_process, barrier=self.accelerator.wait_for_everyone,
+            )
+        except GeneratorServerError as error:
+            raise GeneratorConfigError(str(error)) from None
+        dtype = torch.bfloat16 if args.bf16 else next(self.model.parameters()).dtype
+        self._attach_weight_sync(backend, dtype)
+        return backend
+
+    def _attach_weight_sync(self, backend: Any, dtype: torch.dtype) -> None:
+        args = self.args
         tolerance = args.vllm_sync_tolerance
         if tolerance is None:
-            tolerance = default_tolerance(getattr(torch, dtype))
+            tolerance = default_tolerance(dtype)
+        special = set(self.tokenizer.all_special_ids)
         self.weight_sync = WeightSync(self.model, backend, self._probe_trainer_logprobs,
                                       probe_token_ids(len(self.tokenizer), args.vllm_probe_tokens, avoid=special),
                                       tolerance if tolerance >= 0 else None)
         self.accelerator.wait_for_everyone()
-        return backend
 
     @torch.no_grad()
     def _probe_trainer_logprobs(self, token_ids: list[int]) -> torch.Tensor:
@@ -154,4 +177,4 @@ class VLLMGenerationMixin:
 
     def eval_generation_backend(self, temperature: float) -> Any | None:
         backend = getattr(self, "generation_backend", None)
-        return backend.with_temperature(temperature) if isinstance(backend, VLLMBackend) else None
+        return backend.with_temperature(temperature) if isinstance(backend, (VLLMBackend, VLLMServerBackend)) else None

@@ -67,11 +67,13 @@ def layerwise_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield "lm_head.weight", embedding.data.clone() if partitioned else embedding.data
 
 
-def save_adapter(model: nn.Module, directory: Path) -> Path:
-    """Save a PEFT model's adapter (gathering only the adapter's parameters under ZeRO-3)."""
+def save_adapter(model: nn.Module, directory: Path, write: bool = True) -> Path:
+    """Save a PEFT model's adapter, gathering only the adapter's parameters under ZeRO-3 (a
+    collective: every rank calls this; only those with ``write`` save)."""
     adapter = [p for name, p in model.named_parameters() if "lora_" in name or "modules_to_save" in name]
     with _gathered(adapter):
-        model.save_pretrained(str(directory), safe_serialization=True)
+        if write:
+            model.save_pretrained(str(directory), safe_serialization=True)
     return directory
 
 
@@ -118,9 +120,14 @@ class WeightSync:
         """Send the current weights as policy ``version`` (the iteration that produced them)."""
         self.generator.wake_up(tags=["weights"])
         if self.lora:
-            directory = save_adapter(self.model, self._workdir / f"adapter-{version}")
+            # A server reads adapters from its shared directory, and only the main process writes
+            # there; a colocated engine reads this process's own copy.
+            shared = getattr(self.generator, "adapter_dir", None)
+            directory = Path(shared(version)) if shared else self._workdir / f"adapter-{version}"
+            write = getattr(self.generator, "is_main_process", True)
+            save_adapter(self.model, directory, write=write)
             self.generator.load_adapter(str(directory), version)
-            if self._previous is not None and self._previous != directory:
+            if write and self._previous is not None and self._previous != directory:
                 shutil.rmtree(self._previous, ignore_errors=True)
             self._previous = directory
         else:

@@ -27,3 +27,23 @@ except ImportError as error:  # pragma: no cover - the environment is wrong, not
         f"tests/vllm_deepspeed need the vLLM + DeepSpeed venv ({error}); run them with `make test` or "
         "`bash tools/ensure_vllm_venv.sh && .vllm-venv/bin/python -m pytest tests/vllm_deepspeed`"
     ) from error
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def vault(tmp_path_factory):
+    """(env, model, tokenizer, path): a warm-started tiny model for the vault environment, saved
+    (vLLM loads from a directory). Warm-started so greedy decoding has no near-ties."""
+    from loop_trainer.envs import VaultEnv
+    from loop_trainer.tiny import build_tiny_for_environment, warm_start
+
+    env = VaultEnv(num_tasks=12)
+    model, tokenizer = build_tiny_for_environment(env.vocabulary(), seed=0)
+    warm_start(model, tokenizer, env.demonstrations(64, accuracy=0.6), steps=120)
+    path = tmp_path_factory.mktemp("vault-model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    model.name_or_path = str(path)
+    return env, model.float().eval(), tokenizer, str(path)

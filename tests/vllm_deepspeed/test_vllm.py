@@ -19,28 +19,13 @@ from peft import LoraConfig, get_peft_model
 
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.chat import ChatFormatter
-from loop_trainer.envs import VaultEnv
 from loop_trainer.rollout import EpisodeLimits, RolloutEngine, TransformersBackend
 from loop_trainer.rollout.vllm_backend import VLLMBackend, build_colocated_llm
-from loop_trainer.tiny import build_tiny_for_environment, warm_start
 from loop_trainer.weight_sync import WeightSync, WeightSyncError, probe_token_ids
 
 LIMITS = EpisodeLimits(max_turns=4, max_new_tokens_per_turn=12, max_trajectory_tokens=400)
 LORA = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                        "up_proj", "down_proj"], lora_dropout=0.0)
-
-
-@pytest.fixture(scope="module")
-def vault(tmp_path_factory):
-    """A warm-started tiny model (peaked enough that greedy decoding has no near-ties), saved."""
-    env = VaultEnv(num_tasks=12)
-    model, tokenizer = build_tiny_for_environment(env.vocabulary(), seed=0)
-    warm_start(model, tokenizer, env.demonstrations(64, accuracy=0.6), steps=120)
-    path = tmp_path_factory.mktemp("vault-model")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    model.name_or_path = str(path)
-    return env, model.float().eval(), tokenizer, str(path)
 
 
 @pytest.fixture(scope="module")

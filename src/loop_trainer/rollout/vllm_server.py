@@ -1,0 +1,211 @@
+"""vLLM in server mode: generation on GPUs (or nodes) of its own, behind vLLM's OpenAI server.
+
+Start the server with ``trl vllm-serve`` or ``vllm serve`` plus the flags in
+:data:`SERVER_FLAGS` and the environment in :data:`SERVER_ENV`. Every training process sends its
+episodes' turns as token-id completions requests, concurrently; the server batches them
+continuously. Weights travel through a directory both sides can read (``vllm_sync_dir``, e.g. on
+the shared filesystem of a cluster):
+
+* LoRA: the main process saves the adapter there and hot-swaps it with ``/v1/load_lora_adapter``.
+* Full weights: the main process writes them in shards of at most ``shard_bytes`` (filled one
+  decoder layer at a time) and the server reloads them in place (``/collective_rpc``
+  ``reload_weights``, a dev-mode endpoint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import shutil
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+import torch
+from requests.adapters import HTTPAdapter
+
+from .backend import Completion
+
+SERVER_FLAGS = ("--enable-lora --max-lora-rank <r> (LoRA runs), --logprobs-mode processed_logprobs, "
+                "--generation-config vllm")
+SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+class GeneratorServerError(RuntimeError):
+    """The vLLM server is unreachable or refused a request."""
+
+
+class VLLMServerBackend:
+    """A :class:`~loop_trainer.rollout.GenerationBackend` and weight-sync target on a vLLM server.
+
+    Args:
+        base_url: e.g. ``http://gen-node:8000``.
+        stop_token_ids: ids that end a reply.
+        sync_dir: directory the server can read, for adapters and weight shards.
+        is_main_process: only the main process writes to ``sync_dir`` and calls the server's
+            weight endpoints; the others wait at ``barrier``.
+        barrier: blocks until every training process reaches it (``accelerator.wait_for_everyone``).
+    """
+
+    def __init__(self, base_url: str, *, stop_token_ids: Sequence[int], sync_dir: str, temperature: float = 1.0,
+                 max_concurrency: int = 64, timeout: float = 600.0, connect_timeout: float = 60.0,
+                 is_main_process: bool = True, barrier: Callable[[], None] = lambda: None,
+                 shard_bytes: int = 2 << 30):
+        self.base_url = base_url.rstrip("/")
+        self.stop_token_ids = sorted(set(stop_token_ids))
+        self.temperature = temperature
+        self.timeout = timeout
+        self.sync_dir = Path(sync_dir)
+        self.is_main_process = is_main_process
+        self.barrier = barrier
+        self.shard_bytes = shard_bytes
+        self.session = requests.Session()
+        self.session.mount("http://", HTTPAdapter(pool_maxsize=max_concurrency))
+        self.session.mount("https://", HTTPAdapter(pool_maxsize=max_concurrency))
+        self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-server")
+        self.base_model = self._wait_for_server(connect_timeout)
+        self.model = self.base_model
+        self._adapter: str | None = None
+
+    def _wait_for_server(self, timeout: float) -> str:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._request("GET", "/v1/models", timeout=10)["data"][0]["id"]
+            except GeneratorServerError:
+                if time.monotonic() > deadline:
+                    raise GeneratorServerError(
+                        f"vLLM server at {self.base_url} is not reachable: start it (`trl vllm-serve` or `vllm serve` "
+                        f"with {SERVER_FLAGS}) or fix vllm_server_base_url"
+                    ) from None
+                time.sleep(1.0)
+
+    def _request(self, method: str, path: str, payload: dict | None = None, timeout: float | None = None) -> dict:
+        try:
+            response = self.session.request(method, self.base_url + path, json=payload,
+                                            timeout=timeout or self.timeout)
+        except requests.RequestException as error:
+            raise GeneratorServerError(f"vLLM server {self.base_url}{path}: {error}") from error
+        if response.status_code != 200:
+            raise GeneratorServerError(f"vLLM server {path} answered {response.status_code}: {response.text[:300]}")
+        return response.json() if response.content and response.headers.get("content-type", "").startswith(
+            "application/json") else {}
+
+    # -- generation ----------------------------------------------------------------------------
+    async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
+        return await self._submit(prompt_ids, max_new_tokens, seed, self.temperature)
+
+    def with_temperature(self, temperature: float) -> _ServerTemperatureView:
+        return _ServerTemperatureView(self, temperature)
+
+    async def _submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None,
+                      temperature: float) -> Completion:
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        payload = {
+            "model": self.model,
+            "prompt": list(prompt_ids),
+            "max_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_p": 1.0,
+            "top_k": 0,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "seed": seed,
+            "logprobs": 0,
+            "stop_token_ids": self.stop_token_ids,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        loop = asyncio.get_running_loop()
+        body = await loop.run_in_executor(self._executor, self._request, "POST", "/v1/completions", payload)
+        choice = body["choices"][0]
+        token_ids = list(choice["token_ids"])
+        logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+        if len(logprobs) != len(token_ids):
+            raise GeneratorServerError(f"vLLM server returned {len(token_ids)} tokens but {len(logprobs)} log-probs")
+        stopped = bool(token_ids) and token_ids[-1] in self.stop_token_ids
+        return Completion(token_ids=token_ids, logprobs=logprobs, stopped=stopped)
+
+    # -- weights -------------------------------------------------------------------------------
+    def adapter_name(self, version: int) -> str:
+        # Named after the sync directory too, so runs sharing a long-lived server never collide.
+        run = hashlib.sha1(str(self.sync_dir.resolve()).encode()).hexdigest()[:8]
+        return f"loop-{run}-policy-{version}"
+
+    def load_adapter(self, adapter_dir: str, version: int) -> None:
+        name = self.adapter_name(version)
+        if self.is_main_process:
+            request = {"lora_name": name, "lora_path": str(adapter_dir)}
+            try:
+                self._request("POST", "/v1/load_lora_adapter", request)
+            except GeneratorServerError as error:
+                if "already" not in str(error):
+                    raise
+                # A resumed run re-sends a version the server still holds: replace it.
+                self._request("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+                self._request("POST", "/v1/load_lora_adapter", request)
+            if self._adapter is not None and self._adapter != name:
+                self._request("POST", "/v1/unload_lora_adapter", {"lora_name": self._adapter})
+            self._request("POST", "/reset_prefix_cache")
+        self.barrier()
+        self._adapter = self.model = name
+
+    def adapter_dir(self, version: int) -> Path:
+        return self.sync_dir / f"adapter-{version}"
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        target = self.sync_dir / "weights"
+        if not self.is_main_process:
+            for _ in weights:  # take part in the ZeRO-3 gathers
+                pass
+            self.barrier()
+            return
+        from safetensors.torch import save_file
+
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+        shard: dict[str, torch.Tensor] = {}
+        size = index = 0
+        for name, tensor in weights:
+            shard[name] = tensor.detach().contiguous().cpu()
+            size += tensor.numel() * tensor.element_size()
+            if size >= self.shard_bytes:
+                save_file(shard, str(target / f"part-{index:05d}.safetensors"))
+                shard, size, index = {}, 0, index + 1
+        if shard:
+            save_file(shard, str(target / f"part-{index:05d}.safetensors"))
+        (target / "loop_weights.json").write_text(json.dumps({"shards": index + bool(shard)}))
+        self._request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(target)}})
+        self._request("POST", "/reset_prefix_cache")
+        self.barrier()
+
+    def probe_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
+        body = self._request("POST", "/v1/completions", {
+            "model": self.model, "prompt": list(token_ids), "max_tokens": 1, "temperature": self.temperature or 1.0,
+            "prompt_logprobs": 0,
+        })
+        steps = body["choices"][0]["prompt_logprobs"]
+        return torch.tensor([steps[i][str(token)]["logprob"] for i, token in enumerate(token_ids) if i > 0])
+
+    def sleep(self) -> None:
+        """The server's GPUs are not the trainer's: nothing to free."""
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.session.close()
+
+
+class _ServerTemperatureView:
+    def __init__(self, backend: VLLMServerBackend, temperature: float):
+        self.backend, self.temperature = backend, temperature
+
+    async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
+        return await self.backend._submit(prompt_ids, max_new_tokens, seed, self.temperature)

