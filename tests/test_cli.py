@@ -177,7 +177,11 @@ def test_shipped_recipes_plan_to_fit(recipe, capsys):
     out = capsys.readouterr().out
     assert out.rstrip().endswith("FITS") and "[LOOP]" in out and "tasks_per_iteration:" in out
     if recipe != "cpu-debug":
-        assert "8 GPUs x 80 GiB" in out and "vLLM reservation" in out and "rollouts_per_task: 6" in out
+        assert "8 GPUs x 80 GiB" in out and "rollouts_per_task: 6" in out
+    if recipe == "qwen2.5-7b-instruct":
+        assert "vLLM reservation" in out  # colocated
+    if recipe == "qwen2.5-32b-instruct":
+        assert "vLLM reservation" not in out and "vLLM server's own GPUs" in out
 
 
 @pytest.mark.parametrize(("flags", "knob"), [
@@ -186,13 +190,22 @@ def test_shipped_recipes_plan_to_fit(recipe, capsys):
      "train a LoRA adapter"),
     (["--config", "recipes/appworld/qwen2.5-7b-instruct.yaml", "--max_training_tokens", "131072",
       "--activation_checkpointing", "false"], "activation_checkpointing: true"),
-    (["--config", "recipes/appworld/qwen2.5-32b-instruct.yaml", "--vllm_tensor_parallel_size", "1"],
-     "raise vllm_tensor_parallel_size or vllm_gpu_memory_utilization"),
+    (["--config", "recipes/appworld/qwen2.5-32b-instruct.yaml", "--vllm_mode", "colocate",
+      "--vllm_gpu_memory_utilization", "0.5", "--vllm_enable_sleep_mode", "true"],
+     "generate on a vLLM server of its own (vllm_mode: server)"),
 ])
 def test_an_oversized_setting_is_refused_with_the_knob_to_turn(flags, knob, capsys):
     assert cli([*flags, "--dry-run"]) == 3
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and knob in out
+
+
+def test_a_tensor_parallel_colocated_engine_is_refused_with_the_alternative(capsys):
+    flags = ["--config", "recipes/appworld/qwen2.5-32b-instruct.yaml", "--vllm_mode", "colocate",
+             "--vllm_tensor_parallel_size", "4", "--dry-run"]
+    assert cli(flags) == 2
+    err = capsys.readouterr().err
+    assert "vllm_tensor_parallel_size must be 1 with vllm_mode: colocate" in err and "vllm_mode: server" in err
 
 
 def test_use_vllm_without_vllm_installed_says_how_to_install_it(tmp_path, capsys):

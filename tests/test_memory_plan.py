@@ -18,8 +18,9 @@ NODE = {"world_size": 8, "gpu_memory_gib": 80, "zero_stage": 3, "activation_chec
         "max_training_tokens": 32000, "per_device_train_batch_size": 1}
 LORA_7B = {"r": 8, "alpha": 16, "target_modules": "all-linear"}
 LORA_32B = {"r": 16, "alpha": 32, "target_modules": "all-linear"}
-# The 32B recipe's vLLM setting: 61 GiB of bf16 weights need TP >= 2; TP 4 at 0.5 holds 12 full-length
-# sequences per engine, and sleep mode frees the reservation during the update.
+# 32B bf16 weights (61 GiB) need TP >= 2; a TP-4 engine at 0.5 holds 12 full-length sequences and
+# sleep mode frees the reservation during the update (the planner's arithmetic; the trainer colocates
+# at TP 1 only, so the 32B recipe generates on a vLLM server).
 VLLM_32B = {"use_vllm": True, "vllm_tensor_parallel_size": 4, "vllm_gpu_memory_utilization": 0.5, "vllm_sleep_mode": True}
 
 
@@ -91,7 +92,7 @@ def test_32b_refuses_tp1_at_0_4(qwen32b):
     plan = plan_memory(qwen32b, lora=LORA_32B, use_vllm=True, vllm_tensor_parallel_size=1,
                        vllm_gpu_memory_utilization=0.4, **NODE)
     assert not plan.fits
-    assert any("vllm_tensor_parallel_size" in r and "exceed" in r for r in plan.reasons)
+    assert any("exceed" in r and "vllm_mode: server" in r for r in plan.reasons)
     # TP 2 at 0.4: the weights fit but not one 32k-token sequence
     plan = plan_memory(qwen32b, lora=LORA_32B, use_vllm=True, vllm_tensor_parallel_size=2,
                        vllm_gpu_memory_utilization=0.4, vllm_sleep_mode=True, **NODE)

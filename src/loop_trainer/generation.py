@@ -27,6 +27,12 @@ from .weight_sync import WeightSync, default_tolerance, probe_token_ids
 logger = logging.getLogger(__name__)
 
 
+COLOCATED_TP_ONLY = (
+    "vllm_tensor_parallel_size must be 1 with vllm_mode: colocate (every process runs its own engine on its own "
+    "episodes); for a model that needs tensor parallelism, generate on a vLLM server (vllm_mode: server)"
+)
+
+
 class VLLMNotInstalledError(ImportError):
     pass
 
@@ -90,10 +96,7 @@ class VLLMGenerationMixin:
             raise GeneratorConfigError(f"vllm_mode={args.vllm_mode!r}: use colocate or server")
         require_vllm()
         if args.vllm_tensor_parallel_size != 1:
-            raise GeneratorConfigError(
-                "vllm_tensor_parallel_size must be 1 in colocate mode: every process runs its own engine on its own "
-                "episodes (multi-turn turns differ per process, so tensor-parallel ranks could not share requests)"
-            )
+            raise GeneratorConfigError(COLOCATED_TP_ONLY)
         sleep = bool(args.vllm_enable_sleep_mode)
         if sleep and not sleep_mode_available():
             logger.warning("vllm_enable_sleep_mode: this platform has no vLLM sleep mode (CPU); the engine stays awake")

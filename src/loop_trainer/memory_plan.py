@@ -175,8 +175,10 @@ def plan_memory(shape: ModelShape, *, world_size: int = 1, gpu_memory_gib: float
                 max_training_tokens: int = 32000, per_device_train_batch_size: int = 1, use_vllm: bool = False,
                 vllm_gpu_memory_utilization: float = 0.3, vllm_tensor_parallel_size: int = 1,
                 vllm_sleep_mode: bool = False, generation_batch: int = 64, max_trajectory_tokens: int | None = None,
+                vllm_server: bool = False,
                 logprob_chunk_tokens: int = 4096, headroom_fraction: float = 0.1, _suggest: bool = True) -> MemoryPlan:
-    """The memory one GPU needs in the training phase (update) and the generation phase (rollouts)."""
+    """The memory one GPU needs in the training phase (update) and the generation phase (rollouts).
+    With ``vllm_server`` generation runs on a vLLM server's GPUs and only the training phase counts."""
     if world_size < 1 or zero_stage not in (0, 1, 2, 3) or not 0 < vllm_gpu_memory_utilization <= 1:
         raise ValueError("memory plan: need world_size >= 1, zero_stage in 0..3, 0 < vllm_gpu_memory_utilization <= 1")
     if use_vllm and world_size % vllm_tensor_parallel_size:
@@ -237,7 +239,9 @@ def plan_memory(shape: ModelShape, *, world_size: int = 1, gpu_memory_gib: float
     # --- generation ------------------------------------------------------------------------------
     kv_tokens = sequences = None
     vllm_weights_gib = kv_per_token = 0
-    if use_vllm:
+    if vllm_server:
+        pass
+    elif use_vllm:
         tp = vllm_tensor_parallel_size
         reserved = vllm_gpu_memory_utilization * gpu_memory_gib
         vllm_weights_gib = _gib(n * 2 / tp)
@@ -274,13 +278,15 @@ def plan_memory(shape: ModelShape, *, world_size: int = 1, gpu_memory_gib: float
         # utilization that holds the weights and one max_trajectory_tokens sequence, per TP size
         need = {tp: (_gib(n * 2 / tp + max_trajectory_tokens * shape.kv_bytes_per_token(tp))) / gpu_memory_gib
                 for tp in (1, 2, 4, 8, 16) if tp <= world_size and world_size % tp == 0}
-        options = ", ".join(f"TP {tp}: >= {u:.2f}" for tp, u in need.items() if u <= 1)
+        # Colocated engines run at TP 1 (each process samples its own episodes); a model whose
+        # weights need more than one GPU generates on a vLLM server of its own.
+        options = ", ".join(f"TP {tp}: >= {u:.2f}" for tp, u in need.items() if u <= 1 and tp == 1)
         if vllm_weights_gib >= reserved or sequences < 1:
             what = (f"vLLM weights {vllm_weights_gib:.1f} GiB (bf16 / TP {vllm_tensor_parallel_size}) exceed its reservation "
                     f"{reserved:.1f} GiB" if vllm_weights_gib >= reserved else
                     f"vLLM KV cache holds {kv_tokens} tokens, less than one {max_trajectory_tokens}-token sequence")
-            reasons.append(f"{what}: raise vllm_tensor_parallel_size or vllm_gpu_memory_utilization "
-                           f"({options or 'no TP size fits'}), or lower max_trajectory_tokens")
+            reasons.append(f"{what}: raise vllm_gpu_memory_utilization ({options or 'no utilization fits at TP 1'}), "
+                           "lower max_trajectory_tokens, or generate on a vLLM server of its own (vllm_mode: server)")
     if shape.max_position_embeddings and max_trajectory_tokens > shape.max_position_embeddings:
         notes.append(f"max_trajectory_tokens {max_trajectory_tokens} > the model's max_position_embeddings "
                      f"{shape.max_position_embeddings} (needs RoPE scaling, e.g. YaRN)")

@@ -15,6 +15,7 @@ from trl import ModelConfig
 
 from ..config import LOOPConfig
 from ..envs import available_environments
+from ..generation import COLOCATED_TP_ONLY
 from ..memory_plan import MemoryPlan, ModelShape, load_model_shape, plan_memory
 from ..recipe import RecipeError, ScriptArguments
 from ..tiny import is_tiny_spec, tiny_config
@@ -44,6 +45,10 @@ def plan_for(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCo
     if model_args.use_peft:
         lora = {"r": model_args.lora_r, "alpha": model_args.lora_alpha,
                 "target_modules": model_args.lora_target_modules or "all-linear", "dropout": model_args.lora_dropout}
+    # A vLLM server generates on GPUs of its own: only a colocated engine shares the trainer's.
+    colocated = args.use_vllm and args.vllm_mode == "colocate"
+    if colocated and args.vllm_tensor_parallel_size != 1:
+        raise RecipeError(COLOCATED_TP_ONLY)
     # Episodes a process runs at once bound the transformers backend's generation batch.
     episodes = -(-args.tasks_per_iteration * args.rollouts_per_task // world)
     try:
@@ -51,11 +56,11 @@ def plan_for(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCo
             model_shape(model_args), world_size=world, gpu_memory_gib=script_args.plan_gpu_memory_gib,
             lora=lora, bf16=model_args.dtype in (None, "auto", "bfloat16", "float16"),
             activation_checkpointing=bool(args.activation_checkpointing), max_training_tokens=args.max_training_tokens,
-            per_device_train_batch_size=args.per_device_train_batch_size, use_vllm=args.use_vllm,
+            per_device_train_batch_size=args.per_device_train_batch_size, use_vllm=colocated,
             vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
             vllm_tensor_parallel_size=args.vllm_tensor_parallel_size, vllm_sleep_mode=args.vllm_enable_sleep_mode,
             generation_batch=min(args.generation_batch_limit, args.max_concurrent_episodes, episodes),
-            max_trajectory_tokens=args.max_trajectory_tokens,
+            max_trajectory_tokens=args.max_trajectory_tokens, vllm_server=args.use_vllm and args.vllm_mode == "server",
         )
     except ValueError as error:
         raise RecipeError(str(error)) from None
@@ -90,5 +95,7 @@ def dry_run(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCon
     print(effective_configuration(script_args, args, model_args))
     print(f"\nMemory plan per GPU: {world} GPUs x {script_args.plan_gpu_memory_gib:g} GiB, ZeRO-3 "
           f"(estimates; see docs/recipes.md)")
+    if args.use_vllm and args.vllm_mode == "server":
+        plan.notes.append("generation runs on the vLLM server's own GPUs (vllm_mode: server), not planned here")
     print(plan.format())
     return 0 if plan.fits else EXIT_DOES_NOT_FIT
