@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -85,6 +86,29 @@ def test_sampled_log_probs_are_the_trainers_at_the_sampling_temperature(vault, l
     # Seeded requests repeat exactly, whatever else is batched with them.
     again = _collect(env, backend, tokenizer, list(env.tasks("train"))[:4], rollouts=3, seed=11)
     assert sorted(t.token_ids for t in again.trajectories) == sorted(t.token_ids for t in batch.trajectories)
+
+
+def test_a_cancelled_turn_is_aborted_in_the_engine(vault, llm):
+    """Early stopping cancels episodes mid-turn: their requests must leave the engine at once."""
+    _, _, tokenizer, _ = vault
+    backend = VLLMBackend(llm, stop_token_ids=[], temperature=1.0)
+
+    async def cancel_one_finish_one():
+        doomed = asyncio.ensure_future(backend.generate([1, 2, 3], 450, seed=1))
+        short = asyncio.ensure_future(backend.generate([4, 5, 6], 5, seed=2))
+        await asyncio.sleep(0.5)
+        doomed.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await doomed
+        return await short
+
+    assert len(asyncio.run(cancel_one_finish_one()).token_ids) == 5
+    for _ in range(100):  # the driver aborts it before its next engine step
+        if not llm.llm_engine.has_unfinished_requests():
+            break
+        time.sleep(0.05)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert backend.num_engine_steps < 300  # it did not run to 450 tokens
 
 
 class _FrozenGenerator:

@@ -131,6 +131,7 @@ class VLLMBackend:
             repetition_penalty=1.0,
             max_tokens=submission.max_new_tokens,
             stop_token_ids=self.stop_token_ids,
+            ignore_eos=True,  # replies end at our stop ids only, exactly as with the transformers backend
             logprobs=0,
             seed=submission.seed,
             detokenize=False,

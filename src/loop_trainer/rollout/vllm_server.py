@@ -118,6 +118,7 @@ class VLLMServerBackend:
             "seed": seed,
             "logprobs": 0,
             "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": True,  # replies end at our stop ids only
             "return_token_ids": True,
             "skip_special_tokens": False,
         }
