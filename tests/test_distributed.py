@@ -6,7 +6,8 @@ loss and gradient norm (the global, pre-clip norm that clipping uses) and the we
 update must agree. The cases cover per-device batches of 1 and 2 (gradient accumulation under
 ``no_sync``), two PPO epochs, minibatches that split unevenly over the ranks (3 = 2 + 1) or leave
 a rank with no trajectory at all (the zero stand-in), activation checkpointing (DDP without
-``find_unused_parameters``) and a decaying learning-rate schedule.
+``find_unused_parameters``), a decaying learning-rate schedule and a LoRA adapter. The same driver
+runs the DeepSpeed ZeRO-3 comparison (tests/vllm_deepspeed/test_zero3.py, in the DeepSpeed venv).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ CASES = {
     "checkpointed_linear": {
         "samples": 7, "minibatch_size": 3, "activation_checkpointing": True, "lr_scheduler_type": "linear",
     },
+    # A LoRA adapter (q/v projections) is what trains; the base weights must not move.
+    "lora": {"peft": True, "samples": 7, "minibatch_size": 3, "per_device_train_batch_size": 2},
 }
 MAX_GRAD_NORM = 1e-3  # the driver's default: every step below clips
 
@@ -113,4 +116,7 @@ def test_two_processes_match_one(runs, case):
     assert worst < 1e-5, worst
     for k in single_weights:
         torch.testing.assert_close(double_weights[k], single_weights[k], rtol=1e-4, atol=1e-5, msg=k)
+    if case == "lora":
+        assert single["num_trainable"] == double["num_trainable"] == 8  # lora_A/B of q, v in 2 layers
+        assert single["max_frozen_update"] == double["max_frozen_update"] == 0.0
     assert all(math.isfinite(v) for v in (single["loss"], double["loss"]))

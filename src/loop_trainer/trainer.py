@@ -227,6 +227,17 @@ class LOOPTrainer(CheckpointMixin, EvaluationMixin, PublishingMixin, StressTestM
                 f"{self.accelerator.num_processes} processes but no distributed backend: launch with "
                 "`accelerate launch` (or create PartialState(cpu=True, backend='gloo') on CPU) so gradients are shared"
             )
+        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        if launched > self.accelerator.num_processes:
+            # On a machine without GPUs accelerate 1.15 sets up no process group for `accelerate
+            # launch`/torchrun: every process would train alone on its share of the data.
+            raise RuntimeError(
+                f"{launched} processes were launched (WORLD_SIZE) but accelerate sees "
+                f"{self.accelerator.num_processes}: "
+                "on CPU create PartialState(backend='gloo') (DeepSpeed, with ACCELERATE_USE_DEEPSPEED=true) or "
+                "PartialState(cpu=True, backend='gloo') (DDP) before the LOOPConfig, and pass "
+                "accelerator_config={'use_configured_state': True}"
+            )
         self.env.prepare()
         self._init_training_state(args.iterations, args.iterations, 1, resume_from_checkpoint, trial)
         self._enable_activation_checkpointing()
@@ -379,6 +390,26 @@ class LOOPTrainer(CheckpointMixin, EvaluationMixin, PublishingMixin, StressTestM
         """This process's trajectories of a minibatch (round-robin over processes)."""
         return minibatch[self.accelerator.process_index :: self.accelerator.num_processes]
 
+    def _deepspeed_engine(self) -> Any | None:
+        """The DeepSpeed engine accelerate wrapped the model in (None without DeepSpeed).
+
+        Under DeepSpeed every forward and backward is collective (ZeRO-3 gathers each layer's
+        parameters and reduce-scatters its gradients), so processes must run the same number of
+        passes; and the update drives the engine itself (see :meth:`_minibatch_step`)."""
+        wrapper = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
+        return None if wrapper is None else wrapper.engine
+
+    def _discard_gradients(self) -> None:
+        """Drop the accumulated gradients of a minibatch whose optimizer step is skipped."""
+        engine = self._deepspeed_engine()
+        if engine is None:
+            self.optimizer.zero_grad()
+        else:
+            # accelerate's DeepSpeed optimizer wrapper ignores zero_grad(). ZeRO's own zero_grad
+            # also restarts accumulation: with ZeRO-3 the next backward overwrites the reduced
+            # gradient partitions (micro_step_id 0) instead of adding to them.
+            engine.optimizer.zero_grad()
+
     @torch.no_grad()
     def compute_old_logprobs(
         self, samples: list[TrainingSample], indices: list[int] | None = None, counted: set[int] | None = None
@@ -397,11 +428,20 @@ class LOOPTrainer(CheckpointMixin, EvaluationMixin, PublishingMixin, StressTestM
         model.eval()
         old: dict[int, torch.Tensor] = {}
         abs_diff_sum, abs_diff_max, count = 0.0, 0.0, 0
+        work = list(chunks(indices, self.args.per_device_train_batch_size))
+        real = len(work)
+        if self._deepspeed_engine() is not None and self.accelerator.num_processes > 1:
+            # Forward passes are collective under DeepSpeed: pad to the busiest process's count
+            # with passes whose results are dropped.
+            most = int(self.accelerator.gather(torch.tensor([real], device=self.accelerator.device)).max())
+            work += [[indices[0] if indices else 0]] * (most - real)
         try:
-            for chunk in chunks(indices, self.args.per_device_train_batch_size):
+            for k, chunk in enumerate(work):
                 batch = collate([samples[i] for i in chunk], self.tokenizer.pad_token_id).to(self.accelerator.device)
                 with self.accelerator.autocast():
                     logprobs = token_logprobs(model, batch).float()
+                if k >= real:
+                    continue
                 rows = torch.tensor([i in counted for i in chunk], device=logprobs.device)[:, None]
                 diff = (logprobs - batch.sampler_logprobs)[batch.loss_mask.bool() & rows].abs()
                 if diff.numel():
@@ -425,22 +465,32 @@ class LOOPTrainer(CheckpointMixin, EvaluationMixin, PublishingMixin, StressTestM
         self, samples: list[TrainingSample], old_logprobs: dict[int, torch.Tensor], minibatch: list[int]
     ) -> dict[str, float] | None:
         """Accumulate the loss of one minibatch (this process's share), then one optimizer step.
-        Returns None if the loss was not finite (the step is skipped)."""
+        Returns None if the loss or the gradient norm was not finite (the step is skipped).
+
+        Under DeepSpeed the engine is driven directly rather than through ``accelerator.backward``,
+        which would take the optimizer step inside the last micro-batch's backward, before the
+        loss and KL checks: every micro-batch's backward accumulates (the last one marks the
+        accumulation boundary, where ZeRO finishes reducing), then, only if the step is kept,
+        ``engine.step()`` computes the global pre-clip gradient norm, clips to
+        ``gradient_clipping`` (= ``max_grad_norm``), updates and clears the gradients."""
         args, accelerator, model = self.args, self.accelerator, self.model_wrapped
         world = accelerator.num_processes
-        mine = self._share(minibatch)
+        engine = self._deepspeed_engine()
+        size = args.per_device_train_batch_size
         # A process with no trajectory in this minibatch still runs a forward/backward (of a
         # zero-advantage stand-in: zero loss, zero gradient) so gradient collectives stay matched.
-        stand_in = not mine
-        mine = mine or minibatch[:1]
+        # Under DeepSpeed every pass is collective: each process runs as many micro-batches as
+        # process 0, which has the largest share, padding with stand-ins.
+        micro_batches = [(indices, False) for indices in chunks(self._share(minibatch), size)]
+        needed = math.ceil(math.ceil(len(minibatch) / world) / size) if engine is not None else 1
+        micro_batches += [(minibatch[:1], True)] * (needed - len(micro_batches))
         # Each process divides by minibatch_size / world so that averaging gradients across
         # processes yields sum(trajectory losses) / minibatch_size, the paper's constant divisor.
         divisor = args.minibatch_size / world
         model.train()
         totals = dict.fromkeys(("loss", "clip", "kl", "ratio", "tokens"), 0.0)
         ratio_min, ratio_max = math.inf, -math.inf
-        micro_batches = list(chunks(mine, args.per_device_train_batch_size))
-        for i, indices in enumerate(micro_batches):
+        for i, (indices, stand_in) in enumerate(micro_batches):
             batch = collate([samples[j] for j in indices], self.tokenizer.pad_token_id).to(accelerator.device)
             old = torch.zeros_like(batch.sampler_logprobs)
             for row, j in enumerate(indices):
@@ -450,14 +500,23 @@ class LOOPTrainer(CheckpointMixin, EvaluationMixin, PublishingMixin, StressTestM
                 batch.advantages.zero_()
                 batch.loss_mask.zero_()
             last = i == len(micro_batches) - 1
-            sync = contextlib.nullcontext() if last or world == 1 else accelerator.no_sync(model)
+            if engine is not None:
+                engine.set_gradient_accumulation_boundary(last)
+                sync = contextlib.nullcontext()
+            else:
+                sync = contextlib.nullcontext() if last or world == 1 else accelerator.no_sync(model)
             with sync:
                 with accelerator.autocast():
                     logprobs = token_logprobs(model, batch)
                 out = loop_policy_loss(
                     logprobs, old, batch.advantages, batch.loss_mask, epsilon=args.epsilon, divisor=divisor
                 )
-                accelerator.backward(out.loss)
+                if engine is not None:
+                    # scale_wrt_gas=False: the divisor already makes the accumulated gradient the
+                    # minibatch's; DeepSpeed must not divide again by its gradient_accumulation_steps.
+                    engine.backward(out.loss, scale_wrt_gas=False)
+                else:
+                    accelerator.backward(out.loss)
             n = float(out.num_tokens)
             totals["loss"] += float(out.loss.detach())
             totals["clip"] += float(out.clip_frac) * n
@@ -484,18 +543,27 @@ class LOOPTrainer(CheckpointMixin, EvaluationMixin, PublishingMixin, StressTestM
             "stepped": False,
         }
         if not math.isfinite(step["loss"]):
-            self.optimizer.zero_grad()
+            self._discard_gradients()
             logger.warning("iteration %d: non-finite loss, optimizer step skipped", self.state.global_step + 1)
             return None
         if abs(step["kl"]) > args.kl_abort_threshold:
-            self.optimizer.zero_grad()
+            self._discard_gradients()
             return step
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        if engine is not None:
+            # ZeRO computes the norm over all partitions before clipping. A non-finite norm
+            # (or an fp16 overflow) makes it skip the update and clear the gradients itself.
+            engine.step()
+            grad_norm, applied = engine.get_global_grad_norm(), engine.was_step_applied()
+        else:
+            grad_norm, applied = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm), True
         step["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-        if not math.isfinite(step["grad_norm"]):
-            self.optimizer.zero_grad()
+        if not math.isfinite(step["grad_norm"]) or not applied:
+            self._discard_gradients()
             logger.warning("iteration %d: non-finite gradient norm, optimizer step skipped", self.state.global_step + 1)
             return None
+        # Under DeepSpeed accelerate's optimizer wrapper ignores step() and zero_grad() (the engine
+        # did both), as its scheduler wrapper does when the scheduler is DeepSpeed's own (from the
+        # DeepSpeed config; the engine stepped it). The Trainer's scheduler is stepped here.
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad()

@@ -1,0 +1,186 @@
+"""A LOOP update on 2 DeepSpeed ZeRO-3 processes equals the update on 1 plain process.
+
+tests/ddp_driver.py runs ``LOOPTrainer.update_policy`` on fixed trajectories once on one process
+without DeepSpeed and once under ``accelerate launch --config_file recipes/accelerate/zero3.yaml
+--num_processes 2 --mixed_precision no`` (the recipe's own accelerate config, fp32 on CPU, gloo).
+Each optimizer step's loss and gradient norm (the global pre-clip norm), the metrics and the weights
+after the update must agree to fp32 precision, and the two ranks must really hold half of the
+parameters each. The cases cover full fine-tuning and LoRA, per-device batches of 1 (two
+micro-batches accumulated into one ZeRO step) and 2, minibatches that split unevenly (3 = 2 + 1:
+the rank with less work runs zero stand-ins so every collective forward/backward is matched) or
+leave a rank without a trajectory, activation checkpointing, a decaying learning rate, and the skip
+rules: a minibatch with a non-finite loss and one over the KL threshold change no weight, and their
+gradients do not leak into the next step. (Before the update drove the DeepSpeed engine itself,
+accelerate's backward took a ZeRO step per micro-batch, ``batch1`` made 4 steps instead of 2, and
+the uneven cases hung on unmatched collectives.)
+
+The first run on a machine JIT-compiles DeepSpeed's CPU communication op (~85 s; cached in
+``$LOOP_CACHE_DIR/torch-extensions``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = ROOT / "tests" / "ddp_driver.py"
+ZERO3_CONFIG = ROOT / "recipes" / "accelerate" / "zero3.yaml"
+TIMEOUT = 300  # ~40 s warm; the first run also compiles (~85 s)
+MAX_GRAD_NORM = 1e-3  # the driver's default: every step below clips
+KL_ABORT = 0.01  # above the KL of a minibatch before any update (0), below the KL after one (~0.03)
+
+CASES = {
+    # 8 trajectories, minibatches of 4 -> 2 steps; each rank 2 micro-batches of 1 per step.
+    "batch1": {},
+    # Per-device batches of 2, 2 epochs -> 4 steps.
+    "batch2_epochs2": {"per_device_train_batch_size": 2, "ppo_epochs": 2},
+    # 7 trajectories, minibatches of 3 -> 3, 3, 1 per epoch: shares 2+1 (rank 1 pads with a
+    # stand-in micro-batch), then 1+0 (rank 1 only stands in); old log-probs of 6 vs 3 trajectories
+    # (rank 1 pads with dropped forwards); activation checkpointing; a linear schedule.
+    "uneven_and_empty": {"samples": 7, "minibatch_size": 3, "ppo_epochs": 2, "activation_checkpointing": True,
+                         "lr_scheduler_type": "linear"},
+    # LoRA on q/v: only the adapter trains; uneven split with per-device batches of 2; checkpointing.
+    "lora": {"peft": True, "samples": 7, "minibatch_size": 3, "per_device_train_batch_size": 2,
+             "activation_checkpointing": True},
+    # Sample 0 has a NaN advantage: the first minibatch ([4, 0, 7, 3]) is skipped, the second steps
+    # (from unchanged weights: KL 0), the third is over the KL threshold: skipped, update aborted.
+    "skips": {"nan_advantage": 0, "ppo_epochs": 2, "kl_abort_threshold": KL_ABORT},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(output_dir: Path, zero3: bool) -> dict[str, tuple[dict, dict[str, torch.Tensor]]]:
+    cache = Path(os.environ.get("LOOP_CACHE_DIR", Path.home() / ".cache" / "loop_trainer"))
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "offline",
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache / "torch-extensions")),
+    }
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED"):
+        env.pop(name, None)
+    if zero3:
+        launcher = [
+            sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO3_CONFIG),
+            "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(_free_port()),
+        ]
+    else:
+        launcher = [sys.executable]
+    command = [*launcher, str(DRIVER), str(output_dir), json.dumps(CASES)]
+    label = "ZeRO-3 on 2 processes" if zero3 else "1 process"
+    # Its own session, so that a hang (e.g. unmatched collectives) ends with all its processes.
+    process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{label} did not finish in {TIMEOUT} s:\n{stdout[-4000:]}\n{stderr[-8000:]}")
+    assert process.returncode == 0, f"{label} failed:\n{stdout[-4000:]}\n{stderr[-8000:]}"
+    outputs = {}
+    for name in CASES:
+        metrics = json.loads((output_dir / name / "result.json").read_text())
+        weights = torch.load(output_dir / name / "weights.pt", weights_only=True)
+        outputs[name] = (metrics, weights)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return {
+        "single": _run(tmp_path_factory.mktemp("single"), zero3=False),
+        "zero3": _run(tmp_path_factory.mktemp("zero3"), zero3=True),
+    }
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_zero3_on_two_processes_matches_one_process(runs, case):
+    single, single_weights = runs["single"][case]
+    double, double_weights = runs["zero3"][case]
+    assert single["world_size"] == 1 and double["world_size"] == 2
+    assert single["deepspeed"] == {}
+    assert double["ranks_agree"], "the two ranks ended with different weights"
+
+    # ZeRO-3 really partitions: every parameter is split, each rank holds half of the elements and
+    # none outside a gather. DeepSpeed got max_grad_norm as its clip and accumulates nothing itself.
+    for rank, facts in enumerate(double["deepspeed"]["ranks"]):
+        assert facts["zero_stage"] == 3, (rank, facts)
+        assert facts["num_partitioned"] == facts["num_params"] > 0, (rank, facts)
+        assert facts["local_numel"] * 2 == pytest.approx(facts["full_numel"], rel=1e-3), (rank, facts)
+        assert facts["visible_numel"] == facts["visible_numel_after"] == 0, (rank, facts)
+        assert facts["gradient_clipping"] == MAX_GRAD_NORM, (rank, facts)
+        assert facts["gradient_accumulation_steps"] == 1, (rank, facts)
+
+    # The same schedule, step by step: the same skips, loss and global pre-clip gradient norm.
+    assert len(single["steps"]) == len(double["steps"]) >= 2
+    for key in ("optimizer_steps", "skipped_nonfinite_steps", "aborted_on_kl"):
+        assert double[key] == single[key], key
+    for k, (one, two) in enumerate(zip(single["steps"], double["steps"], strict=True)):
+        assert (one is None) == (two is None), (k, one, two)
+        if one is None:
+            continue
+        assert one["stepped"] == two["stepped"], (k, one, two)
+        assert one["num_tokens"] == two["num_tokens"], k
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-6), (k, one, two)
+        assert two["kl"] == pytest.approx(one["kl"], rel=1e-4, abs=1e-6), (k, one, two)
+        if one["stepped"]:
+            assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5), (k, one, two)
+            assert one["grad_norm"] > 10 * MAX_GRAD_NORM, (k, one)
+        else:
+            assert math.isnan(one["grad_norm"]) and math.isnan(two["grad_norm"])
+    for key in ("loss", "grad_norm", "kl", "clip_frac", "ratio_mean", "ratio_min", "ratio_max",
+                "sampler_logprob_diff", "sampler_logprob_diff_max"):
+        assert double[key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
+    assert double["learning_rate_after"] == pytest.approx(single["learning_rate_after"], rel=1e-6)
+
+    # The same weights after the update: as a whole to ~1e-6 of the update, element by element to
+    # 5e-6 (the update moves elements by ~1e-2). A few elements differ by ~1e-6: those whose
+    # gradient is rounding noise (~1e-12, summed in another order on 2 ranks) still move by
+    # Adam's lr * g / (|g| + eps).
+    assert single_weights.keys() == double_weights.keys()
+    assert min(single["max_update"], double["max_update"]) > 1e-3
+    difference = math.sqrt(sum(float(((single_weights[k] - double_weights[k]).double() ** 2).sum())
+                               for k in single_weights))
+    assert difference < 1e-5 * single["update_norm"], (difference, single["update_norm"])
+    assert double["update_norm"] == pytest.approx(single["update_norm"], rel=1e-5)
+    for k in single_weights:
+        torch.testing.assert_close(double_weights[k], single_weights[k], rtol=1e-5, atol=5e-6, msg=k)
+
+    # What each case is about.
+    if case == "uneven_and_empty":
+        shares = double["shares"]
+        assert 0 in shares[1] and any(a != b for a, b in zip(*shares, strict=True))
+        assert single["learning_rate_after"] < 1e-2  # the linear schedule moved
+    if case == "lora":
+        assert single["num_trainable"] == double["num_trainable"] == 8  # lora_A/B of q, v in 2 layers
+        assert single["max_frozen_update"] == double["max_frozen_update"] == 0.0
+    else:
+        assert double["num_trainable"] == len(double_weights)
+    if case == "skips":
+        for run in (single, double):
+            steps = run["steps"]
+            assert steps[0] is None and steps[1]["stepped"] and not steps[2]["stepped"], steps
+            assert len(steps) == 3 and steps[2]["kl"] > KL_ABORT > abs(steps[1]["kl"]), steps
+            assert run["optimizer_steps"] == run["skipped_nonfinite_steps"] == run["aborted_on_kl"] == 1
+    else:
+        assert all(s is not None and s["stepped"] for s in single["steps"])
