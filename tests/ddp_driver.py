@@ -75,6 +75,7 @@ CASE_DEFAULTS = {
     "kl_abort_threshold": 1e9,
     "peft": False,  # a LoRA adapter (r 4 on q/v projections) is what gets trained
     "nan_advantage": None,  # index of a sample whose advantage is NaN: its minibatches are skipped
+    "stress_test": False,  # run the start-up memory stress test first: it must not change any weight
 }
 DEEPSPEED = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
@@ -135,6 +136,7 @@ def run_case(name: str, case: dict, output_dir: Path, state: PartialState, expec
         lr_scheduler_type=case["lr_scheduler_type"],
         activation_checkpointing=case["activation_checkpointing"],
         kl_abort_threshold=case["kl_abort_threshold"],
+        max_trajectory_tokens=256,  # bounds the stress test's synthetic trajectory (samples are <= 60)
         bf16=False,
         seed=0,
         report_to=[],
@@ -157,6 +159,8 @@ def run_case(name: str, case: dict, output_dir: Path, state: PartialState, expec
         assert trainer.accelerator.distributed_type == DistributedType.MULTI_CPU, trainer.accelerator.state
         assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel), type(wrapped)
 
+    if case["stress_test"]:
+        trainer.run_memory_stress_test()
     # Record every optimizer step (loss, pre-clip gradient norm) and this rank's share of each minibatch.
     steps, shares = [], []
     minibatch_step = trainer._minibatch_step

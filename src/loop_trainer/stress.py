@@ -59,7 +59,14 @@ class StressTestMixin:
                 logprobs = token_logprobs(model, batch)
             out = loop_policy_loss(logprobs, logprobs.detach(), batch.advantages, batch.loss_mask,
                                    epsilon=args.epsilon, divisor=args.minibatch_size)
-            accelerator.backward(out.loss)
+            engine = self._deepspeed_engine()
+            if engine is None:
+                accelerator.backward(out.loss)
+            else:
+                # accelerator.backward would also step DeepSpeed's optimizer: a real update on
+                # this synthetic sample. Backward only, outside an accumulation boundary.
+                engine.set_gradient_accumulation_boundary(False)
+                engine.backward(out.loss, scale_wrt_gas=False)
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
@@ -67,7 +74,7 @@ class StressTestMixin:
                 advice(args.max_training_tokens, len(samples), str(accelerator.device), error)
             ) from None
         finally:
-            self.optimizer.zero_grad(set_to_none=True)
+            self._discard_gradients()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         seconds = time.perf_counter() - started

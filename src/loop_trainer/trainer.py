@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import DistributedType, gather_object
+from accelerate.utils import gather_object
 from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -39,6 +39,7 @@ from .chat import ChatFormatter
 from .config import LOOPConfig
 from .envs.base import Environment
 from .checkpoint import CheckpointMixin
+from .distributed import DistributedMixin
 from .evaluation import EvaluationMixin
 from .generation import VLLMGenerationMixin, require_vllm
 from .hub import LOOP_CITATION
@@ -74,7 +75,7 @@ def environment_reward(*_: Any, **__: Any) -> list[float]:
 
 
 class LOOPTrainer(CheckpointMixin, EvaluationMixin, PublishingMixin, StressTestMixin, RolloutOutputsMixin,
-                  VLLMGenerationMixin, GRPOTrainer):
+                  VLLMGenerationMixin, DistributedMixin, GRPOTrainer):
     """Trains a policy with LOOP on an :class:`~loop_trainer.envs.Environment`.
 
     Args:
@@ -150,6 +151,7 @@ class LOOPTrainer(CheckpointMixin, EvaluationMixin, PublishingMixin, StressTestM
         elif use_vllm:
             self.generation_backend = self._build_vllm_backend()
         else:
+            self.check_generation_under_zero3(samples_with_training_model=True)
             self.generation_backend = TransformersBackend(
                 self.model,
                 stop_token_ids=self.eos_token_ids,
@@ -221,23 +223,7 @@ class LOOPTrainer(CheckpointMixin, EvaluationMixin, PublishingMixin, StressTestM
         rollouts = args.tasks_per_iteration * args.rollouts_per_task
         # The scheduler needs a step count; the real one depends on how many rollouts are kept.
         max_optimizer_steps = args.iterations * args.ppo_epochs * math.ceil(rollouts / args.minibatch_size)
-        if self.accelerator.num_processes > 1 and self.accelerator.distributed_type == DistributedType.NO:
-            # Several processes but no DDP/DeepSpeed wrapping: gradients would never be averaged.
-            raise RuntimeError(
-                f"{self.accelerator.num_processes} processes but no distributed backend: launch with "
-                "`accelerate launch` (or create PartialState(cpu=True, backend='gloo') on CPU) so gradients are shared"
-            )
-        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        if launched > self.accelerator.num_processes:
-            # On a machine without GPUs accelerate 1.15 sets up no process group for `accelerate
-            # launch`/torchrun: every process would train alone on its share of the data.
-            raise RuntimeError(
-                f"{launched} processes were launched (WORLD_SIZE) but accelerate sees "
-                f"{self.accelerator.num_processes}: "
-                "on CPU create PartialState(backend='gloo') (DeepSpeed, with ACCELERATE_USE_DEEPSPEED=true) or "
-                "PartialState(cpu=True, backend='gloo') (DDP) before the LOOPConfig, and pass "
-                "accelerator_config={'use_configured_state': True}"
-            )
+        self.check_distributed_launch()
         self.env.prepare()
         self._init_training_state(args.iterations, args.iterations, 1, resume_from_checkpoint, trial)
         self._enable_activation_checkpointing()
@@ -389,26 +375,6 @@ class LOOPTrainer(CheckpointMixin, EvaluationMixin, PublishingMixin, StressTestM
     def _share(self, minibatch: list[int]) -> list[int]:
         """This process's trajectories of a minibatch (round-robin over processes)."""
         return minibatch[self.accelerator.process_index :: self.accelerator.num_processes]
-
-    def _deepspeed_engine(self) -> Any | None:
-        """The DeepSpeed engine accelerate wrapped the model in (None without DeepSpeed).
-
-        Under DeepSpeed every forward and backward is collective (ZeRO-3 gathers each layer's
-        parameters and reduce-scatters its gradients), so processes must run the same number of
-        passes; and the update drives the engine itself (see :meth:`_minibatch_step`)."""
-        wrapper = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
-        return None if wrapper is None else wrapper.engine
-
-    def _discard_gradients(self) -> None:
-        """Drop the accumulated gradients of a minibatch whose optimizer step is skipped."""
-        engine = self._deepspeed_engine()
-        if engine is None:
-            self.optimizer.zero_grad()
-        else:
-            # accelerate's DeepSpeed optimizer wrapper ignores zero_grad(). ZeRO's own zero_grad
-            # also restarts accumulation: with ZeRO-3 the next backward overwrites the reduced
-            # gradient partitions (micro_step_id 0) instead of adding to them.
-            engine.optimizer.zero_grad()
 
     @torch.no_grad()
     def compute_old_logprobs(

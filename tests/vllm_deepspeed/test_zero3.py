@@ -57,6 +57,8 @@ CASES = {
     # Sample 0 has a NaN advantage: the first minibatch ([4, 0, 7, 3]) is skipped, the second steps
     # (from unchanged weights: KL 0), the third is over the KL threshold: skipped, update aborted.
     "skips": {"nan_advantage": 0, "ppo_epochs": 2, "kl_abort_threshold": KL_ABORT},
+    # The start-up memory stress test's backward must not become a DeepSpeed optimizer step.
+    "stress_test_first": {"stress_test": True},
 }
 
 

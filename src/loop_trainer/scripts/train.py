@@ -24,6 +24,7 @@ from ..recipe import RecipeError, ScriptArguments, make_parser, parse_recipe
 from ..tiny import build_tiny_from_spec, is_tiny_spec, load_tokenizer
 from ..rollout import RolloutFailureBudgetExceeded
 from ..stress import MemoryStressTestFailed
+from ..distributed import DistributedSetupError
 from ..generation import GeneratorConfigError, VLLMNotInstalledError
 from ..weight_sync import WeightSyncError
 from ..trainer import LOOPTrainer
@@ -75,13 +76,13 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
             processing_class=tokenizer,
             peft_config=get_peft_config(model_args),
         )
-    except (VLLMNotInstalledError, GeneratorConfigError, WeightSyncError) as error:
+    except (VLLMNotInstalledError, GeneratorConfigError, WeightSyncError, DistributedSetupError) as error:
         env.close()
         raise RecipeError(str(error)) from None
     trainer.recipe_path = getattr(script_args, "effective_recipe", None)
     try:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    except (EnvironmentSetupError, CheckpointError, WeightSyncError) as error:
+    except (EnvironmentSetupError, CheckpointError, WeightSyncError, DistributedSetupError) as error:
         env.close()
         raise RecipeError(str(error)) from None
     trainer.save_model(training_args.output_dir, _internal_call=True)  # the push is the next line's
