@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import pytest
@@ -142,14 +143,13 @@ def _perturbed(model, seed):
                 param.add_(torch.randn(param.shape, generator=generator) * 0.05)
 
 
-def test_full_weights_sync_layer_by_layer_including_the_tied_lm_head(vault, tmp_path):
+def test_full_weights_sync_layer_by_layer_including_the_tied_lm_head(vault, llm, tmp_path):
     env, model, tokenizer, path = vault
     assert model.config.tie_word_embeddings
     trained = type(model)(model.config)
     trained.load_state_dict(model.state_dict())
     trained.float().eval()
-    engine = build_colocated_llm(path, dtype="float32", max_model_len=512, max_num_seqs=4, gpu_memory_utilization=0.5)
-    backend = VLLMBackend(engine, stop_token_ids=[tokenizer.eos_token_id])
+    backend = VLLMBackend(llm, stop_token_ids=[tokenizer.eos_token_id])
     probe = probe_token_ids(len(tokenizer), 48)
     sync = WeightSync(trained, backend, lambda ids: _trainer_logprobs(trained, ids), probe, tolerance=1e-3,
                       workdir=str(tmp_path))
@@ -170,6 +170,10 @@ def test_full_weights_sync_layer_by_layer_including_the_tied_lm_head(vault, tmp_
         trained.get_input_embeddings().weight.mul_(1.5)
     assert sync.compare()[0] > 1e-2
     assert sync(2).logprob_diff_max <= 1e-3
+    # Back to the saved weights: the module's engine serves the next tests.
+    restore = WeightSync(model, backend, lambda ids: _trainer_logprobs(model, ids), probe, tolerance=1e-3,
+                         workdir=str(tmp_path / "restore"))
+    assert restore(3).logprob_diff_max <= 1e-3
 
 
 def test_lora_adapter_hot_swap_matches_the_peft_model(vault, llm, tmp_path):
@@ -208,6 +212,8 @@ def _run_config(tmp_path, **overrides):
     return LOOPConfig(**base)
 
 
+# Last in this module: each run builds an engine of its own, and destroying an in-process vLLM
+# engine tears down vLLM's process-group globals that an older engine (the module's) still uses.
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_two_iteration_loop_run_on_vllm(vault, tmp_path, lora):
     env, model, tokenizer, path = vault
@@ -234,3 +240,5 @@ def test_two_iteration_loop_run_on_vllm(vault, tmp_path, lora):
     # iteration, not once per turn. LoRA keeps the base weights (level 1); full FT reloads them (2).
     level = 1 if lora else 2
     assert calls == [("sleep", level), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",)), ("sleep", level)]
+    del trainer, backend
+    gc.collect()  # release this engine now, not in the middle of the next test's
