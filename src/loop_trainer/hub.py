@@ -269,8 +269,9 @@ def write_model_card(
     hyperparameters = [(name, _format(getattr(args, name, default))) for name, default in HYPERPARAMETERS]
     lora_rows = [(name, _format(lora[name])) for name in LORA_FIELDS if lora and lora.get(name) not in (None, False)]
     rank = int(lora.get("r") or 16) if lora else 16
-    # vLLM's --max-lora-rank takes one of a few sizes; the smallest that fits the adapter.
-    lora_rank_for_vllm = next((size for size in (8, 16, 32, 64, 128, 256, 320, 512) if size >= rank), rank)
+    from .rollout.vllm_backend import vllm_lora_rank  # here: keeps this module's import light
+
+    lora_rank_for_vllm = vllm_lora_rank(rank)
 
     eval_context = None
     if eval_metrics and eval_metrics.get("tgc") is not None:

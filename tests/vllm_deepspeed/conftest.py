@@ -29,7 +29,7 @@ except ImportError as error:  # pragma: no cover - the environment is wrong, not
     ) from error
 
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(scope="session")

@@ -18,14 +18,13 @@ import time
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from vllm_helpers import collect, logprobs_of  # tests/vllm_deepspeed
 
 from loop_trainer import LOOPConfig, LOOPTrainer
-from loop_trainer.chat import ChatFormatter
-from loop_trainer.rollout import EpisodeLimits, RolloutEngine, TransformersBackend
+from loop_trainer.rollout import TransformersBackend
 from loop_trainer.rollout.vllm_backend import VLLMBackend, build_colocated_llm
 from loop_trainer.weight_sync import WeightSync, WeightSyncError, probe_token_ids
 
-LIMITS = EpisodeLimits(max_turns=4, max_new_tokens_per_turn=12, max_trajectory_tokens=400)
 LORA = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                        "up_proj", "down_proj"], lora_dropout=0.0)
 
@@ -37,28 +36,18 @@ def llm(vault):
                                gpu_memory_utilization=0.5, lora_rank=8)
 
 
-def _collect(env, backend, tokenizer, tasks, rollouts=2, seed=7):
-    engine = RolloutEngine(env, backend, ChatFormatter(tokenizer), LIMITS, env_timeout=10.0,
-                           max_concurrent_episodes=16, show_progress=False)
-    return engine.collect(tasks, rollouts, seed=seed)
-
-
-def _trainer_logprobs(model, token_ids):
-    with torch.no_grad():
-        logits = model(torch.tensor([token_ids])).logits.float()
-    return logits.log_softmax(-1)[0, :-1].gather(1, torch.tensor(token_ids[1:])[:, None]).squeeze(1)
 
 
 def test_multi_turn_episodes_are_token_exact_with_the_transformers_backend(vault, llm):
     env, model, tokenizer, _ = vault
     tasks = list(env.tasks("train"))[:6]
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
-    hf = _collect(env, TransformersBackend(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id,
+    hf = collect(env, TransformersBackend(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id,
                                            temperature=0.0), tokenizer, tasks)
     backend = VLLMBackend(llm, stop_token_ids=stop, temperature=0.0)
-    ours = _collect(env, backend, tokenizer, tasks)
+    ours = collect(env, backend, tokenizer, tasks)
     assert not hf.failed and not ours.failed
-    key = lambda t: (t.task_id, t.rollout)  # noqa: E731
+    key = lambda t: (t.task_id, t.rollout)
     pairs = list(zip(sorted(hf.trajectories, key=key), sorted(ours.trajectories, key=key), strict=True))
     assert len(pairs) == 12 and sum(len(t.messages) for _, t in pairs) > 12 * 3  # really multi-turn
     for expected, got in pairs:
@@ -75,17 +64,17 @@ def test_sampled_log_probs_are_the_trainers_at_the_sampling_temperature(vault, l
     env, model, tokenizer, _ = vault
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
     backend = VLLMBackend(llm, stop_token_ids=stop, temperature=1.0)
-    batch = _collect(env, backend, tokenizer, list(env.tasks("train"))[:4], rollouts=3, seed=11)
+    batch = collect(env, backend, tokenizer, list(env.tasks("train"))[:4], rollouts=3, seed=11)
     assert len(batch.trajectories) == 12
     for trajectory in batch.trajectories:
         ids = trajectory.token_ids
-        expected = _trainer_logprobs(model, ids)
+        expected = logprobs_of(model, ids)
         mask = torch.tensor(trajectory.loss_mask[1:], dtype=torch.bool)
         sampled = torch.tensor(trajectory.sampler_logprobs[1:])[mask]
         assert mask.any()
         torch.testing.assert_close(sampled, expected[mask], atol=1e-3, rtol=0)
     # Seeded requests repeat exactly, whatever else is batched with them.
-    again = _collect(env, backend, tokenizer, list(env.tasks("train"))[:4], rollouts=3, seed=11)
+    again = collect(env, backend, tokenizer, list(env.tasks("train"))[:4], rollouts=3, seed=11)
     assert sorted(t.token_ids for t in again.trajectories) == sorted(t.token_ids for t in batch.trajectories)
 
 
@@ -151,14 +140,14 @@ def test_full_weights_sync_layer_by_layer_including_the_tied_lm_head(vault, llm,
     trained.float().eval()
     backend = VLLMBackend(llm, stop_token_ids=[tokenizer.eos_token_id])
     probe = probe_token_ids(len(tokenizer), 48)
-    sync = WeightSync(trained, backend, lambda ids: _trainer_logprobs(trained, ids), probe, tolerance=1e-3,
+    sync = WeightSync(trained, backend, lambda ids: logprobs_of(trained, ids), probe, tolerance=1e-3,
                       workdir=str(tmp_path))
     assert sync.compare()[0] < 1e-4  # same weights to start with
 
     _perturbed(trained, seed=1)
     before = sync.compare()[0]
     assert before > 1e-2  # the check can fail: stale weights are visible
-    stale = WeightSync(trained, _FrozenGenerator(backend), lambda ids: _trainer_logprobs(trained, ids), probe,
+    stale = WeightSync(trained, _FrozenGenerator(backend), lambda ids: logprobs_of(trained, ids), probe,
                        tolerance=1e-3, workdir=str(tmp_path / "stale"))
     with pytest.raises(WeightSyncError, match="not sampling from the trained policy"):
         stale(1)
@@ -171,7 +160,7 @@ def test_full_weights_sync_layer_by_layer_including_the_tied_lm_head(vault, llm,
     assert sync.compare()[0] > 1e-2
     assert sync(2).logprob_diff_max <= 1e-3
     # Back to the saved weights: the module's engine serves the next tests.
-    restore = WeightSync(model, backend, lambda ids: _trainer_logprobs(model, ids), probe, tolerance=1e-3,
+    restore = WeightSync(model, backend, lambda ids: logprobs_of(model, ids), probe, tolerance=1e-3,
                          workdir=str(tmp_path / "restore"))
     assert restore(3).logprob_diff_max <= 1e-3
 
@@ -183,7 +172,7 @@ def test_lora_adapter_hot_swap_matches_the_peft_model(vault, llm, tmp_path):
     peft_model = get_peft_model(base.float(), LORA).eval()
     backend = VLLMBackend(llm, stop_token_ids=[tokenizer.eos_token_id])
     probe = probe_token_ids(len(tokenizer), 48)
-    sync = WeightSync(peft_model, backend, lambda ids: _trainer_logprobs(peft_model, ids), probe, tolerance=1e-3,
+    sync = WeightSync(peft_model, backend, lambda ids: logprobs_of(peft_model, ids), probe, tolerance=1e-3,
                       workdir=str(tmp_path))
     for version in (0, 1, 2):
         if version:

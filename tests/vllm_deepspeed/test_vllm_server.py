@@ -17,14 +17,13 @@ import pytest
 import requests
 import torch
 from peft import LoraConfig, get_peft_model
+from vllm_helpers import collect, logprobs_of  # tests/vllm_deepspeed
 
 from loop_trainer import LOOPConfig, LOOPTrainer
-from loop_trainer.chat import ChatFormatter
-from loop_trainer.rollout import EpisodeLimits, RolloutEngine, TransformersBackend
+from loop_trainer.rollout import TransformersBackend
 from loop_trainer.rollout.vllm_server import SERVER_ENV, VLLMServerBackend
 from loop_trainer.weight_sync import WeightSync, probe_token_ids
 
-LIMITS = EpisodeLimits(max_turns=4, max_new_tokens_per_turn=12, max_trajectory_tokens=400)
 LORA = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
 
 
@@ -67,36 +66,26 @@ def server(vault, tmp_path_factory):
             process.kill()
 
 
-def _collect(env, backend, tokenizer, tasks, rollouts=2, seed=7):
-    engine = RolloutEngine(env, backend, ChatFormatter(tokenizer), LIMITS, env_timeout=10.0,
-                           max_concurrent_episodes=16, show_progress=False)
-    return engine.collect(tasks, rollouts, seed=seed)
-
-
-def _logprobs(model, token_ids):
-    with torch.no_grad():
-        logits = model(torch.tensor([token_ids])).logits.float()
-    return logits.log_softmax(-1)[0, :-1].gather(1, torch.tensor(token_ids[1:])[:, None]).squeeze(1)
 
 
 def test_server_episodes_are_token_exact_and_log_probs_are_the_trainers(vault, server, tmp_path):
     env, model, tokenizer, _ = vault
     tasks = list(env.tasks("train"))[:4]
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
-    hf = _collect(env, TransformersBackend(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id,
+    hf = collect(env, TransformersBackend(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id,
                                            temperature=0.0), tokenizer, tasks)
     backend = VLLMServerBackend(server, stop_token_ids=stop, sync_dir=str(tmp_path), temperature=1.0)
-    ours = _collect(env, backend.with_temperature(0.0), tokenizer, tasks)
-    key = lambda t: (t.task_id, t.rollout)  # noqa: E731
+    ours = collect(env, backend.with_temperature(0.0), tokenizer, tasks)
+    key = lambda t: (t.task_id, t.rollout)
     for expected, got in zip(sorted(hf.trajectories, key=key), sorted(ours.trajectories, key=key), strict=True):
         assert (got.token_ids, got.loss_mask, got.messages, got.reward) == (
             expected.token_ids, expected.loss_mask, expected.messages, expected.reward)
-    sampled = _collect(env, backend, tokenizer, tasks, rollouts=2, seed=5)
+    sampled = collect(env, backend, tokenizer, tasks, rollouts=2, seed=5)
     assert not sampled.failed
     for trajectory in sampled.trajectories:
         mask = torch.tensor(trajectory.loss_mask[1:], dtype=torch.bool)
         torch.testing.assert_close(torch.tensor(trajectory.sampler_logprobs[1:])[mask],
-                                   _logprobs(model, trajectory.token_ids)[mask], atol=1e-3, rtol=0)
+                                   logprobs_of(model, trajectory.token_ids)[mask], atol=1e-3, rtol=0)
     backend.close()
 
 
@@ -106,7 +95,7 @@ def test_server_weight_sync_lora_hot_swap_and_full_reload(vault, server, tmp_pat
 
     peft_model = get_peft_model(type(model).from_pretrained(vault[3]).float(), LORA).eval()
     lora_backend = VLLMServerBackend(server, stop_token_ids=[tokenizer.eos_token_id], sync_dir=str(tmp_path / "lora"))
-    sync = WeightSync(peft_model, lora_backend, lambda ids: _logprobs(peft_model, ids), probe, tolerance=1e-3)
+    sync = WeightSync(peft_model, lora_backend, lambda ids: logprobs_of(peft_model, ids), probe, tolerance=1e-3)
     generator = torch.Generator().manual_seed(0)
     for version in (0, 1):
         with torch.no_grad():
@@ -126,13 +115,13 @@ def test_server_weight_sync_lora_hot_swap_and_full_reload(vault, server, tmp_pat
             param.add_(torch.randn(param.shape, generator=generator) * 0.05)
     full_backend = VLLMServerBackend(server, stop_token_ids=[tokenizer.eos_token_id], sync_dir=str(tmp_path / "full"),
                                      shard_bytes=64 << 10)  # several shards even for a tiny model
-    full = WeightSync(trained, full_backend, lambda ids: _logprobs(trained, ids), probe, tolerance=1e-3)
+    full = WeightSync(trained, full_backend, lambda ids: logprobs_of(trained, ids), probe, tolerance=1e-3)
     assert full.compare()[0] > 1e-2
     assert full(2).logprob_diff_max <= 1e-3
     assert len(list((tmp_path / "full" / "weights").glob("part-*.safetensors"))) > 1
     # Put the server's base weights back for the next test (a LoRA run on a changed base fails its
     # probe check, as it should).
-    original = WeightSync(model, full_backend, lambda ids: _logprobs(model, ids), probe, tolerance=1e-3)
+    original = WeightSync(model, full_backend, lambda ids: logprobs_of(model, ids), probe, tolerance=1e-3)
     assert original(3).logprob_diff_max <= 1e-3
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from vllm_helpers import logprobs_of  # tests/vllm_deepspeed
 
-import loop_trainer.weight_sync as weight_sync
+from loop_trainer import weight_sync
 from loop_trainer.rollout.vllm_backend import VLLMBackend, build_colocated_llm
 from loop_trainer.weight_sync import WeightSync, probe_token_ids
 
@@ -83,15 +84,10 @@ def test_full_weights_stream_one_layer_at_a_time_from_zero3(vault, engine, gathe
     assert max(gathers) <= largest_layer < total / 2  # never more than one layer materialised
     assert sum(gathers) == total + trained.get_input_embeddings().weight.numel()  # + the tied lm_head
     # Put the engine's base weights back for the LoRA test.
-    restore = WeightSync(model, backend, lambda ids: _plain_logprobs(model, ids), probe_token_ids(len(tokenizer), 48),
+    restore = WeightSync(model, backend, lambda ids: logprobs_of(model, ids), probe_token_ids(len(tokenizer), 48),
                          tolerance=1e-3, workdir=str(tmp_path / "restore"))
     assert restore(2).logprob_diff_max <= 1e-3
 
-
-def _plain_logprobs(model, ids):
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits.float()
-    return logits.log_softmax(-1)[0, :-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
 
 
 def test_lora_sync_gathers_only_the_adapter_from_zero3(vault, engine, gathers, tmp_path):

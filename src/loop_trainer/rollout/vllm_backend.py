@@ -170,7 +170,7 @@ class VLLMBackend:
                     self.max_running = max(self.max_running, len(running))
                     outputs = self.engine.step()
                     self.num_engine_steps += 1
-                except Exception as error:  # noqa: BLE001 - every waiting episode sees the failure
+                except Exception as error:
                     logger.exception("vLLM engine step failed")
                     for submission in running.values():
                         submission.loop.call_soon_threadsafe(_deliver, submission.future, error)
@@ -261,6 +261,11 @@ class _TemperatureView:
         return await self.backend._submit(prompt_ids, max_new_tokens, seed, self.temperature)
 
 
+def vllm_lora_rank(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` takes one of a few sizes: the smallest that fits ``rank``."""
+    return next((size for size in (8, 16, 32, 64, 128, 256, 320, 512) if size >= rank), rank)
+
+
 def sleep_mode_available() -> bool:
     from vllm.platforms import current_platform
 
@@ -285,9 +290,7 @@ def build_colocated_llm(model_path: str, *, dtype: str, max_model_len: int, max_
 
     lora = {}
     if lora_rank is not None:
-        # vLLM sizes its LoRA buffers in a few fixed ranks; take the smallest that fits.
-        rank = next((size for size in (8, 16, 32, 64, 128, 256, 320, 512) if size >= lora_rank), lora_rank)
-        lora = {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
+        lora = {"enable_lora": True, "max_lora_rank": vllm_lora_rank(lora_rank), "max_loras": 1}
     on_cpu = not torch.cuda.is_available()
     return LLM(
         model=model_path,
