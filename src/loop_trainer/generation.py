@@ -53,7 +53,7 @@ def require_vllm() -> None:
 
 def _model_path(model: torch.nn.Module, scratch: str) -> str:
     """Where vLLM loads the (base) weights from: the model's directory or Hub id, or -- for a model
-    built in memory, like the ``tiny:`` ones -- a copy saved to ``scratch``."""
+    built in memory, like the ``tiny:`` ones -- a copy saved to the directory ``scratch``."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     path = str(getattr(base, "name_or_path", "") or "")
     if os.path.isdir(path) or re.fullmatch(r"[\w.-]+/[\w.-]+", path):
@@ -61,7 +61,7 @@ def _model_path(model: torch.nn.Module, scratch: str) -> str:
     if any(hasattr(p, "ds_id") for p in base.parameters()):
         raise GeneratorConfigError("use_vllm: vLLM loads the model from its path or Hub id; save the model and pass "
                                    "its path")
-    target = os.path.join(scratch, "generator-init")
+    target = scratch
     with _unmerged_base(model) as weights:
         weights.save_pretrained(target, safe_serialization=True)
     return target
@@ -108,7 +108,8 @@ class VLLMGenerationMixin:
             lora_rank = int(getattr(config, "r", 0) or 0) or None
         dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else str(next(self.model.parameters()).dtype).removeprefix("torch.")
         llm = build_colocated_llm(
-            _model_path(self.model, args.output_dir),
+            # Per process: a model built in memory is saved where only this process writes.
+            _model_path(self.model, os.path.join(args.output_dir, f"generator-init-{self.accelerator.process_index}")),
             dtype=dtype,
             max_model_len=args.vllm_max_model_length or args.max_trajectory_tokens,
             max_num_seqs=args.max_concurrent_episodes,
