@@ -12,18 +12,14 @@ runs the DeepSpeed ZeRO-3 comparison (tests/vllm_deepspeed/test_zero3.py, in the
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-DRIVER = Path(__file__).with_name("ddp_driver.py")
+from loop_trainer.testing.driver import PYTHON, free_port, run_driver
+
 TIMEOUT = 240
 
 CASES = {
@@ -44,38 +40,12 @@ CASES = {
 MAX_GRAD_NORM = 1e-3  # the driver's default: every step below clips
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(output_dir: Path, processes: int) -> dict[str, tuple[dict, dict[str, torch.Tensor]]]:
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-        "WANDB_MODE": "offline",
-    }
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    if processes == 1:
-        launcher = [sys.executable]
-    else:
-        launcher = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-        ]
-    command = [*launcher, str(DRIVER), str(output_dir), json.dumps(CASES)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    assert result.returncode == 0, f"{processes} process(es) failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
-    outputs = {}
-    for name in CASES:
-        metrics = json.loads((output_dir / name / "result.json").read_text())
-        weights = torch.load(output_dir / name / "weights.pt", weights_only=True)
-        outputs[name] = (metrics, weights)
-    return outputs
+    launcher = PYTHON if processes == 1 else [
+        *PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+    ]
+    return run_driver(launcher, output_dir, CASES, label=f"{processes} process(es)", timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")

@@ -20,22 +20,18 @@ The first run on a machine JIT-compiles DeepSpeed's CPU communication op (~85 s;
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from loop_trainer.testing.driver import PYTHON, free_port, run_driver
+
 pytest.importorskip("deepspeed")
 
 ROOT = Path(__file__).resolve().parents[2]
-DRIVER = ROOT / "tests" / "ddp_driver.py"
 ZERO3_CONFIG = ROOT / "recipes" / "accelerate" / "zero3.yaml"
 TIMEOUT = 300  # ~40 s warm; the first run also compiles (~85 s)
 MAX_GRAD_NORM = 1e-3  # the driver's default: every step below clips
@@ -62,49 +58,15 @@ CASES = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(output_dir: Path, zero3: bool) -> dict[str, tuple[dict, dict[str, torch.Tensor]]]:
     cache = Path(os.environ.get("LOOP_CACHE_DIR", Path.home() / ".cache" / "loop_trainer"))
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-        "WANDB_MODE": "offline",
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache / "torch-extensions")),
-    }
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED"):
-        env.pop(name, None)
-    if zero3:
-        launcher = [
-            sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO3_CONFIG),
-            "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(_free_port()),
-        ]
-    else:
-        launcher = [sys.executable]
-    command = [*launcher, str(DRIVER), str(output_dir), json.dumps(CASES)]
-    label = "ZeRO-3 on 2 processes" if zero3 else "1 process"
-    # Its own session, so that a hang (e.g. unmatched collectives) ends with all its processes.
-    process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"{label} did not finish in {TIMEOUT} s:\n{stdout[-4000:]}\n{stderr[-8000:]}")
-    assert process.returncode == 0, f"{label} failed:\n{stdout[-4000:]}\n{stderr[-8000:]}"
-    outputs = {}
-    for name in CASES:
-        metrics = json.loads((output_dir / name / "result.json").read_text())
-        weights = torch.load(output_dir / name / "weights.pt", weights_only=True)
-        outputs[name] = (metrics, weights)
-    return outputs
+    env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache / "torch-extensions"))}
+    launcher = [
+        *PYTHON, "-m", "accelerate.commands.launch", "--config_file", str(ZERO3_CONFIG),
+        "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
+    ] if zero3 else PYTHON
+    return run_driver(launcher, output_dir, CASES, label="ZeRO-3 on 2 processes" if zero3 else "1 process",
+                      timeout=TIMEOUT, env=env)
 
 
 @pytest.fixture(scope="module")
