@@ -196,7 +196,7 @@ class Meter:
 
 def run_loop(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) -> dict[str, Any]:
     from loop_trainer import LOOPConfig, LOOPTrainer
-    from loop_trainer.batching import TrainingSample
+    from loop_trainer.training.batching import TrainingSample
     from loop_trainer.envs import VaultEnv
     from loop_trainer.tiny import build_word_tokenizer
 

@@ -15,7 +15,7 @@ Before each sync every adapter tensor gets new seeded random values, so every sy
 weights; the engine's log-probs on a fixed 64-token probe are checked to differ from the
 trainer's before the sync (the engine is stale) and to match them after it (the sync landed).
 
-* OURS: ``loop_trainer.weight_sync.WeightSync.push(version)`` with ``VLLMBackend``: the adapter is
+* OURS: ``loop_trainer.rollout.weight_sync.WeightSync.push(version)`` with ``VLLMBackend``: the adapter is
   saved (safetensors, ~35 MB for 0.5B at r=16 in fp32) and hot-swapped into the engine as a new
   ``LoRARequest`` (``add_lora`` loads and activates it, the previous adapter is removed, the prefix
   cache is reset). The base weights are never merged, copied or sent. The engine then serves the
@@ -200,7 +200,7 @@ def worker(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
     from loop_trainer.rollout.vllm_backend import VLLMBackend, build_colocated_llm
-    from loop_trainer.weight_sync import WeightSync, probe_token_ids
+    from loop_trainer.rollout.weight_sync import WeightSync, probe_token_ids
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -238,7 +238,7 @@ def worker(args: argparse.Namespace) -> None:
         return wrapper
 
     if args.worker == "ours":
-        import loop_trainer.weight_sync as weight_sync_module
+        import loop_trainer.rollout.weight_sync as weight_sync_module
 
         # Split the push into its trainer side (save the adapter) and its engine side (add_lora).
         weight_sync_module.save_adapter = timed_phase("save_adapter_s", weight_sync_module.save_adapter)

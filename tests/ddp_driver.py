@@ -29,7 +29,7 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedType
 
 from loop_trainer import LOOPConfig, LOOPTrainer
-from loop_trainer.batching import TrainingSample
+from loop_trainer.training.batching import TrainingSample
 from loop_trainer.envs import VaultEnv
 from loop_trainer.tiny import build_tiny_for_environment
 

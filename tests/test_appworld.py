@@ -27,7 +27,7 @@ from loop_trainer.envs import EnvironmentSetupError
 from loop_trainer.envs.appworld import AppWorldCallError, AppWorldRolloutEnv
 from loop_trainer.envs.appworld.agent import DEFAULT_PROMPT_DIR
 from loop_trainer.rollout import EpisodeLimits, RolloutEngine
-from loop_trainer.scripts.evaluate import EvalArguments, cli as eval_cli, evaluate
+from loop_trainer.cli.evaluate import EvalArguments, cli as eval_cli, evaluate
 from loop_trainer.testing.appworld_world import appworld_python, build_synthetic_world
 from trl import ModelConfig
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from loop_trainer.recipe import RecipeError, parse_recipe
-from loop_trainer.scripts.train import cli
+from loop_trainer.cli.recipe import RecipeError, parse_recipe
+from loop_trainer.cli.train import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ def test_cli_user_errors_exit_2_with_one_line(tmp_path, capsys, flags, message):
 def test_console_script_prints_no_traceback(tmp_path):
     bin_dir = Path(sys.executable).parent
     exe = bin_dir / "loop-train"
-    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "loop_trainer.scripts.train"]
+    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "loop_trainer.cli.train"]
     result = subprocess.run([*command, "--config", write(tmp_path, "output_dir: o\nlerning_rate: 1\n")],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
@@ -154,7 +154,7 @@ def test_loop_eval_refuses_an_adapter_of_another_model(tmp_path, capsys, qwen_to
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from loop_trainer.envs import VaultEnv
-    from loop_trainer.scripts.evaluate import cli as eval_cli
+    from loop_trainer.cli.evaluate import cli as eval_cli
     from loop_trainer.tiny import build_tiny_for_environment
 
     vault_model, _ = build_tiny_for_environment(VaultEnv().vocabulary(), seed=0)

@@ -10,7 +10,7 @@ import pytest
 import subprocess
 import sys
 
-from loop_trainer.reporting import read_metrics
+from loop_trainer.training.run_log import read_metrics
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
 
@@ -21,7 +21,7 @@ def test_demo_recipe_learns(tmp_path, seed):
     out = tmp_path / "demo"
     # A fresh process per run, as a user runs it: long CPU runs late in a test process that has
     # already churned through many models get several times slower (allocator fragmentation).
-    command = [sys.executable, "-m", "loop_trainer.scripts.train", "--config", str(RECIPE), "--output_dir",
+    command = [sys.executable, "-m", "loop_trainer.cli.train", "--config", str(RECIPE), "--output_dir",
                str(out), "--seed", str(seed), "--iterations", "40", "--disable_tqdm", "true"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]

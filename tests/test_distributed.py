@@ -96,7 +96,7 @@ def test_zero3_on_several_processes_refuses_to_sample_with_the_training_model():
     """Each decode step would be a collective forward; episodes differ in length: a deadlock."""
     from types import SimpleNamespace
 
-    from loop_trainer.distributed import DistributedMixin, DistributedSetupError
+    from loop_trainer.training.distribution import DistributedMixin, DistributedSetupError
 
     trainer = DistributedMixin()
     trainer.accelerator = SimpleNamespace(num_processes=2, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))

@@ -10,7 +10,7 @@ import pytest
 from helpers import FaultyEnv
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.rollout import RolloutFailureBudgetExceeded
-from loop_trainer.scripts.train import cli
+from loop_trainer.cli.train import cli
 from loop_trainer.tiny import build_tiny_for_environment
 
 FAILING = {"raises", "hangs", "dies"}

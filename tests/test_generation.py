@@ -6,9 +6,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from loop_trainer.envs import VaultEnv
-from loop_trainer.generation import _model_path
+from loop_trainer.rollout.generator import _model_path
 from loop_trainer.rollout.vllm_backend import vllm_lora_rank
-from loop_trainer.weight_sync import layerwise_weights, probe_token_ids
+from loop_trainer.rollout.weight_sync import layerwise_weights, probe_token_ids
 
 
 def test_a_model_built_in_memory_is_saved_for_the_engine_without_its_adapter(tmp_path):

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
-from loop_trainer.batching import TrainingSample, collate, token_logprobs
+from loop_trainer.training.batching import TrainingSample, collate, token_logprobs
 from loop_trainer.objective import loop_policy_loss
 
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from helpers import ScriptedBackend
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.envs.base import Environment, Episode, Score, Step
-from loop_trainer.reporting import read_metrics
+from loop_trainer.training.run_log import read_metrics
 from loop_trainer.tiny import load_tokenizer
 
 REQUIRED_METRICS = {"iteration", "reward_mean", "reward_std", "num_rollouts", "num_kept", "tokens", "clip_frac",
@@ -241,9 +241,9 @@ def test_the_memory_stress_test_runs_the_longest_trajectory_before_iteration_one
 
 
 def test_an_out_of_memory_stress_test_names_the_knobs(tmp_path, vault_tiny, monkeypatch, capsys):
-    import loop_trainer.stress as stress_module
-    from loop_trainer.scripts.train import cli
-    from loop_trainer.stress import MemoryStressTestFailed
+    import loop_trainer.training.stress as stress_module
+    from loop_trainer.cli.train import cli
+    from loop_trainer.training.stress import MemoryStressTestFailed
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 18.00 GiB")

@@ -15,7 +15,7 @@ from transformers import Trainer
 from trl import GRPOTrainer
 
 from loop_trainer import LOOPConfig, LOOPTrainer
-from loop_trainer.batching import collate, TrainingSample, token_logprobs
+from loop_trainer.training.batching import collate, TrainingSample, token_logprobs
 from loop_trainer.trajectory import Trajectory
 
 

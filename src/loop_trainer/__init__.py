@@ -3,7 +3,7 @@
 from .config import LOOPConfig
 from .envs import Environment, Episode, Score, Step, make_environment
 from .objective import advantage_keep_mask, leave_one_out_advantages, loop_policy_loss
-from .trainer import LOOPTrainer
+from .training.trainer import LOOPTrainer
 from .trajectory import Trajectory
 
 __version__ = "0.1.0"

@@ -8,6 +8,8 @@ import torch
 from transformers.trainer_utils import SaveStrategy
 from trl import GRPOConfig
 
+from .episode_settings import EpisodeSettings
+
 # GRPO options that have no meaning in LOOP; setting one away from its neutral value is an error
 # rather than a silent no-op.
 _UNSUPPORTED_GRPO_OPTIONS = {
@@ -20,7 +22,7 @@ _UNSUPPORTED_GRPO_OPTIONS = {
 
 
 @dataclass
-class LOOPConfig(GRPOConfig):
+class LOOPConfig(GRPOConfig, EpisodeSettings):
     r"""Configuration of :class:`~loop_trainer.LOOPTrainer`.
 
     Defaults reproduce Chen et al. (2025) "Reinforcement Learning for Long-Horizon Interactive LLM
@@ -69,11 +71,6 @@ class LOOPConfig(GRPOConfig):
     )
 
     # --- episodes ------------------------------------------------------------------------------
-    max_turns: int = field(default=40, metadata={"help": "Model replies per episode."})
-    max_new_tokens_per_turn: int = field(default=1500, metadata={"help": "Token limit of one reply."})
-    max_trajectory_tokens: int = field(
-        default=32000, metadata={"help": "Whole-conversation budget; the episode ends when it is used up."}
-    )
     early_stop_done_fraction: float = field(
         default=1.0, metadata={"help": "Stop collecting once this fraction of rollouts finished (paper: 0.9)..."}
     )
@@ -81,13 +78,8 @@ class LOOPConfig(GRPOConfig):
         default=1.0,
         metadata={"help": "...and every task has this fraction of its rollouts finished (paper: 0.75)."},
     )
-    max_concurrent_episodes: int = field(default=256, metadata={"help": "Episodes in flight at once."})
-    env_timeout: float = field(default=300.0, metadata={"help": "Seconds one environment call may take."})
     max_failed_fraction: float = field(
         default=0.25, metadata={"help": "Stop the run if more than this fraction of an iteration's rollouts fail."}
-    )
-    generation_batch_limit: int = field(
-        default=64, metadata={"help": "Most sequences the transformers backend samples in one batch."}
     )
 
     eval_split: str | None = field(
@@ -159,8 +151,11 @@ class LOOPConfig(GRPOConfig):
                 raise ValueError(f"LOOPConfig: {name}={getattr(self, name)!r} is not supported by LOOP (keep {neutral!r})")
         if self.rollouts_per_task < 2:
             raise ValueError("LOOPConfig: rollouts_per_task must be >= 2 (leave-one-out needs a group)")
-        for name in ("iterations", "tasks_per_iteration", "minibatch_size", "ppo_epochs", "max_turns",
-                     "max_new_tokens_per_turn", "max_trajectory_tokens", "max_concurrent_episodes"):
+        try:
+            self.check_episode_settings()
+        except ValueError as error:
+            raise ValueError(f"LOOPConfig: {error}") from None
+        for name in ("iterations", "tasks_per_iteration", "minibatch_size", "ppo_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LOOPConfig: {name} must be >= 1, got {getattr(self, name)}")
         for name in ("early_stop_done_fraction", "early_stop_task_fraction", "max_failed_fraction"):

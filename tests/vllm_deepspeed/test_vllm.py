@@ -23,7 +23,7 @@ from vllm_helpers import collect, logprobs_of  # tests/vllm_deepspeed
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.rollout import TransformersBackend
 from loop_trainer.rollout.vllm_backend import VLLMBackend, build_colocated_llm
-from loop_trainer.weight_sync import WeightSync, WeightSyncError, probe_token_ids
+from loop_trainer.rollout.weight_sync import WeightSync, WeightSyncError, probe_token_ids
 
 LORA = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                        "up_proj", "down_proj"], lora_dropout=0.0)

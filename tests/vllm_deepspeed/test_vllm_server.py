@@ -22,7 +22,7 @@ from vllm_helpers import collect, logprobs_of  # tests/vllm_deepspeed
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.rollout import TransformersBackend
 from loop_trainer.rollout.vllm_server import SERVER_ENV, VLLMServerBackend
-from loop_trainer.weight_sync import WeightSync, probe_token_ids
+from loop_trainer.rollout.weight_sync import WeightSync, probe_token_ids
 
 LORA = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
 

@@ -6,7 +6,7 @@ continuous batching mixes turns of every episode with no per-turn barrier. Token
 the sampled ids and their log-probs come out: nothing is detokenised and retokenised.
 
 Weights reach the engine through :class:`WeightLoadable` (``load_adapter`` for a LoRA hot-swap,
-``load_weights`` for a layer-by-layer stream); :mod:`loop_trainer.weight_sync` drives them.
+``load_weights`` for a layer-by-layer stream); :mod:`loop_trainer.rollout.weight_sync` drives them.
 """
 
 from __future__ import annotations

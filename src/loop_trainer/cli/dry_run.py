@@ -15,9 +15,9 @@ from trl import ModelConfig
 
 from ..config import LOOPConfig
 from ..envs import available_environments
-from ..generation import COLOCATED_TP_ONLY
+from ..rollout.generator import COLOCATED_TP_ONLY
 from ..memory_plan import MemoryPlan, ModelShape, load_model_shape, plan_memory
-from ..recipe import RecipeError, ScriptArguments
+from .recipe import RecipeError, ScriptArguments
 from ..tiny import is_tiny_spec, tiny_config
 
 EXIT_DOES_NOT_FIT = 3

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from .batching import TrainingSample, collate, token_logprobs
-from .rollout.vllm_backend import VLLMBackend, build_colocated_llm, sleep_mode_available
-from .rollout.vllm_server import GeneratorServerError, VLLMServerBackend
+from ..training.batching import TrainingSample, collate, token_logprobs
+from .vllm_backend import VLLMBackend, build_colocated_llm, sleep_mode_available
+from .vllm_server import GeneratorServerError, VLLMServerBackend
 from .weight_sync import WeightSync, default_tolerance, probe_token_ids
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .rollout.vllm_backend import WeightLoadable
+from .vllm_backend import WeightLoadable
 
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 

@@ -27,7 +27,7 @@ from trl import ModelConfig
 from ..chat import ChatFormatter
 from ..envs import Environment, EnvironmentSetupError, make_environment
 from ..evaluation import evaluation_row, format_report, summarize
-from ..recipe import RecipeError, ScriptArguments, parse_recipe
+from .recipe import RecipeError, ScriptArguments, parse_recipe
 from ..rollout import EpisodeLimits, GenerationBackend, RolloutEngine, TransformersBackend
 from ..tiny import build_tiny_from_spec, is_tiny_spec, load_tokenizer
 from ..viewer import write_viewer

@@ -10,7 +10,7 @@ import time
 import torch
 
 from .batching import TrainingSample, collate, token_logprobs
-from .objective import loop_policy_loss
+from ..objective import loop_policy_loss
 
 logger = logging.getLogger(__name__)
 

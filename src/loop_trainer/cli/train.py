@@ -2,7 +2,7 @@
 
     loop-train --config recipes/demo.yaml [--key value ...]
     loop-train --config recipes/appworld/qwen2.5-7b-instruct.yaml --dry-run   # memory plan, no GPU
-    accelerate launch --config_file recipes/accelerate/zero3.yaml -m loop_trainer.scripts.train --config RECIPE
+    accelerate launch --config_file recipes/accelerate/zero3.yaml -m loop_trainer.cli.train --config RECIPE
 
 Like TRL's own scripts: ``make_parser()`` builds the TrlParser over (ScriptArguments, LOOPConfig,
 ModelConfig) and ``main(script_args, training_args, model_args)`` runs the job.
@@ -17,17 +17,17 @@ from collections.abc import Sequence
 
 from trl import ModelConfig, get_peft_config
 
-from ..checkpoint import CheckpointError
+from ..training.checkpoints import CheckpointError
 from ..config import LOOPConfig
 from ..envs import Environment, EnvironmentSetupError, make_environment
-from ..recipe import RecipeError, ScriptArguments, make_parser, parse_recipe
+from .recipe import RecipeError, ScriptArguments, make_parser, parse_recipe
 from ..tiny import build_tiny_from_spec, is_tiny_spec, load_tokenizer
 from ..rollout import RolloutFailureBudgetExceeded
-from ..stress import MemoryStressTestFailed
-from ..distributed import DistributedSetupError
-from ..generation import GeneratorConfigError, VLLMNotInstalledError
-from ..weight_sync import WeightSyncError
-from ..trainer import LOOPTrainer
+from ..training.stress import MemoryStressTestFailed
+from ..training.distribution import DistributedSetupError
+from ..rollout.generator import GeneratorConfigError, VLLMNotInstalledError
+from ..rollout.weight_sync import WeightSyncError
+from ..training.trainer import LOOPTrainer
 from .dry_run import dry_run
 
 __all__ = ["main", "make_parser", "cli"]

@@ -269,7 +269,7 @@ def write_model_card(
     hyperparameters = [(name, _format(getattr(args, name, default))) for name, default in HYPERPARAMETERS]
     lora_rows = [(name, _format(lora[name])) for name in LORA_FIELDS if lora and lora.get(name) not in (None, False)]
     rank = int(lora.get("r") or 16) if lora else 16
-    from .rollout.vllm_backend import vllm_lora_rank  # here: keeps this module's import light
+    from ..rollout.vllm_backend import vllm_lora_rank  # here: keeps this module's import light
 
     lora_rank_for_vllm = vllm_lora_rank(rank)
 

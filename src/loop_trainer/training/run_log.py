@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 from datasets import Dataset
 
-from .viewer import write_viewer
+from ..viewer import write_viewer
 
 if TYPE_CHECKING:
-    from .rollout import RolloutBatch
-    from .trajectory import Trajectory
+    from ..rollout import RolloutBatch
+    from ..trajectory import Trajectory
 
 METRICS_FILE = "metrics.jsonl"
 CURVE_FILE = "learning_curve.png"

@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint, rotate_checkpoints
 
-from .reporting import METRICS_FILE, append_metrics
+from .run_log import METRICS_FILE, append_metrics
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 from trl import ModelConfig, TrlParser
 
-from .config import LOOPConfig
+from ..config import LOOPConfig
 
 
 class RecipeError(ValueError):

@@ -35,17 +35,17 @@ from transformers.trainer_utils import TrainOutput
 from trl import GRPOTrainer
 
 from .batching import TrainingSample, chunks, collate, minibatch_indices, token_logprobs
-from .chat import ChatFormatter
-from .config import LOOPConfig
-from .envs.base import Environment
-from .checkpoint import CheckpointMixin
-from .distributed import DistributedMixin
-from .evaluation import EvaluationMixin
-from .generation import VLLMGenerationMixin, require_vllm
-from .hub import LOOP_CITATION
-from .publishing import PublishingMixin
-from .objective import advantage_keep_mask, leave_one_out_advantages, loop_policy_loss
-from .reporting import (
+from ..chat import ChatFormatter
+from ..config import LOOPConfig
+from ..envs.base import Environment
+from .checkpoints import CheckpointMixin
+from .distribution import DistributedMixin
+from ..evaluation import EvaluationMixin
+from ..rollout.generator import VLLMGenerationMixin, require_vllm
+from ..publishing.hub import LOOP_CITATION
+from ..publishing.publisher import PublishingMixin
+from ..objective import advantage_keep_mask, leave_one_out_advantages, loop_policy_loss
+from .run_log import (
     CURVE_FILE,
     METRICS_FILE,
     IterationLineMixin,
@@ -53,7 +53,7 @@ from .reporting import (
     append_metrics,
     plot_learning_curve,
 )
-from .rollout import EpisodeLimits, GenerationBackend, RolloutBatch, RolloutEngine, TransformersBackend, mix_seed
+from ..rollout import EpisodeLimits, GenerationBackend, RolloutBatch, RolloutEngine, TransformersBackend, mix_seed
 from .sampler import TaskSampler
 from .stress import StressTestMixin
 

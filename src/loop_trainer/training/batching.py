@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .trajectory import Trajectory
+from ..trajectory import Trajectory
 
 
 @dataclass
