@@ -78,8 +78,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+for path in (ROOT / "src", ROOT / "tests"):  # the package, and the tests' support package (the tokenizer)
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 VOCAB_SIZE = 151_665  # Qwen2.5's tokenizer
 VLLM_MAX_MODEL_LEN = 2048  # --backend vllm: both engines
@@ -221,7 +222,7 @@ def build_model(args: argparse.Namespace) -> Any:
 
 
 def build_tokenizer() -> Any:
-    from loop_trainer.testing.qwen import build_qwen25_tokenizer
+    from support.qwen import build_qwen25_tokenizer
 
     cache = Path(os.environ.get("LOOP_CACHE_DIR", Path.home() / ".cache" / "loop_trainer")) / "test-assets"
     return build_qwen25_tokenizer(cache)

@@ -12,7 +12,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 @pytest.fixture(scope="session")
 def qwen_tokenizer():
-    from loop_trainer.testing.qwen import build_qwen25_tokenizer
+    from support.qwen import build_qwen25_tokenizer
 
     cache = Path(os.environ.get("LOOP_CACHE_DIR", Path.home() / ".cache" / "loop_trainer")) / "test-assets"
     return build_qwen25_tokenizer(cache)

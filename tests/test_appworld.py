@@ -1,7 +1,7 @@
 """AppWorldRolloutEnv and loop-eval on a synthetic world run by AppWorld's real engine.
 
 The world (a few tasks, several scenarios and difficulties) is built on first use with
-appworld's own code in AppWorld's virtualenv and cached; see loop_trainer.testing.appworld_world.
+appworld's own code in AppWorld's virtualenv and cached; see tests/support/appworld_world.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from loop_trainer.envs.appworld import AppWorldCallError, AppWorldRolloutEnv
 from loop_trainer.envs.appworld.agent import DEFAULT_PROMPT_DIR
 from loop_trainer.rollout import EpisodeLimits, RolloutEngine
 from loop_trainer.cli.evaluate import EvalArguments, cli as eval_cli, evaluate
-from loop_trainer.testing.appworld_world import appworld_python, build_synthetic_world
+from support.appworld_world import appworld_python, build_synthetic_world
 from trl import ModelConfig
 
 pytestmark = pytest.mark.appworld
@@ -186,8 +186,12 @@ def test_hung_server_times_out_and_is_replaced(world, tmp_path):
         os.killpg(process.pid, signal.SIGSTOP)
 
     score, stats = interrupt_mid_episode(world, tmp_path, hang, execution_timeout=3, request_timeout=6)
-    assert (score.reward, score.success) == (1.0, True) and score.info["infra_retries"] == 1
-    assert stats["timeouts"] >= 1 and stats["restarts"] == 1
+    # What happened, not how fast: the call to the stopped server timed out, the server was replaced
+    # (a loaded machine may time out a fresh one too, and replace it again), and the episode's world
+    # was rebuilt on the new one: step 2 ran the solution that step 1 stored, replayed exactly.
+    assert stats["timeouts"] >= 1 and stats["restarts"] >= 1
+    assert 1 <= score.info["infra_retries"] <= stats["restarts"] and score.info["replay_mismatches"] == 0
+    assert (score.reward, score.success) == (1.0, True)
 
 
 def test_code_that_runs_too_long_is_the_agents_problem_not_a_server_failure(world, tmp_path):
@@ -248,9 +252,19 @@ def test_loop_eval_goal_completion_equals_appworld_evaluate(world, qwen_tokenize
     experiment = f"loop_eval_test_{os.getpid()}"
     eval_args = EvalArguments(environment="appworld", split=split, output_dir=str(tmp_path / "eval"),
                               experiment_name=experiment, max_turns=2)
-    metrics = evaluate(eval_args, ModelConfig(model_name_or_path=str(model_dir)), env=env,
-                       generation_backend=policy.backend())
-    ours = {level: {k: v[k] for k in ("tgc", "sgc")} for level, v in metrics["goal_completion"].items()}
+    try:
+        metrics = evaluate(eval_args, ModelConfig(model_name_or_path=str(model_dir)), env=env,
+                           generation_backend=policy.backend())
+        # The env was ours: loop-eval left it open and put its experiment name back.
+        assert env.experiment_name is None and env.pool.servers and env.tasks(split)
+        episode = env.episode(tasks[0])
+        episode.start()
+        episode.close()
+    finally:
+        env.close()
+    ours = {"aggregate": {"tgc": metrics["tgc"], "sgc": metrics["sgc"]}}
+    for level in (1, 2, 3):
+        ours[f"difficulty_{level}"] = {"tgc": metrics[f"tgc_difficulty_{level}"], "sgc": metrics[f"sgc_difficulty_{level}"]}
     assert ours == appworld_evaluate(root, experiment, split)
     assert 0 < ours["aggregate"]["sgc"] < ours["aggregate"]["tgc"] < 100
     rows = [json.loads(line) for line in (tmp_path / "eval" / "results.jsonl").read_text().splitlines()]
@@ -271,7 +285,7 @@ def test_loop_eval_cli_runs_a_real_model(world, qwen_tokenizer, tmp_path, capsys
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     dev = [t for t in (root / "data" / "datasets" / "dev.txt").read_text().split() if t != "3ab5b8b_3"]
     assert metrics["num_rollouts"] == 2 * len(dev) and metrics["num_failed_to_run"] == 0
-    assert set(metrics["goal_completion"]) == {"aggregate", "difficulty_1", "difficulty_2", "difficulty_3"}
+    assert {"tgc", "sgc", *(f"{m}_difficulty_{level}" for m in ("tgc", "sgc") for level in (1, 2, 3))} <= set(metrics)
     assert "3ab5b8b_3" not in (tmp_path / "eval" / "results.jsonl").read_text()
 
 

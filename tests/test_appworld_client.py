@@ -15,6 +15,7 @@ from loop_trainer.envs.appworld import (
     goal_completion_report,
     truncate_at_line,
 )
+from loop_trainer.envs import make_environment
 from loop_trainer.viewer import render_viewer
 
 TASKS = {  # task_id: (difficulty, splits)
@@ -125,7 +126,27 @@ def test_viewer_escapes_content_and_marks_failures():
          "messages": [], "info": {}},
     ]
     page = render_viewer(rows, "eval <dev>")
-    assert "<title>eval &lt;dev&gt;</title>" in page and "print(&#x27;&lt;b&gt;&#x27;)" in page
+    assert "<title>eval &lt;dev&gt;</title>" in page
+    assert any(f"print({quote}&lt;b&gt;{quote})" in page for quote in ("&#x27;", "&#39;"))  # html.escape or jinja2's
     assert page.count('class="rollout pass"') == 1 and page.count('class="rollout fail"') == 1
     assert 'class="rollout error"' in page and "AppWorldServerError: boom" in page
     assert "1 passed, 1 failed" in page and "failures only" in page
+
+
+def test_appworld_summary_is_goal_completion_per_rollout_averaged(root):
+    # Resolved through the plugin entry point; remote URLs, so no server or AppWorld venv is needed.
+    env = make_environment("appworld", root=str(root), server_urls=["http://127.0.0.1:9"])
+    outcomes = {  # rollout -> task -> (status, success); bbbbbbb_2 failed to run in rollout 0
+        0: {"aaaaaaa_1": ("completed", True), "aaaaaaa_2": ("completed", True), "bbbbbbb_1": ("completed", True),
+            "bbbbbbb_2": ("failed", False)},
+        1: {"aaaaaaa_1": ("completed", True), "aaaaaaa_2": ("completed", True), "bbbbbbb_1": ("completed", True),
+            "bbbbbbb_2": ("completed", True)},
+    }
+    rows = [{"task_id": task_id, "rollout": k, "status": status, "success": success, "reward": float(success), "info": {}}
+            for k, tasks in outcomes.items() for task_id, (status, success) in tasks.items()]
+    assert env.summarize(rows) == {
+        "success_rate": 7 / 8, "reward_mean": 7 / 8,
+        "tgc": (75.0 + 100.0) / 2, "sgc": (50.0 + 100.0) / 2,  # scenario bbbbbbb fails in rollout 0
+        "tgc_difficulty_1": 100.0, "sgc_difficulty_1": 100.0, "tgc_difficulty_2": 100.0, "sgc_difficulty_2": 100.0,
+        "tgc_difficulty_3": 50.0, "sgc_difficulty_3": 50.0,
+    }

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from loop_trainer.testing.appworld_world import appworld_python, build_synthetic_world
+from support.appworld_world import appworld_python, build_synthetic_world
 
 pytestmark = pytest.mark.appworld
 

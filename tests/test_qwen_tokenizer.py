@@ -8,7 +8,7 @@ import pytest
 import regex
 from transformers import PreTrainedTokenizerFast
 
-from loop_trainer.testing.qwen import (
+from support.qwen import (
     CACHE_VERSION,
     QWEN2_PRETOKENIZE_REGEX,
     QWEN25_ADDED_TOKENS,

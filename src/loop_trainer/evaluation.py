@@ -1,110 +1,121 @@
-"""Evaluation results: per-rollout rows, success rate, mean reward, and TGC / SGC overall and per
-difficulty (computed as ``appworld evaluate`` computes them). Shared by ``loop-eval`` and the
-trainer's periodic evaluation."""
+"""Evaluation: every task of a split rolled out K times, no update, summarised the environment's
+way (:meth:`~loop_trainer.envs.Environment.summarize`). One pipeline, used by the trainer's
+periodic evaluation and by ``loop-eval``, with the same episode settings (:class:`EpisodeSettings`).
+
+    evaluator = Evaluator(env, backend, formatter, settings)
+    result = evaluator.run("test", rollouts_per_task=2, seed=0)
+    result.metrics  # env.summarize(rows) + num_rollouts, num_failed_to_run
+    evaluator.close()  # its engine only: the environment belongs to whoever created it
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .envs.appworld.metrics import goal_completion_report
-from .rollout import RolloutEngine, TransformersBackend, mix_seed
+from .chat import ChatFormatter
+from .envs.base import Environment
+from .episode_settings import EpisodeSettings
+from .rollout import GenerationBackend, RolloutEngine, mix_seed
+from .rollout.sharding import collect_across_processes
 from .trajectory import Trajectory
 from .viewer import write_viewer
 
+__all__ = ["EvaluationResult", "Evaluator", "evaluation_row", "format_metrics", "write_evaluation_viewer"]
 
-def evaluation_row(trajectory: Trajectory, task: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
-    """A trajectory as an evaluation result (token-level fields dropped). Success is the
-    environment's, or reward 1 where it defines none."""
+TOKEN_LEVEL_FIELDS = ("token_ids", "loss_mask", "sampler_logprobs")
+
+
+def evaluation_row(trajectory: Trajectory) -> dict[str, Any]:
+    """A trajectory as an evaluation result: token-level fields dropped, ``success`` a bool
+    (the environment's; reward 1 where it defines none; False for a rollout that failed to run)."""
     row = trajectory.to_dict()
-    for key in ("token_ids", "loss_mask", "sampler_logprobs"):
+    for key in TOKEN_LEVEL_FIELDS:
         row.pop(key)
-    if row["success"] is None and row["status"] == "completed":
+    if row["status"] != "completed":
+        row["success"] = False
+    elif row["success"] is None:
         row["success"] = row["reward"] >= 1.0
-    row["difficulty"] = int(task.get("difficulty") or 0)
-    row.update(extra)
     return row
 
 
-def summarize(rows: list[dict[str, Any]], rollouts_per_task: int) -> dict[str, Any]:
-    """Per rollout index: TGC/SGC reports; overall: their means, success rate and mean reward.
-    A rollout that failed to run counts as unsuccessful (reward 0): nothing is dropped."""
-    per_rollout = []
-    for k in range(rollouts_per_task):
-        mine = [r for r in rows if r["rollout"] == k]
-        results = {r["task_id"]: {"success": r["status"] == "completed" and bool(r["success"]),
-                                  "difficulty": r["difficulty"]} for r in mine}
-        per_rollout.append(goal_completion_report(results))
-    mean = {
-        level: {key: sum(report[level][key] for report in per_rollout) / len(per_rollout) for key in ("tgc", "sgc")}
-        for level in per_rollout[0]
-    }
-    completed = [r for r in rows if r["status"] == "completed"]
-    return {
-        "num_rollouts": len(rows),
-        "num_failed_to_run": len(rows) - len(completed),
-        "success_rate": sum(bool(r["success"]) for r in completed) / len(rows) if rows else float("nan"),
-        "reward_mean": sum(float(r["reward"]) for r in completed) / len(rows) if rows else float("nan"),
-        "goal_completion": mean,
-        "goal_completion_per_rollout": per_rollout,
-    }
+@dataclass
+class EvaluationResult:
+    rows: list[dict[str, Any]]
+    """One per rollout, failures included, ordered by rollout index then task."""
+    metrics: dict[str, float]
+    """``env.summarize(rows)`` plus ``num_rollouts`` and ``num_failed_to_run``."""
 
 
-def format_report(metrics: dict[str, Any]) -> str:
-    lines = [f"{'':14} {'TGC':>6} {'SGC':>6}"]
-    for level, values in metrics["goal_completion"].items():
-        lines.append(f"{level:14} {values['tgc']:6.1f} {values['sgc']:6.1f}")
-    lines.append(f"success rate {metrics['success_rate']:.3f} · mean reward {metrics['reward_mean']:.3f} · "
-                 f"{metrics['num_rollouts']} rollouts ({metrics['num_failed_to_run']} failed to run)")
-    return "\n".join(lines)
+class Evaluator:
+    """Rolls out the tasks of a split with ``backend`` and summarises them. With several processes
+    (``num_processes``, ``process_index``), each runs its share of the tasks and every process gets
+    every row (call :meth:`run` on all of them)."""
 
+    def __init__(self, env: Environment, backend: GenerationBackend, formatter: ChatFormatter,
+                 settings: EpisodeSettings, *, num_processes: int = 1, process_index: int = 0,
+                 show_progress: bool = False):
+        self.env = env
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.engine = RolloutEngine(
+            env, backend, formatter, settings.episode_limits(), env_timeout=settings.env_timeout,
+            max_concurrent_episodes=settings.concurrency_for(env.max_concurrent_episodes), show_progress=show_progress,
+        )
+        self._tasks: dict[tuple[str, int | None], list[Mapping[str, Any]]] = {}
 
-class EvaluationMixin:
-    """LOOPTrainer's periodic evaluation (mixed into LOOPTrainer, before GRPOTrainer)."""
-
-    def evaluate_policy(self, split: str | None = None) -> dict[str, float]:
-        """Roll out every task of ``split`` (default ``args.eval_split``) ``eval_rollouts_per_task``
-        times at ``eval_temperature`` (0: greedy) and return ``eval_*`` metrics: success rate, mean
-        reward, TGC and SGC overall and per difficulty. No update; the latest result also goes
-        into the model card."""
-        args = self.args
-        split = split or args.eval_split
-        if split not in self._eval_tasks:
+    def tasks(self, split: str, max_tasks: int | None = None) -> list[Mapping[str, Any]]:
+        """The first ``max_tasks`` tasks of ``split`` (all by default), read once."""
+        if (split, max_tasks) not in self._tasks:
             tasks = self.env.tasks(split)
-            if args.eval_max_tasks is not None:
-                tasks = tasks.select(range(min(args.eval_max_tasks, len(tasks))))
-            self._eval_tasks[split] = list(tasks)
-        tasks = self._eval_tasks[split]
-        if self._eval_engine is None:
-            backend = self.generation_backend if self._custom_backend else (
-                self.eval_generation_backend(args.eval_temperature) or TransformersBackend(
-                    self.model, stop_token_ids=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id,
-                    temperature=args.eval_temperature, max_batch_size=args.generation_batch_limit))
-            engine = self.rollout_engine
-            self._eval_engine = RolloutEngine(self.env, backend, self.formatter, engine.limits, env_timeout=engine.env_timeout,
-                                              max_concurrent_episodes=engine.max_concurrent_episodes,
-                                              show_progress=engine.show_progress)
-        synced = self.sync_generator()  # the generator samples the policy being evaluated
-        batch = self._collect(self._eval_engine, tasks, args.eval_rollouts_per_task,
-                              seed=mix_seed(args.seed, 0xE7A1, self.state.global_step),
-                              description=f"evaluation on {split}")
-        by_id = {str(task["task_id"]): task for task in tasks}
-        rows = [evaluation_row(t, by_id[t.task_id]) for t in (*batch.trajectories, *batch.failed)]
-        summary = summarize(rows, args.eval_rollouts_per_task)
-        completion = summary["goal_completion"]
-        self.latest_eval = {"split": split, "iteration": self.state.global_step,
-                            "tgc": completion["aggregate"]["tgc"], "sgc": completion["aggregate"]["sgc"],
-                            "per_difficulty": {k: v for k, v in completion.items() if k != "aggregate"},
-                            "success_rate": summary["success_rate"]}
-        if self.is_world_process_zero() and args.viewer_rollouts_per_iteration > 0:
-            write_viewer(sorted(rows, key=lambda r: (r["task_id"], r["rollout"])),
-                         Path(args.output_dir) / "viewer" / f"eval-{split}-iteration-{self.state.global_step:05d}.html",
-                         title=f"{self.env.name}: {split} after iteration {self.state.global_step}")
-        metrics = {"eval_success_rate": summary["success_rate"], "eval_reward_mean": summary["reward_mean"],
-                   "eval_num_failed": float(summary["num_failed_to_run"]),
-                   "eval_tgc": completion["aggregate"]["tgc"], "eval_sgc": completion["aggregate"]["sgc"]}
-        for level in (1, 2, 3):
-            values = completion[f"difficulty_{level}"]
-            metrics[f"eval_tgc_difficulty_{level}"], metrics[f"eval_sgc_difficulty_{level}"] = values["tgc"], values["sgc"]
-        return {**metrics, **synced}
+            if max_tasks is not None:
+                tasks = tasks.select(range(min(max_tasks, len(tasks))))
+            self._tasks[split, max_tasks] = list(tasks)
+        return self._tasks[split, max_tasks]
+
+    def run(self, split: str, *, rollouts_per_task: int = 1, seed: int | None = None, max_tasks: int | None = None,
+            before_rollout: Callable[[int], None] | None = None) -> EvaluationResult:
+        """Roll out every task of ``split`` ``rollouts_per_task`` times, one pass per rollout
+        index k (every task once, then again): ``before_rollout(k)`` runs before pass k (e.g. to
+        name AppWorld's experiment per pass), and pass k samples with ``mix_seed(seed, k)``.
+        Failed rollouts are kept as unsuccessful rows; nothing is dropped or retried."""
+        if rollouts_per_task < 1:
+            raise ValueError(f"rollouts_per_task must be >= 1, got {rollouts_per_task}")
+        tasks = self.tasks(split, max_tasks)
+        rows: list[dict[str, Any]] = []
+        for k in range(rollouts_per_task):
+            if before_rollout is not None:
+                before_rollout(k)
+            description = f"evaluation on {split}" + (f" ({k + 1}/{rollouts_per_task})" if rollouts_per_task > 1 else "")
+            batch = collect_across_processes(
+                self.engine, tasks, 1, num_processes=self.num_processes, process_index=self.process_index,
+                seed=None if seed is None else mix_seed(seed, k), description=description,
+            )
+            for trajectory in sorted((*batch.trajectories, *batch.failed), key=lambda t: t.group):
+                trajectory.rollout = k
+                rows.append(evaluation_row(trajectory))
+        metrics = {
+            **self.env.summarize(rows),
+            "num_rollouts": float(len(rows)),
+            "num_failed_to_run": float(sum(row["status"] != "completed" for row in rows)),
+        }
+        return EvaluationResult(rows, metrics)
+
+    def close(self) -> None:
+        """Release the engine's worker threads. The environment is left as it is."""
+        self.engine.close()
+
+
+def write_evaluation_viewer(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str) -> Path:
+    """The viewer page (every rollout, turn by turn) for evaluation rows, grouped by task."""
+    return write_viewer(sorted(rows, key=lambda row: (str(row["task_id"]), row["rollout"])), path, title=title)
+
+
+def format_metrics(metrics: Mapping[str, Any]) -> str:
+    """An evaluation's metrics, one ``name  value`` line each (numbers to 3 decimals)."""
+    width = max((len(name) for name in metrics), default=0)
+    return "\n".join(f"{name:<{width}}  {value:.3f}" if isinstance(value, float) else f"{name:<{width}}  {value}"
+                     for name, value in metrics.items())
+

@@ -3,19 +3,22 @@
     loop-eval --model_name_or_path Qwen/Qwen2.5-7B-Instruct [--adapter outputs/run] \\
         --environment appworld --split test_normal [--rollouts_per_task 1 --temperature 0]
 
-Writes ``results.jsonl`` (one row per rollout), ``metrics.json`` (success rate, mean reward, and
-TGC / SGC overall and per difficulty, computed as ``appworld evaluate`` computes them) and
-``viewer.html`` (every rollout, turn by turn) to ``output_dir``. With AppWorld, rollout k's world
-states are saved under the experiment ``<experiment_name>`` (k = 0) or ``<experiment_name>_rollout<k>``,
-so ``appworld evaluate <experiment> <split>`` can grade them too.
+Runs :class:`~loop_trainer.evaluation.Evaluator` (the trainer's evaluation pipeline) and writes
+``results.jsonl`` (one row per rollout), ``metrics.json`` (the environment's summary,
+``Environment.summarize``: success rate and mean reward; AppWorld adds TGC / SGC overall and per
+difficulty, computed as ``appworld evaluate`` computes them) and ``viewer.html`` (every rollout,
+turn by turn) to ``output_dir``. With AppWorld, rollout k's world states are saved under the
+experiment ``<experiment_name>`` (k = 0) or ``<experiment_name>_rollout<k>``, so
+``appworld evaluate <experiment> <split>`` can grade them too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,38 +27,33 @@ import torch
 from transformers import AutoModelForCausalLM
 from trl import ModelConfig
 
-from ..chat import ChatFormatter
+from ..chat import ChatFormatter, stop_token_ids
 from ..envs import Environment, EnvironmentSetupError, make_environment
-from ..evaluation import evaluation_row, format_report, summarize
+from ..episode_settings import EpisodeSettings
+from ..evaluation import Evaluator, format_metrics, write_evaluation_viewer
+from ..rollout import GenerationBackend, TransformersBackend
+from ..tiny import build_tiny_from_spec, build_word_tokenizer, is_tiny_spec, load_tokenizer
 from .recipe import RecipeError, ScriptArguments, parse_recipe
-from ..rollout import EpisodeLimits, GenerationBackend, RolloutEngine, TransformersBackend
-from ..tiny import build_tiny_from_spec, is_tiny_spec, load_tokenizer
-from ..viewer import write_viewer
 
 __all__ = ["EvalArguments", "cli", "evaluate"]
 logger = logging.getLogger("loop_trainer")
 
 
 @dataclass
-class EvalArguments(ScriptArguments):
-    """What to evaluate on and how (the model is TRL's ModelConfig: model_name_or_path, dtype, ...)."""
+class EvalArguments(ScriptArguments, EpisodeSettings):
+    """What to evaluate on and how (the model is TRL's ModelConfig: model_name_or_path, dtype, ...).
+    Episode limits and concurrency are :class:`EpisodeSettings`, so their defaults are training's."""
 
     environment: str = field(default="appworld", metadata={"help": "Environment name (as in loop-train)."})
     split: str = field(default="dev", metadata={"help": "Split to evaluate (AppWorld: dev, test_normal, ...)."})
     adapter: str | None = field(default=None, metadata={"help": "A PEFT adapter directory to load on the model."})
     rollouts_per_task: int = field(default=1, metadata={"help": "Independent rollouts of every task."})
     temperature: float = field(default=0.0, metadata={"help": "Sampling temperature; 0 is greedy."})
-    max_turns: int = field(default=40, metadata={"help": "Model replies per episode."})
-    max_new_tokens_per_turn: int = field(default=1500, metadata={"help": "Tokens one reply may have."})
-    max_trajectory_tokens: int = field(default=32768, metadata={"help": "Whole-conversation token budget."})
     max_tasks: int | None = field(default=None, metadata={"help": "Evaluate only the first N tasks of the split."})
     output_dir: str = field(default="eval", metadata={"help": "Where results, metrics and the viewer go."})
     experiment_name: str | None = field(
         default=None, metadata={"help": "AppWorld experiment name for the saved outputs (default: output_dir's name)."}
     )
-    max_concurrent_episodes: int = field(default=64, metadata={"help": "Episodes in flight at once."})
-    env_timeout: float = field(default=300.0, metadata={"help": "Seconds one environment call may take."})
-    generation_batch_limit: int = field(default=64, metadata={"help": "Most sequences generated in one batch."})
     seed: int = field(default=0, metadata={"help": "Sampling seed."})
 
     def __post_init__(self) -> None:
@@ -64,6 +62,10 @@ class EvalArguments(ScriptArguments):
             raise RecipeError("rollouts_per_task must be >= 1")
         if self.temperature < 0:
             raise RecipeError("temperature must be >= 0")
+        try:
+            self.check_episode_settings()
+        except ValueError as error:
+            raise RecipeError(str(error)) from None
 
 
 def load_policy(model_args: ModelConfig, eval_args: EvalArguments, env: Environment) -> tuple[Any, Any]:
@@ -103,10 +105,42 @@ def load_policy(model_args: ModelConfig, eval_args: EvalArguments, env: Environm
     return model, tokenizer
 
 
-def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    configured = configured if isinstance(configured, list) else [configured]
-    return sorted({i for i in [tokenizer.eos_token_id, *configured] if i is not None})
+def load_tokenizer_only(model_args: ModelConfig, eval_args: EvalArguments, env: Environment) -> Any:
+    """The policy's tokenizer without its weights (a generation backend was given)."""
+    name = model_args.model_name_or_path
+    if not name:
+        raise RecipeError("model_name_or_path is not set (a model id or a local directory)")
+    if is_tiny_spec(name):
+        label = name.split(":", 1)[1]
+        if label != env.name or not hasattr(env, "vocabulary"):
+            raise RecipeError(f"'{name}' is a tiny model for the '{label}' environment; the environment is '{env.name}'")
+        return build_word_tokenizer(env.vocabulary())
+    kwargs: dict[str, Any] = {"revision": model_args.model_revision, "trust_remote_code": getattr(model_args, "trust_remote_code", False)}
+    for source in dict.fromkeys(filter(None, (eval_args.adapter, name))):
+        try:
+            return load_tokenizer(source, **kwargs)
+        except (OSError, ValueError) as error:
+            reason = str(error).splitlines()[0]
+    raise RecipeError(f"cannot load a tokenizer from '{name}': {reason}")
+
+
+@contextlib.contextmanager
+def experiment_per_rollout(env: Environment, experiment: str) -> Iterator[Callable[[int], None] | None]:
+    """For environments that save their outputs under an experiment name (AppWorld), a
+    ``before_rollout`` hook naming rollout k's ``<experiment>`` (k = 0) or ``<experiment>_rollout<k>``;
+    the env's own name is put back afterwards (an env we were given leaves as it came)."""
+    if not hasattr(env, "experiment_name"):
+        yield None
+        return
+    original = env.experiment_name
+
+    def name_rollout(k: int) -> None:
+        env.experiment_name = experiment if k == 0 else f"{experiment}_rollout{k}"
+
+    try:
+        yield name_rollout
+    finally:
+        env.experiment_name = original
 
 
 def evaluate(
@@ -116,56 +150,56 @@ def evaluate(
     env: Environment | None = None,
     generation_backend: GenerationBackend | None = None,
 ) -> dict[str, Any]:
-    """Run the evaluation; return the metrics (also written to ``output_dir/metrics.json``)."""
+    """Run the evaluation; return the metrics (also written to ``output_dir/metrics.json``).
+
+    An ``env`` given here is used as it is and left open (its creator closes it): it is prepared
+    (a no-op if it already is) but gets no tokenizer; one built from ``eval_args`` is closed at
+    the end. With a ``generation_backend`` only the tokenizer is loaded, never the model."""
     torch.manual_seed(eval_args.seed)
+    owns_env = env is None
     if env is None:
         try:
             env = make_environment(eval_args.environment, **(eval_args.environment_kwargs or {}))
         except (ValueError, EnvironmentSetupError) as error:
             raise RecipeError(str(error)) from None
-    model, tokenizer = load_policy(model_args, eval_args, env)
-    tasks = env.tasks(eval_args.split)
-    if eval_args.max_tasks is not None:
-        tasks = tasks.select(range(min(eval_args.max_tasks, len(tasks))))
-    env.set_tokenizer(tokenizer)
-    env.prepare()
-    backend = generation_backend or TransformersBackend(
-        model, stop_token_ids=stop_token_ids(model, tokenizer), pad_token_id=tokenizer.pad_token_id
-        if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-        temperature=eval_args.temperature, max_batch_size=eval_args.generation_batch_limit,
-    )
-    limits = EpisodeLimits(eval_args.max_turns, eval_args.max_new_tokens_per_turn, eval_args.max_trajectory_tokens)
-    engine = RolloutEngine(
-        env, backend, ChatFormatter(tokenizer), limits, env_timeout=eval_args.env_timeout,
-        max_concurrent_episodes=min(eval_args.max_concurrent_episodes,
-                                    env.max_concurrent_episodes or eval_args.max_concurrent_episodes),
-    )
-    output_dir = Path(eval_args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    experiment = eval_args.experiment_name or output_dir.resolve().name
-    rows: list[dict[str, Any]] = []
-    task_rows = {str(row["task_id"]): row for row in tasks}
     try:
-        for k in range(eval_args.rollouts_per_task):
-            if hasattr(env, "experiment_name"):
-                env.experiment_name = experiment if k == 0 else f"{experiment}_rollout{k}"
-            batch = engine.collect(list(tasks), 1, description=f"eval rollout {k + 1}/{eval_args.rollouts_per_task}")
-            for trajectory in (*batch.trajectories, *batch.failed):
-                trajectory.rollout = k
-                rows.append(evaluation_row(trajectory, task_rows[trajectory.task_id],
-                                           experiment_name=getattr(env, "experiment_name", None)))
+        if generation_backend is None:
+            model, tokenizer = load_policy(model_args, eval_args, env)
+            pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            generation_backend = TransformersBackend(
+                model, stop_token_ids=stop_token_ids(model, tokenizer), pad_token_id=pad_token_id,
+                temperature=eval_args.temperature, max_batch_size=eval_args.generation_batch_limit,
+            )
+        else:
+            tokenizer = load_tokenizer_only(model_args, eval_args, env)
+        if owns_env:
+            env.set_tokenizer(tokenizer)
+        env.prepare()
+        output_dir = Path(eval_args.output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        experiment = eval_args.experiment_name or output_dir.resolve().name
+        evaluator = Evaluator(env, generation_backend, ChatFormatter(tokenizer), eval_args, show_progress=True)
+        try:
+            with experiment_per_rollout(env, experiment) as before_rollout:
+                result = evaluator.run(eval_args.split, rollouts_per_task=eval_args.rollouts_per_task,
+                                       seed=eval_args.seed, max_tasks=eval_args.max_tasks, before_rollout=before_rollout)
+        finally:
+            evaluator.close()
     finally:
-        engine.close()
-        env.close()
-    metrics = summarize(rows, eval_args.rollouts_per_task)
-    metrics.update(split=eval_args.split, model=model_args.model_name_or_path, adapter=eval_args.adapter,
-                   temperature=eval_args.temperature, experiment_name=experiment)
+        if owns_env:
+            env.close()
+    metrics: dict[str, Any] = {**result.metrics, "split": eval_args.split, "model": model_args.model_name_or_path,
+                               "adapter": eval_args.adapter, "temperature": eval_args.temperature}
+    if hasattr(env, "experiment_name"):  # where each rollout's saved world states are
+        metrics["experiment_name"] = experiment
+        for row in result.rows:
+            row["experiment_name"] = experiment if row["rollout"] == 0 else f"{experiment}_rollout{row['rollout']}"
     with open(output_dir / "results.jsonl", "w") as handle:
-        for row in rows:
+        for row in result.rows:
             handle.write(json.dumps(row, default=str) + "\n")
     (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    write_viewer(sorted(rows, key=lambda r: (r["task_id"], r["rollout"])), output_dir / "viewer.html",
-                 title=f"{env.name} · {eval_args.split} · {model_args.model_name_or_path}")
+    write_evaluation_viewer(result.rows, output_dir / "viewer.html",
+                            title=f"{env.name} · {eval_args.split} · {model_args.model_name_or_path}")
     return metrics
 
 
@@ -178,7 +212,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     except (RecipeError, EnvironmentSetupError) as error:
         print(f"loop-eval: error: {error}", file=sys.stderr)
         return 2
-    print(format_report(metrics))
+    print(format_metrics(metrics))
     print(f"results, metrics and viewer.html in {eval_args.output_dir}")
     return 0
 

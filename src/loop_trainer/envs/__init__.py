@@ -3,6 +3,11 @@
 ``make_environment(name, **kwargs)`` resolves ``name`` as, in order: a built-in environment, an
 entry point in the ``loop_trainer.environments`` group (how a separate package plugs one in), or an
 import path ``package.module:ClassName``.
+
+Only ``vault`` is built in: the demo, the tiny models and the tests need it, and it has no
+dependencies, so it must resolve even from a source tree with no installed metadata. AppWorld
+registers through the entry-point group, as a user's package would (see pyproject.toml), and is
+imported only when asked for by name.
 """
 
 from __future__ import annotations
@@ -12,12 +17,10 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
-from .base import Environment, EnvironmentSetupError, Episode, Message, Score, Step, as_score
-from .appworld import AppWorldRolloutEnv
+from .base import Environment, EnvironmentSetupError, Episode, Message, Score, Step, as_score, success_and_reward
 from .vault import VaultEnv
 
 __all__ = [
-    "AppWorldRolloutEnv",
     "Environment",
     "EnvironmentSetupError",
     "Episode",
@@ -28,9 +31,10 @@ __all__ = [
     "as_score",
     "available_environments",
     "make_environment",
+    "success_and_reward",
 ]
 
-BUILTIN: dict[str, Callable[..., Environment]] = {"vault": VaultEnv, "appworld": AppWorldRolloutEnv}
+BUILTIN: dict[str, Callable[..., Environment]] = {"vault": VaultEnv}
 ENTRY_POINT_GROUP = "loop_trainer.environments"
 
 

@@ -17,7 +17,7 @@ cancellations, and turns an exception or timeout in any method into one failed r
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,7 +91,8 @@ class Environment(ABC):
 
     def prepare(self) -> None:  # noqa: B027 - optional hook
         """Acquire environment-wide resources (start servers, ...) before the first episode, so
-        a broken setup fails at once with :class:`EnvironmentSetupError`."""
+        a broken setup fails at once with :class:`EnvironmentSetupError`. The trainer calls it
+        when training starts and ``loop-eval`` before evaluating: make a second call a no-op."""
 
     def set_tokenizer(self, tokenizer: Any) -> None:  # noqa: B027 - optional hook
         """Receive the policy's tokenizer (e.g. to cut observations to a token budget)."""
@@ -101,8 +102,30 @@ class Environment(ABC):
         with an ``env_`` prefix."""
         return {}
 
+    def summarize(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+        """An evaluation's summary, logged with an ``eval_`` prefix and written to ``loop-eval``'s
+        metrics.json. ``rows`` has one mapping per rollout, failed ones included: ``task_id``,
+        ``rollout`` (0 .. K-1), ``status`` ("completed" or "failed"), ``reward`` (0 when failed),
+        ``success`` (a bool; False when failed), ``info`` (the :class:`Score`'s) and the rest of
+        the trajectory's fields. Override it to report your own measures (AppWorld: TGC and SGC per
+        difficulty); the default is :func:`success_and_reward`."""
+        return success_and_reward(rows)
+
     def close(self) -> None:  # noqa: B027 - optional hook
-        """Release environment-wide resources (server pools, ...) at the end of training."""
+        """Release environment-wide resources (server pools, ...). Whoever created the environment
+        calls it (``loop-train`` and ``loop-eval`` do; the trainer never closes an env it was given)."""
+
+
+def success_and_reward(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """``success_rate`` and ``reward_mean`` over every rollout: one that failed to run counts as
+    unsuccessful with reward 0, so nothing is dropped (NaN when there are no rows)."""
+    if not rows:
+        return {"success_rate": float("nan"), "reward_mean": float("nan")}
+    completed = [row for row in rows if row["status"] == "completed"]
+    return {
+        "success_rate": sum(bool(row["success"]) for row in completed) / len(rows),
+        "reward_mean": sum(float(row["reward"]) for row in completed) / len(rows),
+    }
 
 
 def as_score(value: float | Score) -> Score:

@@ -24,12 +24,12 @@ The vocabulary is a few dozen words, so a tiny model built from a config (see
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from datasets import Dataset
 
-from .base import Environment, Episode, Message, Score, Step
+from .base import Environment, Episode, Message, Score, Step, success_and_reward
 
 PEOPLE = ("ann", "bob", "cat", "dan", "eve", "fay", "gus", "hal")
 ACCOUNT_IDS = tuple(f"k{i}" for i in range(10))
@@ -122,6 +122,16 @@ class VaultEnv(Environment):
 
     def episode(self, task: Mapping[str, Any]) -> VaultEpisode:
         return VaultEpisode(task)
+
+    def summarize(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+        """Success rate and mean reward, plus how often each check passed (``passed_found_person``
+        ...): which step of the protocol the agent gets wrong. Failed rollouts passed none."""
+        summary = success_and_reward(rows)
+        for check in CHECKS:
+            passed = sum(bool((row.get("info") or {}).get("checks", {}).get(check)) for row in rows
+                         if row["status"] == "completed")
+            summary[f"passed_{check}"] = passed / len(rows) if rows else float("nan")
+        return summary
 
     def demonstrations(self, num_conversations: int, accuracy: float = 0.5, seed: int = 0) -> list[list[Message]]:
         """Conversations of an agent that knows the protocol but is unreliable: each argument it

@@ -9,6 +9,7 @@ task's ``supervisor`` (first_name, last_name, email, phone_number), ``date`` and
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +25,14 @@ DEFAULT_PROMPT_DIR = Path(__file__).with_name("prompts")
 PROMPT_FILES = ("system.md", "intro.md", "example.yaml", "instructions.md", "task.md", "observation.md", "no_code.md")
 
 _CODE_BLOCK = re.compile(r"```python[^\n]*\n(.*?)```", re.DOTALL)
+# Plain text prompts (no autoescape); a missing variable is an error, not an empty string.
+_PROMPT_TEMPLATES = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False)
+
+
+@functools.lru_cache(maxsize=128)
+def _compiled(source: str) -> jinja2.Template:
+    """Each template text is compiled once: every episode renders the same few prompts."""
+    return _PROMPT_TEMPLATES.from_string(source)
 
 
 def extract_code(reply: str) -> str | None:
@@ -84,16 +93,14 @@ class ReActPrompts:
         return cls({name: (directory / name).read_text() for name in PROMPT_FILES}, **kwargs)
 
     def _render(self, name: str, **values: Any) -> str:
-        template = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False)
-        return template.from_string(self.templates[name]).render(**values).strip()
+        return _compiled(self.templates[name]).render(**values).strip()
 
     def opening_messages(self, supervisor: Mapping[str, Any], date: str, instruction: str) -> list[Message]:
         values = {"supervisor": supervisor, "date": date, "instruction": instruction}
         messages: list[Message] = [{"role": "system", "content": self._render("system.md", **values)}]
         _append(messages, "user", self._render("intro.md", **values))
         for turn in yaml.safe_load(self.templates["example.yaml"]) or []:
-            content = jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(turn["content"])
-            _append(messages, turn["role"], content.render(**values).strip())
+            _append(messages, turn["role"], _compiled(turn["content"]).render(**values).strip())
         _append(messages, "user", self._render("instructions.md", **values) + "\n\n" + self._render("task.md", **values))
         return messages
 

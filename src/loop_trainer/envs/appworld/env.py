@@ -18,14 +18,15 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from datasets import Dataset
 
-from ..base import Environment, Episode, Message, Score, Step
+from ..base import Environment, Episode, Message, Score, Step, success_and_reward
 from .agent import ReActPrompts, extract_code
 from .data import AppWorldData
+from .metrics import evaluation_summary
 from .pool import AppWorldCallError, AppWorldServer, AppWorldServerError, AppWorldServerPool
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,14 @@ class AppWorldRolloutEnv(Environment):
     def unclaim(self, experiment: str, task_id: str) -> None:
         with self._active_lock:
             self._active.discard((experiment, task_id))
+
+    def summarize(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+        """Success rate and mean reward, and TGC / SGC overall and per difficulty (``tgc``,
+        ``sgc``, ``tgc_difficulty_1`` ...), as ``appworld evaluate`` computes them."""
+        difficulty_of = {}
+        for task_id in {str(row["task_id"]) for row in rows}:  # from the data: failed rows have no score
+            difficulty_of[task_id] = int(self.data.metadata(task_id).get("difficulty", 0))
+        return {**success_and_reward(rows), **evaluation_summary(rows, difficulty_of)}
 
     def metrics(self) -> dict[str, float]:
         keys = ("restarts", "timeouts", "connection_errors", "server_errors", "episode_retries")

@@ -9,7 +9,7 @@ that numbers match its reports to the digit.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .data import scenario_id
@@ -42,3 +42,24 @@ def goal_completion_report(results: Mapping[str, Mapping[str, Any]]) -> dict[str
             {t: bool(r["success"]) for t, r in results.items() if int(r["difficulty"]) == level}
         )
     return report
+
+
+def evaluation_summary(rows: Sequence[Mapping[str, Any]], difficulty_of: Mapping[str, int]) -> dict[str, float]:
+    """``tgc`` / ``sgc`` overall and ``tgc_difficulty_<1..3>`` / ``sgc_difficulty_<1..3>`` for
+    evaluation rows (one per rollout, with ``task_id``, ``rollout``, ``status``, ``success``).
+
+    As ``appworld evaluate`` grades one experiment, i.e. one rollout of every task, the report is
+    computed per rollout index and then averaged. A rollout that failed to run is a failed task."""
+    per_rollout = []
+    for k in sorted({int(row["rollout"]) for row in rows}):
+        results = {str(row["task_id"]): {"success": row["status"] == "completed" and bool(row["success"]),
+                                         "difficulty": difficulty_of[str(row["task_id"])]}
+                   for row in rows if int(row["rollout"]) == k}
+        per_rollout.append(goal_completion_report(results))
+    summary: dict[str, float] = {}
+    for level in ("aggregate", "difficulty_1", "difficulty_2", "difficulty_3"):
+        suffix = "" if level == "aggregate" else f"_{level}"
+        for measure in ("tgc", "sgc"):
+            values = [report[level][measure] for report in per_rollout]
+            summary[f"{measure}{suffix}"] = sum(values) / len(values) if values else float("nan")
+    return summary

@@ -16,9 +16,10 @@ import atexit
 import logging
 import os
 import queue
+import shutil
 import signal
-import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -29,6 +30,7 @@ from typing import Any
 import requests
 
 from ..base import EnvironmentSetupError
+from ...net import free_local_port
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +46,10 @@ class AppWorldCallError(RuntimeError):
 
 def find_appworld_python(explicit: str | os.PathLike[str] | None = None) -> Path:
     """The AppWorld virtualenv's python: ``explicit``, ``$APPWORLD_PYTHON``, or the ``.appworld-venv``
-    link that ``make appworld`` leaves in the project (looked up from the working directory)."""
+    link that ``make appworld`` leaves in the project (looked up from the working directory and
+    its parents; never from this file's location, which is site-packages once installed)."""
     candidates = [explicit, os.environ.get("APPWORLD_PYTHON")]
-    for directory in (Path.cwd(), *Path.cwd().parents, Path(__file__).resolve().parents[4]):
+    for directory in (Path.cwd(), *Path.cwd().parents):
         candidates.append(directory / ".appworld-venv" / "bin" / "python")
     for candidate in candidates:
         if candidate and Path(candidate).is_file():
@@ -72,12 +75,6 @@ uvicorn.run("appworld.serve.environment:app", host=host, port=port, log_level="w
 """
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @dataclass
 class AppWorldServer:
     """One server: its address, and its process when it is ours."""
@@ -99,7 +96,11 @@ class AppWorldServer:
 
 
 class AppWorldServerPool:
-    """Starts, leases, health-checks and restarts AppWorld servers."""
+    """Starts, leases, health-checks and restarts AppWorld servers.
+
+    :meth:`close` stops our servers and removes the log directory the pool made for them (a
+    ``log_dir`` given by the caller is left in place); it also runs at interpreter exit.
+    """
 
     def __init__(
         self,
@@ -123,12 +124,12 @@ class AppWorldServerPool:
         self.request_timeout = request_timeout
         self.startup_timeout = startup_timeout
         self._log_dir = Path(log_dir) if log_dir else None
+        self._owns_log_dir = log_dir is None
         self._servers: list[AppWorldServer] = []
         self._idle: queue.Queue[AppWorldServer] = queue.Queue()
         self._started = False
         self._start_lock = threading.Lock()
         self._local = threading.local()  # requests.Session is not thread-safe: one per thread
-        atexit.register(self._terminate_all)
         self.stats: Counter[str] = Counter()
 
     # -- life cycle -------------------------------------------------------------------------
@@ -138,8 +139,9 @@ class AppWorldServerPool:
         with self._start_lock:
             if self._started:
                 return
-            if self._log_dir is None:
-                self._log_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"loop-appworld-{os.getpid()}"
+            atexit.register(self.close)
+            if self._owns_log_dir:
+                self._log_dir = Path(tempfile.mkdtemp(prefix=f"loop-appworld-{os.getpid()}-"))
             self._log_dir.mkdir(parents=True, exist_ok=True)
             if self.urls:
                 self._servers = [AppWorldServer(i, url) for i, url in enumerate(self.urls)]
@@ -160,7 +162,7 @@ class AppWorldServerPool:
             logger.info("AppWorld servers ready: %s", ", ".join(s.url for s in self._servers))
 
     def _launch(self, server: AppWorldServer) -> None:
-        port = _free_port()
+        port = free_local_port()
         server.url = f"http://127.0.0.1:{port}"
         command = [str(self.python), "-c", _SERVER_MAIN, "127.0.0.1", str(port), str(os.getpid())]
         environment = {**os.environ, "APPWORLD_ROOT": str(self.root), "PYTHONUNBUFFERED": "1"}
@@ -209,9 +211,16 @@ class AppWorldServerPool:
             self._terminate(server)
 
     def close(self) -> None:
-        """Stop our servers (remote ones are left running)."""
-        self._terminate_all()
-        self._started = False
+        """Stop our servers (remote ones are left running) and remove the log directory the pool
+        made. Idempotent; the pool starts again on the next :meth:`acquire`."""
+        with self._start_lock:
+            self._terminate_all()
+            self._servers, self._idle = [], queue.Queue()
+            self._started = False
+            if self._owns_log_dir and self._log_dir is not None:
+                shutil.rmtree(self._log_dir, ignore_errors=True)
+                self._log_dir = None
+            atexit.unregister(self.close)
 
     def __del__(self) -> None:  # a crashed trainer must not leave orphan servers behind
         try:

@@ -3,7 +3,7 @@
 Run it as a file under the AppWorld venv's python (it imports ``appworld``; the main
 ``loop_trainer`` package never imports it, and it imports nothing from ``loop_trainer``)::
 
-    .appworld-venv/bin/python src/loop_trainer/envs/appworld/worldgen.py --root DIR
+    .appworld-venv/bin/python tests/support/worldgen.py --root DIR
 
 It writes ``DIR/data`` (api_docs, base_dbs, tasks/<id>/{specs.json,dbs,ground_truth}, datasets)
 so that ``APPWORLD_ROOT=DIR`` works for ``appworld.AppWorld``, the environment server

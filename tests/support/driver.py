@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -14,15 +13,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[3]
+from loop_trainer.net import free_local_port
+
+ROOT = Path(__file__).resolve().parents[2]  # tests/support/ -> the repository
 DRIVER = ROOT / "tests" / "ddp_driver.py"
 PYTHON = [sys.executable]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_driver(launcher: Sequence[str], output_dir: Path, cases: Mapping[str, dict], *, label: str,

@@ -1,8 +1,8 @@
-"""A small synthetic AppWorld world, built offline, for tests and demos.
+"""A small synthetic AppWorld world, built offline, for the tests (not shipped in the package).
 
 AppWorld runs in its own virtualenv (its pins clash with the main one); this module only shells
 out to it. :func:`build_synthetic_world` makes that venv (``tools/ensure_appworld_venv.sh``) and
-runs ``src/loop_trainer/envs/appworld/worldgen.py`` under it, once per version of the generator
+runs ``tests/support/worldgen.py`` under it, once per version of the generator
 and of ``requirements/appworld.lock``, into a cache dir. The returned root holds ``data/``
 (AppWorld format: ``APPWORLD_ROOT=<root>`` works for ``appworld.AppWorld``, the environment
 server and ``appworld evaluate``) and ``synthetic_solutions.json`` (per task: solution code,
@@ -26,7 +26,7 @@ from pathlib import Path
 
 __all__ = ["appworld_python", "build_synthetic_world", "ensure_appworld_venv", "repo_root"]
 
-WORLDGEN = Path(__file__).resolve().parents[1] / "envs" / "appworld" / "worldgen.py"
+WORLDGEN = Path(__file__).resolve().with_name("worldgen.py")
 COMPLETE_MARKER = ".complete"
 
 
@@ -35,13 +35,10 @@ def _cache_dir() -> Path:
 
 
 def repo_root() -> Path:
-    """The source checkout this (editable-installed) package lives in."""
-    root = Path(__file__).resolve().parents[3]
+    """The source checkout these tests live in (tests/support/ -> the repository)."""
+    root = Path(__file__).resolve().parents[2]
     if not (root / "tools" / "ensure_appworld_venv.sh").is_file():
-        raise RuntimeError(
-            f"tools/ensure_appworld_venv.sh not found under {root}: the AppWorld helpers need the "
-            "loop_trainer source checkout (pip install -e .), not an installed wheel."
-        )
+        raise RuntimeError(f"tools/ensure_appworld_venv.sh not found under {root}: run the tests from a source checkout")
     return root
 
 
