@@ -9,6 +9,7 @@ runs: upload modes, LFS hashing, the commit payload; the tests read back what it
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -22,7 +23,7 @@ import torch
 import yaml
 from huggingface_hub.utils._http import default_client_factory
 
-from loop_trainer import hub
+from loop_trainer.publishing import hub
 from loop_trainer.config import LOOPConfig
 
 REPO = "loop-user/vault-loop"
@@ -31,9 +32,9 @@ LFS_SUFFIXES = (".safetensors", ".png")
 TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
 EXTRAS = {"README.md", "recipe.yaml", "metrics.jsonl", "learning_curve.png"}
 ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors"}
-EVAL = {"split": "dev", "iteration": 10, "tgc": 41.2, "sgc": 20.0,
-        "per_difficulty": {"difficulty_1": {"tgc": 66.7, "sgc": 50.0}, "difficulty_2": {"tgc": 33.3, "sgc": 0.0}},
-        "success_rate": 0.4}
+# The latest evaluation as the trainer passes it: the environment's summary, whatever it reports.
+EVAL = {"split": "dev", "iteration": 10,
+        "metrics": {"success_rate": 0.4, "tgc": 41.2, "sgc": 20.0, "tgc_difficulty_1": 66.7, "sgc_difficulty_2": 0.0}}
 HISTORY = [{"iteration": 1, "reward_mean": 0.125}, {"iteration": 2, "reward_mean": 0.25}, {"iteration": 3, "reward_mean": 0.5}]
 
 
@@ -197,20 +198,25 @@ def test_model_card_content(tmp_path, built, run_dir):
     assert meta["pipeline_tag"] == "text-generation"
     assert {"trl", "loop", "reinforcement-learning", "lora", "vault"} <= set(meta["tags"])
     assert "license" not in meta
-    # results: the latest dev TGC/SGC, per difficulty, and the training reward
-    assert "| dev | 10 | 41.2 | 20.0 |" in text
-    assert "| difficulty 1 | 66.7 | 50.0 |" in text and "| difficulty 2 | 33.3 | 0.0 |" in text
-    assert "not evaluated" not in text
+    # results: the environment's evaluation summary as reported, in its order, and the training reward
+    assert "Latest evaluation: split `dev`, after iteration 10, as the `vault` environment summarises it." in text
+    rows = ["| `success_rate` | 0.4 |", "| `tgc` | 41.2 |", "| `sgc` | 20.0 |", "| `tgc_difficulty_1` | 66.7 |",
+            "| `sgc_difficulty_2` | 0.0 |"]
+    assert all(row in text for row in rows) and sorted(rows, key=text.index) == rows
+    assert "not evaluated" not in text and "TGC" not in text  # nothing AppWorld-specific in the card's prose
     assert "0.500 at iteration 3 (from 0.125 at iteration 1)" in text
     assert "for 3 LOOP iterations (of 10 planned)" in text and "`vault` environment" in text
-    # the hyperparameters of the run, and the adapter's
-    for row in ("| `rollouts_per_task` | 4 |", "| `tasks_per_iteration` | 8 |", "| `minibatch_size` | 16 |",
-                "| `ppo_epochs` | 3 |", "| `epsilon` | 0.2 |", "| `learning_rate` | 3e-05 |",
-                "| `max_grad_norm` | 0.5 |", "| `weight_decay` | 0.01 |", "| `iterations` | 10 |",
-                "| `train_split` | train |", "| `max_turns` | 12 |", "| `max_new_tokens_per_turn` | 64 |",
-                "| `max_trajectory_tokens` | 2048 |", "| `seed` | 7 |",
+    # the run's LOOP settings with the paper's values, and the adapter's
+    for row in ("| `rollouts_per_task` | 4 | 6 |", "| `tasks_per_iteration` | 8 | 40 |", "| `minibatch_size` | 16 | 32 |",
+                "| `ppo_epochs` | 3 | 2 |", "| `epsilon` | 0.2 | 0.1 |", "| `learning_rate` | 3e-05 | 5e-05 |",
+                "| `max_grad_norm` | 0.5 | 0.1 |", "| `weight_decay` | 0.01 | 0.01 |", "| `iterations` | 10 | 200 |",
+                "| `train_split` | train |  |", "| `max_turns` | 12 | 40 |", "| `max_new_tokens_per_turn` | 64 | 1500 |",
+                "| `max_trajectory_tokens` | 2048 | 32768 |", "| `seed` | 7 |  |",
+                "| `early_stop_done_fraction` | 1.0 | 0.9 |", "| `max_concurrent_episodes` | 256 |  |",
                 "| `r` | 4 |", "| `target_modules` | `q_proj`, `v_proj` |"):
         assert row in text, row
+    # inherited trainer fields LOOP does not use, and local paths, stay out
+    assert "| `vllm_sync_dir` |" not in text and "| `output_dir` |" not in text and "| `beta` |" not in text
     # loading with PEFT, serving with vLLM
     assert f'PeftModel.from_pretrained(base, "{REPO}")' in text
     assert 'AutoModelForCausalLM.from_pretrained("Qwen/Qwen2.5-7B-Instruct"' in text
@@ -238,10 +244,29 @@ def test_model_card_not_evaluated_and_local_base(tmp_path):
     assert "base_model" not in meta  # not a Hub id: named in the text only
     assert meta["library_name"] == "transformers" and meta["license"] == "apache-2.0"
     assert "**not evaluated**" in text
-    assert "| `rollouts_per_task` | 6 |" in text and "| `learning_rate` | 5e-05 |" in text  # LOOPConfig defaults
+    assert "| `rollouts_per_task` | 6 | 6 |" in text and "| `learning_rate` | 5e-05 | 5e-05 |" in text  # the defaults
     assert "vllm serve <user>/out" in text and "PeftModel" not in text
     assert "Mean training reward" not in text and "recipe.yaml" not in text
     assert not (tmp_path / "out" / "recipe.yaml").exists()
+
+
+def test_card_follows_the_config_and_any_environment_summary(tmp_path):
+    """The settings table is read off the config (a field LOOP gains shows up by itself) and the
+    results table shows whatever the environment's summary reports."""
+
+    @dataclasses.dataclass
+    class MazeConfig(LOOPConfig):
+        maze_size: int = 9
+
+    args = MazeConfig(output_dir=str(tmp_path / "args"), report_to="none", disable_tqdm=True, minibatch_size=8)
+    summary = {"split": "val", "iteration": 4, "metrics": {"solved": 0.125, "steps_mean": 17.5}}
+    text = hub.write_model_card(tmp_path / "out", base_model=None, args=args, environment="maze",
+                                eval_metrics=summary).read_text()
+    assert "| `maze_size` | 9 |  |" in text and "| `minibatch_size` | 8 | 32 |" in text
+    assert "| `solved` | 0.125 |" in text and "| `steps_mean` | 17.5 |" in text
+    with pytest.raises(ValueError, match="eval_metrics must be .*got keys \\['iteration', 'split', 'tgc'\\]"):
+        hub.write_model_card(tmp_path / "out", base_model=None, args=args,
+                             eval_metrics={"split": "dev", "iteration": 1, "tgc": 41.2})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -291,7 +316,7 @@ def test_push_merged_weights(tmp_path, built, run_dir, fake_hub):
     assert meta["library_name"] == "transformers" and "lora" not in meta["tags"]
     assert "LoRA adapter\nmerged in" in card or "LoRA adapter merged in" in card.replace("\n", " ")
     assert f"vllm serve {REPO}" in card and "--enable-lora" not in card
-    assert "| `r` | 4 |" in card and "| dev | 10 | 41.2 | 20.0 |" in card
+    assert "| `r` | 4 |" in card and "| `tgc` | 41.2 |" in card
     # the merged weights compute what base + adapter compute; the adapter run folder is untouched
     from transformers import AutoModelForCausalLM
 
@@ -381,6 +406,7 @@ def test_a_short_loop_run_pushes_every_save_then_the_final_adapter(tmp_path, fak
     assert final == ADAPTER_FILES | TOKENIZER_FILES | EXTRAS
     card = fake_hub.commits[-1]["files"]["README.md"].decode()
     assert "2502.01600" in card and "PeftModel" in card and "--enable-lora" in card
-    assert "not evaluated" not in card and f"{trainer.latest_eval['tgc']}" in card  # the latest evaluation
+    assert "not evaluated" not in card and "Latest evaluation: split `test`, after iteration 2" in card
+    assert "| `success_rate` |" in card and "| `reward_mean` |" in card  # vault's summary
     assert yaml.safe_load(fake_hub.commits[-1]["files"]["recipe.yaml"]) == {"environment": "vault", "iterations": 2,
                                                                              "lora_r": 4}

@@ -1,5 +1,5 @@
 """The dry-run memory planner: exact parameter counts, shipped shapes, and plans that fit or refuse
-with a knob to turn. Pure arithmetic: no GPU, no torch, no network."""
+with a knob to turn. No GPU, no weights, no network: parameters are counted on meta-device models."""
 
 from __future__ import annotations
 
@@ -66,6 +66,41 @@ def test_load_from_local_directory(tmp_path):
     shape = load_model_shape(str(tmp_path))
     layer = 64 * 64 + 64 + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64
     assert shape.num_params == 1000 * 64 + 2 * layer + 64  # tied: no separate lm_head
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 3,
+     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500, "tie_word_embeddings": False},
+    {"model_type": "phi3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+     "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 300, "pad_token_id": 0},
+    {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": True},
+], ids=lambda config: config["model_type"])
+def test_any_architecture_counts_like_the_real_model(tmp_path, config):
+    """Parameter and LoRA counts equal those of the model transformers and PEFT build (no hand
+    formula per architecture: Phi-3 fuses q/k/v and gate/up, Llama has no attention biases)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = load_model_shape(str(tmp_path))
+    values = dict(config)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values))
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert shape.embedding_params == model.get_input_embeddings().weight.numel()
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+    assert shape.lora_params(4, "all-linear") == sum(p.numel() for p in lora.parameters() if p.requires_grad)
+
+
+def test_dry_run_tiny_config_and_unknown_architecture(tmp_path):
+    from loop_trainer.tiny import tiny_config
+
+    shape = ModelShape.from_config(tiny_config(vocab_size=1024).to_dict(), "tiny:vault")
+    assert shape.num_hidden_layers == 2 and shape.num_params > 0
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-architecture", "hidden_size": 8}))
+    with pytest.raises(ValueError, match="model_type 'no-such-architecture'") as error:
+        load_model_shape(str(tmp_path))
+    assert "\n" not in str(error.value)
 
 
 def test_unknown_model_error(tmp_path):

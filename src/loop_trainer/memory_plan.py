@@ -1,5 +1,5 @@
-"""Per-GPU memory plan for a LOOP run (``loop-train --config RECIPE --dry-run``): pure arithmetic over
-the model's config.json, no torch and no GPU.
+"""Per-GPU memory plan for a LOOP run (``loop-train --config RECIPE --dry-run``): arithmetic over
+the model's config.json, no GPU and no weights (parameters are counted on a meta-device model).
 
 Assumptions (estimates, not measurements; the start-up stress test measures the real thing):
   * DeepSpeed ZeRO stage 3 (1 and 2 shard less), bf16 mixed precision, AdamW. Full fine-tuning keeps
@@ -7,6 +7,8 @@ Assumptions (estimates, not measurements; the start-up stress test measures the 
   * LoRA: the bf16 base is frozen (2 bytes/param, sharded by ZeRO-3); each adapter weight costs the
     same 18 bytes; lora_dropout 0 unless lora["dropout"] says otherwise (dropout copies each input).
   * No reference model (LOOP's beta is 0). Flash/SDPA attention: no [T x T] scores.
+  * Activations follow a Qwen2/Llama-style decoder layer (attention + gated MLP); parameter counts
+    are exact for any architecture transformers can build.
   * The vLLM reservation is ``utilization x GPU memory``: weights / TP, and the KV cache takes the
     rest (vLLM's own activation/CUDA-graph workspace is ignored, so capacity is slightly optimistic).
 """
@@ -17,47 +19,90 @@ import json
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 1.5  # CUDA context + NCCL buffers + caching-allocator fragmentation (estimate)
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LinearLayer:
+    """One ``nn.Linear`` of the model: its short name (as LoRA's ``target_modules`` names it) and shape."""
+
+    name: str
+    in_features: int
+    out_features: int
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The shape of a Qwen2-style decoder (Llama-style when ``attention_bias`` is false)."""
+    """What the plan needs of a decoder: its dimensions (from the config) and its parameter counts
+    (counted on the model transformers builds from that config, on the meta device)."""
 
     name: str
+    model_type: str
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     vocab_size: int
-    tie_word_embeddings: bool = False
-    attention_bias: bool = True
-    max_position_embeddings: int | None = None
-    model_type: str = "qwen2"
-    explicit_head_dim: int | None = None
+    head_dim: int
+    max_position_embeddings: int | None
+    num_params: int
+    """Every parameter once (tied input/output embeddings count once)."""
+    embedding_params: int
+    """The input embedding: the largest single tensor ZeRO-3 gathers."""
+    layer_params: int
+    """The largest decoder layer."""
+    linear_layers: tuple[LinearLayer, ...]
+    """Every linear layer but the output head: what ``all-linear`` LoRA adapts."""
 
     @classmethod
-    def from_config(cls, config: dict, name: str) -> ModelShape:
-        config = config.get("text_config", config)  # multimodal configs nest the decoder
-        model_type = config.get("model_type", "qwen2")
-        return cls(
-            name=name, model_type=model_type, hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"], num_hidden_layers=config["num_hidden_layers"],
-            num_attention_heads=config["num_attention_heads"],
-            num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-            vocab_size=config["vocab_size"], tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
-            max_position_embeddings=config.get("max_position_embeddings"),
-            explicit_head_dim=config.get("head_dim"),
-        )
+    def from_config(cls, config: dict[str, Any] | Any, name: str) -> ModelShape:
+        """``config``: a config.json's contents or a transformers config."""
+        import torch
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-    @property
-    def head_dim(self) -> int:
-        return self.explicit_head_dim or self.hidden_size // self.num_attention_heads
+        if not isinstance(config, PretrainedConfig):
+            values = dict(config)
+            model_type = values.pop("model_type", None)
+            if not model_type:
+                raise ValueError(f"memory plan: {name}'s config.json has no model_type")
+            try:
+                config = AutoConfig.for_model(model_type, **values)
+            except (KeyError, ValueError) as error:
+                raise ValueError(f"memory plan: transformers does not know model_type {model_type!r} of {name}: "
+                                 f"{error}".replace("\n", " ")) from None
+        text = config.get_text_config()  # multimodal configs nest the decoder
+        try:
+            with init_empty_weights():
+                model = AutoModelForCausalLM.from_config(text)
+        except (KeyError, ValueError) as error:
+            raise ValueError(f"memory plan: transformers cannot build a causal LM from {name}'s config "
+                             f"(model_type {text.model_type!r}): {error}".replace("\n", " ")) from None
+        # init_empty_weights re-registers every parameter, which undoes the input/output embedding tie.
+        model.tie_weights()
+        output = model.get_output_embeddings()
+        linears = tuple(LinearLayer(module_name.rsplit(".", 1)[-1], module.in_features, module.out_features)
+                        for module_name, module in model.named_modules()
+                        if isinstance(module, torch.nn.Linear) and module is not output)
+        layer_lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == text.num_hidden_layers]
+        if not layer_lists:
+            raise ValueError(f"memory plan: found no list of {text.num_hidden_layers} decoder layers in {type(model).__name__}")
+        heads = text.num_attention_heads
+        return cls(
+            name=name, model_type=text.model_type, hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size, num_hidden_layers=text.num_hidden_layers,
+            num_attention_heads=heads, num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+            vocab_size=text.vocab_size, head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            max_position_embeddings=getattr(text, "max_position_embeddings", None),
+            num_params=sum(p.numel() for p in model.parameters()),
+            embedding_params=model.get_input_embeddings().weight.numel(),
+            layer_params=max(sum(p.numel() for p in layer.parameters()) for layer in layer_lists[0]),
+            linear_layers=linears,
+        )
 
     @property
     def q_dim(self) -> int:
@@ -68,36 +113,17 @@ class ModelShape:
         return self.num_key_value_heads * self.head_dim
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each linear layer of one decoder layer."""
-        h, i = self.hidden_size, self.intermediate_size
-        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
-                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    @property
-    def layer_params(self) -> int:
-        """Linear weights + q/k/v biases (Qwen2) + input and post-attention RMSNorm weights."""
-        weights = sum(n_in * n_out for n_in, n_out in self.linear_shapes().values())
-        biases = (self.q_dim + 2 * self.kv_dim) if self.attention_bias else 0
-        return weights + biases + 2 * self.hidden_size
-
-    @property
-    def num_params(self) -> int:
-        """embed + layers + final norm + lm_head (unless tied to the embedding)."""
-        lm_head = 0 if self.tie_word_embeddings else self.embedding_params
-        return self.embedding_params + self.num_hidden_layers * self.layer_params + self.hidden_size + lm_head
+        """(in_features, out_features) of each kind of linear layer, by short name."""
+        return {layer.name: (layer.in_features, layer.out_features) for layer in self.linear_layers}
 
     def lora_params(self, r: int, target_modules: str | list[str]) -> int:
-        """r x (in + out) per targeted linear per layer ("all-linear" = the seven projections)."""
-        targets = list(LINEARS) if target_modules == "all-linear" else [t.split(".")[-1] for t in target_modules]
-        unknown = sorted(set(targets) - set(LINEARS))
+        """r x (in + out) per targeted linear layer ("all-linear": every one but the output head)."""
+        known = self.linear_shapes()
+        targets = set(known) if target_modules == "all-linear" else {t.split(".")[-1] for t in target_modules}
+        unknown = sorted(targets - set(known))
         if unknown:
-            raise ValueError(f"memory plan: unknown LoRA target_modules {unknown}; use 'all-linear' or names from {list(LINEARS)}")
-        shapes = self.linear_shapes()
-        return self.num_hidden_layers * sum(r * sum(shapes[t]) for t in set(targets))
+            raise ValueError(f"memory plan: unknown LoRA target_modules {unknown}; use 'all-linear' or names from {sorted(known)}")
+        return sum(r * (layer.in_features + layer.out_features) for layer in self.linear_layers if layer.name in targets)
 
     def kv_bytes_per_token(self, tensor_parallel_size: int = 1, dtype_bytes: int = 2) -> int:
         """K and V, every layer: 2 x layers x kv_heads x head_dim x bytes (heads split over TP ranks,
@@ -220,8 +246,9 @@ def plan_memory(shape: ModelShape, *, world_size: int = 1, gpu_memory_gib: float
     # down out h  =>  8h + 3kv + 4I elements (+ LoRA dropout copies of each targeted input).
     per_token = 8 * h + 3 * kv + 4 * i
     if lora and lora.get("dropout", lora.get("lora_dropout", 0)) > 0:
-        targets = LINEARS if lora.get("target_modules", "all-linear") == "all-linear" else lora["target_modules"]
-        per_token += sum(shape.linear_shapes()[t.split(".")[-1]][0] for t in targets)
+        shapes = shape.linear_shapes()
+        targets = shapes if lora.get("target_modules", "all-linear") == "all-linear" else lora["target_modules"]
+        per_token += sum(shapes[t.split(".")[-1]][0] for t in targets)
     if activation_checkpointing:
         rows.append(MemoryRow("checkpointed layer inputs", _gib(layers * tokens * h * wb),
                               f"{layers} layers x T={tokens} x {h} x {wb} B", train))
