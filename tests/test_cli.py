@@ -49,8 +49,9 @@ def test_yaml_sets_defaults_and_flags_override(tmp_path):
         ("lerning_rate: 0.1\n", [], "unknown key 'lerning_rate' in .* \\(did you mean 'learning_rate'\\?\\)"),
         ("learning_rate: fast\n", [], "learning_rate.*invalid float value: 'fast'"),
         ("iterations: 0\n", [], "iterations must be >= 1"),
-        ("beta: 0.04\n", [], "beta=0.04 is not supported by LOOP"),
-        ("", ["--rollouts_per_tsk", "4"], "unknown option '--rollouts_per_tsk' \\(did you mean '--rollouts_per_task'|rollouts_per_task"),
+        ("beta: 0.04\n", [], "LOOPConfig: beta=0.04 is not used by LOOP \\(LOOP has no KL penalty"),
+        ("", ["--rollouts_per_tsk", "4"], "^unknown option '--rollouts_per_tsk' \\(did you mean '--rollouts_per_task'\\?\\)$"),
+        ("", ["--rollouts_per_tsk=4"], "^unknown option '--rollouts_per_tsk' \\(did you mean '--rollouts_per_task'\\?\\)$"),
         ("- a list\n", [], "must contain a YAML mapping"),
         ("environment_kwargs: '{bad json'\n", [], "environment_kwargs is not valid JSON"),
     ],
@@ -59,6 +60,15 @@ def test_recipe_mistakes_are_one_line(tmp_path, recipe, flags, message):
     path = write(tmp_path, "output_dir: out\n" + recipe if not recipe.startswith("-") else recipe)
     with pytest.raises(RecipeError, match=message):
         parse_recipe(["--config", path, *flags])
+
+
+def test_config_in_the_equals_form(tmp_path):
+    path = write(tmp_path, "output_dir: out\niterations: 7\n")
+    script, args, model = parse_recipe([f"--config={path}", "--iterations=3"])
+    assert (args.iterations, args.output_dir) == (3, "out")
+    assert script.effective_recipe == {"output_dir": "out", "iterations": 3}
+    with pytest.raises(RecipeError, match="--config needs a path to a YAML recipe"):
+        parse_recipe(["--config="])
 
 
 def test_missing_recipe_file():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Any
 
 from trl import ModelConfig
@@ -23,6 +24,13 @@ from ..tiny import is_tiny_spec, tiny_config
 EXIT_DOES_NOT_FIT = 3
 MODEL_KEYS = ("model_name_or_path", "dtype", "attn_implementation", "use_peft", "lora_r", "lora_alpha",
               "lora_dropout", "lora_target_modules")
+# plan_memory's advice names its own parameters; a recipe sets them through these keys (see plan_for).
+RECIPE_KEY_OF_PLAN_PARAMETER = {
+    "vllm_sleep_mode": "vllm_enable_sleep_mode",
+    "generation_batch": "generation_batch_limit",
+    "world_size": "plan_gpus",
+    "lora": "use_peft: true",
+}
 GENERATION_KEYS = ("use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
                    "vllm_enable_sleep_mode", "generation_batch_limit")
 
@@ -63,8 +71,16 @@ def plan_for(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCo
             max_trajectory_tokens=args.max_trajectory_tokens, vllm_server=args.use_vllm and args.vllm_mode == "server",
         )
     except ValueError as error:
-        raise RecipeError(str(error)) from None
+        raise RecipeError(in_recipe_keys(str(error))) from None
+    plan.reasons = [in_recipe_keys(reason) for reason in plan.reasons]
+    plan.notes = [in_recipe_keys(note) for note in plan.notes]
     return plan, world
+
+
+def in_recipe_keys(advice: str) -> str:
+    """``advice`` from the memory plan with each plan parameter named by the recipe key that sets it."""
+    pattern = r"\b(" + "|".join(RECIPE_KEY_OF_PLAN_PARAMETER) + r")\b"
+    return re.sub(pattern, lambda match: RECIPE_KEY_OF_PLAN_PARAMETER[match.group(1)], advice)
 
 
 def effective_configuration(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelConfig) -> str:

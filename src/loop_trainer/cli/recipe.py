@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 from trl import ModelConfig, TrlParser
 
-from ..config import LOOPConfig
+from ..config import REFUSED_INHERITED_KEYS, LOOPConfig, refused_key_message
 
 
 class RecipeError(ValueError):
@@ -74,9 +74,40 @@ def _known_keys(classes: Sequence[type]) -> set[str]:
     return {f.name for cls in classes for f in dataclasses.fields(cls)}
 
 
-def _did_you_mean(key: str, classes: Sequence[type]) -> str:
+def _did_you_mean(key: str, classes: Sequence[type], prefix: str = "") -> str:
+    """A hint spelled as the user spelled the mistake: ``prefix`` is ``--`` for a flag, empty for a YAML key."""
     close = difflib.get_close_matches(key, sorted(_known_keys(classes)), n=1, cutoff=0.7)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+
+
+def _flag_values(argv: Sequence[str]) -> dict[str, Any]:
+    """``--key value``, ``--key v1 v2`` and ``--key=value`` as {key: value}, each value typed as YAML
+    would type it (a bare ``--key`` is ``True``)."""
+    values: dict[str, Any] = {}
+    key = None
+    for token in argv:
+        if token.startswith("--"):
+            key, has_value, value = token[2:].partition("=")
+            key = key.replace("-", "_")
+            values[key] = [value] if has_value else []
+        elif key is not None:
+            values[key].append(token)
+    def typed(token: str) -> Any:
+        try:
+            return yaml.safe_load(token) if token else token
+        except yaml.YAMLError:
+            return token
+
+    return {key: True if not tokens else typed(tokens[0]) if len(tokens) == 1 else [typed(t) for t in tokens]
+            for key, tokens in values.items()}
+
+
+def _refuse_unused_inherited_keys(given: dict[str, Any]) -> None:
+    """A recipe key or flag LOOP does not use stops the run even when it repeats TRL's default:
+    ``loss_type: dapo`` in a recipe means its author expects DAPO's loss, which LOOP never computes."""
+    for key, value in given.items():
+        if key in REFUSED_INHERITED_KEYS:
+            raise RecipeError(refused_key_message(key, value))
 
 
 def _as_flags(config: dict[str, Any], source: str, classes: Sequence[type]) -> tuple[list[str], dict[str, Any]]:
@@ -109,12 +140,18 @@ def parse_recipe(argv: Sequence[str] | None = None, classes: Sequence[type] = DA
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = make_parser(classes)
     config_flags: list[str] = []
-    if "--config" in argv:
-        index = argv.index("--config")
-        if index + 1 >= len(argv):
-            raise RecipeError("--config needs a path to a YAML recipe")
-        path = argv[index + 1]
-        del argv[index : index + 2]
+    config: dict[str, Any] = {}
+    index = next((i for i, token in enumerate(argv) if token == "--config" or token.startswith("--config=")), None)
+    if index is not None:
+        if argv[index] == "--config":
+            if index + 1 >= len(argv):
+                raise RecipeError("--config needs a path to a YAML recipe")
+            path = argv.pop(index + 1)
+        else:
+            path = argv[index].split("=", 1)[1]
+            if not path:
+                raise RecipeError("--config needs a path to a YAML recipe")
+        del argv[index]
         if not os.path.isfile(path):
             raise RecipeError(f"recipe file not found: {path}")
         try:
@@ -133,7 +170,9 @@ def parse_recipe(argv: Sequence[str] | None = None, classes: Sequence[type] = DA
     for token in argv:
         if token.startswith("--") and token[2:].split("=", 1)[0].replace("-", "_") not in _known_keys(classes):
             key = token[2:].split("=", 1)[0]
-            raise RecipeError(f"unknown option '--{key}'{_did_you_mean(key, classes)}")
+            raise RecipeError(f"unknown option '--{key}'{_did_you_mean(key, classes, prefix='--')}")
+    if LOOPConfig in classes:
+        _refuse_unused_inherited_keys({**config, **_flag_values(argv)})
     try:
         parsed = tuple(parser.parse_args_into_dataclasses(args=config_flags + argv))
     except RecipeError:
