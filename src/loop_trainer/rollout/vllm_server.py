@@ -7,9 +7,9 @@ continuously. Weights travel through a directory both sides can read (``vllm_syn
 the shared filesystem of a cluster):
 
 * LoRA: the main process saves the adapter there and hot-swaps it with ``/v1/load_lora_adapter``.
-* Full weights: the main process writes them in shards of at most ``shard_bytes`` (filled one
-  decoder layer at a time) and the server reloads them in place (``/collective_rpc``
-  ``reload_weights``, a dev-mode endpoint).
+* Full weights: the main process writes the layer-by-layer stream in shards of at most
+  ``shard_bytes`` (2 GiB; a single tensor larger than that gets a shard of its own) and the server
+  reloads them in place (``/collective_rpc`` ``reload_weights``, a dev-mode endpoint).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import requests
 import torch
 from requests.adapters import HTTPAdapter
 
-from .backend import Completion
+from .backend import Completion, TemperatureView
 
 SERVER_FLAGS = ("--enable-lora --max-lora-rank <r> (LoRA runs), --logprobs-mode processed_logprobs, "
                 "--generation-config vllm")
@@ -47,6 +47,11 @@ class VLLMServerBackend:
         is_main_process: only the main process writes to ``sync_dir`` and calls the server's
             weight endpoints; the others wait at ``barrier``.
         barrier: blocks until every training process reaches it (``accelerator.wait_for_everyone``).
+        shard_bytes: the largest weight shard written for a full reload (a bigger single tensor
+            is written alone).
+
+    It owns an HTTP session and the threads that wait on requests: release them with
+    :meth:`close` or ``with VLLMServerBackend(...) as backend:``. The server itself is not ours.
     """
 
     def __init__(self, base_url: str, *, stop_token_ids: Sequence[int], sync_dir: str, temperature: float = 1.0,
@@ -65,7 +70,11 @@ class VLLMServerBackend:
         self.session.mount("http://", HTTPAdapter(pool_maxsize=max_concurrency))
         self.session.mount("https://", HTTPAdapter(pool_maxsize=max_concurrency))
         self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-server")
-        self.base_model = self._wait_for_server(connect_timeout)
+        try:
+            self.base_model = self._wait_for_server(connect_timeout)
+        except BaseException:
+            self.close()
+            raise
         self.model = self.base_model
         self._adapter: str | None = None
 
@@ -99,8 +108,8 @@ class VLLMServerBackend:
     async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
         return await self._submit(prompt_ids, max_new_tokens, seed, self.temperature)
 
-    def with_temperature(self, temperature: float) -> _ServerTemperatureView:
-        return _ServerTemperatureView(self, temperature)
+    def with_temperature(self, temperature: float) -> TemperatureView:
+        return TemperatureView(self, temperature)
 
     async def _submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None,
                       temperature: float) -> Completion:
@@ -173,11 +182,12 @@ class VLLMServerBackend:
         shard: dict[str, torch.Tensor] = {}
         size = index = 0
         for name, tensor in weights:
-            shard[name] = tensor.detach().contiguous().cpu()
-            size += tensor.numel() * tensor.element_size()
-            if size >= self.shard_bytes:
+            tensor_bytes = tensor.numel() * tensor.element_size()
+            if shard and size + tensor_bytes > self.shard_bytes:  # this tensor would overfill it
                 save_file(shard, str(target / f"part-{index:05d}.safetensors"))
                 shard, size, index = {}, 0, index + 1
+            shard[name] = tensor.detach().contiguous().cpu()
+            size += tensor_bytes
         if shard:
             save_file(shard, str(target / f"part-{index:05d}.safetensors"))
         (target / "loop_weights.json").write_text(json.dumps({"shards": index + bool(shard)}))
@@ -200,13 +210,12 @@ class VLLMServerBackend:
         pass
 
     def close(self) -> None:
+        """Stop the request threads and close the HTTP session. Idempotent; the server keeps running."""
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.session.close()
 
+    def __enter__(self) -> VLLMServerBackend:
+        return self
 
-class _ServerTemperatureView:
-    def __init__(self, backend: VLLMServerBackend, temperature: float):
-        self.backend, self.temperature = backend, temperature
-
-    async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
-        return await self.backend._submit(prompt_ids, max_new_tokens, seed, self.temperature)
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

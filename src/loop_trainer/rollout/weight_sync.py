@@ -102,6 +102,9 @@ class WeightSync:
             sampling temperature); under ZeRO-3 every rank calls it.
         probe_ids: the fixed probe sequence.
         tolerance: largest allowed |generator - trainer| log-prob on the probe (None: no check).
+        workdir: where a colocated engine's adapters are saved; by default a temporary directory
+            that :meth:`close` (or leaving ``with WeightSync(...) as sync:``) removes. A given
+            ``workdir`` is the caller's and is left in place.
     """
 
     def __init__(self, model: nn.Module, generator: WeightLoadable,
@@ -113,6 +116,7 @@ class WeightSync:
         self.probe_ids = probe_ids
         self.tolerance = tolerance
         self.lora = is_peft(model)
+        self._owns_workdir = workdir is None
         self._workdir = Path(workdir or tempfile.mkdtemp(prefix="loop-weight-sync-"))
         self._previous: Path | None = None
 
@@ -157,7 +161,15 @@ class WeightSync:
         return report
 
     def close(self) -> None:
-        shutil.rmtree(self._workdir, ignore_errors=True)
+        """Remove the temporary directory this object created. Idempotent."""
+        if self._owns_workdir:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def __enter__(self) -> WeightSync:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def probe_token_ids(vocab_size: int, length: int = 64, seed: int = 0, avoid: set[int] | None = None) -> list[int]:
@@ -171,10 +183,6 @@ def probe_token_ids(vocab_size: int, length: int = 64, seed: int = 0, avoid: set
 def default_tolerance(dtype: torch.dtype) -> float:
     # fp32 engines agree with the trainer to ~1e-5; bf16 kernels differ by up to ~0.1 per token.
     return 1e-3 if dtype == torch.float32 else 0.25
-
-
-def engine_dtype(model: nn.Module) -> torch.dtype:
-    return next(model.parameters()).dtype
 
 
 __all__ = ["SyncReport", "WeightSync", "WeightSyncError", "default_tolerance", "layerwise_weights",

@@ -13,6 +13,11 @@ class TaskSampler:
 
     Every task is used once per pass before any is reused. The state (pass, position) is two
     integers, so a resumed run draws exactly the tasks it would have drawn.
+
+    A draw that runs off the end of one pass continues into the next pass's permutation, skipping
+    the tasks it already holds: one draw never repeats a task while ``n <= num_tasks``. A skipped
+    task counts as used in the new pass too (the position moves past it), so the state stays two
+    integers, and draws that meet no repeat are exactly the plain walk over the permutations.
     """
 
     num_tasks: int
@@ -30,14 +35,19 @@ class TaskSampler:
 
     def next(self, n: int) -> list[int]:
         picked: list[int] = []
+        held: set[int] = set()
         order = self._permutation()
         while len(picked) < n:
             if self.position == self.num_tasks:
                 self.epoch, self.position = self.epoch + 1, 0
                 order = self._permutation()
-            take = min(n - len(picked), self.num_tasks - self.position)
-            picked.extend(order[self.position : self.position + take])
-            self.position += take
+            task = order[self.position]
+            self.position += 1
+            # Once every task is held (n > num_tasks), repeats cannot be avoided.
+            if task in held and len(held) < self.num_tasks:
+                continue
+            picked.append(task)
+            held.add(task)
         return picked
 
     def state_dict(self) -> dict[str, int]:
