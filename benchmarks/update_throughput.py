@@ -213,15 +213,15 @@ def run_loop(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) ->
     trainer.prepare_for_iterations()
     check_checkpointing(trainer.model, spec)
     first: dict[str, Any] = {}
-    minibatch_step = trainer._minibatch_step
+    minibatch_step = trainer.policy_update.minibatch_step
 
     def recording_step(samples_: Any, old: Any, minibatch: list[int]) -> Any:
         step = minibatch_step(samples_, old, minibatch)
         if not first and step is not None:
-            first.update(loss=step["loss"], advantages=[trajectories[i]["advantage"] for i in minibatch])
+            first.update(loss=step.loss, advantages=[trajectories[i]["advantage"] for i in minibatch])
         return step
 
-    trainer._minibatch_step = recording_step
+    trainer.policy_update.minibatch_step = recording_step
     meter = Meter(spec.device)
     meter.start()
     record = trainer.update_policy(samples)

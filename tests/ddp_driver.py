@@ -163,16 +163,17 @@ def run_case(name: str, case: dict, output_dir: Path, state: PartialState, expec
         trainer.run_memory_stress_test()
     # Record every optimizer step (loss, pre-clip gradient norm) and this rank's share of each minibatch.
     steps, shares = [], []
-    minibatch_step = trainer._minibatch_step
+    update = trainer.policy_update
+    minibatch_step = update.minibatch_step
 
     def recording_step(samples, old_logprobs, minibatch):
-        shares.append(len(trainer._share(minibatch)))
+        shares.append(len(update.strategy.share(minibatch)))
         step = minibatch_step(samples, old_logprobs, minibatch)
         keys = ("loss", "grad_norm", "num_tokens", "stepped", "kl")
-        steps.append(None if step is None else {k: step[k] for k in keys})
+        steps.append(None if step is None else {k: getattr(step, k) for k in keys})
         return step
 
-    trainer._minibatch_step = recording_step
+    update.minibatch_step = recording_step
     samples = make_samples(tokenizer, case["samples"])
     if case["nan_advantage"] is not None:
         samples[case["nan_advantage"]].advantage = math.nan

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.envs import VaultEnv
 from loop_trainer.tiny import load_tokenizer
+from loop_trainer.training.update import PolicyUpdate
 
 
 def die() -> None:
@@ -52,7 +53,7 @@ def main() -> None:
 
         env.episode = episode
     elif options.kill_in == "update":
-        step = trainer._minibatch_step
+        step = PolicyUpdate.minibatch_step
 
         def minibatch_step(*a, **k):
             result = step(*a, **k)  # one optimizer step has changed the weights: then die
@@ -60,7 +61,7 @@ def main() -> None:
                 die()
             return result
 
-        trainer._minibatch_step = minibatch_step
+        PolicyUpdate.minibatch_step = minibatch_step
     elif options.kill_in == "save":
         write_state = trainer._save_rng_state
 

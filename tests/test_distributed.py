@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from loop_trainer.testing.driver import PYTHON, free_port, run_driver
+from loop_trainer.net import free_local_port
+from support.driver import PYTHON, run_driver
 
 TIMEOUT = 240
 
@@ -43,7 +44,7 @@ MAX_GRAD_NORM = 1e-3  # the driver's default: every step below clips
 def _run(output_dir: Path, processes: int) -> dict[str, tuple[dict, dict[str, torch.Tensor]]]:
     launcher = PYTHON if processes == 1 else [
         *PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        "--master_addr", "127.0.0.1", "--master_port", str(free_local_port()),
     ]
     return run_driver(launcher, output_dir, CASES, label=f"{processes} process(es)", timeout=TIMEOUT)
 
@@ -96,14 +97,12 @@ def test_zero3_on_several_processes_refuses_to_sample_with_the_training_model():
     """Each decode step would be a collective forward; episodes differ in length: a deadlock."""
     from types import SimpleNamespace
 
-    from loop_trainer.training.distribution import DistributedMixin, DistributedSetupError
+    from loop_trainer.training.distribution import DistributedSetupError, check_sampling_with_training_model
 
-    trainer = DistributedMixin()
-    trainer.accelerator = SimpleNamespace(num_processes=2, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))
+    accelerator = SimpleNamespace(num_processes=2, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))
     with pytest.raises(DistributedSetupError, match="set use_vllm: true"):
-        trainer.check_generation_under_zero3(samples_with_training_model=True)
-    trainer.check_generation_under_zero3(samples_with_training_model=False)  # vLLM samples
-    trainer.accelerator.state.deepspeed_plugin.zero_stage = 2
-    trainer.check_generation_under_zero3(samples_with_training_model=True)
-    trainer.accelerator = SimpleNamespace(num_processes=1, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))
-    trainer.check_generation_under_zero3(samples_with_training_model=True)
+        check_sampling_with_training_model(accelerator)
+    accelerator.state.deepspeed_plugin.zero_stage = 2
+    check_sampling_with_training_model(accelerator)
+    accelerator = SimpleNamespace(num_processes=1, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))
+    check_sampling_with_training_model(accelerator)

@@ -14,6 +14,7 @@ import trl
 from transformers import Trainer
 from trl import GRPOTrainer
 
+from loop_trainer.chat import stop_token_ids
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.training.batching import collate, TrainingSample, token_logprobs
 from loop_trainer.trajectory import Trajectory
@@ -72,7 +73,8 @@ def test_grpo_constructor_and_attributes(tmp_path, vault_tiny):
     args = LOOPConfig(output_dir=str(tmp_path), iterations=1, tasks_per_iteration=1, rollouts_per_task=2,
                       activation_checkpointing=False, disable_tqdm=True)
     trainer = LOOPTrainer(model, env, args, processing_class=tok)
-    assert trainer.eos_token_ids == [tok.eos_token_id]
+    # Our one definition of the stop ids (training and loop-eval) agrees with GRPOTrainer's.
+    assert stop_token_ids(trainer.model, tok) == sorted(trainer.eos_token_ids) == [tok.eos_token_id]
     assert trainer.optimizer is None  # created by _prepare_for_training, not __init__
 
 

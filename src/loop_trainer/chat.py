@@ -98,3 +98,12 @@ class ChatFormatter:
     def reply_text(self, sampled_ids: Sequence[int]) -> str:
         """The reply as the environment sees it: decoded, special tokens removed."""
         return self.tokenizer.decode(list(sampled_ids), skip_special_tokens=True)
+
+
+def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The ids that end a reply: the tokenizer's eos and every eos id the model's generation config
+    declares (e.g. an end-of-turn token), as TRL's GRPOTrainer counts them. One definition for
+    training and ``loop-eval``."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = configured if isinstance(configured, list) else [configured]
+    return sorted({i for i in [tokenizer.eos_token_id, *configured] if i is not None})

@@ -209,7 +209,7 @@ def test_two_iteration_loop_run_on_vllm(vault, tmp_path, lora):
     policy = type(model).from_pretrained(path).float()
     trainer = LOOPTrainer(policy, env, _run_config(tmp_path), processing_class=tokenizer,
                           peft_config=LORA if lora else None)
-    backend = trainer.generation_backend
+    backend = trainer.generator.backend
     assert isinstance(backend, VLLMBackend)
     # CPU has no sleep mode; record what the trainer asks for as if it had one.
     calls = []

@@ -8,7 +8,6 @@ check before (disagree) and after (agree to 1e-3); a 2-iteration LOOP run in ser
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from peft import LoraConfig, get_peft_model
 from vllm_helpers import collect, logprobs_of  # tests/vllm_deepspeed
 
 from loop_trainer import LOOPConfig, LOOPTrainer
+from loop_trainer.net import free_local_port
 from loop_trainer.rollout import TransformersBackend
 from loop_trainer.rollout.vllm_server import SERVER_ENV, VLLMServerBackend
 from loop_trainer.rollout.weight_sync import WeightSync, probe_token_ids
@@ -30,9 +30,7 @@ LORA = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_
 @pytest.fixture(scope="module")
 def server(vault, tmp_path_factory):
     _, _, _, path = vault
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_local_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     env = {**os.environ, **SERVER_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine core as usual
@@ -136,11 +134,12 @@ def test_two_iteration_loop_run_in_server_mode(vault, server, tmp_path):
         memory_stress_test=False, disable_tqdm=True, max_concurrent_episodes=16, seed=4,
     )
     trainer = LOOPTrainer(policy, env, args, processing_class=tokenizer, peft_config=LORA)
-    assert isinstance(trainer.generation_backend, VLLMServerBackend)
+    backend = trainer.generator.backend
+    assert isinstance(backend, VLLMServerBackend)
     trainer.train()
     assert len(trainer.history) == 2
     for record in trainer.history:
         assert record["weight_sync_logprob_diff_max"] <= 1e-3
         assert record["sampler_logprob_diff_max"] < 1e-3  # the server sampled the policy being trained
         assert record["optimizer_steps"] >= 1
-    assert trainer.generation_backend.model == trainer.generation_backend.adapter_name(1)
+    assert backend.model == backend.adapter_name(1)

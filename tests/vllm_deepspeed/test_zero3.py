@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from loop_trainer.testing.driver import PYTHON, free_port, run_driver
+from loop_trainer.net import free_local_port
+from support.driver import PYTHON, run_driver
 
 pytest.importorskip("deepspeed")
 
@@ -63,7 +64,7 @@ def _run(output_dir: Path, zero3: bool) -> dict[str, tuple[dict, dict[str, torch
     env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache / "torch-extensions"))}
     launcher = [
         *PYTHON, "-m", "accelerate.commands.launch", "--config_file", str(ZERO3_CONFIG),
-        "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
+        "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_local_port()),
     ] if zero3 else PYTHON
     return run_driver(launcher, output_dir, CASES, label="ZeRO-3 on 2 processes" if zero3 else "1 process",
                       timeout=TIMEOUT, env=env)

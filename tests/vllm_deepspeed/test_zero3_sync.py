@@ -14,7 +14,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from vllm_helpers import logprobs_of  # tests/vllm_deepspeed
 
-from loop_trainer import weight_sync
+from loop_trainer.rollout import weight_sync
 from loop_trainer.rollout.vllm_backend import VLLMBackend, build_colocated_llm
 from loop_trainer.rollout.weight_sync import WeightSync, probe_token_ids
 

@@ -67,28 +67,25 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
         env = make_environment(script_args.environment, **(script_args.environment_kwargs or {}))
     except (ValueError, EnvironmentSetupError) as error:
         raise RecipeError(str(error)) from None
-    model, tokenizer = load_model_and_tokenizer(model_args, training_args, env)
-    try:
-        trainer = LOOPTrainer(
-            model=model,
-            env=env,
-            args=training_args,
-            processing_class=tokenizer,
-            peft_config=get_peft_config(model_args),
-        )
-    except (VLLMNotInstalledError, GeneratorConfigError, WeightSyncError, DistributedSetupError) as error:
+    try:  # loop-train created the environment, so it closes it, on every path
+        model, tokenizer = load_model_and_tokenizer(model_args, training_args, env)
+        try:
+            trainer = LOOPTrainer(model=model, env=env, args=training_args, processing_class=tokenizer,
+                                  peft_config=get_peft_config(model_args))
+        except (VLLMNotInstalledError, GeneratorConfigError, WeightSyncError, DistributedSetupError) as error:
+            raise RecipeError(str(error)) from None
+        trainer.recipe_path = getattr(script_args, "effective_recipe", None)
+        with trainer:
+            try:
+                trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+            except (EnvironmentSetupError, CheckpointError, WeightSyncError, DistributedSetupError,
+                    GeneratorConfigError) as error:
+                raise RecipeError(str(error)) from None
+            trainer.save_model(training_args.output_dir, _internal_call=True)  # the push is the next line's
+            if training_args.push_to_hub:
+                trainer.push_to_hub()
+    finally:
         env.close()
-        raise RecipeError(str(error)) from None
-    trainer.recipe_path = getattr(script_args, "effective_recipe", None)
-    try:
-        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    except (EnvironmentSetupError, CheckpointError, WeightSyncError, DistributedSetupError) as error:
-        env.close()
-        raise RecipeError(str(error)) from None
-    trainer.save_model(training_args.output_dir, _internal_call=True)  # the push is the next line's
-    if training_args.push_to_hub:
-        trainer.push_to_hub()
-    env.close()
     if trainer.is_world_process_zero():
         print(summary(trainer))
     return trainer

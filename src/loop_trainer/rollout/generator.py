@@ -1,4 +1,5 @@
-"""LOOPTrainer's vLLM generator: building it, syncing it once per iteration, sleeping it.
+"""The generator: what samples rollouts (the training model, colocated vLLM, a vLLM server or a
+backend of your own), kept in step with the trainer: build, sync once per iteration, sleep.
 
 The order within an iteration (GPU, sleep mode on):
 
@@ -15,11 +16,12 @@ import contextlib
 import logging
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..training.batching import TrainingSample, collate, token_logprobs
+from .backend import GenerationBackend, TransformersBackend
 from .vllm_backend import VLLMBackend, build_colocated_llm, sleep_mode_available
 from .vllm_server import GeneratorServerError, VLLMServerBackend
 from .weight_sync import WeightSync, default_tolerance, probe_token_ids
@@ -81,19 +83,91 @@ def _unmerged_base(model: torch.nn.Module):
         yield model
 
 
-class VLLMGenerationMixin:
-    """Mixed into LOOPTrainer. Expects ``self.model``, ``self.model_wrapped``, ``self.args``,
-    ``self.accelerator``, ``self.tokenizer``, ``self.eos_token_ids`` and ``self.state``."""
+ProbeScorer = Callable[[list[int]], torch.Tensor]
+"""The trainer's log-probs of a probe sequence (positions 1..n), to check a weight sync."""
 
-    weight_sync: WeightSync | None = None
-    _generator_version: int = -1
 
-    def _build_vllm_backend(self) -> VLLMBackend | VLLMServerBackend:
-        args = self.args
-        if args.vllm_mode == "server":
-            return self._build_server_backend()
-        if args.vllm_mode != "colocate":
-            raise GeneratorConfigError(f"vllm_mode={args.vllm_mode!r}: use colocate or server")
+class Generator:
+    """What samples the rollouts, kept on the trainer's policy.
+
+    Built once per run (:func:`build_generator`): the training model itself (transformers), a
+    colocated vLLM engine, a vLLM server, or a backend the user passed. :meth:`sync` pushes the
+    policy into a separate engine when it is behind, :meth:`sleep` frees its memory for the update,
+    :meth:`for_evaluation` samples the same policy at another temperature."""
+
+    def __init__(self, backend: GenerationBackend, *, weight_sync: WeightSync | None = None,
+                 transformers_settings: dict[str, Any] | None = None, owns_backend: bool = True):
+        self.backend = backend
+        self.owns_backend = owns_backend
+        self.weight_sync = weight_sync
+        self._transformers_settings = transformers_settings
+        self._version = -1
+
+    def sync(self, version: int) -> dict[str, float]:
+        """Push the policy of iteration ``version`` into the generator if it is behind; returns the
+        sync's metrics (nothing when no separate engine holds weights)."""
+        if self.weight_sync is None or self._version == version:
+            return {}
+        report = self.weight_sync(version)
+        self._version = version
+        logger.info("generator synced to iteration %d in %.2f s (probe log-prob diff max %.2e)",
+                    version, report.seconds, report.logprob_diff_max)
+        return report.metrics()
+
+    def sleep(self) -> None:
+        """Free the engine's memory for the update (GPU sleep mode; a no-op elsewhere)."""
+        if self.weight_sync is not None:
+            self.weight_sync.generator.sleep()
+
+    def for_evaluation(self, temperature: float) -> GenerationBackend:
+        """The same policy sampled at ``temperature`` (0: greedy)."""
+        if hasattr(self.backend, "with_temperature"):
+            return self.backend.with_temperature(temperature)
+        if self._transformers_settings is not None or isinstance(self.backend, TransformersBackend):
+            settings = self._transformers_settings or {
+                "model": self.backend.model, "stop_token_ids": self.backend.stop_token_ids.tolist(),
+                "pad_token_id": self.backend.pad_token_id, "max_batch_size": self.backend.max_batch_size}
+            return TransformersBackend(**{**settings, "temperature": temperature})
+        raise GeneratorConfigError(
+            f"generation_backend {type(self.backend).__name__} has no with_temperature(temperature) method, so "
+            "eval_temperature cannot be honoured: add the method, or set eval_every: 0")
+
+    def check_evaluation(self) -> None:
+        """Refuse at start-up an evaluation this generator cannot run."""
+        self.for_evaluation(0.0)
+
+    def close(self) -> None:
+        # A backend the user passed in is theirs to close.
+        closers = [getattr(self.weight_sync, "close", None), getattr(self.backend, "close", None) if self.owns_backend else None]
+        for close in closers:
+            if close is not None:
+                close()
+
+
+def build_generator(args: Any, model: torch.nn.Module, *, stop_token_ids: list[int], tokenizer: Any,
+                    process_index: int, is_main_process: bool, barrier: Callable[[], None],
+                    probe_scorer: ProbeScorer, custom_backend: GenerationBackend | None = None) -> Generator:
+    """The run's generator: ``custom_backend`` if given, else vLLM (``use_vllm``), else the
+    training model itself."""
+    if custom_backend is not None:
+        return Generator(custom_backend, owns_backend=False)
+    if not args.use_vllm:
+        settings = {"model": model, "stop_token_ids": stop_token_ids, "pad_token_id": tokenizer.pad_token_id,
+                    "max_batch_size": args.generation_batch_limit}
+        return Generator(TransformersBackend(**settings, temperature=args.temperature), transformers_settings=settings)
+    if args.vllm_mode == "server":
+        url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        try:
+            backend = VLLMServerBackend(
+                url, stop_token_ids=stop_token_ids, temperature=args.temperature,
+                sync_dir=args.vllm_sync_dir or os.path.join(args.output_dir, "weight-sync"),
+                max_concurrency=args.max_concurrent_episodes, connect_timeout=args.vllm_server_timeout,
+                is_main_process=is_main_process, barrier=barrier,
+            )
+        except GeneratorServerError as error:
+            raise GeneratorConfigError(str(error)) from None
+        dtype = torch.bfloat16 if args.bf16 else next(model.parameters()).dtype
+    elif args.vllm_mode == "colocate":
         require_vllm()
         if args.vllm_tensor_parallel_size != 1:
             raise GeneratorConfigError(COLOCATED_TP_ONLY)
@@ -101,84 +175,30 @@ class VLLMGenerationMixin:
         if sleep and not sleep_mode_available():
             logger.warning("vllm_enable_sleep_mode: this platform has no vLLM sleep mode (CPU); the engine stays awake")
             sleep = False
-        peft = hasattr(self.model, "peft_config")
         lora_rank = None
-        if peft:
-            config = next(iter(self.model.peft_config.values()))
-            lora_rank = int(getattr(config, "r", 0) or 0) or None
-        dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        if hasattr(model, "peft_config"):
+            lora_rank = int(getattr(next(iter(model.peft_config.values())), "r", 0) or 0) or None
+        dtype_name = ("bfloat16" if args.bf16 else "float16" if args.fp16
+                      else str(next(model.parameters()).dtype).removeprefix("torch."))
         llm = build_colocated_llm(
             # Per process: a model built in memory is saved where only this process writes.
-            _model_path(self.model, os.path.join(args.output_dir, f"generator-init-{self.accelerator.process_index}")),
-            dtype=dtype,
+            _model_path(model, os.path.join(args.output_dir, f"generator-init-{process_index}")),
+            dtype=dtype_name,
             max_model_len=args.vllm_max_model_length or args.max_trajectory_tokens,
             max_num_seqs=args.max_concurrent_episodes,
             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            seed=args.seed + self.accelerator.process_index,
+            seed=args.seed + process_index,
             lora_rank=lora_rank,
             enable_sleep_mode=sleep,
         )
-        backend = VLLMBackend(llm, stop_token_ids=self.eos_token_ids, temperature=args.temperature, sleep_mode=sleep)
-        self._attach_weight_sync(backend, getattr(torch, dtype))
-        return backend
-
-    def _build_server_backend(self) -> VLLMServerBackend:
-        """Generation on a running vLLM server (``trl vllm-serve`` / ``vllm serve``)."""
-        args = self.args
-        url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        try:
-            backend = VLLMServerBackend(
-                url, stop_token_ids=self.eos_token_ids, temperature=args.temperature,
-                sync_dir=args.vllm_sync_dir or os.path.join(args.output_dir, "weight-sync"),
-                max_concurrency=args.max_concurrent_episodes, connect_timeout=args.vllm_server_timeout,
-                is_main_process=self.accelerator.is_main_process, barrier=self.accelerator.wait_for_everyone,
-            )
-        except GeneratorServerError as error:
-            raise GeneratorConfigError(str(error)) from None
-        dtype = torch.bfloat16 if args.bf16 else next(self.model.parameters()).dtype
-        self._attach_weight_sync(backend, dtype)
-        return backend
-
-    def _attach_weight_sync(self, backend: Any, dtype: torch.dtype) -> None:
-        args = self.args
-        tolerance = args.vllm_sync_tolerance
-        if tolerance is None:
-            tolerance = default_tolerance(dtype)
-        special = set(self.tokenizer.all_special_ids)
-        self.weight_sync = WeightSync(self.model, backend, self._probe_trainer_logprobs,
-                                      probe_token_ids(len(self.tokenizer), args.vllm_probe_tokens, avoid=special),
-                                      tolerance if tolerance >= 0 else None)
-        self.accelerator.wait_for_everyone()
-
-    @torch.no_grad()
-    def _probe_trainer_logprobs(self, token_ids: list[int]) -> torch.Tensor:
-        sample = TrainingSample(token_ids=list(token_ids), loss_mask=[0] + [1] * (len(token_ids) - 1),
-                                sampler_logprobs=[0.0] * len(token_ids), advantage=0.0, truncated=False)
-        model = self.model_wrapped
-        was_training = model.training
-        model.eval()
-        try:
-            batch = collate([sample], self.tokenizer.pad_token_id).to(self.accelerator.device)
-            with self.accelerator.autocast():
-                return token_logprobs(model, batch)[0, 1:].float().cpu()
-        finally:
-            model.train(was_training)
-
-    def sync_generator(self) -> dict[str, float]:
-        """Push the policy into the generator if it is behind; returns the sync's metrics."""
-        if self.weight_sync is None or self._generator_version == self.state.global_step:
-            return {}
-        report = self.weight_sync(self.state.global_step)
-        self._generator_version = self.state.global_step
-        logger.info("generator synced to iteration %d in %.2f s (probe log-prob diff max %.2e)",
-                    self.state.global_step, report.seconds, report.logprob_diff_max)
-        return report.metrics()
-
-    def sleep_generator(self) -> None:
-        """Free the generator's memory for the update (GPU sleep mode; a no-op elsewhere)."""
-        if self.weight_sync is not None:
-            self.weight_sync.generator.sleep()
-
-    def eval_generation_backend(self, temperature: float) -> Any | None:
-        backend = getattr(self, "generation_backend", None)
-        return backend.with_temperature(temperature) if isinstance(backend, (VLLMBackend, VLLMServerBackend)) else None
+        backend = VLLMBackend(llm, stop_token_ids=stop_token_ids, temperature=args.temperature, sleep_mode=sleep)
+        dtype = getattr(torch, dtype_name)
+    else:
+        raise GeneratorConfigError(f"vllm_mode={args.vllm_mode!r}: use colocate or server")
+    tolerance = args.vllm_sync_tolerance
+    if tolerance is None:
+        tolerance = default_tolerance(dtype)
+    probe = probe_token_ids(len(tokenizer), args.vllm_probe_tokens, avoid=set(tokenizer.all_special_ids))
+    weight_sync = WeightSync(model, backend, probe_scorer, probe, tolerance if tolerance >= 0 else None)
+    barrier()
+    return Generator(backend, weight_sync=weight_sync)

@@ -8,7 +8,8 @@ fits. Only sampled tokens are labelled, so on GPUs only those positions are proj
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,3 +99,20 @@ def minibatch_indices(num_samples: int, minibatch_size: int, generator: torch.Ge
 def chunks(items: Sequence[int], size: int) -> Iterator[list[int]]:
     for start in range(0, len(items), size):
         yield list(items[start : start + size])
+
+
+@torch.no_grad()
+def sequence_logprobs(model: torch.nn.Module, token_ids: Sequence[int], pad_token_id: int, device: torch.device,
+                      autocast: Callable[[], contextlib.AbstractContextManager]) -> Tensor:
+    """Log-probs of ``token_ids[1:]`` given the tokens before each, in eval mode, on the CPU (the
+    trainer's side of a weight-sync probe)."""
+    sample = TrainingSample(token_ids=list(token_ids), loss_mask=[0] + [1] * (len(token_ids) - 1),
+                            sampler_logprobs=[0.0] * len(token_ids), advantage=0.0, truncated=False)
+    was_training = model.training
+    model.eval()
+    try:
+        batch = collate([sample], pad_token_id).to(device)
+        with autocast():
+            return token_logprobs(model, batch)[0, 1:].float().cpu()
+    finally:
+        model.train(was_training)

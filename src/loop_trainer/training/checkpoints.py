@@ -8,16 +8,16 @@ mid-write leaves the previous checkpoints as they were and nothing that loads wr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint, rotate_checkpoints
-
-from .run_log import METRICS_FILE, append_metrics
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
 logger = logging.getLogger(__name__)
 
@@ -127,59 +127,39 @@ def _normalise(value: Any) -> Any:
     return sorted(value) if isinstance(value, (list, set, tuple)) else value
 
 
-class CheckpointMixin:
-    """LOOPTrainer's checkpointing: staged, atomic checkpoints with the LOOP state, and exact resume.
-    (Mixed into LOOPTrainer, before GRPOTrainer; uses its task_sampler and history.)"""
+class CheckpointStager:
+    """Writes checkpoints so that a crash cannot corrupt them: the Trainer saves into a staging
+    directory, the LOOP state is added, and only then is the directory renamed into place and the
+    oldest checkpoints rotated out. Every process calls :meth:`staged`; only the main one writes."""
 
-    _checkpoint_root: Path | None = None
+    def __init__(self, is_main_process: bool, barrier: Callable[[], None], save_total_limit: int | None):
+        self.is_main_process = is_main_process
+        self.barrier = barrier
+        self.save_total_limit = save_total_limit
+        self.staging_root: Path | None = None
+        """While a checkpoint is being written: where the Trainer must write it."""
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any) -> TrainOutput:
-        """Train for ``args.iterations`` iterations. ``resume_from_checkpoint`` (a checkpoint
-        directory, or True for the newest one in ``output_dir``) continues a run exactly: the same
-        next tasks and samples, the optimizer's state, the metrics so far."""
-        checkpoint = resolve(resume_from_checkpoint, self.args.output_dir)
-        if checkpoint is not None:
-            check_matches(checkpoint, self.model)
-        return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
-
-    def _restore_loop_state(self, checkpoint: str) -> None:
-        state = read_loop_state(checkpoint)
-        self.task_sampler.load_state_dict(state["task_sampler"])
-        self.history = list(state["history"])
-        if self.is_world_process_zero():  # the curve continues; iterations after the checkpoint are redone
-            path = Path(self.args.output_dir) / METRICS_FILE
-            path.unlink(missing_ok=True)
-            for record in self.history:
-                append_metrics(self.args.output_dir, record)
-        logger.info("resumed from %s after iteration %d", checkpoint, self.state.global_step)
-
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        # Trainer writes the checkpoint into a staging directory; it is renamed into place only
-        # once complete (with loop_state.json), so a crash mid-write never leaves a bad checkpoint.
-        final_root = Path(super()._get_output_dir(trial))
+    @contextlib.contextmanager
+    def staged(self, output_dir: str | os.PathLike[str], iteration: int, loop_state: Callable[[], dict[str, Any]],
+               on_published: Callable[[Path], None] = lambda _: None) -> Iterator[Path]:
+        """Inside the block the Trainer writes ``checkpoint-<iteration>`` under the yielded staging
+        root; on leaving it the checkpoint gets ``loop_state()`` and is published atomically."""
+        final_root = Path(output_dir)
         staging = staging_root(final_root)
-        if self.args.should_save:
+        if self.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)
-        self.accelerator.wait_for_everyone()
-        self._checkpoint_root = staging
+        self.barrier()
+        self.staging_root = staging
         try:
-            super()._save_checkpoint(model, trial)
+            yield staging
         finally:
-            self._checkpoint_root = None
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            write_loop_state(staging / name, {
-                "iteration": self.state.global_step,
-                "task_sampler": self.task_sampler.state_dict(),
-                "history": self.history,
-            })
+            self.staging_root = None
+        self.barrier()
+        if self.is_main_process:
+            name = f"{PREFIX_CHECKPOINT_DIR}-{iteration}"
+            write_loop_state(staging / name, loop_state())
             publish(staging / name, final_root / name)
-            self._push_published_checkpoint(final_root / name)
+            on_published(final_root / name)
             shutil.rmtree(staging, ignore_errors=True)
-            rotate_checkpoints(str(final_root), save_total_limit=self.args.save_total_limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
-        self.accelerator.wait_for_everyone()
-
-    def _get_output_dir(self, trial: Any) -> str:
-        return str(self._checkpoint_root) if self._checkpoint_root is not None else super()._get_output_dir(trial)
+            rotate_checkpoints(str(final_root), save_total_limit=self.save_total_limit, use_mtime=False)
+        self.barrier()

@@ -1,16 +1,26 @@
-"""LOOPTrainer's multi-process guards and the DeepSpeed engine it drives directly.
+"""How the update is shared between processes: one object for a single process, DDP and DeepSpeed.
 
-Under DeepSpeed every forward and backward is collective (ZeRO-3 gathers each layer's parameters
-and reduce-scatters its gradients), so processes must run the same number of passes, and the
-update drives the engine itself rather than through ``accelerator.backward`` (which would take an
-optimizer step inside the last micro-batch's backward, before LOOP's loss and KL checks).
+The policy update and the start-up stress test say *what* to compute; this says how passes and
+gradients are matched across processes:
+
+* every process runs the same number of forward/backward passes where the backend needs it
+  (under DeepSpeed every pass is collective: ZeRO-3 gathers each layer's parameters and
+  reduce-scatters its gradients), padding with stand-in passes whose results are dropped;
+* gradients are averaged once per minibatch (DDP's ``no_sync`` on all but the last micro-batch;
+  DeepSpeed's accumulation boundary on the last);
+* the optimizer step happens only after LOOP's checks, so DeepSpeed's engine is driven directly
+  rather than through ``accelerator.backward`` (which would step inside the last backward).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
+from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 
@@ -18,17 +28,110 @@ class DistributedSetupError(RuntimeError):
     """A launch that would train processes apart, or deadlock."""
 
 
-class DistributedMixin:
-    """Mixed into LOOPTrainer (expects ``self.accelerator``, ``self.optimizer``)."""
+class DistributionStrategy:
+    """Backward, step and discard for one optimizer step's worth of micro-batches, plus the
+    collectives the update's metrics need. ``optimizer`` and ``scheduler`` are the Trainer's
+    (accelerate-wrapped) ones; ``model`` is the wrapped model."""
 
-    def _deepspeed_engine(self) -> Any | None:
-        """The DeepSpeed engine accelerate wrapped the model in (None without DeepSpeed)."""
-        wrapper = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
-        return None if wrapper is None else wrapper.engine
+    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, scheduler: Any,
+                 max_grad_norm: float):
+        self.accelerator = accelerator
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.max_grad_norm = max_grad_norm
 
-    def _discard_gradients(self) -> None:
-        """Drop the accumulated gradients of a minibatch whose optimizer step is skipped."""
-        engine = self._deepspeed_engine()
+    # --- who does what --------------------------------------------------------------------------
+    @property
+    def num_processes(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def deepspeed_engine(self) -> Any | None:
+        return deepspeed_engine(self.accelerator)
+
+    def share(self, items: Sequence[int]) -> list[int]:
+        """This process's part of ``items`` (round-robin over processes)."""
+        return list(items[self.process_index :: self.num_processes])
+
+    @property
+    def passes_are_collective(self) -> bool:
+        return self.deepspeed_engine is not None and self.num_processes > 1
+
+    def matched_pass_count(self, local: int) -> int:
+        """How many forward passes this process must run so that collective passes stay matched:
+        the busiest process's count where passes are collective, else ``local``."""
+        if not self.passes_are_collective:
+            return local
+        return int(self.accelerator.gather(torch.tensor([local], device=self.device)).max())
+
+    def micro_batches_per_step(self, local: int, minibatch_size: int, micro_batch_size: int) -> int:
+        """Micro-batches each process runs for one optimizer step. Without DeepSpeed a process with
+        no trajectory still runs one (a zero-loss stand-in) so DDP's gradient all-reduce happens
+        everywhere; under DeepSpeed every process runs as many as the largest share needs."""
+        if self.deepspeed_engine is None:
+            return max(local, 1)
+        largest_share = -(-minibatch_size // self.num_processes)
+        return max(local, -(-largest_share // micro_batch_size))
+
+    # --- one optimizer step ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def accumulating(self, last: bool) -> Iterator[None]:
+        """Wrap one micro-batch's forward and backward; gradients are reduced across processes
+        only on the ``last`` micro-batch of the step."""
+        engine = self.deepspeed_engine
+        if engine is not None:
+            engine.set_gradient_accumulation_boundary(last)
+            yield
+        elif last or self.num_processes == 1:
+            yield
+        else:
+            with self.accelerator.no_sync(self.model):
+                yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        engine = self.deepspeed_engine
+        if engine is not None:
+            # scale_wrt_gas=False: LOOP's constant divisor already makes the accumulated gradient
+            # the minibatch's; DeepSpeed must not divide again by its gradient_accumulation_steps.
+            engine.backward(loss, scale_wrt_gas=False)
+        else:
+            self.accelerator.backward(loss)
+
+    def step(self) -> tuple[float, bool]:
+        """Clip and apply the accumulated gradients. Returns (pre-clip global gradient norm, whether
+        the update was applied); a non-applied or non-finite step leaves no gradients behind."""
+        engine = self.deepspeed_engine
+        if engine is not None:
+            # ZeRO computes the norm over all partitions before clipping. A non-finite norm (or an
+            # fp16 overflow) makes it skip the update and clear the gradients itself.
+            engine.step()
+            norm, applied = engine.get_global_grad_norm(), engine.was_step_applied()
+        else:
+            norm, applied = self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm), True
+        grad_norm = float(norm) if norm is not None else float("nan")
+        if not applied or not torch.isfinite(torch.tensor(grad_norm)):
+            self.discard_gradients()
+            return grad_norm, False
+        # Under DeepSpeed accelerate's optimizer wrapper ignores step() and zero_grad() (the engine
+        # did both), as its scheduler wrapper does when the scheduler is DeepSpeed's own. The
+        # Trainer's scheduler is stepped here.
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad()
+        return grad_norm, True
+
+    def discard_gradients(self) -> None:
+        """Drop the accumulated gradients of a step that is skipped."""
+        engine = self.deepspeed_engine
         if engine is None:
             self.optimizer.zero_grad()
         else:
@@ -37,34 +140,54 @@ class DistributedMixin:
             # gradient partitions (micro_step_id 0) instead of adding to them.
             engine.optimizer.zero_grad()
 
-    def check_distributed_launch(self) -> None:
-        accelerator = self.accelerator
-        world = accelerator.num_processes
-        if world > 1 and accelerator.distributed_type == DistributedType.NO:
-            # Several processes but no DDP/DeepSpeed wrapping: gradients would never be averaged.
-            raise DistributedSetupError(
-                f"{world} processes but no distributed backend: launch with `accelerate launch` (or create "
-                "PartialState(cpu=True, backend='gloo') on CPU) so gradients are shared"
-            )
-        launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        if launched > world:
-            # On a machine without GPUs accelerate 1.15 sets up no process group for `accelerate
-            # launch`/torchrun: every process would train alone on its share of the data.
-            raise DistributedSetupError(
-                f"{launched} processes were launched (WORLD_SIZE) but accelerate sees {world}: on CPU create "
-                "PartialState(backend='gloo') (DeepSpeed, with ACCELERATE_USE_DEEPSPEED=true) or "
-                "PartialState(cpu=True, backend='gloo') (DDP) before the LOOPConfig, and pass "
-                "accelerator_config={'use_configured_state': True}"
-            )
+    # --- metrics across processes ---------------------------------------------------------------
+    def sum(self, values: Sequence[float]) -> list[float]:
+        if self.num_processes == 1:
+            return list(values)
+        return self.accelerator.reduce(torch.tensor(list(values), device=self.device), "sum").tolist()
 
-    def check_generation_under_zero3(self, samples_with_training_model: bool) -> None:
-        """Sampling with the training model under multi-process ZeRO-3 would deadlock: each decode
-        step is a collective forward, and episodes of different processes take different numbers
-        of turns and tokens."""
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        stage = getattr(plugin, "zero_stage", None) if plugin is not None else None
-        if samples_with_training_model and stage == 3 and self.accelerator.num_processes > 1:
-            raise DistributedSetupError(
-                f"ZeRO-3 on {self.accelerator.num_processes} processes cannot sample with the training model (every "
-                "forward is collective and episodes differ in length): set use_vllm: true, or use ZeRO-2/DDP"
-            )
+    def min_max(self, low: float, high: float) -> tuple[float, float]:
+        if self.num_processes == 1:
+            return low, high
+        every = self.accelerator.gather(torch.tensor([[low, -high]], device=self.device))
+        return float(every[:, 0].min()), -float(every[:, 1].min())
+
+
+def deepspeed_engine(accelerator: Accelerator) -> Any | None:
+    """The DeepSpeed engine accelerate wrapped the model in (None without DeepSpeed)."""
+    wrapper = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    return None if wrapper is None else wrapper.engine
+
+
+def check_launch(accelerator: Accelerator) -> None:
+    """Refuse launches whose processes would train apart."""
+    world = accelerator.num_processes
+    if world > 1 and accelerator.distributed_type == DistributedType.NO:
+        # Several processes but no DDP/DeepSpeed wrapping: gradients would never be averaged.
+        raise DistributedSetupError(
+            f"{world} processes but no distributed backend: launch with `accelerate launch` (or create "
+            "PartialState(cpu=True, backend='gloo') on CPU) so gradients are shared"
+        )
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched > world:
+        # On a machine without GPUs accelerate 1.15 sets up no process group for `accelerate
+        # launch`/torchrun: every process would train alone on its share of the data.
+        raise DistributedSetupError(
+            f"{launched} processes were launched (WORLD_SIZE) but accelerate sees {world}: on CPU create "
+            "PartialState(backend='gloo') (DeepSpeed, with ACCELERATE_USE_DEEPSPEED=true) or "
+            "PartialState(cpu=True, backend='gloo') (DDP) before the LOOPConfig, and pass "
+            "accelerator_config={'use_configured_state': True}"
+        )
+
+
+def check_sampling_with_training_model(accelerator: Accelerator) -> None:
+    """Sampling with the training model under multi-process ZeRO-3 would deadlock: each decode
+    step is a collective forward, and episodes of different processes take different numbers of
+    turns and tokens."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    stage = getattr(plugin, "zero_stage", None) if plugin is not None else None
+    if stage == 3 and accelerator.num_processes > 1:
+        raise DistributedSetupError(
+            f"ZeRO-3 on {accelerator.num_processes} processes cannot sample with the training model (every "
+            "forward is collective and episodes differ in length): set use_vllm: true, or use ZeRO-2/DDP"
+        )

@@ -1,15 +1,18 @@
-"""Run outputs a person reads: metrics.jsonl (one object per iteration) and the learning curve."""
+"""The run log: metrics.jsonl (one object per iteration), the learning curve, the viewer pages of each
+iteration's rollouts, saved rollouts, and the console line per iteration."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from datasets import Dataset
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from ..viewer import write_viewer
 
@@ -19,6 +22,7 @@ if TYPE_CHECKING:
 
 METRICS_FILE = "metrics.jsonl"
 CURVE_FILE = "learning_curve.png"
+PLOT_INTERVAL_SECONDS = 10.0
 
 
 def append_metrics(output_dir: str | os.PathLike[str], record: Mapping[str, Any]) -> Path:
@@ -102,7 +106,7 @@ def format_iteration(iteration: int, record: Mapping[str, Any]) -> str:
     return line + (f"  FAILED {failed:.0f}" if failed else "")
 
 
-class IterationLineMixin:
+class _IterationLine:
     """Print :func:`format_iteration` instead of transformers' raw dict of every logged value."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001 - TrainerCallback signature
@@ -113,35 +117,91 @@ class IterationLineMixin:
         bar.write(line) if bar is not None else print(line)
 
 
-class RolloutOutputsMixin:
-    """LOOPTrainer's per-iteration rollout outputs: the viewer page and saved trajectories."""
+class LOOPProgressCallback(_IterationLine, ProgressCallback):
+    """transformers' progress bar over iterations, with one readable line per iteration."""
 
-    def _rollout_row(self, trajectory: Trajectory, advantages: dict[int, float]) -> dict[str, Any]:
-        row = trajectory.to_dict()
-        row["iteration"] = self.state.global_step + 1
-        row["advantage"] = advantages.get(id(trajectory))
-        return row
 
-    def _write_viewer(self, batch: RolloutBatch, advantages: dict[int, float]) -> None:
-        # The best and the worst of the iteration, and every rollout that failed to run.
-        ranked = sorted(batch.trajectories, key=lambda t: t.reward)
-        count = self.args.viewer_rollouts_per_iteration
-        chosen = list(batch.failed[:count])
-        while ranked and len(chosen) < count:
-            chosen.append(ranked.pop())
-            if ranked and len(chosen) < count:
-                chosen.append(ranked.pop(0))
-        iteration = self.state.global_step + 1
-        write_viewer([self._rollout_row(t, advantages) for t in chosen],
-                     Path(self.args.output_dir) / "viewer" / f"iteration-{iteration:05d}.html",
-                     title=f"{self.env.name}: iteration {iteration}")
+class LOOPPrinterCallback(_IterationLine, PrinterCallback):
+    """One readable line per iteration when progress bars are disabled."""
 
-    def _save_rollouts(self, batch: RolloutBatch, advantages: dict[int, float]) -> None:
-        rows = []
-        for trajectory in (*batch.trajectories, *batch.failed):
-            row = self._rollout_row(trajectory, advantages)
-            row["info"] = json.dumps(row["info"], default=str)  # free-form: one string column for Arrow
-            rows.append(row)
-        folder = Path(self.args.output_dir) / "rollouts"
-        folder.mkdir(parents=True, exist_ok=True)
-        Dataset.from_list(rows).to_json(folder / f"iteration-{self.state.global_step + 1:05d}.jsonl")
+
+class RunLog:
+    """What a person reads while a run goes: ``metrics.jsonl`` (one object per iteration), the
+    learning curve, the viewer pages of each iteration's rollouts and, if asked, the rollouts
+    themselves. Only the main process writes; every process keeps the history."""
+
+    def __init__(self, output_dir: str | os.PathLike[str], *, writes: bool, env_name: str, plot_curves: bool = True,
+                 viewer_rollouts_per_iteration: int = 0, save_rollouts: bool = False):
+        self.output_dir = Path(output_dir)
+        self.writes = writes
+        self.env_name = env_name
+        self.plot_curves = plot_curves
+        self.viewer_rollouts_per_iteration = viewer_rollouts_per_iteration
+        self.save_rollouts = save_rollouts
+        self.history: list[dict[str, Any]] = []
+        self._last_plot = -math.inf
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.output_dir / METRICS_FILE
+
+    @property
+    def curve_path(self) -> Path:
+        return self.output_dir / CURVE_FILE
+
+    def start(self, history: Sequence[Mapping[str, Any]] = ()) -> None:
+        """Begin a run, or continue one from a checkpoint's ``history`` (iterations after the
+        checkpoint are redone, so their lines are dropped)."""
+        self.history = [dict(record) for record in history]
+        if self.writes:
+            self.metrics_path.unlink(missing_ok=True)
+            for record in self.history:
+                append_metrics(self.output_dir, record)
+
+    def record(self, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        if self.writes:
+            append_metrics(self.output_dir, record)
+            self.plot()
+
+    def plot(self, force: bool = False) -> None:
+        # Redrawing costs ~0.3 s: often enough to watch a run, not every iteration of a fast one.
+        if not self.plot_curves or not self.history or not self.writes:
+            return
+        if force or time.monotonic() - self._last_plot >= PLOT_INTERVAL_SECONDS:
+            plot_learning_curve(self.history, self.curve_path)
+            self._last_plot = time.monotonic()
+
+    def rollouts(self, iteration: int, batch: RolloutBatch, advantages: Mapping[int, float]) -> None:
+        """The viewer page of ``iteration`` (1-based) and, with ``save_rollouts``, every trajectory;
+        ``advantages`` maps ``id(trajectory)`` to its advantage."""
+        if not self.writes:
+            return
+        if self.viewer_rollouts_per_iteration > 0:
+            # The best and the worst of the iteration, and every rollout that failed to run.
+            ranked = sorted(batch.trajectories, key=lambda t: t.reward)
+            count = self.viewer_rollouts_per_iteration
+            chosen = list(batch.failed[:count])
+            while ranked and len(chosen) < count:
+                chosen.append(ranked.pop())
+                if ranked and len(chosen) < count:
+                    chosen.append(ranked.pop(0))
+            write_viewer([rollout_row(t, iteration, advantages) for t in chosen],
+                         self.output_dir / "viewer" / f"iteration-{iteration:05d}.html",
+                         title=f"{self.env_name}: iteration {iteration}")
+        if self.save_rollouts:
+            rows = []
+            for trajectory in (*batch.trajectories, *batch.failed):
+                row = rollout_row(trajectory, iteration, advantages)
+                row["info"] = json.dumps(row["info"], default=str)  # free-form: one string column for Arrow
+                rows.append(row)
+            folder = self.output_dir / "rollouts"
+            folder.mkdir(parents=True, exist_ok=True)
+            Dataset.from_list(rows).to_json(folder / f"iteration-{iteration:05d}.jsonl")
+
+
+def rollout_row(trajectory: Trajectory, iteration: int, advantages: Mapping[int, float]) -> dict[str, Any]:
+    row = trajectory.to_dict()
+    row["iteration"] = iteration
+    row["advantage"] = advantages.get(id(trajectory))
+    return row

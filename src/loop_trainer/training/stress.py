@@ -4,13 +4,16 @@ knobs to turn) rather than hours later when a long episode first happens."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
 from .batching import TrainingSample, collate, token_logprobs
 from ..objective import loop_policy_loss
+from .distribution import DistributionStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -43,41 +46,34 @@ def advice(num_tokens: int, batch_size: int, device: str, error: BaseException) 
     )
 
 
-class StressTestMixin:
-    """LOOPTrainer's start-up stress test (mixed in before GRPOTrainer)."""
-
-    def run_memory_stress_test(self) -> float:
-        """Forward and backward the largest micro-batch the run allows (no optimizer step).
-        Raises :class:`MemoryStressTestFailed` with the knobs to turn if it does not fit."""
-        args, accelerator, model = self.args, self.accelerator, self.model_wrapped
-        samples = stress_samples(args.max_training_tokens, len(self.tokenizer), args.per_device_train_batch_size)
-        started = time.perf_counter()
-        model.train()
-        try:
-            batch = collate(samples, self.tokenizer.pad_token_id).to(accelerator.device)
-            with accelerator.autocast():
-                logprobs = token_logprobs(model, batch)
+def run_memory_stress_test(strategy: DistributionStrategy, autocast: Callable[[], contextlib.AbstractContextManager],
+                           *, num_tokens: int, micro_batch_size: int, vocab_size: int, pad_token_id: int,
+                           epsilon: float, divisor: float) -> float:
+    """Forward and backward the largest micro-batch the run allows (no optimizer step; the
+    gradients are discarded). Raises :class:`MemoryStressTestFailed` with the knobs to turn if it
+    does not fit; returns the seconds it took."""
+    samples = stress_samples(num_tokens, vocab_size, micro_batch_size)
+    started = time.perf_counter()
+    strategy.model.train()
+    try:
+        batch = collate(samples, pad_token_id).to(strategy.device)
+        # Not the last micro-batch of a step: under DeepSpeed a boundary would reduce (and
+        # accelerate's backward would even step) on this synthetic sample.
+        with strategy.accumulating(last=strategy.deepspeed_engine is None):
+            with autocast():
+                logprobs = token_logprobs(strategy.model, batch)
             out = loop_policy_loss(logprobs, logprobs.detach(), batch.advantages, batch.loss_mask,
-                                   epsilon=args.epsilon, divisor=args.minibatch_size)
-            engine = self._deepspeed_engine()
-            if engine is None:
-                accelerator.backward(out.loss)
-            else:
-                # accelerator.backward would also step DeepSpeed's optimizer: a real update on
-                # this synthetic sample. Backward only, outside an accumulation boundary.
-                engine.set_gradient_accumulation_boundary(False)
-                engine.backward(out.loss, scale_wrt_gas=False)
-        except Exception as error:
-            if not is_out_of_memory(error):
-                raise
-            raise MemoryStressTestFailed(
-                advice(args.max_training_tokens, len(samples), str(accelerator.device), error)
-            ) from None
-        finally:
-            self._discard_gradients()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        seconds = time.perf_counter() - started
-        logger.info("memory stress test passed: forward+backward of %d x %d tokens in %.1fs",
-                    len(samples), args.max_training_tokens, seconds)
-        return seconds
+                                   epsilon=epsilon, divisor=divisor)
+            strategy.backward(out.loss)
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        raise MemoryStressTestFailed(advice(num_tokens, len(samples), str(strategy.device), error)) from None
+    finally:
+        strategy.discard_gradients()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    seconds = time.perf_counter() - started
+    logger.info("memory stress test passed: forward+backward of %d x %d tokens in %.1fs", len(samples), num_tokens,
+                seconds)
+    return seconds

@@ -1,0 +1,219 @@
+"""The policy update of one LOOP iteration: old log-probs, then shuffled minibatches, one optimizer
+step each, with the guards that keep a bad step from reaching the weights.
+
+    old log-probs  <- current policy on the kept trajectories (no grad, eval mode)
+    for epoch in ppo_epochs:   shuffle all trajectories (across tasks), cut into minibatches
+        for minibatch:         accumulate loop_policy_loss over micro-batches, then
+                               skip (non-finite loss or gradient)  |  abort the iteration (|KL| too large)
+                               |  clip and step
+
+The LOOP math is :func:`loop_trainer.objective.loop_policy_loss`; how passes and gradients are
+shared between processes is :class:`~loop_trainer.training.distribution.DistributionStrategy`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..objective import loop_policy_loss
+from .batching import TrainingSample, chunks, collate, minibatch_indices, token_logprobs
+from .distribution import DistributionStrategy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    epsilon: float
+    minibatch_size: int
+    ppo_epochs: int
+    micro_batch_size: int
+    kl_abort_threshold: float
+    seed: int
+    pad_token_id: int
+
+    @classmethod
+    def from_args(cls, args: Any, pad_token_id: int) -> UpdateSettings:
+        return cls(epsilon=args.epsilon, minibatch_size=args.minibatch_size, ppo_epochs=args.ppo_epochs,
+                   micro_batch_size=args.per_device_train_batch_size, kl_abort_threshold=args.kl_abort_threshold,
+                   seed=args.seed, pad_token_id=pad_token_id)
+
+
+@dataclass
+class StepResult:
+    """One minibatch's accumulated loss statistics, over all processes."""
+
+    loss: float
+    clip_frac: float
+    kl: float
+    ratio_mean: float
+    ratio_min: float
+    ratio_max: float
+    num_tokens: float
+    grad_norm: float = math.nan
+    stepped: bool = False
+
+
+class PolicyUpdate:
+    """Runs :meth:`__call__` once per iteration on the kept trajectories."""
+
+    def __init__(self, settings: UpdateSettings, strategy: DistributionStrategy,
+                 autocast: Callable[[], contextlib.AbstractContextManager]):
+        self.settings = settings
+        self.strategy = strategy
+        self.autocast = autocast
+
+    def __call__(self, samples: list[TrainingSample], iteration: int) -> dict[str, float]:
+        """``ppo_epochs`` passes of shuffled minibatches over ``samples``; ``iteration`` (0-based,
+        the one being trained) seeds the shuffles."""
+        s = self.settings
+        generator = torch.Generator().manual_seed(s.seed * 1_000_003 + iteration)
+        epochs = [list(minibatch_indices(len(samples), s.minibatch_size, generator)) for _ in range(s.ppo_epochs)]
+        schedule = [minibatch for epoch in epochs for minibatch in epoch]
+        mine = sorted({i for minibatch in schedule for i in self.strategy.share(minibatch)})
+        # Each sample is in exactly one process's share of the first epoch: that process counts it
+        # in the sampler comparison, so the combined metric counts every sample once.
+        counted = {i for minibatch in epochs[0] for i in self.strategy.share(minibatch)}
+        old_logprobs, sampler_diff = self.old_logprobs(samples, mine, counted)
+        steps: list[StepResult] = []
+        skipped_nonfinite = 0
+        aborted_on_kl = False
+        for minibatch in schedule:
+            step = self.minibatch_step(samples, old_logprobs, minibatch)
+            if step is None:
+                skipped_nonfinite += 1
+                logger.warning("iteration %d: non-finite loss or gradient norm, optimizer step skipped", iteration + 1)
+                continue
+            steps.append(step)
+            if abs(step.kl) > s.kl_abort_threshold:
+                logger.warning("iteration %d: KL estimate %.3g exceeds %.3g; step skipped, remaining updates aborted",
+                               iteration + 1, step.kl, s.kl_abort_threshold)
+                aborted_on_kl = True
+                break
+        return {**summarize_steps(steps), "skipped_nonfinite_steps": skipped_nonfinite,
+                "aborted_on_kl": int(aborted_on_kl), **sampler_diff}
+
+    @torch.no_grad()
+    def old_logprobs(self, samples: list[TrainingSample], indices: list[int] | None = None,
+                     counted: set[int] | None = None) -> tuple[dict[int, torch.Tensor], dict[str, float]]:
+        """Log-probs of ``samples[i]`` for ``i`` in ``indices`` (default: all) under the current
+        policy, in eval mode, and how far the sampler's log-probs were from them over ``counted``
+        (default: all of ``indices``), combined over processes.
+
+        LOOP takes its PPO denominator from the trainer, not the sampler; the sampler's log-probs
+        are only compared, as a health check of the generation path."""
+        indices = list(range(len(samples))) if indices is None else indices
+        counted = set(indices) if counted is None else counted
+        model, strategy = self.strategy.model, self.strategy
+        was_training = model.training
+        model.eval()
+        old: dict[int, torch.Tensor] = {}
+        abs_diff_sum, abs_diff_max, count = 0.0, 0.0, 0
+        work = list(chunks(indices, self.settings.micro_batch_size))
+        real = len(work)
+        # Stand-in passes (results dropped) where forward passes are collective.
+        work += [[indices[0] if indices else 0]] * (strategy.matched_pass_count(real) - real)
+        try:
+            for k, chunk in enumerate(work):
+                batch = collate([samples[i] for i in chunk], self.settings.pad_token_id).to(strategy.device)
+                with self.autocast():
+                    logprobs = token_logprobs(model, batch).float()
+                if k >= real:
+                    continue
+                rows = torch.tensor([i in counted for i in chunk], device=logprobs.device)[:, None]
+                diff = (logprobs - batch.sampler_logprobs)[batch.loss_mask.bool() & rows].abs()
+                if diff.numel():
+                    abs_diff_sum += float(diff.sum())
+                    abs_diff_max = max(abs_diff_max, float(diff.max()))
+                    count += diff.numel()
+                for row, i in enumerate(chunk):
+                    old[i] = logprobs[row, : len(samples[i].token_ids)].cpu()
+        finally:
+            model.train(was_training)
+        abs_diff_sum, count = strategy.sum([abs_diff_sum, float(count)])
+        _, abs_diff_max = strategy.min_max(0.0, abs_diff_max)
+        return old, {"sampler_logprob_diff": abs_diff_sum / count if count else float("nan"),
+                     "sampler_logprob_diff_max": abs_diff_max}
+
+    def minibatch_step(self, samples: list[TrainingSample], old_logprobs: dict[int, torch.Tensor],
+                       minibatch: list[int]) -> StepResult | None:
+        """Accumulate this process's share of one minibatch, then one optimizer step. Returns None
+        if the loss or the gradient norm was not finite (the step is skipped), and a result with
+        ``stepped=False`` if the KL estimate is over the abort threshold (gradients discarded)."""
+        s, strategy = self.settings, self.strategy
+        share = strategy.share(minibatch)
+        micro_batches = [(indices, False) for indices in chunks(share, s.micro_batch_size)]
+        needed = strategy.micro_batches_per_step(len(micro_batches), len(minibatch), s.micro_batch_size)
+        # A stand-in is a zero-advantage, zero-mask copy: zero loss, zero gradient, matched collectives.
+        micro_batches += [(minibatch[:1], True)] * (needed - len(micro_batches))
+        # Each process divides by minibatch_size / world so that averaging gradients across
+        # processes yields sum(trajectory losses) / minibatch_size, the paper's constant divisor.
+        divisor = s.minibatch_size / strategy.num_processes
+        strategy.model.train()
+        totals = dict.fromkeys(("loss", "clip", "kl", "ratio", "tokens"), 0.0)
+        ratio_min, ratio_max = math.inf, -math.inf
+        for i, (indices, stand_in) in enumerate(micro_batches):
+            batch = collate([samples[j] for j in indices], s.pad_token_id).to(strategy.device)
+            old = torch.zeros_like(batch.sampler_logprobs)
+            for row, j in enumerate(indices):
+                if j in old_logprobs:
+                    old[row, : old_logprobs[j].numel()] = old_logprobs[j]
+            if stand_in:
+                batch.advantages.zero_()
+                batch.loss_mask.zero_()
+            with strategy.accumulating(last=i == len(micro_batches) - 1):
+                with self.autocast():
+                    logprobs = token_logprobs(strategy.model, batch)
+                out = loop_policy_loss(logprobs, old, batch.advantages, batch.loss_mask, epsilon=s.epsilon,
+                                       divisor=divisor)
+                strategy.backward(out.loss)
+            n = float(out.num_tokens)
+            totals["loss"] += float(out.loss.detach())
+            totals["clip"] += float(out.clip_frac) * n
+            totals["kl"] += float(out.kl) * n
+            totals["ratio"] += float(out.ratio_mean) * n
+            totals["tokens"] += n
+            if n:
+                ratio_min, ratio_max = min(ratio_min, float(out.ratio_min)), max(ratio_max, float(out.ratio_max))
+        totals = dict(zip(totals, strategy.sum(list(totals.values())), strict=True))
+        ratio_min, ratio_max = strategy.min_max(ratio_min, ratio_max)
+        tokens = totals["tokens"] or 1.0
+        step = StepResult(loss=totals["loss"] / strategy.num_processes, clip_frac=totals["clip"] / tokens,
+                          kl=totals["kl"] / tokens, ratio_mean=totals["ratio"] / tokens, ratio_min=ratio_min,
+                          ratio_max=ratio_max, num_tokens=totals["tokens"])
+        if not math.isfinite(step.loss):
+            strategy.discard_gradients()
+            return None
+        if abs(step.kl) > s.kl_abort_threshold:
+            strategy.discard_gradients()
+            return step
+        step.grad_norm, step.stepped = strategy.step()
+        return step if step.stepped else None
+
+
+def summarize_steps(steps: list[StepResult]) -> dict[str, float]:
+    """An iteration's update metrics: token-weighted ratio statistics over every accumulated
+    minibatch, loss and gradient norm over the steps taken."""
+    taken = [s for s in steps if s.stepped]
+    tokens = sum(s.num_tokens for s in steps) or 1.0
+
+    def weighted(key: str) -> float:
+        return sum(getattr(s, key) * s.num_tokens for s in steps) / tokens if steps else float("nan")
+
+    return {
+        "loss": sum(s.loss for s in taken) / len(taken) if taken else float("nan"),
+        "clip_frac": weighted("clip_frac"),
+        "kl": weighted("kl"),
+        "ratio_mean": weighted("ratio_mean"),
+        "ratio_min": min((s.ratio_min for s in steps), default=float("nan")),
+        "ratio_max": max((s.ratio_max for s in steps), default=float("nan")),
+        "grad_norm": sum(s.grad_norm for s in taken) / len(taken) if taken else float("nan"),
+        "optimizer_steps": len(taken),
+    }
