@@ -28,8 +28,9 @@ from transformers import AutoModelForCausalLM
 from trl import ModelConfig
 
 from ..chat import ChatFormatter, stop_token_ids
+from ..config import RANGES, output_dir_problem
 from ..envs import Environment, EnvironmentSetupError, make_environment
-from ..episode_settings import EpisodeSettings
+from ..episode_settings import EPISODE_RANGES, EpisodeSettings, Rule, check_ranges
 from ..evaluation import Evaluator, format_metrics, write_evaluation_viewer
 from ..rollout import GenerationBackend, TransformersBackend
 from ..tiny import build_tiny_from_spec, build_word_tokenizer, is_tiny_spec, load_tokenizer
@@ -58,14 +59,22 @@ class EvalArguments(ScriptArguments, EpisodeSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.rollouts_per_task < 1:
-            raise RecipeError("rollouts_per_task must be >= 1")
-        if self.temperature < 0:
-            raise RecipeError("temperature must be >= 0")
         try:
-            self.check_episode_settings()
+            check_ranges(self, EVAL_RANGES)
         except ValueError as error:
             raise RecipeError(str(error)) from None
+        if problem := output_dir_problem(self.output_dir):
+            raise RecipeError(problem)
+
+
+# loop-eval's ranges are training's: the episode settings', and those of LOOPConfig's evaluation keys.
+EVAL_RANGES: dict[str, Rule] = {
+    **EPISODE_RANGES,
+    "rollouts_per_task": RANGES["eval_rollouts_per_task"],
+    "temperature": RANGES["eval_temperature"],
+    "max_tasks": RANGES["eval_max_tasks"],
+    "seed": RANGES["seed"],
+}
 
 
 def load_policy(model_args: ModelConfig, eval_args: EvalArguments, env: Environment) -> tuple[Any, Any]:

@@ -21,6 +21,7 @@ import yaml
 from trl import ModelConfig, TrlParser
 
 from ..config import REFUSED_INHERITED_KEYS, LOOPConfig, refused_key_message
+from ..episode_settings import Rule, check_ranges
 
 
 class RecipeError(ValueError):
@@ -49,6 +50,10 @@ class ScriptArguments:
     plan_gpu_memory_gib: float = field(default=80.0, metadata={"help": "Memory of one GPU for the memory plan."})
 
     def __post_init__(self) -> None:
+        try:
+            check_ranges(self, SCRIPT_RANGES)
+        except ValueError as error:
+            raise RecipeError(str(error)) from None
         if isinstance(self.environment_kwargs, str):
             try:
                 self.environment_kwargs = json.loads(self.environment_kwargs)
@@ -56,6 +61,15 @@ class ScriptArguments:
                 raise RecipeError(f"environment_kwargs is not valid JSON: {error}") from None
         if self.environment_kwargs is not None and not isinstance(self.environment_kwargs, dict):
             raise RecipeError("environment_kwargs must be a mapping")
+
+
+SCRIPT_RANGES: dict[str, Rule] = {
+    "plan_gpus": Rule(">= 1 or None", "GPUs the dry run's memory plan assumes; None: $WORLD_SIZE, else 8"),
+    "plan_gpu_memory_gib": Rule("> 0", "the memory of one GPU in the dry run's memory plan"),
+}
+
+# Options parse_recipe itself reads, besides the dataclasses' keys.
+OWN_OPTIONS = ("config", "help")
 
 
 class _Parser(TrlParser):
@@ -76,7 +90,8 @@ def _known_keys(classes: Sequence[type]) -> set[str]:
 
 def _did_you_mean(key: str, classes: Sequence[type], prefix: str = "") -> str:
     """A hint spelled as the user spelled the mistake: ``prefix`` is ``--`` for a flag, empty for a YAML key."""
-    close = difflib.get_close_matches(key, sorted(_known_keys(classes)), n=1, cutoff=0.7)
+    candidates = sorted(_known_keys(classes) | (set(OWN_OPTIONS) if prefix else set()))
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.7)
     return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
 
 
@@ -168,6 +183,8 @@ def parse_recipe(argv: Sequence[str] | None = None, classes: Sequence[type] = DA
         config_flags, nulls = _as_flags(config, path, classes)
         parser.set_defaults(**nulls)
     for token in argv:
+        if token == "--help":  # argparse prints the help and exits 0, as for -h
+            continue
         if token.startswith("--") and token[2:].split("=", 1)[0].replace("-", "_") not in _known_keys(classes):
             key = token[2:].split("=", 1)[0]
             raise RecipeError(f"unknown option '--{key}'{_did_you_mean(key, classes, prefix='--')}")
