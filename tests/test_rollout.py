@@ -368,11 +368,113 @@ def test_the_engine_releases_its_threads_on_close(qwen_tokenizer):
     with RolloutEngine(SyncEnv(rows), ScriptedBackend(qwen_tokenizer, lambda prompt: "ok"),
                        ChatFormatter(qwen_tokenizer), show_progress=False) as engine:
         assert len(run(engine, rows).trajectories) == 4
-        threads = list(engine._executor._threads)
+        threads = list(engine._threads._threads)
     assert_threads_end(threads)
     engine.close()  # idempotent
     with pytest.raises(RuntimeError, match="this RolloutEngine was closed"):
         run(engine, rows)
+
+
+class BlockingEpisode(SyncEpisode):
+    """Synchronous; the "hang" task's step blocks until the test sets ``env.release``. Records
+    each method's start and end, whether the thread running it is a daemon, and whether another
+    method of the same episode was running at the time."""
+
+    def __init__(self, env, task):
+        super().__init__(task)
+        self.env, self.task_id, self.running = env, task["task_id"], 0
+
+    def _enter(self, name):
+        self.env.events.append((name, self.task_id, "concurrent" if self.running else "alone",
+                                threading.current_thread().daemon))
+        self.running += 1
+
+    def step(self, reply):
+        self._enter("step")
+        try:
+            if self.task_id == "hang":
+                self.env.release.wait()
+                raise RuntimeError("released")
+            return super().step(reply)
+        finally:
+            self.running -= 1
+            self.env.events.append(("step returned", self.task_id))
+
+    def close(self):
+        self._enter("close")
+        self.running -= 1
+        if self.task_id == "hang":
+            self.env.closed.set()
+
+
+class BlockingEnv(EchoEnv):
+    """``release`` lets the hung step return; ``closed`` is set once the hung episode is closed."""
+
+    def __init__(self, rows):
+        super().__init__(rows)
+        self.release, self.closed = threading.Event(), threading.Event()
+
+    def episode(self, task):
+        return BlockingEpisode(self, task)
+
+
+def blocking_engine(tokenizer, env, env_timeout):
+    return RolloutEngine(env, ScriptedBackend(tokenizer, lambda prompt: "ok"), ChatFormatter(tokenizer),
+                         EpisodeLimits(max_turns=3), env_timeout=env_timeout, show_progress=False)
+
+
+def test_a_hung_synchronous_call_is_abandoned_and_its_episode_closed_only_after_it_returns(qwen_tokenizer):
+    # The hung step never answers while the test waits: only the timeout ends its rollout; the
+    # healthy steps answer at once, far inside it.
+    rows = [{"task_id": "hang", "turns": 2}, {"task_id": "ok", "turns": 2}]
+    env = BlockingEnv(rows)
+    try:
+        with blocking_engine(qwen_tokenizer, env, env_timeout=3.0) as engine:
+            batch = run(engine, rows, max_failed_fraction=0.5)
+            assert [t.task_id for t in batch.trajectories] == ["ok"] and [t.task_id for t in batch.failed] == ["hang"]
+            assert batch.failed[0].error == ("TimeoutError: Episode.step() did not return within env_timeout (3s); it is "
+                                             "still running in its thread (abandoned: Python cannot stop a thread)")
+            assert (engine.abandoned_calls, engine.abandoned_calls_running) == (1, 1)
+            assert not [e for e in env.events if e[0] == "close" and e[1] == "hang"]  # not beside the running step
+    finally:
+        env.release.set()
+    assert env.closed.wait(timeout=60)  # a bound for a broken engine only
+    hung = [e for e in env.events if e[1] == "hang"]
+    # close ran once the step had returned (in the daemon thread the step had), never beside it
+    assert hung == [("step", "hang", "alone", True), ("step returned", "hang"), ("close", "hang", "alone", True)]
+    assert engine.abandoned_calls_running == 0 and engine.abandoned_calls == 1
+    assert not [e for e in env.events if e[2:3] == ("concurrent",)]
+
+
+def test_a_cancelled_straggler_inside_a_synchronous_call_is_abandoned_too(qwen_tokenizer):
+    # Early stop cancels the hung rollout at once (no timeout involved); its step keeps running.
+    rows = [{"task_id": "hang", "turns": 2}, {"task_id": "ok", "turns": 2}]
+    env = BlockingEnv(rows)
+    try:
+        with blocking_engine(qwen_tokenizer, env, env_timeout=120.0) as engine:
+            batch = run(engine, rows, done_fraction=0.5, task_fraction=0.0)
+            assert [t.task_id for t in batch.trajectories] == ["ok"] and batch.num_cancelled == 1
+            assert (engine.abandoned_calls, engine.abandoned_calls_running) == (1, 1)
+            assert ("close", "hang") not in [e[:2] for e in env.events]
+    finally:
+        env.release.set()
+    assert env.closed.wait(timeout=60)
+    assert [e[0] for e in env.events if e[1] == "hang"] == ["step", "step returned", "close"]
+
+
+def test_a_timeout_error_of_the_environment_is_its_own_not_env_timeout(qwen_tokenizer):
+    class RaisingEpisode(SyncEpisode):
+        def step(self, reply):
+            raise TimeoutError("the tool server timed out")
+
+    class RaisingEnv(EchoEnv):
+        def episode(self, task):
+            return RaisingEpisode(task)
+
+    rows = [{"task_id": "t", "turns": 2}]
+    with blocking_engine(qwen_tokenizer, RaisingEnv(rows), env_timeout=120.0) as engine:
+        batch = run(engine, rows)
+    assert batch.failed[0].error == "TimeoutError: the tool server timed out" and engine.abandoned_calls == 0
 
 
 class FakeVLLMServer(http.server.BaseHTTPRequestHandler):

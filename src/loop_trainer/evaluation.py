@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .chat import ChatFormatter
-from .envs.base import Environment
+from .envs.base import Environment, load_tasks
 from .episode_settings import EpisodeSettings
 from .rollout import GenerationBackend, RolloutEngine, mix_seed
 from .rollout.sharding import collect_across_processes
@@ -69,7 +69,7 @@ class Evaluator:
     def tasks(self, split: str, max_tasks: int | None = None) -> list[Mapping[str, Any]]:
         """The first ``max_tasks`` tasks of ``split`` (all by default), read once."""
         if (split, max_tasks) not in self._tasks:
-            tasks = self.env.tasks(split)
+            tasks = load_tasks(self.env, split)
             if max_tasks is not None:
                 tasks = tasks.select(range(min(max_tasks, len(tasks))))
             self._tasks[split, max_tasks] = list(tasks)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from loop_trainer.net import free_local_port
 
 ROOT = Path(__file__).resolve().parents[2]  # tests/support/ -> the repository
 DRIVER = ROOT / "tests" / "ddp_driver.py"

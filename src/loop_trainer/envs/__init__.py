@@ -17,19 +17,36 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
-from .base import Environment, EnvironmentSetupError, Episode, Message, Score, Step, as_score, success_and_reward
+from .base import (
+    Environment,
+    EnvironmentSetupError,
+    Episode,
+    EpisodeContractError,
+    Message,
+    Score,
+    Step,
+    UnknownSplitError,
+    as_score,
+    check_tasks,
+    load_tasks,
+    success_and_reward,
+)
 from .vault import VaultEnv
 
 __all__ = [
     "Environment",
     "EnvironmentSetupError",
     "Episode",
+    "EpisodeContractError",
     "Message",
     "Score",
     "Step",
     "VaultEnv",
     "as_score",
+    "UnknownSplitError",
     "available_environments",
+    "check_tasks",
+    "load_tasks",
     "make_environment",
     "success_and_reward",
 ]

@@ -11,20 +11,31 @@ An environment is two small classes (see docs/environments.md):
 Every ``Episode`` method may be a plain function or a coroutine. Plain functions run in a worker
 thread so a slow one never blocks other episodes; I/O-bound environments (an HTTP server) should
 use coroutines. The rollout engine calls ``close`` on every path, including failures and
-cancellations, and turns an exception or timeout in any method into one failed rollout.
+cancellations, and turns an exception or timeout in any method into one failed rollout. A plain
+function that times out cannot be stopped (Python cannot kill a thread): it is abandoned, and its
+episode's ``close`` runs only once it returns, never beside it.
+
+What an environment hands over is checked, each violation one clear line: :func:`check_tasks` for
+the task list, :func:`check_messages` for episode messages, :func:`as_score` for scores.
 """
 
 from __future__ import annotations
 
+import numbers
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from datasets import Dataset
 
 Message = dict[str, str]
 """A chat message: ``{"role": "system" | "user" | "assistant" | "tool", "content": str}``."""
+
+ROLES = ("system", "user", "assistant", "tool")
+"""The roles an episode's messages may have."""
 
 
 @dataclass
@@ -65,12 +76,23 @@ class Episode(ABC):
         """Grade the finished episode. Called once, after the last ``step`` or when a limit hit."""
 
     def close(self) -> None | Awaitable[None]:  # noqa: B027 - optional hook
-        """Release resources. Called exactly once on every path."""
+        """Release resources. Called once on every path, never while another method of this episode
+        is running: after a synchronous call that timed out, only once that call returns."""
 
 
 class EnvironmentSetupError(RuntimeError):
     """The environment cannot run as configured (data missing, servers not starting): the user
     can fix it, so front ends print the message alone, without a traceback."""
+
+
+class UnknownSplitError(EnvironmentSetupError, ValueError):
+    """The environment has no split of that name. Raise it from :meth:`Environment.tasks`, naming
+    the splits there are (a ``ValueError`` too, as before it existed)."""
+
+
+class EpisodeContractError(ValueError):
+    """An episode returned something the contract does not allow (a message without a known role,
+    a reward that is not a number, ...). It fails that one rollout, with this message."""
 
 
 class Environment(ABC):
@@ -82,7 +104,9 @@ class Environment(ABC):
 
     @abstractmethod
     def tasks(self, split: str = "train") -> Dataset:
-        """The tasks of ``split``: one row per task with at least a string ``task_id`` column."""
+        """The tasks of ``split``: one row per task with at least a string ``task_id`` column, ids
+        distinct (see :func:`check_tasks`). For a split it lacks, raise :class:`UnknownSplitError`
+        naming the splits it has."""
 
     @abstractmethod
     def episode(self, task: Mapping[str, Any]) -> Episode:
@@ -128,11 +152,88 @@ def success_and_reward(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     }
 
 
+def check_tasks(tasks: Any, *, environment: str, split: str) -> Dataset:
+    """``tasks``, what ``Environment.tasks(split)`` returned, if it keeps the contract: a
+    :class:`datasets.Dataset` with at least one row and a ``task_id`` column whose values are set
+    and distinct (as strings: trajectories, logs and checkpoints name tasks by ``str(task_id)``).
+    Otherwise :class:`EnvironmentSetupError` with one line naming ``environment`` and ``split``."""
+    where = f"environment {environment!r}, split {split!r}"
+    if not isinstance(tasks, Dataset):
+        hint = " (wrap rows with datasets.Dataset.from_list(rows))" if isinstance(tasks, (list, tuple)) else ""
+        raise EnvironmentSetupError(
+            f"{where}: tasks() returned a {type(tasks).__name__}, not a datasets.Dataset{hint}")
+    if len(tasks) == 0:
+        raise EnvironmentSetupError(
+            f"{where}: the split has no tasks (check the environment's data, or the environment_kwargs "
+            "that set its size)")
+    if "task_id" not in tasks.column_names:
+        columns = ", ".join(tasks.column_names) or "none"
+        raise EnvironmentSetupError(f"{where}: the tasks have no 'task_id' column (columns: {columns})")
+    ids = tasks["task_id"]
+    missing = sum(task_id is None for task_id in ids)
+    if missing:
+        raise EnvironmentSetupError(f"{where}: {missing} of {len(ids)} tasks have no task_id (None)")
+    repeated = [(task_id, n) for task_id, n in Counter(str(task_id) for task_id in ids).items() if n > 1]
+    if repeated:
+        examples = ", ".join(f"{task_id!r} ({n}x)" for task_id, n in repeated[:3])
+        more = f" and {len(repeated) - 3} more" if len(repeated) > 3 else ""
+        raise EnvironmentSetupError(
+            f"{where}: {len(repeated)} task ids occur more than once: {examples}{more}; every task needs its own task_id")
+    return tasks
+
+
+def load_tasks(env: Environment, split: str) -> Dataset:
+    """``env.tasks(split)``, checked by :func:`check_tasks`."""
+    return check_tasks(env.tasks(split), environment=env.name, split=split)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_messages(messages: Any, *, source: str) -> list[Message]:
+    """``messages`` if they are a list of chat messages, each a mapping with a ``role`` from
+    :data:`ROLES` (its ``content`` is checked and repaired by the rollout engine). ``source`` names
+    the method that returned them (``"Episode.start()"``). Otherwise :class:`EpisodeContractError`
+    naming the bad message."""
+    if not isinstance(messages, (list, tuple)):
+        raise EpisodeContractError(f"{source} must return a list of messages, got {type(messages).__name__}: "
+                                   f"{_short(messages)}")
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise EpisodeContractError(f"{source} message {index} is a {type(message).__name__}, not a dict "
+                                       f"with 'role' and 'content': {_short(message)}")
+        role = message.get("role")
+        if role not in ROLES:
+            problem = "has no 'role'" if role is None else f"has the unknown role {_short(role, 30)}"
+            raise EpisodeContractError(f"{source} message {index} {problem} (roles: {', '.join(ROLES)}): "
+                                       f"{_short(dict(message))}")
+    return list(messages)
+
+
+def _is_number(value: Any) -> bool:
+    # bool is an int (True == 1): a 0/1 reward loses nothing. Strings, None, tensors and Decimals
+    # are refused rather than converted: float("0.5") hides a bug in the environment.
+    return isinstance(value, (numbers.Real, np.bool_))
+
+
 def as_score(value: float | Score) -> Score:
-    """Normalise what ``Episode.score`` returned, checking the reward's range."""
-    score = value if isinstance(value, Score) else Score(reward=float(value))
+    """Normalise what ``Episode.score`` returned: a number in [0, 1] or a :class:`Score` whose
+    ``reward`` is one. Anything else (a string such as ``"0.5"``, ``None``, a tensor) is an
+    :class:`EpisodeContractError` naming its type, never converted."""
+    if isinstance(value, Score):
+        score = value
+    elif _is_number(value):
+        score = Score(reward=value)
+    else:
+        raise EpisodeContractError(f"Episode.score() must return a number in [0, 1] or a Score, got "
+                                   f"{type(value).__name__}: {_short(value)}")
+    if not _is_number(score.reward):
+        raise EpisodeContractError(f"Score.reward must be a number in [0, 1] (int or float), got "
+                                   f"{type(score.reward).__name__}: {_short(score.reward)}")
     reward = float(score.reward)
     if not 0.0 <= reward <= 1.0 or reward != reward:
-        raise ValueError(f"episode reward must be in [0, 1], got {score.reward!r}")
+        raise EpisodeContractError(f"episode reward must be in [0, 1], got {score.reward!r}")
     score.reward = reward
     return score

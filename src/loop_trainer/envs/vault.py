@@ -29,7 +29,7 @@ from typing import Any
 
 from datasets import Dataset
 
-from .base import Environment, Episode, Message, Score, Step, success_and_reward
+from .base import Environment, Episode, Message, Score, Step, UnknownSplitError, success_and_reward
 
 PEOPLE = ("ann", "bob", "cat", "dan", "eve", "fay", "gus", "hal")
 ACCOUNT_IDS = tuple(f"k{i}" for i in range(10))
@@ -37,6 +37,7 @@ CODES = tuple(str(i) for i in range(10))
 COMMANDS = ("find", "open", "submit")
 MESSAGE_WORDS = ("fetch", "code", "of", "id", "no", "such", "person", "account", "command", "tools", ":")
 CHECKS = ("used_directory", "found_person", "opened_account", "submitted_code")
+SPLITS = ("train", "test")
 SYSTEM_PROMPT = "tools : find open submit"
 
 
@@ -96,15 +97,20 @@ class VaultEnv(Environment):
     name = "vault"
 
     def __init__(self, num_tasks: int = 64, people_per_task: int = 4, seed: int = 0):
+        if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1:
+            raise ValueError(f"vault: num_tasks (environment_kwargs) is the number of tasks per split and must be "
+                             f"an integer >= 1, got {num_tasks!r}")
         if not 1 <= people_per_task <= len(PEOPLE):
-            raise ValueError(f"people_per_task must be between 1 and {len(PEOPLE)}")
+            raise ValueError(f"vault: people_per_task (environment_kwargs) must be between 1 and {len(PEOPLE)}, "
+                             f"got {people_per_task!r}")
         self.num_tasks = num_tasks
         self.people_per_task = people_per_task
         self.seed = seed
 
     def tasks(self, split: str = "train") -> Dataset:
-        if split not in ("train", "test"):
-            raise ValueError(f"vault has splits 'train' and 'test', not {split!r}")
+        if split not in SPLITS:
+            raise UnknownSplitError(f"vault has no split {split!r}; its splits are 'train' and 'test' "
+                                    "(set train_split / eval_split to one of them)")
         rng = random.Random(f"{self.seed}-{split}")
         rows = []
         for index in range(self.num_tasks):

@@ -1,15 +1,8 @@
 """Multi-turn rollouts: generation backends and the concurrent episode engine."""
 
 from .backend import Completion, GenerationBackend, TransformersBackend
-from .engine import (
-    EpisodeLimits,
-    GenerationError,
-    RolloutBatch,
-    RolloutEngine,
-    RolloutFailureBudgetExceeded,
-    mix_seed,
-    run_coroutine,
-)
+from .engine import RolloutEngine, run_coroutine
+from .records import EpisodeLimits, GenerationError, RolloutBatch, RolloutFailureBudgetExceeded, mix_seed
 
 __all__ = [
     "Completion",

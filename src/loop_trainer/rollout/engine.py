@@ -9,6 +9,12 @@ Failures are isolated: an exception or a timeout in an episode marks that one ro
 (counted and logged) and the rest of the iteration goes on, unless more than
 ``max_failed_fraction`` of the iteration's rollouts failed -- then one clear error, because
 training on the survivors would bias the update towards whatever does not crash.
+
+Synchronous environment methods run on daemon threads (:class:`EnvThreads`). Python cannot kill a
+thread, so a sync call that outlives ``env_timeout`` is abandoned: its rollout fails at once, the
+call keeps its thread until it returns (if ever), it is counted (``abandoned_calls``), the
+episode's ``close`` waits for it (then runs in that thread, never beside it), and since the thread
+is a daemon it never holds up the process's exit.
 """
 
 from __future__ import annotations
@@ -21,94 +27,38 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
 from ..chat import ChatFormatter
-from ..envs.base import Environment, Episode, Message, as_score
+from ..envs.base import Environment, Episode, EpisodeContractError, Message, Step, as_score, check_messages
 from ..trajectory import Trajectory
 from .backend import Completion, GenerationBackend
+from .env_threads import AbandonedCalls, EnvThreads, EpisodeCalls, deliver
+from .records import (
+    MAX_CHARS_PER_TOKEN,
+    EpisodeLimits,
+    GenerationError,
+    RolloutBatch,
+    RolloutFailureBudgetExceeded,
+    mix_seed,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class RolloutFailureBudgetExceeded(RuntimeError):
-    """Too many rollouts of one iteration failed to train on the rest."""
-
-
-MAX_CHARS_PER_TOKEN = 16
-"""Environment messages longer than ``max_trajectory_tokens`` times this many characters are cut."""
-
-
-class GenerationError(RuntimeError):
-    """The generation backend failed twice for one turn."""
-
-
-def mix_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (splitmix64 steps): distinct inputs give unrelated seeds."""
-    state = 0x9E3779B97F4A7C15
-    for part in parts:
-        state = (state ^ (part & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        state = (state ^ (state >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        state ^= state >> 31
-    return state & 0x7FFFFFFFFFFFFFFF
-
-
-@dataclass(frozen=True)
-class EpisodeLimits:
-    max_turns: int = 40
-    """Model replies per episode (AppWorld: interactions)."""
-    max_new_tokens_per_turn: int = 1500
-    max_trajectory_tokens: int = 32000
-    """Whole-conversation budget; with less than one token of room left the episode ends."""
-
-
-@dataclass
-class RolloutBatch:
-    """The outcome of one collection."""
-
-    trajectories: list[Trajectory]
-    """Completed rollouts (scored), in (task, rollout) order."""
-    failed: list[Trajectory] = field(default_factory=list)
-    num_cancelled: int = 0
-    seconds: float = 0.0
-
-    def stats(self) -> dict[str, float]:
-        done = self.trajectories
-        endings = Counter(t.ending for t in done)
-        rewards = [t.reward for t in done]
-        successes = [t.success for t in done if t.success is not None]
-        mean = sum(rewards) / len(rewards) if rewards else float("nan")
-        var = sum((r - mean) ** 2 for r in rewards) / len(rewards) if rewards else float("nan")
-        return {
-            "num_rollouts": float(len(done)),
-            "num_failed": float(len(self.failed)),
-            "num_cancelled": float(self.num_cancelled),
-            "reward_mean": mean,
-            "reward_std": math.sqrt(var) if rewards else float("nan"),
-            "success_rate": sum(successes) / len(successes) if successes else float("nan"),
-            "turns_mean": sum(t.num_turns for t in done) / len(done) if done else float("nan"),
-            "sampled_tokens": float(sum(t.num_sampled_tokens for t in done)),
-            "trajectory_tokens_max": float(max((len(t.token_ids) for t in done), default=0)),
-            "truncated_turns": float(sum(t.truncated_turns for t in done)),
-            "repaired_messages": float(sum(t.repaired_messages for t in done)),
-            "cut_messages": float(sum(t.cut_messages for t in done)),
-            "ended_turn_limit": float(endings["turn_limit"]),
-            "ended_trajectory_budget": float(endings["trajectory_budget"]),
-            "rollout_seconds": self.seconds,
-        }
-
-
 class RolloutEngine:
     """Runs episodes of ``env`` with ``backend``, concurrently.
 
-    The engine owns one thing, the thread pool that runs synchronous environment methods; the
-    environment and the backend belong to the caller. Release the pool with :meth:`close` or
-    ``with RolloutEngine(...) as engine:``.
+    The engine owns one thing, the daemon threads that run synchronous environment methods
+    (:class:`EnvThreads`); the environment and the backend belong to the caller. Release them with
+    :meth:`close` or ``with RolloutEngine(...) as engine:``.
+
+    ``abandoned_calls`` counts the synchronous environment calls that did not return within
+    ``env_timeout`` (or whose rollout was cancelled meanwhile) and were left running in their
+    threads; ``abandoned_calls_running`` is how many of them have still not returned.
     """
 
     def __init__(
@@ -130,18 +80,90 @@ class RolloutEngine:
         self.max_concurrent_episodes = max_concurrent_episodes
         self.show_progress = show_progress
         self.generation_retries = 0
+        self._abandoned = AbandonedCalls()
         # Sync environment methods run here, so a sleeping or CPU-bound env never blocks the loop.
-        self._executor = ThreadPoolExecutor(max_workers=max_concurrent_episodes, thread_name_prefix="env")
+        self._threads = EnvThreads("env")
         self._closed = False
 
-    async def _call(self, method: Callable[..., T | Awaitable[T]], *args: Any) -> T:
+    @property
+    def abandoned_calls(self) -> int:
+        """Synchronous environment calls left running in their threads (timed out, or their
+        rollout cancelled), since the engine was built."""
+        with self._abandoned.lock:
+            return self._abandoned.total
+
+    @property
+    def abandoned_calls_running(self) -> int:
+        """Abandoned calls that have not returned yet; each holds a thread."""
+        with self._abandoned.lock:
+            return self._abandoned.running
+
+    def _timeout_error(self, name: str, abandoned: bool) -> TimeoutError:
+        note = "; it is still running in its thread (abandoned: Python cannot stop a thread)" if abandoned else ""
+        return TimeoutError(f"Episode.{name}() did not return within env_timeout ({self.env_timeout:g}s){note}")
+
+    async def _call(self, calls: EpisodeCalls, name: str, *args: Any) -> Any:
+        """Call the episode's method ``name`` (``calls.episode``) within ``env_timeout``: a
+        coroutine on the loop, a plain function on a daemon thread."""
+        method = getattr(calls.episode, name)
         if inspect.iscoroutinefunction(method):
-            return await asyncio.wait_for(method(*args), self.env_timeout)
+            return await self._within_timeout(method(*args), name)
         loop = asyncio.get_running_loop()
-        result = await asyncio.wait_for(loop.run_in_executor(self._executor, method, *args), self.env_timeout)
+        answer: asyncio.Future[Any] = loop.create_future()
+        calls.begin(f"Episode.{name}()")
+
+        def work() -> None:  # on a pool thread; never raises
+            result, error = None, None
+            try:
+                result = method(*args)
+            except BaseException as raised:  # noqa: BLE001 - handed to the awaiting episode
+                error = raised
+            late_close = calls.end()
+            try:
+                loop.call_soon_threadsafe(deliver, answer, result, error)
+            except RuntimeError:  # the collection's event loop is gone: nobody waits any more
+                pass
+            if late_close is not None:
+                late_close()
+
+        self._threads.run(work)
+        try:
+            result = await self._within_timeout(answer, name, calls)
+        except asyncio.CancelledError:
+            calls.abandon()
+            raise
         if inspect.isawaitable(result):
-            result = await asyncio.wait_for(result, self.env_timeout)
+            result = await self._within_timeout(result, name)
         return result
+
+    async def _within_timeout(self, awaitable: Awaitable[T], name: str, calls: EpisodeCalls | None = None) -> T:
+        """``await awaitable`` within ``env_timeout``; running out of time is a TimeoutError that
+        names the method (and says whether its thread was abandoned), told apart from a
+        TimeoutError the method raised itself."""
+        deadline = asyncio.timeout(self.env_timeout)
+        try:
+            async with deadline:
+                return await awaitable
+        except TimeoutError:
+            if not deadline.expired():
+                raise  # the environment's own
+            abandoned = calls is not None and calls.abandon()
+            raise self._timeout_error(name, abandoned) from None
+
+    def _close_later(self, episode: Episode, task_id: str) -> Callable[[], None]:
+        """``episode.close()`` for the thread of an abandoned call, once that call has returned."""
+
+        def close() -> None:
+            try:
+                result = episode.close()
+                if inspect.isawaitable(result):  # on a loop of its own: the collection's may be gone
+                    asyncio.run(_awaited(result))
+                logger.info("closed the episode of task %s once its abandoned call returned", task_id)
+            except Exception as error:  # noqa: BLE001
+                logger.warning("closing the episode of task %s (once its abandoned call returned) failed: %s",
+                               task_id, error)
+
+        return close
 
     async def run_episode(self, task: Mapping[str, Any], group: int = 0, seed: int | None = None) -> Trajectory:
         """One episode, start to score. Never raises except on cancellation. With a ``seed``, turn t
@@ -151,7 +173,8 @@ class RolloutEngine:
         episode: Episode | None = None
         try:
             episode = self.env.episode(task)
-            messages = self._clean(await self._call(episode.start), trajectory)
+            calls = EpisodeCalls(episode, self._abandoned)
+            messages = self._clean(await self._call(calls, "start"), trajectory, "Episode.start()")
             trajectory.messages.extend(messages)
             trajectory.num_opening_messages = len(messages)
             trajectory.append(self.formatter.opening_ids(messages), sampled=False)
@@ -171,18 +194,20 @@ class RolloutEngine:
                 trajectory.truncated_turns += not completion.stopped
                 reply = self.formatter.reply_text(completion.token_ids)
                 trajectory.messages.append({"role": "assistant", "content": reply})
-                step = await self._call(episode.step, reply)
+                step = await self._call(calls, "step", reply)
+                if not isinstance(step, Step):
+                    raise EpisodeContractError(f"Episode.step() must return a Step, got {type(step).__name__}")
                 if step.done:
                     trajectory.ending = "done"
                     break
-                step.messages = self._clean(step.messages, trajectory)
+                step.messages = self._clean(step.messages, trajectory, "Episode.step()")
                 trajectory.messages.extend(step.messages)
                 trajectory.append(
                     self.formatter.after_reply_ids(completion.token_ids, completion.stopped)
                     + self.formatter.continuation_ids(step.messages),
                     sampled=False,
                 )
-            score = as_score(await self._call(episode.score))
+            score = as_score(await self._call(calls, "score"))
             trajectory.reward, trajectory.success, trajectory.info = score.reward, score.success, score.info
         except asyncio.CancelledError:
             trajectory.status, trajectory.ending = "cancelled", "cancelled"
@@ -194,25 +219,36 @@ class RolloutEngine:
         finally:
             trajectory.seconds = time.perf_counter() - started
             if episode is not None:
-                try:
-                    await self._call(episode.close)
-                except Exception as error:  # noqa: BLE001
-                    logger.warning("closing the episode of task %s failed: %s", trajectory.task_id, error)
+                await self._close_episode(calls, trajectory.task_id)
         return trajectory
 
-    def _clean(self, messages: list[Message], trajectory: Trajectory) -> list[Message]:
-        """Make environment output safe to tokenise: bytes and lone surrogates become valid text
-        (U+FFFD), and a message longer than any trajectory could hold is cut with a note.
-        Both are counted on the trajectory, never silent."""
+    async def _close_episode(self, calls: EpisodeCalls, task_id: str) -> None:
+        """Close the episode, unless one of its calls was abandoned and still runs: then ``close``
+        runs in that call's thread once it returns (never beside it; never, if it never returns)."""
+        waiting_for = calls.defer_close(self._close_later(calls.episode, task_id))
+        if waiting_for is not None:
+            logger.warning("the episode of task %s is not closed yet: its abandoned %s is still running; "
+                           "close() runs when that returns", task_id, waiting_for)
+            return
+        try:
+            await self._call(calls, "close")
+        except Exception as error:  # noqa: BLE001
+            logger.warning("closing the episode of task %s failed: %s", task_id, error)
+
+    def _clean(self, messages: list[Message], trajectory: Trajectory, source: str) -> list[Message]:
+        """Check environment output against the contract (a list of messages, each with a known
+        role: :func:`~loop_trainer.envs.base.check_messages`) and make it safe to tokenise: bytes
+        and lone surrogates become valid text (U+FFFD), and a message longer than any trajectory
+        could hold is cut with a note. Both are counted on the trajectory, never silent."""
         limit = self.limits.max_trajectory_tokens * MAX_CHARS_PER_TOKEN
         cleaned = []
-        for message in messages:
+        for index, message in enumerate(check_messages(messages, source=source)):
             content = message.get("content", "")
             if isinstance(content, (bytes, bytearray)):
                 content = bytes(content).decode("utf-8", errors="replace")
                 trajectory.repaired_messages += 1
             elif not isinstance(content, str):
-                raise TypeError(f"message content must be str, got {type(content).__name__}")
+                raise EpisodeContractError(f"{source} message {index} content must be str, got {type(content).__name__}")
             else:
                 repaired = content.encode("utf-8", errors="replace").decode("utf-8")
                 if repaired != content:
@@ -322,16 +358,21 @@ class RolloutEngine:
         return run_coroutine(self.collect_async(tasks, rollouts_per_task, **kwargs))
 
     def close(self) -> None:
-        """Stop the environment threads. Idempotent. A thread still inside a hung environment call
-        ends when that call returns: waiting for it here could block forever."""
+        """Stop the environment threads. Idempotent; never waits. A thread still inside an
+        abandoned environment call ends when that call returns, and since it is a daemon thread it
+        never holds up the process's exit."""
         self._closed = True
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._threads.close()
 
     def __enter__(self) -> RolloutEngine:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+async def _awaited(awaitable: Awaitable[T]) -> T:
+    return await awaitable
 
 
 def run_coroutine(coroutine: Coroutine[Any, Any, T]) -> T:

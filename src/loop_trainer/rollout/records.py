@@ -1,0 +1,77 @@
+"""What the rollout engine takes and returns: episode limits, the batch of an iteration's
+trajectories (with its summary statistics), seeds, and the engine's errors."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..trajectory import Trajectory
+
+
+class RolloutFailureBudgetExceeded(RuntimeError):
+    """Too many rollouts of one iteration failed to train on the rest."""
+
+
+MAX_CHARS_PER_TOKEN = 16
+"""Environment messages longer than ``max_trajectory_tokens`` times this many characters are cut."""
+
+
+class GenerationError(RuntimeError):
+    """The generation backend failed twice for one turn."""
+
+
+def mix_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (splitmix64 steps): distinct inputs give unrelated seeds."""
+    state = 0x9E3779B97F4A7C15
+    for part in parts:
+        state = (state ^ (part & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        state = (state ^ (state >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        state ^= state >> 31
+    return state & 0x7FFFFFFFFFFFFFFF
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int = 40
+    """Model replies per episode (AppWorld: interactions)."""
+    max_new_tokens_per_turn: int = 1500
+    max_trajectory_tokens: int = 32000
+    """Whole-conversation budget; with less than one token of room left the episode ends."""
+
+
+@dataclass
+class RolloutBatch:
+    """The outcome of one collection."""
+
+    trajectories: list[Trajectory]
+    """Completed rollouts (scored), in (task, rollout) order."""
+    failed: list[Trajectory] = field(default_factory=list)
+    num_cancelled: int = 0
+    seconds: float = 0.0
+
+    def stats(self) -> dict[str, float]:
+        done = self.trajectories
+        endings = Counter(t.ending for t in done)
+        rewards = [t.reward for t in done]
+        successes = [t.success for t in done if t.success is not None]
+        mean = sum(rewards) / len(rewards) if rewards else float("nan")
+        var = sum((r - mean) ** 2 for r in rewards) / len(rewards) if rewards else float("nan")
+        return {
+            "num_rollouts": float(len(done)),
+            "num_failed": float(len(self.failed)),
+            "num_cancelled": float(self.num_cancelled),
+            "reward_mean": mean,
+            "reward_std": math.sqrt(var) if rewards else float("nan"),
+            "success_rate": sum(successes) / len(successes) if successes else float("nan"),
+            "turns_mean": sum(t.num_turns for t in done) / len(done) if done else float("nan"),
+            "sampled_tokens": float(sum(t.num_sampled_tokens for t in done)),
+            "trajectory_tokens_max": float(max((len(t.token_ids) for t in done), default=0)),
+            "truncated_turns": float(sum(t.truncated_turns for t in done)),
+            "repaired_messages": float(sum(t.repaired_messages for t in done)),
+            "cut_messages": float(sum(t.cut_messages for t in done)),
+            "ended_turn_limit": float(endings["turn_limit"]),
+            "ended_trajectory_budget": float(endings["trajectory_budget"]),
+            "rollout_seconds": self.seconds,
+        }
