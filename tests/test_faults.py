@@ -40,7 +40,8 @@ def hang_until_released(reply: str):
 def release_hung_steps():
     RELEASED.clear()
     yield
-    RELEASED.set()  # the hung environment threads return, and the test process can exit
+    RELEASED.set()  # the hung steps return and their episodes are closed (their daemon threads never
+    # held up the process's exit: tests/test_env_contract.py checks that)
 
 
 def fault_args(tmp_path, **overrides) -> LOOPConfig:
@@ -89,4 +90,6 @@ def test_the_cli_reports_a_failure_budget_stop_in_one_line(tmp_path, capsys):
                   "--report_to", "none", "--disable_tqdm", "true"])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 1 and len(err) == 1
-    assert err[0].startswith("loop-train: error: 6 of 16 rollouts failed") and "--resume_from_checkpoint last" in err[0]
+    assert err[0].startswith("loop-train: error: 6 of 16 rollouts failed")
+    # it stopped in iteration 1, before any checkpoint: nothing to resume, so no advice to resume
+    assert err[0].endswith("no checkpoint was saved, so run it again from the start")

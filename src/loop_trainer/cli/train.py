@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from trl import ModelConfig, get_peft_config
 
-from ..training.checkpoints import CheckpointError
+from ..training.checkpoints import CheckpointError, check_fresh_output_dir, is_fresh, last_complete_checkpoint
 from ..config import LOOPConfig
 from ..envs import Environment, EnvironmentSetupError, make_environment
 from .recipe import RecipeError, ScriptArguments, make_parser, parse_recipe
@@ -63,6 +63,11 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
     if script_args.dry_run:  # cli() turns the plan's verdict into the exit status
         dry_run(script_args, training_args, model_args)
         return None
+    if is_fresh(training_args.resume_from_checkpoint):  # LOOPTrainer.train() checks it too; here before any loading
+        try:
+            check_fresh_output_dir(training_args.output_dir, training_args.overwrite_output_dir)
+        except CheckpointError as error:
+            raise RecipeError(str(error)) from None
     try:
         env = make_environment(script_args.environment, **(script_args.environment_kwargs or {}))
     except (ValueError, EnvironmentSetupError) as error:
@@ -72,9 +77,13 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
         try:
             trainer = LOOPTrainer(model=model, env=env, args=training_args, processing_class=tokenizer,
                                   peft_config=get_peft_config(model_args))
-        except (VLLMNotInstalledError, GeneratorConfigError, WeightSyncError, DistributedSetupError) as error:
+        except (VLLMNotInstalledError, GeneratorConfigError, WeightSyncError, DistributedSetupError,
+                EnvironmentSetupError) as error:
             raise RecipeError(str(error)) from None
         trainer.recipe_path = getattr(script_args, "effective_recipe", None)
+        # Recorded in each checkpoint and compared on resume, like LOOPConfig's settings.
+        trainer.run_settings = {"environment": script_args.environment,
+                                "environment_kwargs": script_args.environment_kwargs or {}}
         with trainer:
             try:
                 trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
@@ -85,10 +94,21 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
             if training_args.push_to_hub:
                 trainer.push_to_hub()
     finally:
-        env.close()
+        close_environment(env)
     if trainer.is_world_process_zero():
         print(summary(trainer))
     return trainer
+
+
+def close_environment(env: Environment) -> None:
+    """Close what loop-train opened; a failure to close is one warning line, never an error that
+    turns a saved run into a failed one (nor hides the error that ended a failed one)."""
+    try:
+        env.close()
+    except Exception as error:  # noqa: BLE001 - any failure of a plugin's close() is reported the same way
+        detail = str(error).splitlines()[0] if str(error) else ""
+        print(f"loop-train: warning: closing the environment '{getattr(env, 'name', type(env).__name__)}' failed "
+              f"({type(error).__name__}{': ' + detail if detail else ''})", file=sys.stderr)
 
 
 def summary(trainer: LOOPTrainer, window: int = 5) -> str:
@@ -106,8 +126,17 @@ def summary(trainer: LOOPTrainer, window: int = 5) -> str:
     )
 
 
+def resume_advice(output_dir: str | None) -> str:
+    """How to go on after a stopped run: resume only if there is a checkpoint to resume from."""
+    checkpoint = last_complete_checkpoint(output_dir) if output_dir else None
+    if checkpoint is None:
+        return "no checkpoint was saved, so run it again from the start"
+    return f"continue with --resume_from_checkpoint last (from {checkpoint.name})"
+
+
 def cli(argv: Sequence[str] | None = None) -> int:
-    """Entry point: one actionable line on user errors, exit status 2."""
+    """Entry point: one actionable line on user errors, exit status 2; Ctrl-C exits 130."""
+    training_args = None
     try:
         script_args, training_args, model_args = parse_recipe(argv)
         if script_args.dry_run:
@@ -120,9 +149,18 @@ def cli(argv: Sequence[str] | None = None) -> int:
         print(f"loop-train: error: {error}", file=sys.stderr)
         return 1
     except RolloutFailureBudgetExceeded as error:
-        print(f"loop-train: error: {error}. Fix the environment, then continue with "
-              "--resume_from_checkpoint last", file=sys.stderr)
+        output_dir = training_args.output_dir if training_args else None
+        print(f"loop-train: error: {error}. Fix the environment, then {resume_advice(output_dir)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a checkpoint being written is completed first (checkpoints.deferred_interrupt)
+        checkpoint = last_complete_checkpoint(training_args.output_dir) if training_args else None
+        if checkpoint is None:
+            print("loop-train: interrupted before the first checkpoint; nothing to resume", file=sys.stderr)
+        else:
+            iteration = checkpoint.name.rsplit("-", 1)[1]
+            print(f"loop-train: interrupted after iteration {iteration}; resume with --resume_from_checkpoint last",
+                  file=sys.stderr)
+        return 130
     return 0
 
 

@@ -164,6 +164,7 @@ def write_model_card(
     history: Sequence[Mapping[str, Any]] | None = None,
     eval_metrics: Mapping[str, Any] | None = None,
     recipe_path: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    setting_changes: Sequence[Mapping[str, Any]] | None = None,
     merged: bool = False,
     license: str | None = None,
     model_name: str | None = None,
@@ -177,6 +178,8 @@ def write_model_card(
     and last ``reward_mean`` go into the card); ``eval_metrics`` the latest evaluation,
     ``{"split": "dev", "iteration": 10, "metrics": {"success_rate": 0.4, ...}}``, or None.
     ``recipe_path`` (a file, or the recipe as a mapping) is written to ``output_dir/recipe.yaml``.
+    ``setting_changes`` are settings changed on resume (``{"setting", "old", "new", "from_iteration"}``,
+    see ``resume_with_changed_settings``); the card lists them under the settings table.
     """
     from ..rollout.vllm_backend import vllm_lora_rank  # here: keeps this module's import light
 
@@ -230,6 +233,8 @@ def write_model_card(
         has_metrics=(output_dir / METRICS_FILE).is_file(),
         has_recipe=(output_dir / RECIPE_FILE).is_file(),
         hyperparameters=hyperparameter_rows(args),
+        setting_changes=[(c["setting"], format_value(c["old"]), format_value(c["new"]), c["from_iteration"])
+                         for c in setting_changes or ()],
         lora=[(name, format_value(lora[name])) for name in LORA_FIELDS if lora and lora.get(name) not in (None, False)],
         max_turns=getattr(args, "max_turns", PAPER_VALUES["max_turns"]),
         max_new_tokens_per_turn=getattr(args, "max_new_tokens_per_turn", PAPER_VALUES["max_new_tokens_per_turn"]),

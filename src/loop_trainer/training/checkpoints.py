@@ -2,8 +2,14 @@
 
 A checkpoint is Trainer's own (weights or adapter, optimizer, scheduler, RNG states, trainer
 state) plus ``loop_state.json``: the task sampler's position and the metrics of every iteration so
-far. It is written into a staging directory and renamed into place only when complete, so a crash
-mid-write leaves the previous checkpoints as they were and nothing that loads wrongly.
+far, and the settings an exact resume depends on (:mod:`.resume`). It is written into a
+staging directory and renamed into place only when complete, so a crash mid-write leaves the previous
+checkpoints as they were and nothing that loads wrongly; Ctrl-C while it is renamed into place waits
+until the rename is done.
+
+This module also guards an ``output_dir``: a fresh run refuses a directory holding another run's
+checkpoints (:func:`check_fresh_output_dir`); :mod:`.resume` compares a resumed run's settings with
+the checkpoint's.
 """
 
 from __future__ import annotations
@@ -12,17 +18,25 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
+import signal
+import threading
 from pathlib import Path
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 logger = logging.getLogger(__name__)
 
 LOOP_STATE_FILE = "loop_state.json"
 STAGING_DIR = ".staging-checkpoint"
+_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+# What a run writes into output_dir besides the final model files (which a new run's save replaces):
+# overwrite_output_dir deletes these, and nothing else.
+RUN_OUTPUTS = ("metrics.jsonl", "learning_curve.png", "viewer", "rollouts", STAGING_DIR)
 
 
 class CheckpointError(ValueError):
@@ -41,7 +55,10 @@ def read_loop_state(directory: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(directory) / LOOP_STATE_FILE
     if not path.is_file():
         raise CheckpointError(f"{directory} has no {LOOP_STATE_FILE}: not a complete LOOP checkpoint")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path} is not valid JSON ({error}): not a complete LOOP checkpoint") from None
 
 
 def _fsync_tree(directory: Path) -> None:
@@ -74,21 +91,109 @@ def publish(staged: Path, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
+def checkpoint_dirs(output_dir: str | os.PathLike[str]) -> list[Path]:
+    """Every ``checkpoint-N`` directory in ``output_dir``, complete or not, oldest (lowest N) first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(match.group(1)), path) for path in root.iterdir()
+             if (match := _CHECKPOINT_NAME.match(path.name)) and path.is_dir()]
+    return [path for _, path in sorted(found)]
+
+
+def is_complete(checkpoint: str | os.PathLike[str]) -> bool:
+    """A checkpoint is complete once its ``loop_state.json`` is written (it is written last)."""
+    return (Path(checkpoint) / LOOP_STATE_FILE).is_file()
+
+
+def last_complete_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint in ``output_dir``, or None."""
+    return next((path for path in reversed(checkpoint_dirs(output_dir)) if is_complete(path)), None)
+
+
+def is_fresh(resume_from_checkpoint: str | bool | None) -> bool:
+    """Whether ``resume_from_checkpoint`` asks for no resume (a fresh run)."""
+    return resume_from_checkpoint in (None, False, "", "false", "False")
+
+
 def resolve(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
     """A checkpoint directory, or ``True`` (``"last"`` on the command line) for the newest complete
-    checkpoint in ``output_dir``."""
-    if resume_from_checkpoint in (None, False, "", "false", "False"):
+    checkpoint in ``output_dir`` (incomplete ones are skipped, with a warning)."""
+    if is_fresh(resume_from_checkpoint):
         return None
     if resume_from_checkpoint in (True, "true", "True", "last"):
-        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-        if last is None:
+        found = checkpoint_dirs(output_dir)
+        if not found:
             raise CheckpointError(f"resume_from_checkpoint: no {PREFIX_CHECKPOINT_DIR}-N directory in {output_dir}")
-        return last
+        last = last_complete_checkpoint(output_dir)
+        if last is None:
+            raise CheckpointError(f"resume_from_checkpoint: no complete checkpoint in {output_dir} "
+                                  f"({', '.join(p.name for p in found)} {'has' if len(found) == 1 else 'have'} "
+                                  f"no {LOOP_STATE_FILE}): nothing to resume; start over with "
+                                  "--overwrite_output_dir true, or choose another output_dir")
+        incomplete = [path.name for path in found if _number(path) > _number(last)]
+        if incomplete:
+            logger.warning("resume_from_checkpoint last: skipping %s (no %s: incomplete); resuming from %s",
+                           ", ".join(incomplete), LOOP_STATE_FILE, last.name)
+        return str(last)
     path = str(resume_from_checkpoint)
     if not os.path.isdir(path):
         raise CheckpointError(f"resume_from_checkpoint: {path} is not a directory")
     read_loop_state(path)
     return path
+
+
+def _number(checkpoint: Path) -> int:
+    return int(_CHECKPOINT_NAME.match(checkpoint.name).group(1))
+
+
+def check_fresh_output_dir(output_dir: str | os.PathLike[str], overwrite: bool) -> list[Path]:
+    """Before a fresh run (no resume): refuse an ``output_dir`` that holds another run's checkpoints,
+    unless ``overwrite``. Rotation keeps the highest-numbered checkpoints, so the new run's would be
+    deleted as they are written and a later ``resume_from_checkpoint: last`` would continue the old run.
+    Returns what :func:`clear_previous_run` would delete (empty when there is no previous run)."""
+    checkpoints = checkpoint_dirs(output_dir)
+    if not checkpoints:
+        return []
+    if not overwrite:
+        names = ", ".join(path.name for path in checkpoints[-3:])
+        more = f" and {len(checkpoints) - 3} more" if len(checkpoints) > 3 else ""
+        raise CheckpointError(
+            f"output_dir {output_dir} already holds another run's checkpoints ({names}{more}): continue that run "
+            "with --resume_from_checkpoint last, choose another output_dir, or pass --overwrite_output_dir true to "
+            f"delete it ({_what_overwrite_deletes()})")
+    root = Path(output_dir)
+    return checkpoints + [root / name for name in RUN_OUTPUTS if (root / name).exists()]
+
+
+def _what_overwrite_deletes() -> str:
+    return ("its checkpoint-N directories, " + ", ".join(f"{name}/" if "." not in name[1:] else name
+                                                         for name in RUN_OUTPUTS if name != STAGING_DIR)
+            + f" and {STAGING_DIR}/; the model files at the top are replaced when the new run saves")
+
+
+def clear_previous_run(output_dir: str | os.PathLike[str], paths: list[Path]) -> None:
+    """Delete the previous run's outputs found by :func:`check_fresh_output_dir` (overwrite_output_dir)."""
+    if not paths:
+        return
+    logger.warning("overwrite_output_dir: deleting the previous run in %s: %s", output_dir,
+                   ", ".join(path.name + ("/" if path.is_dir() else "") for path in paths))
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def rotate(output_dir: str | os.PathLike[str], save_total_limit: int | None, keep: Path) -> None:
+    """Delete the oldest complete checkpoints beyond ``save_total_limit``, never ``keep`` (the one just
+    published). Incomplete ``checkpoint-N`` directories neither count nor get deleted, so one with a
+    high number cannot push out the checkpoints a resume needs."""
+    if save_total_limit is None or save_total_limit <= 0:
+        return
+    complete = [path for path in checkpoint_dirs(output_dir) if is_complete(path) and path != keep]
+    for path in complete[:max(0, len(complete) - (save_total_limit - 1))]:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 _SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -127,6 +232,24 @@ def _normalise(value: Any) -> Any:
     return sorted(value) if isinstance(value, (list, set, tuple)) else value
 
 
+@contextlib.contextmanager
+def deferred_interrupt() -> Iterator[None]:
+    """Hold a SIGINT (Ctrl-C) that arrives inside the block and raise it on leaving: a checkpoint
+    being renamed into place is then completed, never left half-published. Main thread only
+    (elsewhere Python delivers no signals, and the block runs as is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda number, _frame: received.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+    if received:
+        raise KeyboardInterrupt
+
+
 class CheckpointStager:
     """Writes checkpoints so that a crash cannot corrupt them: the Trainer saves into a staging
     directory, the LOOP state is added, and only then is the directory renamed into place and the
@@ -157,9 +280,10 @@ class CheckpointStager:
         self.barrier()
         if self.is_main_process:
             name = f"{PREFIX_CHECKPOINT_DIR}-{iteration}"
-            write_loop_state(staging / name, loop_state())
-            publish(staging / name, final_root / name)
+            with deferred_interrupt():  # Ctrl-C here waits until the checkpoint is in place
+                write_loop_state(staging / name, loop_state())
+                publish(staging / name, final_root / name)
+                shutil.rmtree(staging, ignore_errors=True)
+                rotate(final_root, self.save_total_limit, keep=final_root / name)
             on_published(final_root / name)
-            shutil.rmtree(staging, ignore_errors=True)
-            rotate_checkpoints(str(final_root), save_total_limit=self.save_total_limit, use_mtime=False)
         self.barrier()

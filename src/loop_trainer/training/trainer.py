@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
 from transformers.trainer import PushInProgress
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -36,7 +35,7 @@ from trl import GRPOTrainer
 
 from ..chat import ChatFormatter, stop_token_ids
 from ..config import LOOPConfig
-from ..envs.base import Environment
+from ..envs.base import Environment, load_tasks
 from ..objective import advantage_keep_mask, leave_one_out_advantages
 from ..publishing.publisher import HubPublisher
 from ..rollout import GenerationBackend, RolloutBatch, RolloutEngine, mix_seed
@@ -44,12 +43,14 @@ from ..rollout.generator import Generator, build_generator, require_vllm
 from ..rollout.sharding import collect_across_processes
 from ..evaluation import Evaluator, write_evaluation_viewer
 from .batching import TrainingSample, sequence_logprobs
-from .checkpoints import CheckpointStager, check_matches, read_loop_state, resolve
+from .checkpoints import CheckpointStager, read_loop_state
+from .resume import apply_setting_changes, plan_start, resume_settings
 from .distribution import DistributionStrategy, check_launch, check_sampling_with_training_model
 from .run_log import LOOPPrinterCallback, LOOPProgressCallback, RunLog
 from .sampler import TaskSampler
 from .stress import run_memory_stress_test
 from .update import PolicyUpdate, UpdateSettings
+from .workers import RolloutWorkers
 
 
 
@@ -80,6 +81,13 @@ class LOOPTrainer(GRPOTrainer):
     _tag_names = ["trl", "loop"]  # GRPOTrainer.__init__ tags the model with these (saved in its config)
     recipe_path: str | dict[str, Any] | None = None
     """The recipe the run came from (a path, or the effective values); uploaded as recipe.yaml."""
+    run_settings: dict[str, Any] | None = None
+    """Settings from outside LOOPConfig that shape the run, recorded in every checkpoint and compared on
+    resume like LOOPConfig's (see ``resume.RESUME_SETTINGS``). ``loop-train`` sets ``environment``
+    and ``environment_kwargs`` (its ScriptArguments); by default ``environment`` is ``env.name``."""
+    setting_changes: Sequence[dict[str, Any]] = ()
+    """Settings changed on resume (``resume_with_changed_settings``), oldest first: ``{"setting", "old",
+    "new", "from_iteration"}``; kept in every later checkpoint."""
 
     def __init__(self, model: str | PreTrainedModel, env: Environment, args: LOOPConfig | None = None,
                  processing_class: PreTrainedTokenizerBase | None = None, callbacks: list[TrainerCallback] | None = None,
@@ -93,9 +101,9 @@ class LOOPTrainer(GRPOTrainer):
         use_vllm = args.use_vllm and generation_backend is None
         if use_vllm:
             require_vllm()
-        tasks = env.tasks(args.train_split)
-        if not isinstance(tasks, Dataset) or "task_id" not in tasks.column_names:
-            raise ValueError(f"{type(env).__name__}.tasks() must return a datasets.Dataset with a 'task_id' column")
+        tasks = load_tasks(env, args.train_split)  # one line for a broken task list, here rather than mid-run
+        if args.eval_split and args.eval_every:
+            load_tasks(env, args.eval_split)
         # GRPOTrainer would start its own single-turn vLLM engine; LOOP's generator is built below.
         args.use_vllm = False
         try:
@@ -115,9 +123,11 @@ class LOOPTrainer(GRPOTrainer):
         self._custom_backend = generation_backend
         if generation_backend is None and not use_vllm:
             check_sampling_with_training_model(self.accelerator)
-        self._generator: Generator | None = self._build_generator()
-        self._rollout_engine: RolloutEngine | None = None
-        self._evaluator: Evaluator | None = None
+        self.workers = RolloutWorkers(
+            env, self.formatter, args, open_generator=self._open_generator, eval_temperature=args.eval_temperature,
+            num_processes=self.accelerator.num_processes, process_index=self.accelerator.process_index,
+            show_progress=not args.disable_tqdm and self.accelerator.is_local_main_process)
+        self.workers.generator  # built now: a setting it cannot honour stops the run before training starts
         self.task_sampler = TaskSampler(len(tasks), seed=args.seed)
         self.run_log = RunLog(args.output_dir, writes=self.is_world_process_zero(), env_name=env.name,
                               plot_curves=args.plot_curves, viewer_rollouts_per_iteration=args.viewer_rollouts_per_iteration,
@@ -127,8 +137,8 @@ class LOOPTrainer(GRPOTrainer):
         self.policy_update: PolicyUpdate | None = None
         self.latest_eval: dict[str, Any] | None = None
 
-    # --- Collaborators opened on demand (and released by close()) ---
-    def _build_generator(self) -> Generator:
+    # --- The parts that sample, opened on demand (and released by close()) ---
+    def _open_generator(self) -> Generator:
         generator = build_generator(
             self.args, self.model, stop_token_ids=stop_token_ids(self.model, self.tokenizer), tokenizer=self.tokenizer,
             process_index=self.accelerator.process_index, is_main_process=self.accelerator.is_main_process,
@@ -141,37 +151,21 @@ class LOOPTrainer(GRPOTrainer):
 
     @property
     def generator(self) -> Generator:
-        if self._generator is None:
-            self._generator = self._build_generator()
-        return self._generator
+        return self.workers.generator
 
     @property
     def rollout_engine(self) -> RolloutEngine:
-        if self._rollout_engine is None:
-            args = self.args
-            self._rollout_engine = RolloutEngine(
-                self.env, self.generator.backend, self.formatter, args.episode_limits(), env_timeout=args.env_timeout,
-                max_concurrent_episodes=args.concurrency_for(self.env.max_concurrent_episodes),
-                show_progress=not args.disable_tqdm and self.accelerator.is_local_main_process)
-        return self._rollout_engine
+        return self.workers.engine
 
     @property
     def evaluator(self) -> Evaluator:
-        if self._evaluator is None:
-            self._evaluator = Evaluator(
-                self.env, self.generator.for_evaluation(self.args.eval_temperature), self.formatter, self.args,
-                num_processes=self.accelerator.num_processes, process_index=self.accelerator.process_index,
-                show_progress=not self.args.disable_tqdm and self.accelerator.is_local_main_process)
-        return self._evaluator
+        return self.workers.evaluator
 
     def close(self) -> None:
         """Release what the trainer opened: rollout thread pools, the generator (a vLLM engine, its
         temporary files). The environment is its creator's to close. Safe to call twice; anything
         used afterwards is opened again."""
-        for part in (self._evaluator, self._rollout_engine, self._generator):
-            if part is not None:
-                part.close()
-        self._evaluator = self._rollout_engine = self._generator = None
+        self.workers.close()
 
     def __enter__(self) -> LOOPTrainer:
         return self
@@ -182,11 +176,16 @@ class LOOPTrainer(GRPOTrainer):
     # --- The loop ---
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any) -> TrainOutput:
         """Train for ``args.iterations`` iterations. ``resume_from_checkpoint`` (a checkpoint
-        directory, or True for the newest one in ``output_dir``) continues a run exactly: the same
-        next tasks and samples, the optimizer's state, the metrics so far."""
-        checkpoint = resolve(resume_from_checkpoint, self.args.output_dir)
-        if checkpoint is not None:
-            check_matches(checkpoint, self.model)
+        directory, or True for the newest complete one in ``output_dir``) continues a run exactly:
+        the same next tasks and samples, the optimizer's state, the metrics so far.
+
+        A fresh run refuses an ``output_dir`` holding another run's checkpoints unless
+        ``args.overwrite_output_dir`` (which deletes that run first). A resume refuses settings that
+        differ from the checkpoint's (:meth:`resume_settings`) unless
+        ``args.resume_with_changed_settings``, which applies and records them."""
+        plan = plan_start(self.args, resume_from_checkpoint, self.model, self.resume_settings, recipe=self.recipe_path,
+                          is_main_process=self.is_world_process_zero(), barrier=self.accelerator.wait_for_everyone)
+        checkpoint, self._resume_changes, self.setting_changes, self.recipe_path = plan
         try:
             return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
         finally:
@@ -203,6 +202,10 @@ class LOOPTrainer(GRPOTrainer):
             state = read_loop_state(resume_from_checkpoint)
             self.task_sampler.load_state_dict(state["task_sampler"])
             self.run_log.start(state["history"])
+            apply_setting_changes(self._resume_changes, self.args, self.optimizer, self.lr_scheduler, self.task_sampler,
+                                  decay_parameters=set(self.get_decay_parameter_names(self.model)),
+                                  named_parameters=dict(self.model.named_parameters()),
+                                  num_train_tasks=len(self.train_dataset))
         else:
             self.run_log.start()
         started = time.time()
@@ -308,6 +311,7 @@ class LOOPTrainer(GRPOTrainer):
         record["learning_rate"] = self.optimizer.param_groups[0]["lr"]
         record["seconds"] = time.perf_counter() - started
         record["generation_retries"] = float(self.rollout_engine.generation_retries)
+        record["env_abandoned_calls"] = float(self.rollout_engine.abandoned_calls)
         record.update({f"env_{key}": value for key, value in self.env.metrics().items()})
         self.state.num_input_tokens_seen += record["tokens"]
         self.run_log.rollouts(iteration + 1, batch, dict(zip(map(id, trajectories), advantages.tolist(), strict=True)))
@@ -349,10 +353,17 @@ class LOOPTrainer(GRPOTrainer):
     # --- Trainer hooks: delegations ---
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         loop_state = lambda: {"iteration": self.state.global_step, "task_sampler": self.task_sampler.state_dict(),  # noqa: E731
-                              "history": self.history}
+                              "history": self.history, "settings": self.resume_settings(),
+                              "setting_changes": self.setting_changes}
         with self.checkpoints.staged(super()._get_output_dir(trial), self.state.global_step, loop_state,
                                      on_published=self._push_published_checkpoint):
             super()._save_checkpoint(model, trial)
+
+    # --- Resuming with the checkpoint's settings, or with changed ones applied and recorded ---
+    def resume_settings(self) -> dict[str, Any]:
+        """The settings an exact resume depends on, as recorded in every checkpoint (:mod:`.resume`)."""
+        return resume_settings(self.args, env_name=self.env.name, num_train_tasks=len(self.train_dataset),
+                               model=self.accelerator.unwrap_model(self.model), run_settings=self.run_settings)
 
     def _get_output_dir(self, trial: Any) -> str:
         staging = self.checkpoints.staging_root
@@ -364,7 +375,7 @@ class LOOPTrainer(GRPOTrainer):
                     hub_model_id=self.hub_model_id or self.args.hub_model_id, args=self.args,
                     peft_config=getattr(model, "peft_config", None), environment=self.env.name,
                     iterations_done=self.state.global_step, history=self.history, eval_metrics=self.latest_eval,
-                    recipe_path=self.recipe_path)
+                    recipe_path=self.recipe_path, setting_changes=self.setting_changes)
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
                           tags: list[str] | None = None, license: str | None = None, **_: Any) -> None:
