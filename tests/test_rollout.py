@@ -83,6 +83,34 @@ def test_chatml_word_tokenizer_is_token_exact():
     assert sum(trajectory.loss_mask) == 2 * 3  # "find ann <|im_end|>" twice
 
 
+def test_turn_ids_label_each_reply_with_its_turn_and_nothing_else(qwen_tokenizer):
+    """A 3-turn episode: the sampled tokens of reply k are labelled k, every other token -1; the
+    labels reach the training batch. A reply cut by the per-turn limit keeps its label; the stop
+    token appended after it (not sampled) gets none."""
+    from loop_trainer.training.batching import TrainingSample, collate
+
+    tok = qwen_tokenizer
+    env, engine = scripted_engine(tok, [{"task_id": "t0", "turns": 3}])
+    (t,) = run(engine, env.rows).trajectories
+    assert len(t.turn_ids) == len(t.token_ids) and t.num_turns == 3
+    assert [k for k, m in zip(t.turn_ids, t.loss_mask) if not m] == [-1] * (len(t.token_ids) - sum(t.loss_mask))
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    for k, reply in enumerate(REPLIES):
+        labelled = [i for i, label in zip(t.token_ids, t.turn_ids) if label == k]
+        assert labelled == tok.encode(reply, add_special_tokens=False) + [im_end]
+    positions = [p for p, label in enumerate(t.turn_ids) if label >= 0]
+    assert sorted(set(t.turn_ids)) == [-1, 0, 1, 2]
+    assert t.to_dict()["turn_ids"] == t.turn_ids
+    batch = collate([TrainingSample.from_trajectory(t, 1.0, max_tokens=10_000)], tok.pad_token_id or 0)
+    assert batch.turn_ids[0, : positions[-1] + 1].tolist() == t.turn_ids[: positions[-1] + 1]
+
+    env, engine = scripted_engine(tok, [{"task_id": "t0", "turns": 3}], EpisodeLimits(max_new_tokens_per_turn=3))
+    (t,) = run(engine, env.rows).trajectories
+    assert t.truncated_turns == 3
+    assert [label for label in t.turn_ids if label >= 0] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert all(label == -1 for label, m in zip(t.turn_ids, t.loss_mask) if not m)
+
+
 def test_sampled_ids_are_kept_even_when_they_are_not_the_canonical_tokenisation(qwen_tokenizer):
     tok = qwen_tokenizer
     weird = tok.encode(" he", add_special_tokens=False) + tok.encode("llo", add_special_tokens=False)

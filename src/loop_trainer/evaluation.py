@@ -25,7 +25,7 @@ from .viewer import write_viewer
 
 __all__ = ["EvaluationResult", "Evaluator", "evaluation_row", "format_metrics", "write_evaluation_viewer"]
 
-TOKEN_LEVEL_FIELDS = ("token_ids", "loss_mask", "sampler_logprobs")
+TOKEN_LEVEL_FIELDS = ("token_ids", "loss_mask", "sampler_logprobs", "turn_ids")
 
 
 def evaluation_row(trajectory: Trajectory) -> dict[str, Any]:

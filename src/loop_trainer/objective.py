@@ -1,11 +1,14 @@
 """The LOOP objective (Chen et al. 2025, arXiv 2502.01600), in pure torch.
 
-Three functions, each checkable line by line against the paper:
+Four functions, each checkable line by line against the paper:
 
 * :func:`leave_one_out_advantages` -- one scalar advantage per rollout, from its task group.
+* :func:`group_mean_advantages` -- GRPO's advantage (reward minus the group mean, optionally over
+  the group's standard deviation), for the paper's ablations.
 * :func:`advantage_keep_mask` -- drop rollouts whose advantage is (almost) zero.
-* :func:`loop_policy_loss` -- the per-token clipped PPO surrogate, token-mean per trajectory,
-  summed over trajectories and divided by a constant (the nominal minibatch size).
+* :func:`loop_policy_loss` -- the clipped PPO surrogate (importance ratio per token, as LOOP, or
+  per turn / per trajectory for the ablations), token-mean per trajectory, summed over
+  trajectories and divided by a constant (the nominal minibatch size).
 
 Nothing here knows about models, tokenizers or TRL.
 """
@@ -14,16 +17,29 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "MAX_LOG_RATIO",
+    "RATIO_LEVELS",
     "PolicyLossOutput",
+    "RatioLevel",
     "advantage_keep_mask",
+    "group_mean_advantages",
     "leave_one_out_advantages",
     "loop_policy_loss",
 ]
+
+RatioLevel = Literal["token", "turn", "trajectory"]
+RATIO_LEVELS: tuple[str, ...] = ("token", "turn", "trajectory")
+
+MAX_LOG_RATIO = 20.0
+"""Overflow guard of the per-turn and per-trajectory ratios: their summed log-ratio is clamped to
+``[-MAX_LOG_RATIO, MAX_LOG_RATIO]`` before ``exp`` (ratios within ``[2e-9, 4.9e8]``). See
+:func:`loop_policy_loss`."""
 
 
 def _group_index(group_ids: Tensor | Sequence[Hashable], device: torch.device) -> Tensor:
@@ -82,6 +98,58 @@ def leave_one_out_advantages(
     return advantages
 
 
+def group_mean_advantages(
+    rewards: Tensor,
+    group_ids: Tensor | Sequence[Hashable],
+    std_normalize: bool = False,
+    *,
+    std_eps: float = 1e-4,
+) -> Tensor:
+    r"""GRPO's group-mean advantage of every rollout (Shao et al. 2024), for the paper's ablations.
+
+    For rollout :math:`i` in a group :math:`g` of :math:`n_g` finished rollouts:
+
+    .. math::  A_i = r_i - \bar r_g, \qquad \bar r_g = \frac{1}{n_g} \sum_{j \in g} r_j
+
+    (the mean includes :math:`r_i` itself, unlike :func:`leave_one_out_advantages`, whose
+    advantages are these times :math:`n_g / (n_g - 1)`). With ``std_normalize=True``:
+
+    .. math::  A_i = \frac{r_i - \bar r_g}{s_g + \epsilon_{std}}, \qquad
+               s_g = \sqrt{\frac{1}{n_g - 1} \sum_{j \in g} (r_j - \bar r_g)^2}
+
+    the sample (unbiased) standard deviation, and :math:`\epsilon_{std}` = ``std_eps`` = 1e-4 by
+    default, TRL's ``GRPOTrainer`` constant (``advantages / (std + 1e-4)``). A group of one rollout
+    gets :math:`A_i = 0` (it is its own mean; its :math:`s_g` is taken as 0, where TRL would get
+    NaN). A group whose rewards are all equal gets 0 (up to float rounding) with or without
+    normalisation.
+
+    Args:
+        rewards: ``[N]`` rewards, one per rollout.
+        group_ids: ``[N]`` group labels (a tensor or any hashables, e.g. task ids).
+        std_normalize: divide by the group's standard deviation plus ``std_eps``.
+        std_eps: added to the standard deviation.
+
+    Returns:
+        ``[N]`` float32 advantages.
+    """
+    rewards = rewards.detach().to(torch.float32)
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
+    group = _group_index(group_ids, rewards.device)
+    if group.shape != rewards.shape:
+        raise ValueError(f"group_ids has {group.numel()} entries for {rewards.numel()} rewards")
+    num_groups = int(group.max()) + 1 if group.numel() else 0
+    group_sum = torch.zeros(num_groups, device=rewards.device).index_add_(0, group, rewards)
+    group_size = torch.zeros(num_groups, device=rewards.device).index_add_(0, group, torch.ones_like(rewards))
+    group_mean = group_sum / group_size.clamp(min=1)
+    advantages = rewards - group_mean[group]
+    if std_normalize:
+        group_var = torch.zeros(num_groups, device=rewards.device).index_add_(0, group, advantages**2)
+        group_std = (group_var / (group_size - 1).clamp(min=1)).sqrt()
+        advantages = advantages / (group_std[group] + std_eps)
+    return advantages
+
+
 def advantage_keep_mask(advantages: Tensor, threshold: float = 0.01) -> Tensor:
     r"""Which rollouts LOOP trains on: :math:`|A_i| \ge` ``threshold``.
 
@@ -99,10 +167,14 @@ class PolicyLossOutput:
     loss: Tensor
     """Scalar: ``-sum_i mean_t objective_{i,t} / divisor``."""
     clip_frac: Tensor
-    """Fraction of sampled tokens whose objective took the clipped branch (zero gradient)."""
+    """Fraction of sampled tokens whose objective took the clipped branch (zero gradient); with a
+    per-turn or per-trajectory ratio a token took it when its turn (trajectory) did."""
     kl: Tensor
-    """k1 estimate of KL(old || new): mean over sampled tokens of ``old_logp - logp``."""
+    """k1 estimate of KL(old || new): mean over sampled tokens of ``old_logp - logp`` (per token
+    whatever the ratio level)."""
     ratio_mean: Tensor
+    """Mean over sampled tokens of the ratio each token's objective used: its own, its turn's or
+    its trajectory's (token-weighted; per turn or trajectory as clamped by ``MAX_LOG_RATIO``)."""
     ratio_min: Tensor
     ratio_max: Tensor
     num_tokens: Tensor
@@ -117,6 +189,8 @@ def loop_policy_loss(
     *,
     epsilon: float = 0.1,
     divisor: float | None = None,
+    ratio_level: RatioLevel = "token",
+    turn_ids: Tensor | None = None,
 ) -> PolicyLossOutput:
     r"""LOOP's per-token clipped PPO loss for a batch of trajectories.
 
@@ -133,6 +207,39 @@ def loop_policy_loss(
     (paper: 32), so a short minibatch or a trajectory split across gradient-accumulation
     micro-batches is weighted exactly as in a full one. It defaults to the batch size.
 
+    **Ratio level** (the paper's Table 1 ablations; LOOP is ``"token"``). With ``"turn"`` the
+    importance ratio belongs to a whole assistant turn: for turn :math:`k` of trajectory :math:`i`
+    with sampled tokens :math:`T_{i,k}` (``turn_ids == k`` where ``loss_mask == 1``),
+
+    .. math::
+        \rho_{i,k} = \prod_{t \in T_{i,k}} \rho_{i,t}
+                   = \exp\Bigl(\sum_{t \in T_{i,k}} \log\pi_\theta(y_t) - \log\pi_{old}(y_t)\Bigr) \\
+        o_{i,t} = \min\bigl(\rho_{i,k} A_i,\ \mathrm{clip}(\rho_{i,k}, \tfrac{1}{1+\epsilon}, 1+\epsilon) A_i\bigr)
+                  \quad \text{for every } t \in T_{i,k}
+
+    and :math:`L` as above (token mean within each trajectory, so a turn weighs by its number of
+    sampled tokens). ``"trajectory"`` is the same with all of :math:`T_i` as one turn (``turn_ids``
+    is not needed). A trajectory cut to the training budget has the ratio of the part kept.
+
+    The log-ratio sums are taken in float32 (float64 if the inputs are float64), and a sum
+    :math:`S` is clamped to :math:`[-S_{max}, S_{max}]`, :data:`MAX_LOG_RATIO` = 20, before
+    ``exp``: a long turn's sum may be far outside float32's ``exp`` range. Since
+    :math:`S_{max} > \log(1+\epsilon)`, the clipped branch and every choice the ``min`` makes
+    are unchanged; only where :math:`|S| > S_{max}` does the unclipped branch see
+    :math:`e^{\pm S_{max}}` with zero gradient (there: :math:`S > S_{max}` with :math:`A < 0`,
+    whose true gradient would be astronomically large, and :math:`S < -S_{max}` with
+    :math:`A > 0`, whose true gradient is below :math:`2 \cdot 10^{-9} A`). So finite inputs
+    give a finite loss and finite gradients; positions with ``loss_mask == 0`` are never read
+    (padding may hold anything, ``inf`` and ``nan`` included). The ``"token"`` level is left
+    exactly as it was (no clamp).
+
+    **Statistics** (:class:`PolicyLossOutput`) are over sampled tokens at every level, each token
+    carrying the ratio its level uses: ``clip_frac`` is the fraction of sampled tokens whose
+    turn's (trajectory's) objective took the clipped branch, ``ratio_mean/min/max`` are over those
+    per-token copies of the turn (trajectory) ratios, i.e. token-weighted, as guarded by the clamp,
+    and ``kl`` is the per-token k1 estimate at every level (so a KL threshold means the same
+    whatever the level).
+
     Args:
         logprobs: ``[B, T]`` log-probs of the tokens under the policy being trained (with grad).
         old_logprobs: ``[B, T]`` log-probs of the same tokens under the policy that is held fixed
@@ -142,7 +249,14 @@ def loop_policy_loss(
             messages, padding).
         epsilon: clip parameter.
         divisor: constant :math:`D`.
+        ratio_level: ``"token"`` (LOOP), ``"turn"`` or ``"trajectory"``.
+        turn_ids: ``[B, T]`` integer turn index of every token, read only where ``loss_mask`` is 1
+            (any non-negative labels; tokens of one row with the same label form one turn).
+            Required for ``"turn"``, ignored otherwise.
     """
+    if ratio_level != "token":
+        return _sequence_level_policy_loss(logprobs, old_logprobs, advantages, loss_mask, epsilon=epsilon,
+                                           divisor=divisor, ratio_level=ratio_level, turn_ids=turn_ids)
     if logprobs.shape != old_logprobs.shape or logprobs.shape != loss_mask.shape:
         raise ValueError(
             f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
@@ -181,3 +295,77 @@ def loop_policy_loss(
             num_tokens=num_tokens,
         )
     return stats
+
+
+def _sequence_level_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    epsilon: float,
+    divisor: float | None,
+    ratio_level: str,
+    turn_ids: Tensor | None,
+) -> PolicyLossOutput:
+    """:func:`loop_policy_loss` with one ratio per turn or per trajectory (see its docstring)."""
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {', '.join(RATIO_LEVELS)}; got {ratio_level!r}")
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != loss_mask.shape or logprobs.ndim != 2:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
+            f"loss_mask {tuple(loss_mask.shape)} must have the same [B, T] shape"
+        )
+    batch_size = logprobs.shape[0]
+    if advantages.shape != (batch_size,):
+        raise ValueError(f"advantages must have shape ({batch_size},), got {tuple(advantages.shape)}")
+    divisor = float(batch_size if divisor is None else divisor)
+    # float32 at least (float64 stays float64: gradcheck).
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    sampled = loss_mask.bool()
+    # Only sampled positions are ever read: whatever padding holds cannot reach the loss or the gradient.
+    log_ratio = logprobs[sampled].to(dtype) - old_logprobs.detach()[sampled].to(dtype)  # [N] sampled tokens
+    row = torch.arange(batch_size, device=logprobs.device)[:, None].expand_as(sampled)[sampled]
+
+    if ratio_level == "trajectory":
+        segment = row
+    else:
+        if turn_ids is None:
+            raise ValueError('ratio_level="turn" needs turn_ids ([B, T] turn index of every sampled token)')
+        if turn_ids.shape != loss_mask.shape:
+            raise ValueError(f"turn_ids {tuple(turn_ids.shape)} must have the shape of loss_mask "
+                             f"{tuple(loss_mask.shape)}")
+        turn = turn_ids.to(device=logprobs.device, dtype=torch.long)[sampled]
+        if turn.numel() and bool((turn < 0).any()):
+            raise ValueError("turn_ids must be >= 0 on every sampled token (loss_mask == 1)")
+        width = int(turn.max()) + 1 if turn.numel() else 1
+        segment = row * width + turn
+    # One segment per (trajectory, turn); inverse maps each sampled token to its segment.
+    _, inverse = torch.unique(segment, return_inverse=True)
+    num_segments = int(inverse.max()) + 1 if inverse.numel() else 0
+    segment_log_ratio = log_ratio.new_zeros(num_segments).index_add(0, inverse, log_ratio)
+    # Overflow guard (see the docstring): exact wherever |S| <= MAX_LOG_RATIO, finite everywhere.
+    guarded = segment_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = torch.exp(guarded)[inverse]  # [N]: each sampled token carries its segment's ratio
+    adv = advantages.detach().to(dtype)[row]
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 / (1.0 + epsilon), 1.0 + epsilon) * adv
+    objective = torch.minimum(unclipped, clipped)
+
+    tokens_per_trajectory = torch.zeros(batch_size, dtype=dtype, device=logprobs.device).index_add_(
+        0, row, torch.ones_like(log_ratio.detach()))
+    loss = -(objective / tokens_per_trajectory[row]).sum() / divisor
+
+    with torch.no_grad():
+        num_tokens = sampled.sum().to(torch.float32)
+        denom = num_tokens.clamp(min=1)
+        empty = ratio.numel() == 0
+        return PolicyLossOutput(
+            loss=loss,
+            clip_frac=(clipped < unclipped).sum().to(torch.float32) / denom,
+            kl=(-log_ratio).sum().to(torch.float32) / denom,
+            ratio_mean=ratio.sum().to(torch.float32) / denom,
+            ratio_min=ratio.min().to(torch.float32) if not empty else ratio.new_tensor(1.0, dtype=torch.float32),
+            ratio_max=ratio.max().to(torch.float32) if not empty else ratio.new_tensor(1.0, dtype=torch.float32),
+            num_tokens=num_tokens,
+        )

@@ -20,7 +20,10 @@ class Trajectory:
     on everything else: system and user messages, observations, the assistant header, and any token
     the rollout engine appended (the newline after a stop token, or a stop token after a reply cut
     by the per-turn limit). ``sampler_logprobs`` holds the sampler's log-prob of each sampled token
-    (0 elsewhere); the trainer recomputes its own and only compares.
+    (0 elsewhere); the trainer recomputes its own and only compares. ``turn_ids`` holds, for each
+    sampled token, the index of the assistant turn that produced it (0 for the first reply, 1 for
+    the second, ...) and -1 on every token with ``loss_mask`` 0: the per-turn importance ratio
+    (``loop_policy_loss(ratio_level="turn")``) groups tokens by it.
     """
 
     task_id: str
@@ -31,6 +34,8 @@ class Trajectory:
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     sampler_logprobs: list[float] = field(default_factory=list)
+    turn_ids: list[int] = field(default_factory=list)
+    """Per token: the assistant turn (0, 1, ...) a sampled token belongs to; -1 where not sampled."""
     prompt_length: int = 0
     """Tokens of the opening prompt (before the first reply)."""
     reward: float = 0.0
@@ -56,10 +61,15 @@ class Trajectory:
     def num_sampled_tokens(self) -> int:
         return sum(self.loss_mask)
 
-    def append(self, token_ids: list[int], *, sampled: bool, logprobs: list[float] | None = None) -> None:
+    def append(self, token_ids: list[int], *, sampled: bool, logprobs: list[float] | None = None,
+               turn: int | None = None) -> None:
+        """Append tokens. Sampled tokens are labelled with ``turn`` (default: ``num_turns``, the
+        index of the reply not yet counted); tokens not sampled with -1."""
         self.token_ids.extend(token_ids)
         self.loss_mask.extend([int(sampled)] * len(token_ids))
         self.sampler_logprobs.extend(logprobs if logprobs is not None else [0.0] * len(token_ids))
+        label = (self.num_turns if turn is None else turn) if sampled else -1
+        self.turn_ids.extend([label] * len(token_ids))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -189,7 +189,7 @@ class RolloutEngine:
                     trajectory, min(self.limits.max_new_tokens_per_turn, room),
                     None if seed is None else mix_seed(seed, turn),
                 )
-                trajectory.append(completion.token_ids, sampled=True, logprobs=completion.logprobs)
+                trajectory.append(completion.token_ids, sampled=True, logprobs=completion.logprobs, turn=turn)
                 trajectory.num_turns += 1
                 trajectory.truncated_turns += not completion.stopped
                 reply = self.formatter.reply_text(completion.token_ids)

@@ -28,6 +28,9 @@ class TrainingSample:
     advantage: float
     truncated: bool
     """True if the trajectory was longer than the training budget and only its prefix is trained."""
+    turn_ids: list[int] | None = None
+    """Per token: the assistant turn of a sampled token, -1 elsewhere (:attr:`Trajectory.turn_ids`).
+    None where not recorded: :func:`collate` then numbers the runs of consecutive sampled tokens."""
 
     @classmethod
     def from_trajectory(cls, trajectory: Trajectory, advantage: float, max_tokens: int) -> TrainingSample:
@@ -36,13 +39,29 @@ class TrainingSample:
         end = max((i + 1 for i, m in enumerate(mask) if m), default=0)
         truncated = end > max_tokens
         end = min(end, max_tokens)
+        # A trajectory built by hand may not record turns (then collate derives them).
+        recorded = len(trajectory.turn_ids) == len(trajectory.token_ids)
         return cls(
             token_ids=trajectory.token_ids[:end],
             loss_mask=mask[:end],
             sampler_logprobs=trajectory.sampler_logprobs[:end],
             advantage=advantage,
             truncated=truncated,
+            turn_ids=trajectory.turn_ids[:end] if recorded else None,
         )
+
+
+def turn_ids_from_mask(loss_mask: Sequence[int]) -> list[int]:
+    """Turn labels for a sample that recorded none: each run of consecutive sampled tokens is one
+    turn (0, 1, ...), -1 elsewhere. The rollout engine's turns are such runs (an assistant header,
+    never sampled, separates two replies), except that a reply of zero tokens has no run."""
+    labels, turn, previous = [], -1, 0
+    for m in loss_mask:
+        if m and not previous:
+            turn += 1
+        labels.append(turn if m else -1)
+        previous = m
+    return labels
 
 
 @dataclass
@@ -52,9 +71,11 @@ class Batch:
     loss_mask: Tensor
     advantages: Tensor
     sampler_logprobs: Tensor
+    turn_ids: Tensor | None = None
+    """``[B, T]`` long: the assistant turn of each sampled token, -1 elsewhere (padding included)."""
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(**{name: value.to(device) for name, value in vars(self).items()})
+        return Batch(**{name: None if value is None else value.to(device) for name, value in vars(self).items()})
 
 
 def collate(samples: Sequence[TrainingSample], pad_token_id: int) -> Batch:
@@ -65,14 +86,17 @@ def collate(samples: Sequence[TrainingSample], pad_token_id: int) -> Batch:
     attention_mask = torch.zeros(shape, dtype=torch.long)
     loss_mask = torch.zeros(shape, dtype=torch.long)
     sampler_logprobs = torch.zeros(shape, dtype=torch.float32)
+    turn_ids = torch.full(shape, -1, dtype=torch.long)
     for row, sample in enumerate(samples):
         n = len(sample.token_ids)
         input_ids[row, :n] = torch.tensor(sample.token_ids, dtype=torch.long)
         attention_mask[row, :n] = 1
         loss_mask[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.long)
         sampler_logprobs[row, :n] = torch.tensor(sample.sampler_logprobs, dtype=torch.float32)
+        turns = sample.turn_ids if sample.turn_ids is not None else turn_ids_from_mask(sample.loss_mask)
+        turn_ids[row, :n] = torch.tensor(turns, dtype=torch.long)
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return Batch(input_ids, attention_mask, loss_mask, advantages, sampler_logprobs)
+    return Batch(input_ids, attention_mask, loss_mask, advantages, sampler_logprobs, turn_ids)
 
 
 def token_logprobs(model: torch.nn.Module, batch: Batch) -> Tensor:
