@@ -28,6 +28,7 @@ from .config_keys import (  # the tables are part of LOOPConfig's API, so they a
     refused_key_message,
 )
 from .episode_settings import EpisodeSettings, check_ranges
+from .objective import ADVANTAGE_ESTIMATORS, RATIO_LEVELS
 
 __all__ = ["HONOURED_INHERITED_KEYS", "LOOP_OWN_KEYS", "RANGES", "REFUSED_INHERITED_KEYS", "UNRANGED_KEYS", "LOOPConfig",
            "output_dir_problem", "refused_key_message"]
@@ -65,6 +66,16 @@ class LOOPConfig(GRPOConfig, EpisodeSettings):
     )
     std_normalize_advantages: bool = field(
         default=False, metadata={"help": "Divide advantages by the group's reward std (ablation only)."}
+    )
+    advantage_estimator: str = field(
+        default="leave_one_out",
+        metadata={"help": "leave_one_out (LOOP: r_i minus the mean of the group's other rewards) or group_mean "
+                  "(GRPO: r_i minus the group mean; with std_normalize_advantages, GRPO's advantage)."},
+    )
+    ratio_level: str = field(
+        default="token",
+        metadata={"help": "Where the PPO ratio is taken: token (LOOP), turn (one ratio per assistant turn) or "
+                  "trajectory (one per trajectory); the paper's Table 1 compares the three."},
     )
 
     # --- the update ----------------------------------------------------------------------------
@@ -179,6 +190,9 @@ class LOOPConfig(GRPOConfig, EpisodeSettings):
         for name, allowed in (("save_strategy", ("steps", "no")), ("logging_strategy", ("steps", "no"))):
             if getattr(self, name) not in allowed:  # LOOP's loop has iterations, no epochs or evaluation loss
                 raise ValueError(f"LOOPConfig: {name} must be 'steps' or 'no' (in iterations), got {getattr(self, name)!r}")
+        for name, allowed in (("advantage_estimator", ADVANTAGE_ESTIMATORS), ("ratio_level", RATIO_LEVELS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"LOOPConfig: {name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.bf16 is None:
             # TRL turns bf16 on by default, which fails on machines without a bf16 accelerator.
             self.bf16 = not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()

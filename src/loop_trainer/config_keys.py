@@ -69,7 +69,7 @@ REFUSED_INHERITED_KEYS: dict[str, tuple[str | None, str]] = {
     "loss_type": (None, _LOSS),
     "epsilon_high": ("epsilon", "LOOP's clip range is [1/(1+epsilon), 1+epsilon]"),
     "delta": ("epsilon", "LOOP's clip range is [1/(1+epsilon), 1+epsilon], with no upper bound on the ratio"),
-    "importance_sampling_level": (None, "LOOP's ratio is per token"),
+    "importance_sampling_level": ("ratio_level", "LOOP's ratio is per token by default; ratio_level: turn or trajectory for the paper's ablations"),
     "sapo_temperature_neg": (None, _LOSS), "sapo_temperature_pos": (None, _LOSS),
     "vespo_k_pos": (None, _LOSS), "vespo_lambda_pos": (None, _LOSS),
     "vespo_k_neg": (None, _LOSS), "vespo_lambda_neg": (None, _LOSS),
@@ -89,7 +89,7 @@ REFUSED_INHERITED_KEYS: dict[str, tuple[str | None, str]] = {
     "vllm_importance_sampling_clip_max": (None, _OLD_LOGPROBS), "vllm_importance_sampling_clip_min": (None, _OLD_LOGPROBS),
     "vllm_importance_sampling_cap": (None, _OLD_LOGPROBS),
     # --- advantages and rewards ----------------------------------------------------------------------------
-    "scale_rewards": ("std_normalize_advantages", "LOOP's advantages are leave-one-out, not normalised by default"),
+    "scale_rewards": ("std_normalize_advantages", "LOOP's advantages are leave-one-out, not normalised by default (advantage_estimator: group_mean with std_normalize_advantages is GRPO's)"),
     "num_generations": ("rollouts_per_task", "the leave-one-out group"),
     "reward_weights": (None, _REWARDS), "multi_objective_aggregation": (None, _REWARDS),
     # --- generation ----------------------------------------------------------------------------------------

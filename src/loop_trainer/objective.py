@@ -150,6 +150,20 @@ def group_mean_advantages(
     return advantages
 
 
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("leave_one_out", "group_mean")
+
+
+def advantages_for(estimator: str, rewards: Tensor, group_ids: Tensor | Sequence[Hashable],
+                   std_normalize: bool = False) -> Tensor:
+    """The advantages of ``estimator``: LOOP's ``"leave_one_out"`` (the paper's) or GRPO's
+    ``"group_mean"``, each optionally divided by its group's reward std."""
+    if estimator == "leave_one_out":
+        return leave_one_out_advantages(rewards, group_ids, std_normalize=std_normalize)
+    if estimator == "group_mean":
+        return group_mean_advantages(rewards, group_ids, std_normalize=std_normalize)
+    raise ValueError(f"advantage_estimator must be one of {', '.join(ADVANTAGE_ESTIMATORS)}, got {estimator!r}")
+
+
 def advantage_keep_mask(advantages: Tensor, threshold: float = 0.01) -> Tensor:
     r"""Which rollouts LOOP trains on: :math:`|A_i| \ge` ``threshold``.
 

@@ -36,7 +36,7 @@ from trl import GRPOTrainer
 from ..chat import ChatFormatter, stop_token_ids
 from ..config import LOOPConfig
 from ..envs.base import Environment, load_tasks
-from ..objective import advantage_keep_mask, leave_one_out_advantages
+from ..objective import advantage_keep_mask, advantages_for
 from ..publishing.publisher import HubPublisher
 from ..rollout import GenerationBackend, RolloutBatch, RolloutEngine, mix_seed
 from ..rollout.generator import Generator, build_generator, require_vllm
@@ -291,8 +291,8 @@ class LOOPTrainer(GRPOTrainer):
         self.generator.sleep()
         trajectories = batch.trajectories
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-        advantages = leave_one_out_advantages(rewards, [t.group for t in trajectories],
-                                              std_normalize=args.std_normalize_advantages)
+        advantages = advantages_for(args.advantage_estimator, rewards, [t.group for t in trajectories],
+                                    std_normalize=args.std_normalize_advantages)
         keep = advantage_keep_mask(advantages, args.advantage_threshold)
         samples = [TrainingSample.from_trajectory(t, float(a), args.max_training_tokens)
                    for t, a, k in zip(trajectories, advantages.tolist(), keep.tolist(), strict=True) if k]

@@ -38,12 +38,13 @@ class UpdateSettings:
     kl_abort_threshold: float
     seed: int
     pad_token_id: int
+    ratio_level: str = "token"
 
     @classmethod
     def from_args(cls, args: Any, pad_token_id: int) -> UpdateSettings:
         return cls(epsilon=args.epsilon, minibatch_size=args.minibatch_size, ppo_epochs=args.ppo_epochs,
                    micro_batch_size=args.per_device_train_batch_size, kl_abort_threshold=args.kl_abort_threshold,
-                   seed=args.seed, pad_token_id=pad_token_id)
+                   seed=args.seed, pad_token_id=pad_token_id, ratio_level=args.ratio_level)
 
 
 @dataclass
@@ -172,7 +173,7 @@ class PolicyUpdate:
                 with self.autocast():
                     logprobs = token_logprobs(strategy.model, batch)
                 out = loop_policy_loss(logprobs, old, batch.advantages, batch.loss_mask, epsilon=s.epsilon,
-                                       divisor=divisor)
+                                       divisor=divisor, ratio_level=s.ratio_level, turn_ids=batch.turn_ids)
                 strategy.backward(out.loss)
             n = float(out.num_tokens)
             totals["loss"] += float(out.loss.detach())
