@@ -122,3 +122,17 @@ class FaultyEnv(Environment):
 
     def vocabulary(self) -> list[str]:
         return ["fetch", "code", "of", "ann", "ok", "find", "open", "submit", *self.KINDS]
+
+
+class AnyTemperature:
+    """A scripted backend for code that asks for a sampling temperature (loop-eval): a script samples
+    nothing, so every temperature gives the same replies."""
+
+    def __init__(self, backend: ScriptedBackend):
+        self.backend = backend
+
+    async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
+        return await self.backend.generate(prompt_ids, max_new_tokens, seed)
+
+    def with_temperature(self, temperature: float) -> AnyTemperature:
+        return self

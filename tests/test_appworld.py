@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from helpers import ScriptedBackend
+from helpers import AnyTemperature, ScriptedBackend
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.chat import ChatFormatter
 from loop_trainer.envs import EnvironmentSetupError
@@ -254,7 +254,7 @@ def test_loop_eval_goal_completion_equals_appworld_evaluate(world, qwen_tokenize
                               experiment_name=experiment, max_turns=2)
     try:
         metrics = evaluate(eval_args, ModelConfig(model_name_or_path=str(model_dir)), env=env,
-                           generation_backend=policy.backend())
+                           generation_backend=AnyTemperature(policy.backend()))
         # The env was ours: loop-eval left it open and put its experiment name back.
         assert env.experiment_name is None and env.pool.servers and env.tasks(split)
         episode = env.episode(tasks[0])

@@ -11,11 +11,12 @@ import sys
 import pytest
 from trl import ModelConfig
 
-from helpers import ScriptedBackend
+from helpers import AnyTemperature, ScriptedBackend
 from loop_trainer import LOOPConfig
 from loop_trainer.chat import ChatFormatter
 from loop_trainer.cli import evaluate as loop_eval
 from loop_trainer.cli.evaluate import EvalArguments, evaluate
+from loop_trainer.cli.recipe import RecipeError
 from loop_trainer.envs import BUILTIN, ENTRY_POINT_GROUP, VaultEnv, make_environment
 from loop_trainer.episode_settings import EpisodeSettings
 from loop_trainer.evaluation import Evaluator
@@ -108,7 +109,7 @@ def test_loop_eval_leaves_a_given_env_open_and_as_it_was(tmp_path):
     eval_args = EvalArguments(environment="vault", split="test", rollouts_per_task=2, output_dir=str(tmp_path / "eval"),
                               experiment_name="exp", max_turns=4, max_new_tokens_per_turn=4)
     metrics = evaluate(eval_args, ModelConfig(model_name_or_path=str(tmp_path / "tokenizer-only")), env=env,
-                       generation_backend=ScriptedBackend(tokenizer, VaultAgent(tokenizer)))
+                       generation_backend=AnyTemperature(ScriptedBackend(tokenizer, VaultAgent(tokenizer))))
     assert env.closed == 0 and env.experiment_name == "the caller's"
     assert env.experiments_seen == ["exp"] * 6 + ["exp_rollout1"] * 6  # rollout k under its own experiment
     assert metrics["success_rate"] == 10 / 12 and metrics["num_failed_to_run"] == 2
@@ -128,5 +129,14 @@ def test_loop_eval_with_a_generation_backend_loads_no_model(tmp_path, monkeypatc
     tokenizer = build_word_tokenizer(env.vocabulary())
     eval_args = EvalArguments(environment="vault", split="test", output_dir=str(tmp_path), max_turns=4)
     metrics = evaluate(eval_args, ModelConfig(model_name_or_path="tiny:vault"), env=env,
-                       generation_backend=ScriptedBackend(tokenizer, VaultAgent(tokenizer)))
+                       generation_backend=AnyTemperature(ScriptedBackend(tokenizer, VaultAgent(tokenizer))))
     assert metrics["success_rate"] == 1.0 and metrics["num_rollouts"] == 3
+
+
+def test_loop_eval_refuses_a_temperature_a_given_backend_cannot_honour(tmp_path):
+    env = VaultEnv(num_tasks=3)
+    tokenizer = build_word_tokenizer(env.vocabulary())
+    eval_args = EvalArguments(environment="vault", split="test", output_dir=str(tmp_path), max_turns=4, temperature=0.7)
+    with pytest.raises(RecipeError, match="temperature cannot be honoured"):
+        evaluate(eval_args, ModelConfig(model_name_or_path="tiny:vault"), env=env,
+                 generation_backend=ScriptedBackend(tokenizer, VaultAgent(tokenizer)))

@@ -92,4 +92,4 @@ def test_the_cli_reports_a_failure_budget_stop_in_one_line(tmp_path, capsys):
     assert status == 1 and len(err) == 1
     assert err[0].startswith("loop-train: error: 6 of 16 rollouts failed")
     # it stopped in iteration 1, before any checkpoint: nothing to resume, so no advice to resume
-    assert err[0].endswith("no checkpoint was saved, so run it again from the start")
+    assert err[0].endswith("Fix the environment, then run it again from the start (no checkpoint was saved)")

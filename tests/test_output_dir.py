@@ -194,7 +194,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_does_not_advise_resuming(t
     assert result.returncode == 1
     line = error_line(result)
     assert line.startswith("loop-train: error: 4 of 4 rollouts failed")
-    assert "resume_from_checkpoint" not in line and line.endswith("no checkpoint was saved, so run it again from the start")
+    assert "resume_from_checkpoint" not in line and line.endswith("run it again from the start (no checkpoint was saved)")
     assert checkpoints(tmp_path / "run") == []
 
 

@@ -181,6 +181,11 @@ def evaluate(
             )
         else:
             tokenizer = load_tokenizer_only(model_args, eval_args, env)
+            # The temperature is honoured (the backend samples at it) or refused, never recorded but ignored.
+            if not hasattr(generation_backend, "with_temperature"):
+                raise RecipeError(f"generation_backend {type(generation_backend).__name__} has no "
+                                  "with_temperature(temperature) method, so temperature cannot be honoured")
+            generation_backend = generation_backend.with_temperature(eval_args.temperature)
         if owns_env:
             env.set_tokenizer(tokenizer)
         env.prepare()
@@ -221,6 +226,9 @@ def cli(argv: Sequence[str] | None = None) -> int:
     except (RecipeError, EnvironmentSetupError) as error:
         print(f"loop-eval: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("loop-eval: interrupted; nothing was written for the unfinished evaluation", file=sys.stderr)
+        return 130
     print(format_metrics(metrics))
     print(f"results, metrics and viewer.html in {eval_args.output_dir}")
     return 0

@@ -80,8 +80,34 @@ class _Parser(TrlParser):
 DATACLASSES = (ScriptArguments, LOOPConfig, ModelConfig)
 
 
+# TRL ModelConfig keys loop-train and loop-eval do not honour: key -> why (one line if set).
+REFUSED_MODEL_KEYS: dict[str, str] = {
+    key: "quantised (bitsandbytes) loading is not supported by LOOP; train a LoRA adapter on bf16 weights "
+         "(use_peft: true, dtype: bfloat16)"
+    for key in ("load_in_8bit", "load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage")
+}
+
+
 def make_parser(classes: Sequence[type] = DATACLASSES) -> TrlParser:
-    return _Parser(tuple(classes))
+    parser = _Parser(tuple(classes))
+    # --help lists every field of the dataclasses; say which ones LOOP refuses rather than advertise them.
+    for action in parser._actions:
+        key = action.dest
+        if key in REFUSED_INHERITED_KEYS and LOOPConfig in classes:
+            equivalent, why = REFUSED_INHERITED_KEYS[key]
+            action.help = f"REFUSED by LOOP: {why}" + (f"; use {equivalent}" if equivalent else "") + "."
+        elif key in REFUSED_MODEL_KEYS and ModelConfig in classes:
+            action.help = f"REFUSED by LOOP: {REFUSED_MODEL_KEYS[key]}."
+    return parser
+
+
+def refuse_unused_model_keys(model_args: ModelConfig) -> None:
+    """One line for a ModelConfig key set away from its default that LOOP does not honour."""
+    defaults = {spec.name: spec.default for spec in dataclasses.fields(ModelConfig)}
+    for key, why in REFUSED_MODEL_KEYS.items():
+        value = getattr(model_args, key)
+        if value != defaults[key]:
+            raise RecipeError(f"{key}={value!r} is not used by LOOP: {why}")
 
 
 def _known_keys(classes: Sequence[type]) -> set[str]:
@@ -202,5 +228,8 @@ def parse_recipe(argv: Sequence[str] | None = None, classes: Sequence[type] = DA
     for key in dict.fromkeys(given):
         value = next(getattr(obj, key) for obj in parsed if hasattr(obj, key))
         effective[key] = getattr(value, "value", value)
+    for obj in parsed:
+        if isinstance(obj, ModelConfig):
+            refuse_unused_model_keys(obj)
     parsed[0].effective_recipe = effective
     return parsed

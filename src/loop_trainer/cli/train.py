@@ -68,6 +68,10 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
             check_fresh_output_dir(training_args.output_dir, training_args.overwrite_output_dir)
         except CheckpointError as error:
             raise RecipeError(str(error)) from None
+    try:  # e.g. a read-only file system, which os.access cannot see for root
+        os.makedirs(training_args.output_dir, exist_ok=True)
+    except OSError as error:
+        raise RecipeError(f"output_dir {training_args.output_dir!r} cannot be created: {error.strerror or error}") from None
     try:
         env = make_environment(script_args.environment, **(script_args.environment_kwargs or {}))
     except (ValueError, EnvironmentSetupError) as error:
@@ -130,7 +134,7 @@ def resume_advice(output_dir: str | None) -> str:
     """How to go on after a stopped run: resume only if there is a checkpoint to resume from."""
     checkpoint = last_complete_checkpoint(output_dir) if output_dir else None
     if checkpoint is None:
-        return "no checkpoint was saved, so run it again from the start"
+        return "run it again from the start (no checkpoint was saved)"
     return f"continue with --resume_from_checkpoint last (from {checkpoint.name})"
 
 

@@ -183,8 +183,16 @@ def check_tasks(tasks: Any, *, environment: str, split: str) -> Dataset:
 
 
 def load_tasks(env: Environment, split: str) -> Dataset:
-    """``env.tasks(split)``, checked by :func:`check_tasks`."""
-    return check_tasks(env.tasks(split), environment=env.name, split=split)
+    """``env.tasks(split)``, checked by :func:`check_tasks`. A ``KeyError`` or ``ValueError`` from
+    ``tasks()`` (an environment's usual answer to a split it lacks) becomes one line."""
+    try:
+        tasks = env.tasks(split)
+    except EnvironmentSetupError:
+        raise
+    except (KeyError, ValueError) as error:
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise EnvironmentSetupError(f"environment {env.name!r} cannot list the tasks of split {split!r}: {detail}") from None
+    return check_tasks(tasks, environment=env.name, split=split)
 
 
 def _short(value: Any, limit: int = 80) -> str:

@@ -23,7 +23,10 @@ class GenerationError(RuntimeError):
 
 
 def mix_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (splitmix64 steps): distinct inputs give unrelated seeds."""
+    """A 63-bit seed from integers (splitmix64 steps): distinct inputs give unrelated seeds.
+
+    Kept rather than numpy's ``SeedSequence``: every rollout's sampling seed comes from here, so a
+    different mixer would change every trajectory of every run, the recorded demo replay included."""
     state = 0x9E3779B97F4A7C15
     for part in parts:
         state = (state ^ (part & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF

@@ -350,6 +350,15 @@ class LOOPTrainer(GRPOTrainer):
                                     title=f"{self.env.name}: {split} after iteration {step}")
         return {**{f"eval_{key}": float(value) for key, value in result.metrics.items()}, **synced}
 
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Trainer's ``evaluate()``, LOOP's way: episodes on ``args.eval_split`` (:meth:`evaluate_policy`)."""
+        if eval_dataset is not None or metric_key_prefix != "eval" or not self.args.eval_split:
+            raise ValueError("LOOPTrainer.evaluate() runs episodes on args.eval_split (set eval_split); it takes no "
+                             "eval_dataset or metric_key_prefix: call evaluate_policy(split) for another split")
+        metrics = self.evaluate_policy()
+        self.log(metrics)
+        return metrics
+
     # --- Trainer hooks: delegations ---
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         loop_state = lambda: {"iteration": self.state.global_step, "task_sampler": self.task_sampler.state_dict(),  # noqa: E731
