@@ -214,7 +214,8 @@ def test_ctrl_c_prints_one_line_and_exits_130_with_the_checkpoints_complete(tmp_
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
     last = checkpoints(output)[-1]
     assert stderr.strip().splitlines()[-1] == (
-        f"loop-train: interrupted after iteration {last.split('-')[1]}; resume with --resume_from_checkpoint last")
+        f"loop-train: interrupted; the newest checkpoint is from iteration {last.split('-')[1]}: resume with "
+        "--resume_from_checkpoint last (later iterations are redone)")
     assert all((output / name / "loop_state.json").is_file() for name in checkpoints(output))
 
 

@@ -162,8 +162,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
             print("loop-train: interrupted before the first checkpoint; nothing to resume", file=sys.stderr)
         else:
             iteration = checkpoint.name.rsplit("-", 1)[1]
-            print(f"loop-train: interrupted after iteration {iteration}; resume with --resume_from_checkpoint last",
-                  file=sys.stderr)
+            print(f"loop-train: interrupted; the newest checkpoint is from iteration {iteration}: resume with "
+                  "--resume_from_checkpoint last (later iterations are redone)", file=sys.stderr)
         return 130
     return 0
 
