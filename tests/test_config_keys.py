@@ -45,7 +45,7 @@ NAMED_KEYS = {
     "generation_batch_size": 8,
     "max_steps": 5,
     "max_completion_length": 64,
-    "beta": 0.04,
+    "sync_ref_model": True,
 }
 
 

@@ -438,3 +438,23 @@ def test_samples_without_recorded_turns_get_turns_from_their_mask():
     # a Batch built without turn ids moves to a device
     plain = Batch(*(torch.zeros(1, 2) for _ in range(3)), torch.zeros(1), torch.zeros(1, 2))
     assert plain.to(torch.device("cpu")).turn_ids is None
+
+
+def test_reference_kl_penalty_is_k3_token_mean_per_trajectory_over_the_divisor():
+    from loop_trainer.objective import reference_kl_penalty
+
+    torch.manual_seed(0)
+    logprobs, reference = -torch.rand(3, 7) * 3, -torch.rand(3, 7) * 3
+    mask = (torch.rand(3, 7) > 0.3).long()
+    mask[2] = 0  # a row with nothing sampled contributes nothing
+    reference[0, ~mask[0].bool()] = float("inf")  # padding is never read
+    penalty, mean = reference_kl_penalty(logprobs, reference, mask, divisor=4.0)
+    expected, tokens, total = 0.0, 0, 0.0
+    for i in range(3):
+        k3 = [float(torch.exp(reference[i, t] - logprobs[i, t]) - (reference[i, t] - logprobs[i, t]) - 1)
+              for t in range(7) if mask[i, t]]
+        expected += sum(k3) / max(len(k3), 1)
+        tokens, total = tokens + len(k3), total + sum(k3)
+    assert penalty.item() == pytest.approx(expected / 4.0, rel=1e-5) and mean.item() == pytest.approx(total / tokens, rel=1e-5)
+    same, zero = reference_kl_penalty(logprobs, logprobs.clone(), mask)
+    assert same.item() == 0.0 and zero.item() == 0.0

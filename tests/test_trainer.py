@@ -210,8 +210,8 @@ def test_long_trajectories_are_trained_on_their_prefix_and_counted(tmp_path, vau
 
 
 def test_config_rejects_what_loop_does_not_do():
-    with pytest.raises(ValueError, match="beta"):
-        LOOPConfig(output_dir="x", beta=0.1)
+    with pytest.raises(ValueError, match="beta must be >= 0"):
+        LOOPConfig(output_dir="x", beta=-0.1)
     with pytest.raises(ValueError, match="rollouts_per_task"):
         LOOPConfig(output_dir="x", rollouts_per_task=1)
     with pytest.raises(ValueError, match="temperature only"):

@@ -71,3 +71,14 @@ def test_trainer_evaluate_runs_episodes_on_the_eval_split(tmp_path, vault_tiny):
         assert metrics["eval_num_rollouts"] == 2 and "eval_success_rate" in metrics
         with pytest.raises(ValueError, match="evaluate_policy"):
             trainer.evaluate(eval_dataset=Dataset.from_list([{"x": 1}]))
+
+
+def test_more_tasks_per_iteration_than_the_split_has_is_said(tmp_path, vault_tiny, caplog):
+    from loop_trainer import LOOPConfig, LOOPTrainer
+
+    env, model, tok = vault_tiny  # 16 tasks
+    args = LOOPConfig(output_dir=str(tmp_path / "run"), iterations=1, tasks_per_iteration=20, rollouts_per_task=2,
+                      activation_checkpointing=False, disable_tqdm=True, report_to=[])
+    with caplog.at_level("WARNING"):
+        LOOPTrainer(model, env, args, processing_class=tok).close()
+    assert "tasks_per_iteration (20) exceeds the 16 tasks of split 'train'" in caplog.text

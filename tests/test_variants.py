@@ -41,3 +41,51 @@ def test_unknown_variant_values_are_one_line(capsys):
         assert cli(["--model_name_or_path", "tiny:vault", *flags, "--dry-run"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"loop-train: error: LOOPConfig: {flags[0][2:]} must be one of")
+
+
+@pytest.mark.slow
+def test_grpo_with_a_kl_penalty_to_the_adapter_disabled_base(tmp_path):
+    out = tmp_path / "grpo"
+    flags = ["--advantage_estimator", "group_mean", "--std_normalize_advantages", "true", "--beta", "0.04",
+             "--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "q_proj", "v_proj"]
+    assert cli([*SMALL, "--output_dir", str(out), *flags]) == 0
+    records = read_metrics(out)
+    assert len(records) == 2 and all(r["optimizer_steps"] > 0 for r in records)
+    assert records[-1]["kl_ref"] > 0  # the adapter has moved away from the base model
+
+
+def test_beta_without_an_adapter_is_refused_in_one_line(capsys):
+    assert cli(["--model_name_or_path", "tiny:vault", "--beta", "0.1", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("loop-train: error: beta=0.1 needs use_peft: true")
+
+
+def test_the_kl_penalty_is_exactly_zero_while_the_adapter_is_untouched(tmp_path, vault_tiny):
+    from peft import LoraConfig
+
+    from loop_trainer import LOOPConfig, LOOPTrainer
+
+    env, model, tok = vault_tiny
+    args = LOOPConfig(output_dir=str(tmp_path / "run"), iterations=1, tasks_per_iteration=4, rollouts_per_task=3,
+                      minibatch_size=4, max_turns=3, max_new_tokens_per_turn=4, max_trajectory_tokens=200,
+                      per_device_train_batch_size=4, activation_checkpointing=False, advantage_threshold=0.0,
+                      learning_rate=5e-2, beta=0.5, disable_tqdm=True, report_to=[], save_strategy="no")
+    trainer = LOOPTrainer(model, env, args, processing_class=tok,
+                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    trainer.prepare_for_iterations()
+    steps, step = [], trainer.policy_update.minibatch_step
+
+    def recording(*a, **k):
+        result = step(*a, **k)
+        steps.append(None if result is None else result.kl_ref)
+        return result
+
+    trainer.policy_update.minibatch_step = recording
+    record = trainer.run_iteration()
+    assert steps[0] == 0.0  # lora_B starts at zero: policy == reference, k3 == 0 exactly
+    assert steps[-1] > 0 and record["kl_ref"] > 0
+    from loop_trainer.tiny import build_tiny_for_environment
+
+    full_model, _ = build_tiny_for_environment(env.vocabulary(), seed=0)
+    with pytest.raises(ValueError, match="beta=0.5 needs a LoRA adapter"):
+        LOOPTrainer(full_model, env, args, processing_class=tok)  # full fine-tuning: no base to refer to

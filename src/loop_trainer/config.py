@@ -49,7 +49,7 @@ class LOOPConfig(GRPOConfig, EpisodeSettings):
     them. ``iterations`` sets the run's length; ``trainer.state.global_step`` counts iterations,
     so ``logging_steps``, ``save_steps`` and ``eval_every`` are in iterations too.
 
-    Inherited :class:`trl.GRPOConfig` fields that LOOP does not use (``loss_type``, ``beta``,
+    Inherited :class:`trl.GRPOConfig` fields that LOOP does not use (``loss_type``, ``epsilon_high``,
     ``gradient_accumulation_steps``, ``eval_steps``, ...) are refused when set away from their
     defaults, with LOOP's equivalent: see :data:`REFUSED_INHERITED_KEYS`.
     """

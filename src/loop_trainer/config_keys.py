@@ -36,6 +36,8 @@ HONOURED_INHERITED_KEYS = frozenset({
     "save_on_each_node", "push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo",
     "hub_always_push", "hub_revision",
     # generation with vLLM (rollout/generator.py)
+    # the KL penalty to the adapter-disabled base model (training/update.py); LoRA only
+    "beta",
     "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_enable_sleep_mode",
     "vllm_max_model_length", "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
 })
@@ -43,7 +45,7 @@ HONOURED_INHERITED_KEYS = frozenset({
 # Why a refused key means nothing for LOOP, shared by related keys.
 _LOSS = ("its loss is the per-token clipped PPO objective of the paper, token mean per trajectory, "
          "constant divisor minibatch_size")
-_NO_REFERENCE = "LOOP has no KL penalty and no reference model"
+_NO_REFERENCE = "LOOP's only reference policy is the base model with the LoRA adapter disabled (beta)"
 _NO_ENTROPY = "LOOP's objective has no entropy term"
 _OLD_LOGPROBS = "LOOP's ratio uses old log-probs the training model recomputes, not vLLM's"
 _REWARDS = "rewards come from the environment's episodes"
@@ -78,7 +80,7 @@ REFUSED_INHERITED_KEYS: dict[str, tuple[str | None, str]] = {
     "average_tokens_across_devices": (None, _LOSS),
     "label_smoothing_factor": (None, _LOSS),
     "router_aux_loss_coef": (None, _LOSS),
-    "beta": (None, _NO_REFERENCE), "sync_ref_model": (None, _NO_REFERENCE),
+    "sync_ref_model": (None, _NO_REFERENCE),
     "ref_model_mixup_alpha": (None, _NO_REFERENCE), "ref_model_sync_steps": (None, _NO_REFERENCE),
     "use_bias_correction_kl": (None, _NO_REFERENCE),
     "top_entropy_quantile": (None, _NO_ENTROPY), "entropy_coef": (None, _NO_ENTROPY),
@@ -191,6 +193,7 @@ RANGES: dict[str, Rule] = {
     "ppo_epochs": Rule(">= 1", "passes over each iteration's kept rollouts"),
     "per_device_train_batch_size": Rule(">= 1", "trajectories per forward/backward pass"),
     "max_training_tokens": Rule(">= 1 or None", "longer trajectories are trained on their prefix; None: max_trajectory_tokens"),
+    "beta": Rule(">= 0", "the coefficient of the KL penalty to the base model (0: none, the paper's LOOP)"),
     "epsilon": Rule("> 0", "the PPO clip range is [1/(1+epsilon), 1+epsilon]; 0 would freeze the policy"),
     "kl_abort_threshold": Rule("> 0 or inf", "an iteration's updates stop once |KL estimate| exceeds it; inf: never; "
                                "0 or less would skip nearly every optimizer step"),

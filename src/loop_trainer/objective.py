@@ -311,6 +311,30 @@ def loop_policy_loss(
     return stats
 
 
+def reference_kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor, *,
+                         divisor: float | None = None) -> tuple[Tensor, Tensor]:
+    r"""The KL penalty to a reference policy, aggregated like :func:`loop_policy_loss`.
+
+    Per sampled token, the k3 estimator TRL's GRPO uses,
+
+    .. math::
+        k3_{i,t} = e^{\log\pi_{ref} - \log\pi_\theta} - (\log\pi_{ref} - \log\pi_\theta) - 1 \ge 0,
+
+    then the token mean within each trajectory, the sum over trajectories and the constant divisor.
+    Since the token mean is linear, ``loss + beta * penalty`` equals adding ``beta * k3`` to every
+    token's objective before the token mean. Returns ``(penalty, mean k3 over sampled tokens)``.
+    """
+    mask = loss_mask.to(torch.float32)
+    divisor = float(logprobs.shape[0] if divisor is None else divisor)
+    # Masked positions get difference 0 (k3 = 0) so padding can never produce inf * 0 = nan.
+    diff = torch.where(mask.bool(), ref_logprobs.detach().float() - logprobs.float(), 0.0)
+    k3 = torch.exp(diff) - diff - 1.0
+    per_trajectory = (k3 * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+    with torch.no_grad():
+        mean = (k3 * mask).sum() / mask.sum().clamp(min=1)
+    return per_trajectory.sum() / divisor, mean
+
+
 def _sequence_level_policy_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,

@@ -35,7 +35,7 @@ RESUME_SETTINGS = (
     "max_new_tokens_per_turn", "max_trajectory_tokens", "chat_template_kwargs", "early_stop_done_fraction",
     "early_stop_task_fraction", "use_vllm",
     # advantages, filtering and the update
-    "advantage_threshold", "std_normalize_advantages", "advantage_estimator", "ratio_level", "minibatch_size", "ppo_epochs", "epsilon",
+    "advantage_threshold", "std_normalize_advantages", "advantage_estimator", "ratio_level", "beta", "minibatch_size", "ppo_epochs", "epsilon",
     "max_training_tokens", "kl_abort_threshold", "per_device_train_batch_size", "max_grad_norm", "bf16", "fp16",
     # the optimizer and its schedule (their state is in the checkpoint)
     "optim", "optim_args", "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps",

@@ -20,6 +20,7 @@ Private TRL/transformers API used here, each pinned by tests/test_trl_contract.p
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -52,6 +53,8 @@ from .stress import run_memory_stress_test
 from .update import PolicyUpdate, UpdateSettings
 from .workers import RolloutWorkers
 
+
+logger = logging.getLogger(__name__)
 
 
 def environment_reward(*_: Any, **__: Any) -> list[float]:
@@ -104,14 +107,23 @@ class LOOPTrainer(GRPOTrainer):
         tasks = load_tasks(env, args.train_split)  # one line for a broken task list, here rather than mid-run
         if args.eval_split and args.eval_every:
             load_tasks(env, args.eval_split)
-        # GRPOTrainer would start its own single-turn vLLM engine; LOOP's generator is built below.
-        args.use_vllm = False
+        if args.tasks_per_iteration > len(tasks):
+            logger.warning("tasks_per_iteration (%d) exceeds the %d tasks of split %r: each iteration holds some tasks "
+                           "more than once (as separate leave-one-out groups)", args.tasks_per_iteration, len(tasks),
+                           args.train_split)
+        # GRPOTrainer would start its own single-turn vLLM engine and, with beta > 0, build its own reference
+        # (a copy of the adapter or of the model); LOOP's generator is built below, and its reference is the
+        # base model with the adapter disabled (no second copy).
+        args.use_vllm, beta, args.beta = False, args.beta, 0.0
         try:
             super().__init__(model=model, reward_funcs=[environment_reward], args=args, train_dataset=tasks,
                              processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
                              peft_config=peft_config)
         finally:
-            args.use_vllm = use_vllm or args.use_vllm
+            args.use_vllm, args.beta = use_vllm or args.use_vllm, beta
+        if args.beta > 0 and not hasattr(self.model, "disable_adapter"):
+            raise ValueError(f"LOOPConfig: beta={args.beta} needs a LoRA adapter (use_peft: true): LOOP's reference "
+                             "policy is the base model with the adapter disabled, never a second copy of the model")
         for stock, ours in ((ProgressCallback, LOOPProgressCallback), (PrinterCallback, LOOPPrinterCallback)):
             if self.pop_callback(stock) is not None:
                 self.add_callback(ours)
@@ -252,8 +264,9 @@ class LOOPTrainer(GRPOTrainer):
         model, _ = self._prepare_for_training(max_optimizer_steps, None, resume_from_checkpoint)
         strategy = DistributionStrategy(self.accelerator, self.model_wrapped, self.optimizer, self.lr_scheduler,
                                         args.max_grad_norm)
+        reference = (lambda: self.accelerator.unwrap_model(self.model).disable_adapter()) if args.beta > 0 else None
         self.policy_update = PolicyUpdate(UpdateSettings.from_args(args, self.tokenizer.pad_token_id), strategy,
-                                          self.accelerator.autocast)
+                                          self.accelerator.autocast, reference=reference)
         return model
 
     def run_memory_stress_test(self) -> float:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..objective import loop_policy_loss
+from ..objective import loop_policy_loss, reference_kl_penalty
 from .batching import TrainingSample, chunks, collate, minibatch_indices, token_logprobs
 from .distribution import DistributionStrategy
 
@@ -39,12 +39,13 @@ class UpdateSettings:
     seed: int
     pad_token_id: int
     ratio_level: str = "token"
+    beta: float = 0.0
 
     @classmethod
     def from_args(cls, args: Any, pad_token_id: int) -> UpdateSettings:
         return cls(epsilon=args.epsilon, minibatch_size=args.minibatch_size, ppo_epochs=args.ppo_epochs,
                    micro_batch_size=args.per_device_train_batch_size, kl_abort_threshold=args.kl_abort_threshold,
-                   seed=args.seed, pad_token_id=pad_token_id, ratio_level=args.ratio_level)
+                   seed=args.seed, pad_token_id=pad_token_id, ratio_level=args.ratio_level, beta=args.beta)
 
 
 @dataclass
@@ -60,16 +61,25 @@ class StepResult:
     num_tokens: float
     grad_norm: float = math.nan
     stepped: bool = False
+    kl_ref: float = math.nan
+    """Mean k3 estimate of KL(policy || reference) over the minibatch's sampled tokens (beta > 0)."""
 
 
 class PolicyUpdate:
     """Runs :meth:`__call__` once per iteration on the kept trajectories."""
 
     def __init__(self, settings: UpdateSettings, strategy: DistributionStrategy,
-                 autocast: Callable[[], contextlib.AbstractContextManager]):
+                 autocast: Callable[[], contextlib.AbstractContextManager],
+                 reference: Callable[[], contextlib.AbstractContextManager] | None = None):
+        """``reference``: a context in which the model is the reference policy of the KL penalty
+        (the base model: the LoRA adapter disabled); needed when ``settings.beta > 0``."""
+        if settings.beta > 0 and reference is None:
+            raise ValueError("beta > 0 needs a reference policy (a LoRA adapter to disable)")
         self.settings = settings
         self.strategy = strategy
         self.autocast = autocast
+        self.reference = reference
+        self._reference_logprobs: dict[int, torch.Tensor] = {}
 
     def __call__(self, samples: list[TrainingSample], iteration: int) -> dict[str, float]:
         """``ppo_epochs`` passes of shuffled minibatches over ``samples``; ``iteration`` (0-based,
@@ -82,6 +92,7 @@ class PolicyUpdate:
         # Each sample is in exactly one process's share of the first epoch: that process counts it
         # in the sampler comparison, so the combined metric counts every sample once.
         counted = {i for minibatch in epochs[0] for i in self.strategy.share(minibatch)}
+        self._reference_logprobs = {}  # filled beside the old log-probs when beta > 0
         old_logprobs, sampler_diff = self.old_logprobs(samples, mine, counted)
         steps: list[StepResult] = []
         skipped_nonfinite = 0
@@ -126,8 +137,14 @@ class PolicyUpdate:
                 batch = collate([samples[i] for i in chunk], self.settings.pad_token_id).to(strategy.device)
                 with self.autocast():
                     logprobs = token_logprobs(model, batch).float()
+                    if self.settings.beta > 0:
+                        with self.reference():
+                            reference = token_logprobs(model, batch).float()
                 if k >= real:
                     continue
+                if self.settings.beta > 0:
+                    for row, i in enumerate(chunk):
+                        self._reference_logprobs[i] = reference[row, : len(samples[i].token_ids)].cpu()
                 rows = torch.tensor([i in counted for i in chunk], device=logprobs.device)[:, None]
                 diff = (logprobs - batch.sampler_logprobs)[batch.loss_mask.bool() & rows].abs()
                 if diff.numel():
@@ -158,7 +175,7 @@ class PolicyUpdate:
         # processes yields sum(trajectory losses) / minibatch_size, the paper's constant divisor.
         divisor = s.minibatch_size / strategy.num_processes
         strategy.model.train()
-        totals = dict.fromkeys(("loss", "clip", "kl", "ratio", "tokens"), 0.0)
+        totals = dict.fromkeys(("loss", "clip", "kl", "ratio", "tokens") + (("kl_ref",) if s.beta > 0 else ()), 0.0)
         ratio_min, ratio_max = math.inf, -math.inf
         for i, (indices, stand_in) in enumerate(micro_batches):
             batch = collate([samples[j] for j in indices], s.pad_token_id).to(strategy.device)
@@ -174,9 +191,18 @@ class PolicyUpdate:
                     logprobs = token_logprobs(strategy.model, batch)
                 out = loop_policy_loss(logprobs, old, batch.advantages, batch.loss_mask, epsilon=s.epsilon,
                                        divisor=divisor, ratio_level=s.ratio_level, turn_ids=batch.turn_ids)
-                strategy.backward(out.loss)
+                loss = out.loss
+                if s.beta > 0:
+                    reference = torch.zeros_like(batch.sampler_logprobs)
+                    for row, j in enumerate(indices):
+                        if j in self._reference_logprobs:
+                            reference[row, : self._reference_logprobs[j].numel()] = self._reference_logprobs[j]
+                    penalty, kl_ref = reference_kl_penalty(logprobs, reference, batch.loss_mask, divisor=divisor)
+                    loss = loss + s.beta * penalty
+                    totals["kl_ref"] += float(kl_ref) * float(out.num_tokens)
+                strategy.backward(loss)
             n = float(out.num_tokens)
-            totals["loss"] += float(out.loss.detach())
+            totals["loss"] += float(loss.detach())
             totals["clip"] += float(out.clip_frac) * n
             totals["kl"] += float(out.kl) * n
             totals["ratio"] += float(out.ratio_mean) * n
@@ -188,7 +214,8 @@ class PolicyUpdate:
         tokens = totals["tokens"] or 1.0
         step = StepResult(loss=totals["loss"] / strategy.num_processes, clip_frac=totals["clip"] / tokens,
                           kl=totals["kl"] / tokens, ratio_mean=totals["ratio"] / tokens, ratio_min=ratio_min,
-                          ratio_max=ratio_max, num_tokens=totals["tokens"])
+                          ratio_max=ratio_max, num_tokens=totals["tokens"],
+                          kl_ref=totals["kl_ref"] / tokens if "kl_ref" in totals else math.nan)
         if not math.isfinite(step.loss):
             strategy.discard_gradients()
             return None
@@ -208,7 +235,9 @@ def summarize_steps(steps: list[StepResult]) -> dict[str, float]:
     def weighted(key: str) -> float:
         return sum(getattr(s, key) * s.num_tokens for s in steps) / tokens if steps else float("nan")
 
+    kl_ref = {"kl_ref": weighted("kl_ref")} if any(math.isfinite(s.kl_ref) for s in steps) else {}
     return {
+        **kl_ref,
         "loss": sum(s.loss for s in taken) / len(taken) if taken else float("nan"),
         "clip_frac": weighted("clip_frac"),
         "kl": weighted("kl"),
