@@ -49,6 +49,20 @@ def _group_index(group_ids: Tensor | Sequence[Hashable], device: torch.device) -
     return torch.tensor([index.setdefault(g, len(index)) for g in group_ids], dtype=torch.long, device=device)
 
 
+def _group_sums(rewards: Tensor, group_ids: Tensor | Sequence[Hashable]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Float32 rewards, each reward's group index, and every group's reward sum and size."""
+    rewards = rewards.detach().to(torch.float32)
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
+    group = _group_index(group_ids, rewards.device)
+    if group.shape != rewards.shape:
+        raise ValueError(f"group_ids has {group.numel()} entries for {rewards.numel()} rewards")
+    num_groups = int(group.max()) + 1 if group.numel() else 0
+    group_sum = torch.zeros(num_groups, device=rewards.device).index_add_(0, group, rewards)
+    group_size = torch.zeros(num_groups, device=rewards.device).index_add_(0, group, torch.ones_like(rewards))
+    return rewards, group, group_sum, group_size
+
+
 def leave_one_out_advantages(
     rewards: Tensor,
     group_ids: Tensor | Sequence[Hashable],
@@ -77,22 +91,14 @@ def leave_one_out_advantages(
     Returns:
         ``[N]`` float32 advantages.
     """
-    rewards = rewards.detach().to(torch.float32)
-    if rewards.ndim != 1:
-        raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
-    group = _group_index(group_ids, rewards.device)
-    if group.shape != rewards.shape:
-        raise ValueError(f"group_ids has {group.numel()} entries for {rewards.numel()} rewards")
-    num_groups = int(group.max()) + 1 if group.numel() else 0
-    group_sum = torch.zeros(num_groups, device=rewards.device).index_add_(0, group, rewards)
-    group_size = torch.zeros(num_groups, device=rewards.device).index_add_(0, group, torch.ones_like(rewards))
+    rewards, group, group_sum, group_size = _group_sums(rewards, group_ids)
     n = group_size[group]
     mean_of_others = (group_sum[group] - rewards) / (n - 1).clamp(min=1)
     advantages = torch.where(n > 1, rewards - mean_of_others, torch.zeros_like(rewards))
     if std_normalize:
         group_mean = group_sum / group_size
         squared_dev = (rewards - group_mean[group]) ** 2
-        group_var = torch.zeros(num_groups, device=rewards.device).index_add_(0, group, squared_dev)
+        group_var = torch.zeros_like(group_sum).index_add_(0, group, squared_dev)
         group_std = (group_var / (group_size - 1).clamp(min=1)).sqrt()
         advantages = advantages / (group_std[group] + std_eps)
     return advantages
@@ -132,19 +138,11 @@ def group_mean_advantages(
     Returns:
         ``[N]`` float32 advantages.
     """
-    rewards = rewards.detach().to(torch.float32)
-    if rewards.ndim != 1:
-        raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
-    group = _group_index(group_ids, rewards.device)
-    if group.shape != rewards.shape:
-        raise ValueError(f"group_ids has {group.numel()} entries for {rewards.numel()} rewards")
-    num_groups = int(group.max()) + 1 if group.numel() else 0
-    group_sum = torch.zeros(num_groups, device=rewards.device).index_add_(0, group, rewards)
-    group_size = torch.zeros(num_groups, device=rewards.device).index_add_(0, group, torch.ones_like(rewards))
+    rewards, group, group_sum, group_size = _group_sums(rewards, group_ids)
     group_mean = group_sum / group_size.clamp(min=1)
     advantages = rewards - group_mean[group]
     if std_normalize:
-        group_var = torch.zeros(num_groups, device=rewards.device).index_add_(0, group, advantages**2)
+        group_var = torch.zeros_like(group_sum).index_add_(0, group, advantages**2)
         group_std = (group_var / (group_size - 1).clamp(min=1)).sqrt()
         advantages = advantages / (group_std[group] + std_eps)
     return advantages
