@@ -109,10 +109,6 @@ class EpisodeSettings:
         """Episodes in flight at once, bounded by what the environment can run."""
         return min(self.max_concurrent_episodes, env_limit or self.max_concurrent_episodes)
 
-    def check_episode_settings(self) -> None:
-        """Raise ValueError (one line) if an episode setting is outside its range (:data:`EPISODE_RANGES`)."""
-        check_ranges(self, EPISODE_RANGES)
-
 
 # The ranges of the episode settings, shared by LOOPConfig and loop-eval.
 EPISODE_RANGES: dict[str, Rule] = {

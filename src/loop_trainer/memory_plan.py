@@ -105,10 +105,6 @@ class ModelShape:
         )
 
     @property
-    def q_dim(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
     def kv_dim(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
