@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from helpers import ScriptedBackend
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.envs.base import Environment, Episode, Score, Step
+from loop_trainer.training.checkpointing import is_checkpointing
 from loop_trainer.training.run_log import read_metrics
 from loop_trainer.tiny import load_tokenizer
 
@@ -93,9 +94,9 @@ def test_driving_iterations_by_hand_still_checkpoints_activations(tmp_path, vaul
     backend = ScriptedBackend(tok, lambda prompt: "find ann")
     args = tiny_args(tmp_path, activation_checkpointing=True, iterations=1)
     trainer = LOOPTrainer(model, PreferFindEnv(), args, processing_class=tok, generation_backend=backend)
-    assert not model.is_activation_checkpointing
+    assert not is_checkpointing(model)
     trainer.run_iteration()
-    assert model.is_activation_checkpointing
+    assert is_checkpointing(model)
 
 
 def test_a_non_finite_loss_skips_that_step_and_is_counted(tmp_path, vault_tiny):

@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+from transformers import TrainingArguments
 from transformers.trainer_utils import SaveStrategy
 from trl import GRPOConfig
 
@@ -202,6 +203,12 @@ class LOOPConfig(GRPOConfig, EpisodeSettings):
         self.generation_batch_size = None
         self.max_steps = self.iterations
         self.max_completion_length = self.max_trajectory_tokens
+        if "activation_checkpointing" not in TrainingArguments.__dataclass_fields__:
+            # transformers < 5.18 (the one vLLM <= 0.31 accepts) only knows gradient_checkpointing: without
+            # this its Trainer and TRL (PEFT's input gradients) would run with checkpointing silently off.
+            if self.gradient_checkpointing is not None:
+                self.activation_checkpointing = self.gradient_checkpointing
+            self.gradient_checkpointing = bool(self.activation_checkpointing)
         super().__post_init__()
         if self.max_training_tokens is None:
             self.max_training_tokens = self.max_trajectory_tokens

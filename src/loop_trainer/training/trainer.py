@@ -49,6 +49,7 @@ from .resume import apply_setting_changes, plan_start, resume_settings
 from .distribution import DistributionStrategy, check_launch, check_sampling_with_training_model
 from .run_log import LOOPPrinterCallback, LOOPProgressCallback, RunLog
 from .sampler import TaskSampler
+from .checkpointing import checkpointing_kwargs, enable_checkpointing, is_checkpointing
 from .stress import run_memory_stress_test
 from .update import PolicyUpdate, UpdateSettings
 from .workers import RolloutWorkers
@@ -283,13 +284,8 @@ class LOOPTrainer(GRPOTrainer):
     def _enable_activation_checkpointing(self) -> None:
         # Trainer.train() switches checkpointing on before _inner_training_loop; driving iterations
         # by hand skips train(), and an uncheckpointed 32k-token backward would not fit.
-        if not self.args.activation_checkpointing or getattr(self.model, "is_activation_checkpointing", True):
-            return
-        kwargs = dict(self.args.activation_checkpointing_kwargs or {})
-        every_n_layers = kwargs.pop("every_n_layers", 1)
-        offload = kwargs.pop("offload", False)
-        self.model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload)
+        if self.args.activation_checkpointing and not is_checkpointing(self.model):
+            enable_checkpointing(self.model, checkpointing_kwargs(self.args))
 
     def run_iteration(self) -> dict[str, Any]:
         """One LOOP iteration: collect, advantages, filter, update. Returns its metrics."""

@@ -1,0 +1,32 @@
+"""Activation checkpointing across the transformers versions LOOP supports: 5.18+ names it
+``activation_checkpointing`` (``model.activation_checkpointing_enable``, ``is_activation_checkpointing``);
+5.17, the version vLLM <= 0.31 accepts, only ``gradient_checkpointing``. A GPU run on 5.17 once
+trained with checkpointing silently off because only the new names were looked for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def is_checkpointing(model: Any) -> bool:
+    """Whether ``model`` (a PreTrainedModel, or a PEFT model around one) recomputes activations."""
+    flag = getattr(model, "is_activation_checkpointing", None)
+    return bool(model.is_gradient_checkpointing if flag is None else flag)
+
+
+def checkpointing_kwargs(args: Any) -> dict[str, Any]:
+    return dict(getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs or {})
+
+
+def enable_checkpointing(model: Any, kwargs: dict[str, Any] | None = None) -> None:
+    """Checkpoint ``model``'s decoder layers; ``kwargs`` as in a config's ``*_checkpointing_kwargs``
+    (``every_n_layers`` and ``offload`` are transformers' own, the rest go to ``torch.utils.checkpoint``)."""
+    kwargs = dict(kwargs or {})
+    every_n_layers = kwargs.pop("every_n_layers", 1)
+    offload = kwargs.pop("offload", False)
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None,
+                                              every_n_layers=every_n_layers, offload=offload)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None,
+                                            every_n_layers=every_n_layers, offload=offload)
