@@ -9,6 +9,9 @@ Assumptions (estimates, not measurements; the start-up stress test measures the 
   * No reference model (LOOP's beta is 0). Flash/SDPA attention: no [T x T] scores.
   * Activations follow a Qwen2/Llama-style decoder layer (attention + gated MLP); parameter counts
     are exact for any architecture transformers can build.
+  * Calibrated on one H100 (``make gpu-check``, 2026-11-23: Qwen2.5 0.5B-7B shapes, LoRA r=8, 8k-32k
+    tokens, SDPA, transformers 5.17): the training-phase rows then came within 15% of the measured
+    peak (max reserved + memory outside PyTorch's allocator). See docs/benchmarks.md.
   * The vLLM reservation is ``utilization x GPU memory``: weights / TP, and the KV cache takes the
     rest (vLLM's own activation/CUDA-graph workspace is ignored, so capacity is slightly optimistic).
 """
@@ -22,7 +25,15 @@ from pathlib import Path
 from typing import Any
 
 GIB = 2**30
-CUDA_CONTEXT_GIB = 1.5  # CUDA context + NCCL buffers + caching-allocator fragmentation (estimate)
+CUDA_CONTEXT_GIB = 0.75  # CUDA context + cuBLAS workspaces outside PyTorch's allocator: 0.75 GiB measured on an H100
+NCCL_GIB = 0.5  # NCCL's buffers with more than one process (an estimate: not measured yet)
+FRAGMENTATION = 0.05  # the caching allocator reserves ~3-5% more than it hands out at the peak (measured: 3-6%)
+# TRL's fused log-prob head (trl/kernels/chunked_logprob.py) projects 4096 tokens x 32768 vocabulary
+# columns at a time into one buffer in the compute dtype, and accumulates the hidden states' gradient in fp32.
+LOGPROB_TOKEN_TILE, LOGPROB_VOCAB_TILE = 4096, 32768
+# In the backward of a recomputed layer its activations and their gradients coexist, but the gradients of
+# the first ops are made after the last ops' activations are freed: 1.75 copies peak (measured 1.74).
+RECOMPUTED_COPIES = 1.75
 
 
 @dataclass(frozen=True)
@@ -198,7 +209,7 @@ def plan_memory(shape: ModelShape, *, world_size: int = 1, gpu_memory_gib: float
                 vllm_gpu_memory_utilization: float = 0.3, vllm_tensor_parallel_size: int = 1,
                 vllm_sleep_mode: bool = False, generation_batch: int = 64, max_trajectory_tokens: int | None = None,
                 vllm_server: bool = False,
-                logprob_chunk_tokens: int = 4096, headroom_fraction: float = 0.1, _suggest: bool = True) -> MemoryPlan:
+                logprob_chunk_tokens: int = LOGPROB_TOKEN_TILE, headroom_fraction: float = 0.1, _suggest: bool = True) -> MemoryPlan:
     """The memory one GPU needs in the training phase (update) and the generation phase (rollouts).
     With ``vllm_server`` generation runs on a vLLM server's GPUs and only the training phase counts."""
     if world_size < 1 or zero_stage not in (0, 1, 2, 3) or not 0 < vllm_gpu_memory_utilization <= 1:
@@ -214,7 +225,8 @@ def plan_memory(shape: ModelShape, *, world_size: int = 1, gpu_memory_gib: float
     shard_o = world_size if zero_stage >= 1 else 1
     rows: list[MemoryRow] = []
     both, train, gen = ("train", "gen"), ("train",), ("gen",)
-    rows.append(MemoryRow("CUDA context / allocator", CUDA_CONTEXT_GIB, "fixed estimate: CUDA context + NCCL + allocator slack", both))
+    context = CUDA_CONTEXT_GIB + (NCCL_GIB if world_size > 1 else 0)
+    rows.append(MemoryRow("CUDA context", context, "CUDA context + library workspaces" + (" + NCCL buffers" if world_size > 1 else ""), both))
 
     # --- weights and optimizer state -------------------------------------------------------------
     master = 4 if bf16 else 0
@@ -248,16 +260,19 @@ def plan_memory(shape: ModelShape, *, world_size: int = 1, gpu_memory_gib: float
     if activation_checkpointing:
         rows.append(MemoryRow("checkpointed layer inputs", _gib(layers * tokens * h * wb),
                               f"{layers} layers x T={tokens} x {h} x {wb} B", train))
-        rows.append(MemoryRow("recomputed layer (backward)", _gib(tokens * per_token * wb * 2),
-                              f"T x (8h+3kv+4I={per_token}) x {wb} B x 2 (activations + grads)", train))
+        rows.append(MemoryRow("recomputed layer (backward)", _gib(tokens * per_token * wb * RECOMPUTED_COPIES),
+                              f"T x (8h+3kv+4I={per_token}) x {wb} B x {RECOMPUTED_COPIES} (activations + grads)", train))
     else:
         rows.append(MemoryRow("activations (all layers)", _gib(layers * tokens * per_token * wb + tokens * per_token * wb),
                               f"({layers}+1 for grads) layers x T={tokens} x (8h+3kv+4I={per_token}) x {wb} B", train))
-    chunk = min(logprob_chunk_tokens, tokens)
-    # TRL's fused LM head scores tokens in chunks: no [T x V] logits; per chunk fp32 logits, softmax/grad
-    # and a temporary (upper bound: TRL also tiles the vocabulary), plus fp32 final hidden states.
-    rows.append(MemoryRow("log-prob working memory", _gib(chunk * shape.vocab_size * 4 * 3 + tokens * h * 4),
-                          f"{chunk} chunk x V={shape.vocab_size} x 4 B x 3 + T x {h} x 4 B", train))
+    tile = min(logprob_chunk_tokens, tokens) * min(LOGPROB_VOCAB_TILE, shape.vocab_size)
+    # TRL's fused LM head: no [T x V] logits. One projection tile in the compute dtype, the scored tokens'
+    # hidden states (a copy, wb) and their fp32 gradient, ~10 fp32 running values per token; full
+    # fine-tuning also accumulates the head's weight gradient in fp32.
+    head_grad = 0 if lora else shape.vocab_size * h * 4
+    rows.append(MemoryRow("log-prob working memory", _gib(tile * wb + tokens * (h * (4 + wb) + 40) + head_grad),
+                          f"tile {min(logprob_chunk_tokens, tokens)} x {min(LOGPROB_VOCAB_TILE, shape.vocab_size)} x {wb} B "
+                          f"+ T x ({h} x {4 + wb} B + 40 B)" + ("" if lora else f" + head grad V x {h} x 4 B"), train))
 
     # --- generation ------------------------------------------------------------------------------
     kv_tokens = sequences = None
@@ -284,6 +299,9 @@ def plan_memory(shape: ModelShape, *, world_size: int = 1, gpu_memory_gib: float
         rows.append(MemoryRow("prefill working memory", _gib(prefill),
                               f"{generation_batch} x {max_trajectory_tokens} tokens x (2h+3I) x {wb} B", gen))
 
+    allocated = sum(r.gib for r in rows if "train" in r.phases and r.name != "CUDA context")
+    rows.append(MemoryRow("allocator fragmentation", allocated * FRAGMENTATION,
+                          f"{FRAGMENTATION:.0%} of the training phase's allocations", train))
     training = sum(r.gib for r in rows if "train" in r.phases)
     generation = sum(r.gib for r in rows if "gen" in r.phases)
     gen_only = sum(r.gib for r in rows if r.phases == gen)

@@ -47,6 +47,14 @@ def model_shape(model_args: ModelConfig) -> ModelShape:
         raise RecipeError(str(error)) from None
 
 
+def planned_zero_stage(world: int) -> int:
+    """The ZeRO stage the plan assumes: accelerate's DeepSpeed stage where a launch sets one, else
+    ZeRO-3 on several GPUs (the documented setup) and none on one GPU (measured there, no DeepSpeed)."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
+        return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 3))
+    return 3 if world > 1 else 0
+
+
 def plan_for(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelConfig) -> tuple[MemoryPlan, int]:
     world = script_args.plan_gpus or int(os.environ.get("WORLD_SIZE", 8))
     lora = None
@@ -62,6 +70,7 @@ def plan_for(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCo
     try:
         plan = plan_memory(
             model_shape(model_args), world_size=world, gpu_memory_gib=script_args.plan_gpu_memory_gib,
+            zero_stage=planned_zero_stage(world),
             lora=lora, bf16=model_args.dtype in (None, "auto", "bfloat16", "float16"),
             activation_checkpointing=bool(args.activation_checkpointing), max_training_tokens=args.max_training_tokens,
             per_device_train_batch_size=args.per_device_train_batch_size, use_vllm=colocated,
@@ -109,8 +118,9 @@ def dry_run(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCon
         raise RecipeError(f"unknown environment {name!r}; available: {', '.join(available_environments())}")
     plan, world = plan_for(script_args, args, model_args)
     print(effective_configuration(script_args, args, model_args))
-    print(f"\nMemory plan per GPU: {world} GPUs x {script_args.plan_gpu_memory_gib:g} GiB, ZeRO-3 "
-          f"(estimates; see docs/recipes.md)")
+    stage = planned_zero_stage(world)
+    print(f"\nMemory plan per GPU: {world} GPUs x {script_args.plan_gpu_memory_gib:g} GiB, "
+          f"{f'ZeRO-{stage}' if stage else 'no DeepSpeed'} (estimates; see docs/recipes.md)")
     if args.use_vllm and args.vllm_mode == "server":
         plan.notes.append("generation runs on the vLLM server's own GPUs (vllm_mode: server), not planned here")
     print(plan.format())
