@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export WANDB_MODE ?= offline
 
-.PHONY: venv appworld-venv vllm-venv appworld demo test clean
+.PHONY: venv appworld-venv vllm-venv appworld demo test gpu-check gpu-wheels clean
 
 # .venv is this checkout's own thin virtualenv (this checkout installed editable) on top of the cached,
 # shared dependencies: `make test` and `make demo` run the checkout they are run in (tools/checkout_venv.sh).
@@ -36,6 +36,17 @@ test: venv appworld-venv vllm-venv
 	MALLOC_MMAP_THRESHOLD_=17179869184 MALLOC_TRIM_THRESHOLD_=17179869184 $(VENV_BIN)/python -m pytest -q \
 		--ignore=tests/vllm_deepspeed $(PYTEST_ARGS)
 	.vllm-venv/bin/python -m pytest -q tests/vllm_deepspeed $(PYTEST_ARGS)
+
+# The GPU battery (benchmarks/gpu_check.py): bf16 LOOP iterations, memory plan vs measured, MFU, update vs
+# GRPOTrainer, generation; JSON + markdown in $$GPU_CHECK_OUT. Without CUDA: CPU mode (tiny shapes, says so).
+# On the GPU machine (no network) it installs the wheels `make gpu-wheels` downloaded into .gpu-wheels/.
+GPU_CHECK_OUT ?= gpu-check-out
+export GPU_CHECK_OUT
+gpu-check:
+	@bash tools/gpu_check.sh $(GPU_CHECK_ARGS)
+
+gpu-wheels:
+	@bash tools/gpu_wheels.sh
 
 clean:
 	rm -rf .venv .appworld-venv .vllm-venv outputs .pytest_cache

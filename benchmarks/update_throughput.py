@@ -75,6 +75,9 @@ class Spec:
     kv_heads: int
     checkpointing: bool
     seed: int
+    shape: str | None = None
+    """A shipped model shape (``loop_trainer/model_shapes``, e.g. Qwen2.5-1.5B-Instruct): its body replaces
+    hidden_size/layers/heads/kv_heads."""
 
 
 # --- workload --------------------------------------------------------------------------------
@@ -109,14 +112,23 @@ def build_model(spec: Spec) -> Any:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=VOCAB_SIZE, hidden_size=spec.hidden_size, intermediate_size=4 * spec.hidden_size,
-        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-        max_position_embeddings=max(32768, max(spec.lengths)), tie_word_embeddings=True, pad_token_id=0,
-    )
+    if spec.shape:
+        from importlib import resources
+
+        values = json.loads((resources.files("loop_trainer") / "model_shapes" / f"{spec.shape}.json").read_text())
+        body = {key: values[key] for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                             "num_attention_heads", "num_key_value_heads", "vocab_size",
+                                             "tie_word_embeddings")}
+    else:
+        body = dict(vocab_size=VOCAB_SIZE, hidden_size=spec.hidden_size, intermediate_size=4 * spec.hidden_size,
+                    num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+                    tie_word_embeddings=True)
+    config = Qwen2Config(**body, max_position_embeddings=max(32768, max(spec.lengths)), pad_token_id=0)
     torch.manual_seed(spec.seed)
     dtype = torch.bfloat16 if spec.device == "cuda" else torch.float32
-    return Qwen2ForCausalLM(config).to(dtype)
+    # Built on the device it runs on: a 7B body initialised on the CPU would take minutes.
+    with torch.device(spec.device):
+        return Qwen2ForCausalLM(config).to(dtype)
 
 
 # --- measurement --------------------------------------------------------------------------------
@@ -256,6 +268,7 @@ def _grpo_inputs(trajectories: list[dict[str, Any]], pad_token_id: int) -> dict[
 
 def run_grpo(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) -> dict[str, Any]:
     import torch
+    from transformers import TrainingArguments
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -265,6 +278,9 @@ def run_grpo(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) ->
     from loop_trainer.tiny import build_word_tokenizer
 
     n, p, m = len(trajectories), spec.micro_batch, spec.minibatch_size
+    # transformers < 5.18 (the GPU image's 5.17, the one vLLM accepts) has only the older name
+    checkpointing_key = "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ \
+        else "gradient_checkpointing"
     # LOOP's optimizer settings (its defaults, which run_loop uses)
     optimizer = {name: LOOPConfig.__dataclass_fields__[name].default
                  for name in ("learning_rate", "weight_decay", "max_grad_norm", "lr_scheduler_type")}
@@ -307,7 +323,7 @@ def run_grpo(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) ->
         output_dir=output_dir, per_device_train_batch_size=p, gradient_accumulation_steps=m // p,
         steps_per_generation=n // p, num_generations=2, num_iterations=spec.ppo_epochs,
         max_steps=spec.ppo_epochs * n // m, beta=0.0, loss_type="grpo", epsilon=1 - 1 / (1 + LOOP_EPSILON),
-        epsilon_high=LOOP_EPSILON, **optimizer, activation_checkpointing=spec.checkpointing, bf16=spec.device == "cuda",
+        epsilon_high=LOOP_EPSILON, **optimizer, **{checkpointing_key: spec.checkpointing}, bf16=spec.device == "cuda",
         use_cpu=spec.device == "cpu", max_completion_length=int(prebuilt["completion_ids"].size(1)),
         report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=spec.seed,
     )
@@ -322,8 +338,10 @@ def run_grpo(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) ->
 
 
 def check_checkpointing(model: Any, spec: Spec) -> None:
-    if model.is_activation_checkpointing != spec.checkpointing:
-        raise RuntimeError(f"activation checkpointing is {model.is_activation_checkpointing}, not {spec.checkpointing}")
+    from loop_trainer.training.checkpointing import is_checkpointing
+
+    if is_checkpointing(model) != spec.checkpointing:
+        raise RuntimeError(f"activation checkpointing is {is_checkpointing(model)}, not {spec.checkpointing}")
 
 
 def worker(trainer: str, spec_path: str, out_path: str) -> None:
@@ -372,6 +390,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--shape", default=None,
+                        help="a shipped model shape (e.g. Qwen2.5-1.5B-Instruct) instead of --hidden-size/--layers/...")
     parser.add_argument("--checkpointing", choices=["on", "off", "both"], default="on")
     parser.add_argument("--repeats", type=int, default=1, help="alternating runs per trainer; seconds = median")
     parser.add_argument("--seed", type=int, default=0)
@@ -398,7 +418,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for checkpointing in modes:
             spec = Spec(options.device, lengths, m, options.ppo_epochs, p, options.hidden_size, options.layers,
-                        options.heads, options.kv_heads, checkpointing, options.seed)
+                        options.heads, options.kv_heads, checkpointing, options.seed, options.shape)
             spec_path = Path(tmp) / "spec.json"
             spec_path.write_text(json.dumps(asdict(spec)))
             runs: dict[str, list[dict[str, Any]]] = {"loop": [], "grpo": []}
@@ -431,7 +451,8 @@ def report(options: argparse.Namespace, lengths: list[int], rows: list[dict[str,
     lines += [[fmt.format(ckpt="on" if r["checkpointing"] else "off", **r) for _, fmt in columns] for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
     print(f"\nlengths={lengths} minibatch={options.minibatch_size} ppo_epochs={options.ppo_epochs} "
-          f"micro_batch={options.micro_batch} hidden={options.hidden_size} layers={options.layers} "
+          f"micro_batch={options.micro_batch} " + (f"shape={options.shape} " if options.shape else
+                                                    f"hidden={options.hidden_size} layers={options.layers} ") +
           f"vocab={VOCAB_SIZE} device={options.device} torch threads={torch.get_num_threads()}")
     for i, line in enumerate(lines):
         print("| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |")

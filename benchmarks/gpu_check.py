@@ -1,0 +1,140 @@
+"""The GPU battery (``make gpu-check``): bf16 correctness, memory plan vs measured, MFU, policy
+update vs GRPOTrainer and generation throughput, in one command, with every result in one JSON and
+one markdown summary in ``--out`` (``GPU_CHECK_OUT``).
+
+Without CUDA it runs in CPU mode: the same code on tiny shapes, in seconds, so the battery keeps
+working between the rare GPU runs (``tests/test_gpu_check.py`` runs it in ``make test``). A CPU-mode
+result says so in its first line and in its JSON (``"mode": "cpu"``); it is never a GPU result.
+
+Each section runs in its own process (a crash or an out-of-memory error in one leaves the others'
+results, and each measures its own peaks); the JSON and summary are rewritten after every section,
+so a run cut off by a time limit keeps what it finished.
+
+    python benchmarks/gpu_check.py --out /tmp/gpu-check              # GPU if there is one, else CPU mode
+    python benchmarks/gpu_check.py --mode quick --out /tmp/gpu-quick  # a 2-minute first look at a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "gpu_battery"))
+
+SECTIONS = {  # name -> (module, seconds allowed in GPU mode); the memory plan first, it matters most
+    "memory": ("memory", 240),
+    "update": ("update", 200),
+    "loop_bf16": ("loop_bf16", 240),
+}
+
+
+def software() -> dict[str, str | None]:
+    import importlib.metadata as metadata
+
+    import torch
+
+    versions: dict[str, str | None] = {"python": sys.version.split()[0], "torch_cuda": torch.version.cuda}
+    for name in ("torch", "transformers", "trl", "peft", "accelerate", "datasets"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def commit() -> str:
+    if os.environ.get("LOOP_COMMIT"):
+        return os.environ["LOOP_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_section(name: str, mode: str, out: Path) -> None:
+    """In the child process: one section, its result as JSON."""
+    import importlib
+
+    module = importlib.import_module(SECTIONS[name][0])
+    out.write_text(json.dumps(module.run(mode), indent=2, default=str))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("GPU_CHECK_OUT") or "gpu-check-out"))
+    parser.add_argument("--mode", choices=["auto", "gpu", "quick", "cpu"], default="auto",
+                        help="auto: gpu where CUDA is available, else cpu; quick: one shape per section on a GPU")
+    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    parser.add_argument("--_section", nargs=3, help=argparse.SUPPRESS)
+    options = parser.parse_args(argv)
+    if options._section:
+        name, mode, out = options._section
+        run_section(name, mode, Path(out))
+        return 0
+
+    import torch
+
+    from report import write_summary
+
+    cuda = torch.cuda.is_available()
+    mode = options.mode if options.mode != "auto" else ("gpu" if cuda else "cpu")
+    if mode != "cpu" and not cuda:
+        parser.error(f"--mode {mode} needs a CUDA device; none is visible")
+    device = torch.cuda.get_device_name(0) if cuda and mode != "cpu" else None
+    if mode == "cpu":
+        print("gpu-check: CPU MODE (no CUDA device): tiny shapes on the CPU check that the battery's code runs; "
+              "these numbers are NOT a GPU result", flush=True)
+    else:
+        print(f"gpu-check: {mode.upper()} mode on {device}", flush=True)
+    options.out.mkdir(parents=True, exist_ok=True)
+    results = {"mode": mode, "device": device or "cpu", "gpu_result": mode != "cpu",
+               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               "commit": commit(), "software": software(), "sections": {},
+               "generation_backend": "transformers (vLLM's CUDA wheel, over 300 MB, cannot be carried to the GPU "
+                                     "machine: generation runs on the transformers backend)"}
+    failures = 0
+    for name in options.sections:
+        started = time.perf_counter()
+        section_out = options.out / f".{name}.json"
+        section_out.unlink(missing_ok=True)
+        limit = SECTIONS[name][1] * (1 if mode != "cpu" else 2)
+        print(f"--- {name} (at most {limit} s)", flush=True)
+        command = [sys.executable, str(Path(__file__).resolve()), "--_section", name, mode, str(section_out)]
+        record: dict = {}
+        try:
+            done = subprocess.run(command, timeout=limit, capture_output=True, text=True,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
+            (options.out / f"{name}.log").write_text(done.stdout + done.stderr)
+            if done.returncode == 0:
+                record = {"status": "ok", "result": json.loads(section_out.read_text())}
+            else:
+                record = {"status": "failed", "error": (done.stdout[-1500:] + done.stderr[-3000:]).strip()}
+        except subprocess.TimeoutExpired as error:
+            text = (error.stdout or b"").decode() if isinstance(error.stdout, bytes) else (error.stdout or "")
+            record = {"status": "timeout", "error": f"over {limit} s; last output:\n{text[-2000:]}"}
+        except Exception:  # noqa: BLE001 - the battery reports a broken section and goes on
+            record = {"status": "failed", "error": traceback.format_exc()}
+        record["seconds"] = time.perf_counter() - started
+        failures += record["status"] != "ok"
+        results["sections"][name] = record
+        print(f"--- {name}: {record['status']} in {record['seconds']:.0f} s"
+              + ("" if record["status"] == "ok" else f"\n{record['error'][-3000:]}"), flush=True)
+        (options.out / "gpu-check.json").write_text(json.dumps(results, indent=2, default=str))
+        write_summary(results, options.out / "gpu-check.md")
+        section_out.unlink(missing_ok=True)
+    print((options.out / "gpu-check.md").read_text())
+    print(f"wrote {options.out / 'gpu-check.json'} and {options.out / 'gpu-check.md'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
