@@ -50,6 +50,15 @@ def software() -> dict[str, str | None]:
     return versions
 
 
+def host() -> dict[str, object]:
+    model = None
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), None)
+    except OSError:
+        pass
+    return {"cpus": os.cpu_count(), "cpu_model": model}
+
+
 def commit() -> str:
     if os.environ.get("LOOP_COMMIT"):
         return os.environ["LOOP_COMMIT"]
@@ -98,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     options.out.mkdir(parents=True, exist_ok=True)
     results = {"mode": mode, "device": device or "cpu", "gpu_result": mode != "cpu",
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               "commit": commit(), "software": software(), "sections": {},
+               "commit": commit(), "software": software(), "host": host(), "sections": {},
                "generation_backend": "transformers (vLLM's CUDA wheel, over 300 MB, cannot be carried to the GPU "
                                      "machine: generation runs on the transformers backend)"}
     failures = 0

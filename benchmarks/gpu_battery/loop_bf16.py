@@ -108,6 +108,9 @@ def run_generation(trainer: Any, concurrency: list[int], turns: int, new_tokens:
                      "sampled_tokens_per_s": stats["sampled_tokens"] / seconds,
                      "mean_batch": backend.num_sequences / max(1, backend.num_batches),
                      "hf_generate_tokens_per_s": hf_generate_rate(trainer.model, tokenizer, first_prompts, new_tokens)})
+        with trainer.model.disable_adapter():  # the same without PEFT's LoRA wrappers: what they cost per step
+            rows[-1]["hf_generate_no_adapter_tokens_per_s"] = hf_generate_rate(trainer.model, tokenizer, first_prompts,
+                                                                               new_tokens)
         print(f"generation: {rows[-1]}", flush=True)
     return rows
 

@@ -39,10 +39,11 @@ def loop_bf16(result: dict) -> list[str]:
     lines += [f"## Generation ({generation['shape']}, {generation['backend']} backend, {generation['turns']} turns x "
               f"{generation['new_tokens_per_turn']} new tokens)", ""]
     rows = [[r["concurrency"], r["episodes"], _f(r["sampled_tokens"], 0), _f(r["seconds"], 1),
-             _f(r["sampled_tokens_per_s"], 0), _f(r["mean_batch"], 1), _f(r.get("hf_generate_tokens_per_s"), 0)]
-            for r in generation["rows"]]
+             _f(r["sampled_tokens_per_s"], 0), _f(r["mean_batch"], 1), _f(r.get("hf_generate_tokens_per_s"), 0),
+             _f(r.get("hf_generate_no_adapter_tokens_per_s"), 0)] for r in generation["rows"]]
     return lines + _table(["concurrent episodes", "episodes", "sampled tokens", "seconds", "sampled tokens/s",
-                           "mean batch", "model.generate tokens/s (1 turn, same batch)"], rows)
+                           "mean batch", "model.generate tokens/s (1 turn, same batch)",
+                           "model.generate, adapter disabled"], rows)
 
 
 def memory(result: dict) -> list[str]:
@@ -93,6 +94,7 @@ def write_summary(results: dict, path: Path) -> None:
         lines = [f"# gpu-check on {results['device']} ({results['mode']} mode)", ""]
     software = results["software"]
     lines += [f"{results['date']}, commit {results['commit']}; " + ", ".join(f"{k} {v}" for k, v in software.items()), "",
+              f"Host: {results.get('host', {}).get('cpus')} CPUs ({results.get('host', {}).get('cpu_model')}).", "",
               f"Generation backend: {results['generation_backend']}.", ""]
     for name, record in results["sections"].items():
         lines += RENDER[name](record["result"]) if record["status"] == "ok" else _failed(name, record)
