@@ -1,31 +1,28 @@
 """Generation backends: token ids in, sampled token ids and their log-probs out.
 
 The rollout engine awaits ``backend.generate(prompt_ids, max_new_tokens)`` once per turn of each
-episode. A backend batches whatever requests are waiting (continuous batching across episodes):
-an episode whose environment step has returned joins the next batch without waiting for the
-others, so no episode waits for the slowest one each turn.
+episode. A backend batches requests across episodes as they come (continuous batching): an episode
+whose environment step has returned joins the running batch at its next decode step, without
+waiting for the others or for the batch to end, so no episode waits for the slowest one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
+from .continuous_batch import DecodeBatch, PrefixCache, Request, weights_version
+from .records import Completion
 
-@dataclass(frozen=True)
-class Completion:
-    token_ids: list[int]
-    """Sampled ids, ending with the stop token if one was sampled."""
-    logprobs: list[float]
-    """Log-prob of each sampled id under the sampling distribution (temperature applied)."""
-    stopped: bool
-    """True if the reply ended with a stop token, False if it hit ``max_new_tokens``."""
+__all__ = ["Completion", "GenerationBackend", "TemperatureView", "TransformersBackend"]
 
 
 @runtime_checkable
@@ -48,22 +45,41 @@ class TemperatureView:
         return await self.backend._submit(prompt_ids, max_new_tokens, seed, self.temperature)
 
 
-@dataclass
-class _Request:
-    prompt_ids: list[int]
-    max_new_tokens: int
-    seed: int | None
-    future: asyncio.Future[Completion]
+def _deliver_to(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Completion]) -> Callable[[Any], None]:
+    def deliver(result: Completion | BaseException) -> None:
+        def settle() -> None:
+            if future.done():
+                return
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop has closed: nobody waits for this reply
+            pass
+
+    return deliver
 
 
 class TransformersBackend:
-    """Samples with the training model itself (no second copy), batching waiting requests.
+    """Samples with the training model itself (no second copy), batching requests continuously.
 
     Sampling is temperature-only (no top-k/top-p, no repetition penalty): LOOP's importance ratio
     assumes the trainer and the sampler define the same distribution, so the model's
     ``generation_config`` defaults must not leak in. The decode loop is our own rather than
     ``model.generate`` so that log-probs are gathered step by step (never ``[steps x vocab]``
-    logits per sequence) and each request stops at its own limit.
+    logits per sequence), each request stops at its own limit and leaves the batch at once, and a
+    request that arrives while a batch is decoding joins it at the next step: its prompt is
+    prefilled and its KV cache merged into the batch's (left-padded), so the batch stays full
+    while episodes come back from their environments at different times.
+
+    Every row samples from its own ``torch.Generator`` (seeded with the request's seed, or from
+    torch's global RNG without one), so a seeded reply does not depend on what it is batched with.
+    On a CPU the rows' draws run on ``torch.get_num_threads()`` threads: drawing one token from a
+    151k vocabulary costs as much as the rest of a small model's decode step, and the generator's
+    exponential draws use one core.
     """
 
     def __init__(
@@ -82,132 +98,117 @@ class TransformersBackend:
         self.pad_token_id = pad_token_id
         self.temperature = temperature
         self.max_batch_size = max_batch_size
-        self._pending: list[_Request] = []
+        self._pending: list[Request] = []
+        self._pending_lock = threading.Lock()
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one decode loop at a time
         self.num_batches = 0
+        """Prefills: groups of requests that joined the decode loop together."""
         self.num_sequences = 0
+        self.num_steps = 0
+        """Decode steps (a step feeds every running row one token, and prefills the rows joining)."""
+        self.num_step_rows = 0
+        """Rows summed over decode steps: ``num_step_rows / num_steps`` is the mean batch."""
+        self.max_running = 0
+        self.num_reused_tokens = 0
+        """Prompt tokens not prefilled again: their KV cache was kept from the episode's previous turn."""
+        self.busy_seconds = 0.0
+        """Wall seconds the decode loop ran."""
 
     async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         loop = asyncio.get_running_loop()
         if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
-            self._pending = []
             self._wakeup = asyncio.Event()
-            self._worker = loop.create_task(self._serve(), name="transformers-backend")
-        request = _Request(list(prompt_ids), max_new_tokens, seed, loop.create_future())
-        self._pending.append(request)
+            # Cached prefixes live as long as this event loop (one collection): the weights may change after it.
+            prefixes = PrefixCache(self.max_batch_size, weights_version(self.model))
+            self._worker = loop.create_task(self._serve(prefixes), name="transformers-backend")
+        future: asyncio.Future[Completion] = loop.create_future()
+        with self._pending_lock:
+            self._pending.append(Request(list(prompt_ids), max_new_tokens, seed, _deliver_to(loop, future),
+                                         lambda: future.done() or loop.is_closed()))
+        assert self._wakeup is not None
         self._wakeup.set()
-        return await request.future
+        return await future
 
-    async def _serve(self) -> None:
+    def _take(self, most: int) -> list[Request]:
+        """Up to ``most`` waiting requests, oldest first (the decode thread calls this every step)."""
+        with self._pending_lock:
+            live = [r for r in self._pending if not r.abandoned()]
+            taken, self._pending = live[:most], live[most:]
+        return taken
+
+    async def _serve(self, prefixes: PrefixCache) -> None:
         assert self._wakeup is not None
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            # Let every episode that is ready this instant enqueue before the batch is cut.
+            # Let every episode that is ready this instant enqueue before the first prefill.
             await asyncio.sleep(0)
-            while self._pending:
-                live = [r for r in self._pending if not r.future.done()]
-                batch, self._pending = live[: self.max_batch_size], live[self.max_batch_size :]
-                if not batch:
-                    continue
-                try:
-                    results = await asyncio.to_thread(self.sample, [r.prompt_ids for r in batch],
-                                                      [r.max_new_tokens for r in batch], [r.seed for r in batch])
-                except Exception as error:  # noqa: BLE001 - surfaced to each waiting episode
-                    for request in batch:
-                        if not request.future.done():
-                            request.future.set_exception(error)
-                    continue
-                for request, result in zip(batch, results, strict=True):
-                    if not request.future.done():
-                        request.future.set_result(result)
+            with self._pending_lock:
+                waiting = bool(self._pending)
+            if not waiting:
+                continue
+            try:
+                await asyncio.to_thread(self._decode, self._take, prefixes)
+            except Exception as error:  # noqa: BLE001 - not one step's failure (those reach their rows)
+                for request in self._take(len(self._pending)):
+                    request.deliver(error)
 
-    @torch.no_grad()
     def sample(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
                seeds: Sequence[int | None] | None = None) -> list[Completion]:
         """Sample a batch synchronously (left-padded prompts, KV cache, per-request limits). A row
         with a seed draws from its own generator, so its reply does not depend on its batch."""
+        if any(limit < 1 for limit in max_new_tokens):
+            raise ValueError("max_new_tokens must be >= 1")
+        results: list[Completion | BaseException | None] = [None] * len(prompts)
+
+        def deliver_to(index: int) -> Callable[[Completion | BaseException], None]:
+            return lambda result: results.__setitem__(index, result)
+
+        queue = [Request(list(prompt), limit, seed, deliver_to(index)) for index, (prompt, limit, seed)
+                 in enumerate(zip(prompts, max_new_tokens, seeds or [None] * len(prompts), strict=True))]
+
+        def take(most: int) -> list[Request]:
+            taken, queue[:] = queue[:most], queue[most:]
+            return taken
+
+        self._decode(take)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def _decode(self, take: Callable[[int], list[Request]], prefixes: PrefixCache | None = None) -> None:
+        """Decode until no row is running and ``take`` has nothing more; before every step, up to
+        ``max_batch_size`` running rows are topped up with ``take``. Finished rows leave their KV
+        cache in ``prefixes`` for their episode's next turn."""
         with self._lock:
-            return self._sample(prompts, max_new_tokens, seeds or [None] * len(prompts))
-
-    def _sample(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
-                seeds: Sequence[int | None]) -> list[Completion]:
-        model = self.model
-        was_training = model.training
-        model.eval()
-        try:
+            model = self.model
+            if prefixes is not None and prefixes.weights_version != (version := weights_version(model)):
+                prefixes.clear(version)  # computed with other weights
+            was_training = model.training
+            model.eval()
+            started = time.perf_counter()
             device = next(model.parameters()).device
-            batch = len(prompts)
-            width = max(len(p) for p in prompts)
-            input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-            attention_mask = torch.zeros((batch, width), dtype=torch.long)
-            for row, prompt in enumerate(prompts):
-                input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-                attention_mask[row, width - len(prompt) :] = 1
-            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-            limits = torch.tensor(list(max_new_tokens), device=device)
-            stop_ids = self.stop_token_ids.to(device)
-            generators = [None if seed is None else torch.Generator(device).manual_seed(seed) for seed in seeds]
-
-            cache = DynamicCache()
-            tokens: list[torch.Tensor] = []
-            logprobs: list[torch.Tensor] = []
-            finished = torch.zeros(batch, dtype=torch.bool, device=device)
-            stopped = torch.zeros(batch, dtype=torch.bool, device=device)
-            step_input, step_positions = input_ids, position_ids
-            for step in range(int(limits.max())):
-                out = model(
-                    input_ids=step_input,
-                    attention_mask=attention_mask,
-                    position_ids=step_positions,
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                step_logprobs = torch.log_softmax(out.logits[:, -1, :].float() / (self.temperature or 1.0), dim=-1)
-                if self.temperature == 0:  # greedy, for evaluation; log-probs are then at temperature 1
-                    token = step_logprobs.argmax(dim=-1)
-                elif any(g is not None for g in generators):
-                    probs = step_logprobs.exp()
-                    token = torch.cat([torch.multinomial(probs[row], 1, generator=g) for row, g in enumerate(generators)])
-                else:
-                    token = torch.multinomial(step_logprobs.exp(), 1).squeeze(1)
-                token = torch.where(finished, self.pad_token_id, token)
-                tokens.append(token)
-                logprobs.append(step_logprobs.gather(1, token[:, None]).squeeze(1))
-                is_stop = torch.isin(token, stop_ids) & ~finished
-                stopped |= is_stop
-                finished |= is_stop | (step + 1 >= limits)
-                if bool(finished.all()):
-                    break
-                step_input = token[:, None]
-                step_positions = step_positions[:, -1:] + 1
-                attention_mask = torch.cat([attention_mask, attention_mask.new_ones((batch, 1))], dim=1)
-            sampled = torch.stack(tokens, dim=1).cpu()
-            sampled_logprobs = torch.stack(logprobs, dim=1).cpu()
-            self.num_batches += 1
-            self.num_sequences += batch
-            stop_set = set(self.stop_token_ids.tolist())
-            results = []
-            for row in range(batch):
-                length = int(limits[row])
-                ids = sampled[row, :length].tolist()
-                for position, token in enumerate(ids):
-                    if token in stop_set:
-                        length = position + 1
-                        break
-                results.append(
-                    Completion(
-                        token_ids=ids[:length],
-                        logprobs=sampled_logprobs[row, :length].tolist(),
-                        stopped=bool(stopped[row]),
-                    )
-                )
-            return results
-        finally:
-            model.train(was_training)
+            threads = torch.get_num_threads() if device.type == "cpu" else 1
+            try:
+                with (ThreadPoolExecutor(threads, thread_name_prefix="transformers-sampler") if threads > 1
+                      else nullcontext()) as pool:
+                    batch = DecodeBatch(self, device, pool, prefixes)
+                    while True:
+                        joining = take(self.max_batch_size - len(batch.rows)) if batch.can_join() else []
+                        if not batch.rows and not joining:
+                            return
+                        try:
+                            batch.step(joining)
+                        except Exception as error:  # noqa: BLE001 - surfaced to each waiting episode
+                            for request in {id(r): r for r in [*(row.request for row in batch.rows), *joining]}.values():
+                                request.deliver(error)
+                            batch = DecodeBatch(self, device, pool, prefixes)
+            finally:
+                self.busy_seconds += time.perf_counter() - started
+                model.train(was_training)

@@ -1,4 +1,4 @@
-"""What the rollout engine takes and returns: episode limits, the batch of an iteration's
+"""What the rollout engine takes and returns: a backend's completion, episode limits, the batch of an iteration's
 trajectories (with its summary statistics), seeds, and the engine's errors."""
 
 from __future__ import annotations
@@ -8,6 +8,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..trajectory import Trajectory
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    """Sampled ids, ending with the stop token if one was sampled."""
+    logprobs: list[float]
+    """Log-prob of each sampled id under the sampling distribution (temperature applied)."""
+    stopped: bool
+    """True if the reply ended with a stop token, False if it hit ``max_new_tokens``."""
 
 
 class RolloutFailureBudgetExceeded(RuntimeError):

@@ -1,0 +1,302 @@
+"""The decode loop's state for :class:`~loop_trainer.rollout.backend.TransformersBackend`: the rows
+being decoded with their KV cache (rows join and leave between decode steps), and the KV cache of
+finished replies kept for their episode's next turn.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .records import Completion
+
+if TYPE_CHECKING:  # the backend owns the batch; the batch only reads its settings and counts
+    from .backend import TransformersBackend
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    seed: int | None
+    deliver: Callable[[Completion | BaseException], None]
+    """Hands the reply (or the error) to whoever waits for it; called from the decode thread."""
+    abandoned: Callable[[], bool] = lambda: False
+    """True once nobody waits for the reply any more (the episode was cancelled)."""
+
+
+@dataclass
+class Row:
+    """A request being decoded: its sampler and its reply so far."""
+
+    request: Request
+    generator: torch.Generator | None
+    cache_length: int
+    """Tokens of this row in the KV cache; also the position id of the next token it feeds."""
+    next_token: int = -1
+    """The last token sampled: fed at the next step."""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    done: bool = False
+
+
+class PrefixCache:
+    """The KV cache of replies that have finished, kept for the episode's next turn: its prompt
+    starts with this turn's prompt and reply (append-only), so only the new tokens need a prefill.
+
+    An entry is keyed by the tokens it holds (the prompt and the reply but its last token, which was
+    never fed), is used once, and the oldest entries go beyond ``capacity``. The entries are only
+    valid for the weights they were computed with: the backend keeps them for one event loop (one
+    ``RolloutEngine.collect``) and drops them as soon as any parameter is modified in place.
+    """
+
+    def __init__(self, capacity: int, weights_version: int):
+        self.capacity = capacity
+        self.clear(weights_version)
+
+    def clear(self, weights_version: int) -> None:
+        self.weights_version = weights_version
+        self.entries: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self.lengths: Counter[int] = Counter()
+
+    def put(self, tokens: tuple[int, ...], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if tokens in self.entries:
+            return
+        self.entries[tokens] = layers
+        self.lengths[len(tokens)] += 1
+        while len(self.entries) > self.capacity:
+            self._drop(next(iter(self.entries)))
+
+    def pop(self, prompt: list[int]) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """The longest entry that ``prompt`` extends by at least one token, removed."""
+        for length in sorted(self.lengths, reverse=True):
+            if length < len(prompt) and (key := tuple(prompt[:length])) in self.entries:
+                return length, self._drop(key)
+        return None
+
+    def _drop(self, key: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self.lengths[len(key)] -= 1
+        if not self.lengths[len(key)]:
+            del self.lengths[len(key)]
+        return self.entries.pop(key)
+
+
+class DecodeBatch:
+    """The rows being decoded and their KV cache, one column per position: ``mask[r]`` marks row
+    r's ``rows[r].cache_length`` tokens (left padding, and holes where a cached prefix and its new
+    tokens were padded separately, are zeros)."""
+
+    def __init__(self, backend: TransformersBackend, device: torch.device, pool: ThreadPoolExecutor | None,
+                 prefixes: PrefixCache | None):
+        self.backend, self.device, self.pool, self.prefixes = backend, device, pool, prefixes
+        self.rows: list[Row] = []
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None
+        self.stop_ids = set(backend.stop_token_ids.tolist())
+        # Rows can join a running batch, and leave it, only if its cache is plain [batch, heads,
+        # length, dim] key/value tensors; otherwise a batch runs until all its rows are done.
+        self.mergeable = True
+
+    def can_join(self) -> bool:
+        return self.mergeable or not self.rows
+
+    def step(self, joining: list[Request]) -> None:
+        backend, model, device = self.backend, self.backend.model, self.device
+        logits, rows = [], []
+        if self.rows:  # every running row feeds its last sampled token
+            assert self.mask is not None
+            self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
+            out = model(
+                input_ids=torch.tensor([[row.next_token] for row in self.rows], device=device),
+                attention_mask=self.mask,
+                position_ids=torch.tensor([[row.cache_length] for row in self.rows], device=device),
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits.append(out.logits[:, -1, :])
+            for row in self.rows:
+                row.cache_length += 1
+        # The joining rows: a prefill of their prompts, or of what a prompt adds to a cached prefix
+        # (computed with these weights: they may have changed since the decode loop started).
+        if joining and self.prefixes is not None and self.prefixes.weights_version != (version := weights_version(model)):
+            self.prefixes.clear(version)
+        cached = [] if self.prefixes is None or not self.mergeable else [(r, self.prefixes.pop(r.prompt_ids))
+                                                                       for r in joining]
+        groups = [[r for r, hit in cached if hit is None] if cached else joining, [(r, hit) for r, hit in cached if hit]]
+        for index, group in enumerate(groups):
+            if not group:
+                continue
+            if index == 0:
+                cache, mask, positions, input_ids = DynamicCache(), *self._prompts(group)
+            else:
+                cache, mask, positions, input_ids = self._extensions(group)
+                backend.num_reused_tokens += sum(length for _, (length, _) in group)
+                group = [r for r, _ in group]
+            out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
+            logits.append(out.logits[:, -1, :])
+            self._merge(cache, mask)
+            greedy = backend.temperature == 0
+            rows += [Row(request, None if greedy else _generator(request.seed, device), len(request.prompt_ids))
+                     for request in group]
+            backend.num_batches += 1
+            backend.num_sequences += len(group)
+        self.rows += rows
+        backend.num_steps += 1
+        backend.num_step_rows += len(self.rows)
+        backend.max_running = max(backend.max_running, len(self.rows))
+        self._sample(torch.cat(logits) if len(logits) > 1 else logits[0])
+
+    def _prompts(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention mask, position ids and input ids of whole prompts, left-padded."""
+        width = max(len(r.prompt_ids) for r in requests)
+        input_ids = torch.full((len(requests), width), self.backend.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for index, request in enumerate(requests):
+            input_ids[index, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids, dtype=torch.long)
+            mask[index, width - len(request.prompt_ids) :] = 1
+        mask = mask.to(self.device)
+        return mask, (mask.cumsum(-1) - 1).clamp(min=0), input_ids.to(self.device)
+
+    def _extensions(self, hits: list[tuple[Request, Any]]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor]:
+        """A cache of the cached prefixes (left-padded) and the mask, position ids and input ids of
+        what each prompt adds to its prefix (left-padded after the prefixes)."""
+        past = max(length for _, (length, _) in hits)
+        width = max(len(r.prompt_ids) - length for r, (length, _) in hits)
+        input_ids = torch.full((len(hits), width), self.backend.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(hits), past + width), dtype=torch.long)
+        positions = torch.zeros((len(hits), width), dtype=torch.long)
+        for index, (request, (length, _)) in enumerate(hits):
+            new = len(request.prompt_ids) - length
+            input_ids[index, width - new :] = torch.tensor(request.prompt_ids[length:], dtype=torch.long)
+            mask[index, past - length : past] = 1
+            mask[index, past + width - new :] = 1
+            positions[index, width - new :] = torch.arange(length, length + new)
+        cache = DynamicCache()
+        for layer in range(len(hits[0][1][1])):
+            cache.update(*(torch.stack([_left_pad(states[layer][kv], past - length) for _, (length, states) in hits])
+                           for kv in (0, 1)), layer)
+        return cache, mask.to(self.device), positions.to(self.device), input_ids.to(self.device)
+
+    def _sample(self, logits: torch.Tensor) -> None:
+        temperature = self.backend.temperature
+        logits = logits.float()
+        if temperature not in (0.0, 1.0):
+            logits = logits / temperature
+        step_logprobs = torch.log_softmax(logits, dim=-1)
+        if temperature == 0:  # greedy, for evaluation; log-probs are then at temperature 1
+            tokens = step_logprobs.argmax(dim=-1)
+        else:
+            probs = step_logprobs.exp()
+            # Threads pay off only on a large vocabulary (the draws' cost grows with rows x vocab).
+            tokens = _draw(probs, [row.generator for row in self.rows], self.pool if probs.numel() >= 1 << 18 else None)
+        chosen = step_logprobs.gather(1, tokens[:, None]).squeeze(1)
+        keep = []
+        for index, (row, token, logprob) in enumerate(zip(self.rows, tokens.tolist(), chosen.tolist(), strict=True)):
+            row.next_token = token
+            if row.done:  # a finished row of a batch that cannot shrink: its samples are dropped
+                keep.append(index)
+                continue
+            row.token_ids.append(token)
+            row.logprobs.append(logprob)
+            stopped = token in self.stop_ids
+            if stopped or len(row.token_ids) >= row.request.max_new_tokens or row.request.abandoned():
+                row.done = True
+                if not row.request.abandoned():
+                    if self.prefixes is not None and self.mergeable:
+                        self._keep_prefix(index, row)
+                    row.request.deliver(Completion(token_ids=row.token_ids, logprobs=row.logprobs, stopped=stopped))
+            if not row.done or not self.mergeable:
+                keep.append(index)
+        if all(self.rows[index].done for index in keep):
+            keep = []
+        if len(keep) < len(self.rows):
+            self._select(keep)
+
+    def _keep_prefix(self, index: int, row: Row) -> None:
+        """Hand row ``index``'s KV cache (its prompt and its reply but the last token) to the
+        prefix cache."""
+        assert self.cache is not None and self.mask is not None and self.prefixes is not None
+        columns = self.mask[index].nonzero().squeeze(1)
+        layers = [(layer.keys[index].index_select(1, columns), layer.values[index].index_select(1, columns))
+                  for layer in self.cache.layers]
+        self.prefixes.put((*row.request.prompt_ids, *row.token_ids[:-1]), layers)
+
+    def _merge(self, cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Add the joining rows' cache (and attention mask) under the running rows', left-padding
+        whichever is shorter."""
+        if self.cache is None:
+            self.cache, self.mask = cache, mask
+            self.mergeable = all(type(layer) is DynamicLayer and (not layer.is_initialized or layer.keys.dim() == 4)
+                                 for layer in cache.layers)
+            if not all(layer.is_initialized for layer in cache.layers):  # layers sharing another's cache
+                self.prefixes = None
+            return
+        assert self.mask is not None
+        old, new = self.mask.shape[1], mask.shape[1]
+        width = max(old, new)
+        for running, joining in zip(self.cache.layers, cache.layers, strict=True):
+            if running.is_initialized:
+                running.keys = torch.cat([_left_pad(running.keys, width - old), _left_pad(joining.keys, width - new)])
+                running.values = torch.cat([_left_pad(running.values, width - old),
+                                            _left_pad(joining.values, width - new)])
+        self.mask = torch.cat([F.pad(self.mask, (width - old, 0)), F.pad(mask, (width - new, 0))])
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep only the rows ``keep`` (the others are done), and drop the columns no row uses."""
+        self.rows = [self.rows[index] for index in keep]
+        if not self.rows:
+            self.cache, self.mask = None, None
+            return
+        assert self.cache is not None and self.mask is not None
+        index = torch.tensor(keep, device=self.device)
+        self.mask = self.mask[index]
+        unused = int(self.mask.any(0).int().argmax())  # leading columns no row uses
+        self.mask = self.mask[:, unused:]
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.keys = layer.keys[index, :, unused:]
+                layer.values = layer.values[index, :, unused:]
+
+
+def _left_pad(states: torch.Tensor, columns: int) -> torch.Tensor:
+    """Key or value states (``[..., length, dim]``) with ``columns`` zero positions in front."""
+    return F.pad(states, (0, 0, columns, 0)) if columns else states
+
+
+def weights_version(model: torch.nn.Module) -> int:
+    """Changes whenever a parameter is modified in place (an optimizer step, a loaded state dict)."""
+    return sum(parameter._version for parameter in model.parameters())
+
+
+def _generator(seed: int | None, device: torch.device) -> torch.Generator:
+    if seed is None:  # unseeded: a fresh seed from torch's global RNG (torch.manual_seed still repeats runs)
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    return torch.Generator(device).manual_seed(seed)
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None],
+          pool: ThreadPoolExecutor | None) -> torch.Tensor:
+    """One token per row, row r drawn with ``generators[r]``: ``torch.multinomial`` per row, the
+    rows split over ``pool``'s threads (the same draws, in the same order per generator)."""
+
+    def rows(indices: range) -> list[torch.Tensor]:
+        return [torch.multinomial(probs[r], 1, generator=generators[r]) for r in indices]
+
+    count = len(generators)
+    if pool is None or count < 2:
+        return torch.cat(rows(range(count)))
+    parts = pool._max_workers
+    bounds = [count * part // parts for part in range(parts + 1)]
+    return torch.cat([token for chunk in pool.map(rows, [range(a, b) for a, b in zip(bounds, bounds[1:])])
+                      for token in chunk])
