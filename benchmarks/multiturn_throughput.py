@@ -8,8 +8,10 @@ replies (``turns - 1`` steps). Every step sleeps a latency drawn from a lognorma
 so both sides sleep exactly the same draws, and returns the same short observation.
 
 * OURS: ``loop_trainer.rollout.RolloutEngine`` with ``TransformersBackend``. Every episode is an
-  asyncio task, the sync environment step runs in the engine's thread pool, and the backend samples
-  whatever requests are waiting as one batch (no per-turn barrier). Stop tokens are disabled
+  asyncio task, the sync environment step runs in the engine's thread pool, and the backend decodes
+  continuously: a turn joins the running batch at its next decode step (no per-turn barrier), reusing
+  the KV cache of the episode's previous turn. "generation s" is the time its decode loop ran, and
+  "mean batch" the mean number of rows in a decode step. Stop tokens are disabled
   (``stop_token_ids=[]``) so every reply is ``--new-tokens`` long.
 * TRL: TRL 1.16's own code. A ``GRPOTrainer`` is built with ``environment_factory`` (one environment
   instance per rollout, its ``step`` method exposed as a tool) and
@@ -49,7 +51,11 @@ temporary directory that both engines load, in this process (``VLLM_ENABLE_V1_MU
   our "mean batch" is the mean number of requests in an engine step.
 
 Episodes/s = completed episodes / wall seconds of the collection. Each (concurrency, side) runs
-``--repeats`` times, alternating which side goes first; the table reports medians.
+``--repeats`` times, alternating which side goes first; the table reports medians. Every row also
+gets its lower bound (``benchmarks/multiturn_bound.py``): max(the same episodes with no latency, all N
+in one batch every turn, with the faster decoder; the slowest episode's own latencies + its replies
+alone), and both sides' wall seconds / bound. A measurement during which other processes took the CPU
+(``--max-other-cpu``) is run again once they are quiet.
 
     OMP_NUM_THREADS=2 python benchmarks/multiturn_throughput.py --out benchmarks/results/multiturn-cpu.json
     .vllm-venv/bin/python benchmarks/multiturn_throughput.py --backend vllm --out benchmarks/results/multiturn-vllm-cpu.json
@@ -76,6 +82,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+from multiturn_bound import Alone, attach_bounds, busy_cpu_seconds, wait_for_load  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 for path in (ROOT / "src", ROOT / "tests"):  # the package, and the tests' support package (the tokenizer)
@@ -115,11 +123,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "which vLLM resolves to bfloat16 for this float32 checkpoint)")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0,
                         help="--backend vllm: VLLM_CPU_KVCACHE_SPACE per engine (default 2)")
+    parser.add_argument("--bound-repeats", type=int, default=2,
+                        help="lock-step, zero-latency collections per N (between that N's runs) for the lower "
+                             "bound; the fastest counts (default 2; 0 skips the bound; see multiturn_bound.py)")
     parser.add_argument("--no-decode-check", action="store_true",
                         help="skip timing one batch of N replies with each side's decode loop alone")
     parser.add_argument("--max-load", type=float, default=None,
                         help="wait until the 1-minute load average is below this before measuring")
     parser.add_argument("--max-wait", type=float, default=900.0, help="give up waiting for --max-load after this, s")
+    parser.add_argument("--max-other-cpu", type=float, default=0.05,
+                        help="a measurement during which other processes took more CPU s per s than this is run "
+                             "again after waiting for --max-load (default 0.05)")
+    parser.add_argument("--retries", type=int, default=3, help="at most this many re-runs per measurement")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "multiturn.json")
     return parser.parse_args(argv)
 
@@ -245,31 +260,11 @@ class Ours:
         # The same tool schema in the system prompt as TRL renders, so both prompts are alike.
         self.formatter = ChatFormatter(tokenizer, chat_template_kwargs={"tools": [TrlStepEnv().step]})
 
-    def run(self, world: LatencyWorld, n: int) -> dict[str, Any]:
-        from loop_trainer.rollout import (
-            EpisodeLimits,
-            RolloutEngine,
-            TransformersBackend,
-        )
+    def _collect(self, world: LatencyWorld, n: int, backend: Any) -> dict[str, Any]:
+        """n episodes through ``RolloutEngine`` with ``backend``."""
+        from loop_trainer.rollout import EpisodeLimits, RolloutEngine
 
         args = self.args
-        if args.backend == "vllm":
-            return self._run_vllm(world, n)
-        backend = TransformersBackend(self.model, stop_token_ids=[], pad_token_id=self.tokenizer.pad_token_id,
-                                      temperature=1.0, max_batch_size=n)
-        batches: list[int] = []
-        gen_seconds = [0.0]
-        sample = backend.sample
-
-        def timed_sample(prompts: Any, max_new_tokens: Any, seeds: Any = None) -> Any:
-            started = time.perf_counter()
-            try:
-                return sample(prompts, max_new_tokens, seeds)
-            finally:
-                gen_seconds[0] += time.perf_counter() - started
-                batches.append(len(prompts))
-
-        backend.sample = timed_sample  # type: ignore[method-assign]
         limits = EpisodeLimits(max_turns=args.turns, max_new_tokens_per_turn=args.new_tokens,
                                max_trajectory_tokens=8000)
         engine = RolloutEngine(make_our_env(world, args.turns), backend, self.formatter, limits,
@@ -287,15 +282,40 @@ class Ours:
         sampled = [t.num_sampled_tokens for t in done]
         if any(t.num_turns != args.turns for t in done) or set(sampled) != {args.turns * args.new_tokens}:
             raise RuntimeError(f"ours: unexpected turns/tokens {[t.num_turns for t in done]} {sorted(set(sampled))}")
-        return {
-            "seconds": seconds, "episodes": len(done), "episodes_per_s": len(done) / seconds,
-            "sampled_tokens": sum(sampled), "generate_calls": len(batches),
-            "mean_batch_size": sum(batches) / len(batches), "batch_sizes": batches,
-            "generation_seconds": gen_seconds[0],
-            "prompt_tokens_mean": statistics.mean(t.prompt_length for t in done),
-            "final_tokens_mean": statistics.mean(len(t.token_ids) for t in done),
-        }
+        return {"seconds": seconds, "episodes": len(done), "episodes_per_s": len(done) / seconds,
+                "sampled_tokens": sum(sampled), "prompt_tokens_mean": statistics.mean(t.prompt_length for t in done),
+                "final_tokens_mean": statistics.mean(len(t.token_ids) for t in done)}
 
+    def _transformers_backend(self, n: int) -> Any:
+        from loop_trainer.rollout import TransformersBackend
+
+        return TransformersBackend(self.model, stop_token_ids=[], pad_token_id=self.tokenizer.pad_token_id,
+                                   temperature=1.0, max_batch_size=n)
+
+    def run(self, world: LatencyWorld, n: int) -> dict[str, Any]:
+        if self.args.backend == "vllm":
+            return self._run_vllm(world, n)
+        backend = self._transformers_backend(n)
+        result = self._collect(world, n, backend)
+        # The backend decodes continuously: a "batch" is the rows of one decode step (joining rows
+        # included), and generation seconds are the time its decode loop ran.
+        steps = backend.num_steps
+        return {**result, "generate_calls": backend.num_batches, "engine_steps": steps,
+                "mean_batch_size": backend.num_step_rows / steps if steps else 0.0,
+                "max_running": backend.max_running, "generation_seconds": backend.busy_seconds,
+                "reused_prompt_tokens": getattr(backend, "num_reused_tokens", 0)}
+
+    def lock_step(self, n: int) -> dict[str, Any]:
+        """The bound's generation term: the same n episodes with no environment latency, every turn
+        all n requests submitted at once to our backend, so they are decoded as one batch."""
+        from multiturn_bound import LockStepBackend
+
+        backend = self._vllm_backend() if self.args.backend == "vllm" else self._transformers_backend(n)
+        lock_step = LockStepBackend(backend.generate, n)
+        result = self._collect(LatencyWorld(self.args.seed, 0.0, 0.0, 0.0), n, lock_step)
+        if lock_step.batch_sizes != [n] * self.args.turns:
+            raise RuntimeError(f"lock step: batches {lock_step.batch_sizes}")
+        return {"seconds": result["seconds"], "generation_seconds": lock_step.generation_seconds}
 
     # --backend vllm: VLLMBackend on this side's own colocated engine (built by build_colocated_llm).
     def _vllm_backend(self) -> Any:
@@ -321,44 +341,18 @@ class Ours:
         return self._backend
 
     def _run_vllm(self, world: LatencyWorld, n: int) -> dict[str, Any]:
-        from loop_trainer.rollout import EpisodeLimits, RolloutEngine
-
-        args = self.args
         backend = self._vllm_backend()
         self._steps.update(seconds=0.0, steps=0, running=0)
         sequences_before = backend.num_sequences
         backend.max_running = 0
-        limits = EpisodeLimits(max_turns=args.turns, max_new_tokens_per_turn=args.new_tokens,
-                               max_trajectory_tokens=8000)
-        engine = RolloutEngine(make_our_env(world, args.turns), backend, self.formatter, limits,
-                               max_concurrent_episodes=n, show_progress=False)
-        tasks = [{"task_id": str(i), "episode": i} for i in range(n)]
-        try:
-            started = time.perf_counter()
-            batch = engine.collect(tasks, 1)
-            seconds = time.perf_counter() - started
-        finally:
-            engine.close()
-        done = batch.trajectories
-        if batch.failed or len(done) != n:
-            raise RuntimeError(f"ours: {len(batch.failed)} failed: {[t.error for t in batch.failed][:3]}")
-        sampled = [t.num_sampled_tokens for t in done]
-        if any(t.num_turns != args.turns for t in done) or set(sampled) != {args.turns * args.new_tokens}:
-            raise RuntimeError(f"ours: unexpected turns/tokens {[t.num_turns for t in done]} {sorted(set(sampled))}")
+        result = self._collect(world, n, backend)
         steps = self._steps["steps"]
-        return {
-            "seconds": seconds, "episodes": len(done), "episodes_per_s": len(done) / seconds,
-            "sampled_tokens": sum(sampled), "generate_calls": backend.num_sequences - sequences_before,
-            # Continuous batching has no generate calls: the batch is the requests running in each engine step.
-            "mean_batch_size": self._steps["running"] / steps if steps else 0.0, "engine_steps": steps,
-            "max_running": backend.max_running, "generation_seconds": self._steps["seconds"],
-            "prompt_tokens_mean": statistics.mean(t.prompt_length for t in done),
-            "final_tokens_mean": statistics.mean(len(t.token_ids) for t in done),
-        }
+        return {**result, "generate_calls": backend.num_sequences - sequences_before,
+                # Continuous batching has no generate calls: the batch is the requests running in each engine step.
+                "mean_batch_size": self._steps["running"] / steps if steps else 0.0, "engine_steps": steps,
+                "max_running": backend.max_running, "generation_seconds": self._steps["seconds"]}
 
     def decode_once(self, prompts: list[list[int]]) -> float:
-        from loop_trainer.rollout import TransformersBackend
-
         if self.args.backend == "vllm":
             import asyncio
 
@@ -372,8 +366,7 @@ class Ours:
             seconds = time.perf_counter() - started
             assert all(len(c.token_ids) == self.args.new_tokens for c in completions)
             return seconds
-        backend = TransformersBackend(self.model, stop_token_ids=[], pad_token_id=self.tokenizer.pad_token_id,
-                                      temperature=1.0, max_batch_size=len(prompts))
+        backend = self._transformers_backend(len(prompts))
         started = time.perf_counter()
         backend.sample(prompts, [self.args.new_tokens] * len(prompts))
         return time.perf_counter() - started
@@ -500,30 +493,6 @@ class Trl:
 
 
 # --- driver -------------------------------------------------------------------------------------
-def wait_for_load(max_load: float | None, max_wait: float) -> list[float]:
-    load = list(os.getloadavg())
-    if max_load is None:
-        return load
-    deadline = time.monotonic() + max_wait
-    while load[0] >= max_load:
-        if time.monotonic() > deadline:
-            raise SystemExit(f"load average {load[0]:.2f} stayed above {max_load} for {max_wait:.0f} s")
-        print(f"load average {load[0]:.2f} >= {max_load}; waiting", flush=True)
-        time.sleep(20)
-        load = list(os.getloadavg())
-    return load
-
-
-def busy_cpu_seconds() -> tuple[float, float]:
-    """(CPU seconds all processes spent busy since boot, CPU seconds of this process): their change
-    over the measurement shows how much CPU other processes took meanwhile."""
-    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    ticks = os.sysconf("SC_CLK_TCK")
-    busy = sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7)) / ticks  # user nice system irq softirq steal
-    own = os.times()
-    return busy, own.user + own.system
-
-
 def software() -> dict[str, Any]:
     import datasets
     import torch
@@ -601,24 +570,44 @@ def main(argv: list[str] | None = None) -> None:
     cpu_before = busy_cpu_seconds()
     started = time.perf_counter()
     runs: list[dict[str, Any]] = []
+    alone = Alone(args.max_other_cpu, args.retries, args.max_wait)  # re-runs what other processes disturbed
+
+    def run_once(name: str, n: int, repeat: int) -> dict[str, Any]:
+        world = LatencyWorld(args.seed * 1000 + repeat, args.median_latency, args.sigma, args.max_latency)
+        expected = [world.latency(e, s) for e in range(n) for s in range(args.turns - 1)]
+        result = sides[name].run(world, n)  # type: ignore[union-attr]
+        if sorted(world.slept) != sorted(expected):
+            raise RuntimeError(f"{name}: slept {len(world.slept)} draws, expected {len(expected)}")
+        per_episode = [sum(world.latency(e, s) for s in range(args.turns - 1)) for e in range(n)]
+        result.update(side=name, concurrency=n, repeat=repeat, env_sleep_total_s=sum(expected),
+                      env_sleep_max_episode_s=max(per_episode), load_after=list(os.getloadavg()))
+        return result
+
+    # The lower bound (multiturn_bound.py): our lock-step, zero-latency collections of n episodes,
+    # measured between the runs of that n (the machine's speed drifts), and of one episode alone.
+    lock_steps: dict[int, list[dict[str, float]]] = {}
+
+    def lock_step(n: int) -> None:
+        lock_steps.setdefault(n, []).append(alone(lambda: ours.lock_step(n), f"lock step n={n}"))  # type: ignore[union-attr]
+        print(f"lock step n={n:3}: {lock_steps[n][-1]['seconds']:.1f} s", flush=True)
+
+    bound_repeats = args.bound_repeats if ours is not None else 0
+    for _ in range(bound_repeats):
+        lock_step(1)
     for n in args.concurrency:
-        for repeat in range(args.repeats):
-            order = args.sides if repeat % 2 == 0 else list(reversed(args.sides))
-            for name in order:
-                world = LatencyWorld(args.seed * 1000 + repeat, args.median_latency, args.sigma, args.max_latency)
-                expected = [world.latency(e, s) for e in range(n) for s in range(args.turns - 1)]
-                result = sides[name].run(world, n)  # type: ignore[union-attr]
-                if sorted(world.slept) != sorted(expected):
-                    raise RuntimeError(f"{name}: slept {len(world.slept)} draws, expected {len(expected)}")
-                per_episode = [sum(world.latency(e, s) for s in range(args.turns - 1)) for e in range(n)]
-                result.update(side=name, concurrency=n, repeat=repeat, env_sleep_total_s=sum(expected),
-                              env_sleep_max_episode_s=max(per_episode), load_after=list(os.getloadavg()))
-                result.pop("batch_sizes") if name == "trl" else None
+        for repeat in range(max(args.repeats, bound_repeats)):
+            for name in (args.sides if repeat % 2 == 0 else list(reversed(args.sides))) if repeat < args.repeats else []:
+                result = alone(lambda: run_once(name, n, repeat), f"{name} n={n} repeat={repeat}")
+                result.pop("batch_sizes", None)
                 runs.append(result)
                 print(f"{name:4} n={n:3} repeat={repeat}: {result['episodes_per_s']:.3f} episodes/s "
                       f"({result['seconds']:.1f} s, generation {result['generation_seconds']:.1f} s, "
                       f"env sleep total {result['env_sleep_total_s']:.1f} s, "
                       f"mean batch {result['mean_batch_size']:.1f})", flush=True)
+            if repeat < bound_repeats:
+                lock_step(n)
+    if lock_steps:
+        attach_bounds(runs, lock_steps)
     wall = time.perf_counter() - started
     cpu_after = busy_cpu_seconds()
     own_cpu = cpu_after[1] - cpu_before[1]
@@ -635,7 +624,8 @@ def main(argv: list[str] | None = None) -> None:
             times: dict[str, list[float]] = {"ours": [], "trl": []}
             for repeat in range(2):
                 for name in (["ours", "trl"] if repeat % 2 == 0 else ["trl", "ours"]):
-                    times[name].append(sides[name].decode_once([prompt] * n))  # type: ignore[union-attr]
+                    times[name].append(alone(lambda: sides[name].decode_once([prompt] * n),  # type: ignore[union-attr]
+                                             f"decode {name} n={n}"))
             row = {"concurrency": n, "prompt_tokens": len(prompt), "new_tokens": args.new_tokens,
                    "ours_s": min(times["ours"]), "trl_s": min(times["trl"]), "runs": times}
             decode_check.append(row)
@@ -656,7 +646,11 @@ def main(argv: list[str] | None = None) -> None:
                 "env_sleep_total_s": statistics.median(r["env_sleep_total_s"] for r in mine),
                 "env_sleep_max_episode_s": statistics.median(r["env_sleep_max_episode_s"] for r in mine),
                 "final_tokens_mean": statistics.median(r["final_tokens_mean"] for r in mine),
+                **({"over_bound": statistics.median(r["over_bound"] for r in mine),
+                    "over_bound_runs": [r["over_bound"] for r in mine]} if lock_steps else {}),
             }
+            if lock_steps:
+                row["bound_s"] = statistics.median(r["bound"]["bound_s"] for r in mine)
         if "ours" in row and "trl" in row:
             row["ratio_ours_over_trl"] = row["ours"]["episodes_per_s"] / row["trl"]["episodes_per_s"]
         summary.append(row)
@@ -673,21 +667,23 @@ def main(argv: list[str] | None = None) -> None:
         "software": software(), **({"engine_dtypes": engine_dtypes} if engine_dtypes else {}),
         "load_before": load_before, "load_after_warmup": load_after_warmup,
         "load_after": list(os.getloadavg()), "measurement_cpu_s": {"this_process": own_cpu, "other_processes": other_cpu},
-        "benchmark_wall_s": wall, "summary": summary, "decode_check": decode_check, "runs": runs,
+        "benchmark_wall_s": wall, "summary": summary, "decode_check": decode_check,
+        "lock_steps": {str(n): v for n, v in lock_steps.items()}, "disturbed": alone.disturbed, "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
 
-    print("\n| concurrent episodes | ours episodes/s | TRL episodes/s | ours / TRL | ours mean gen batch "
-          "| env sleep total s | ours / TRL wall s |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| N | ours episodes/s | TRL episodes/s | ours / TRL | ours mean batch | env sleep s "
+          "| wall s ours / TRL | bound s | ours / bound | TRL / bound |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    nan = {"episodes_per_s": math.nan, "mean_batch_size": math.nan, "seconds": math.nan, "over_bound": math.nan}
     for row in summary:
-        o, t = row.get("ours"), row.get("trl")
-        print(f"| {row['concurrency']} | {o['episodes_per_s'] if o else float('nan'):.3f} "
-              f"| {t['episodes_per_s'] if t else float('nan'):.3f} | ×{row.get('ratio_ours_over_trl', float('nan')):.2f} "
-              f"| {o['mean_batch_size'] if o else float('nan'):.1f} "
-              f"| {(o or t)['env_sleep_total_s']:.1f} "
-              f"| {o['seconds'] if o else float('nan'):.1f} / {t['seconds'] if t else float('nan'):.1f} |")
+        o, t = row.get("ours", nan), row.get("trl", nan)
+        print(f"| {row['concurrency']} | {o['episodes_per_s']:.3f} | {t['episodes_per_s']:.3f} "
+              f"| ×{row.get('ratio_ours_over_trl', math.nan):.2f} | {o['mean_batch_size']:.1f} "
+              f"| {row.get('ours', t)['env_sleep_total_s']:.1f} | {o['seconds']:.1f} / {t['seconds']:.1f} "
+              f"| {row.get('bound_s', math.nan):.1f} | ×{o.get('over_bound', math.nan):.2f} "
+              f"| ×{t.get('over_bound', math.nan):.2f} |")
     print(f"\nmeasured in {wall:.0f} s; JSON: {args.out}")
 
 
