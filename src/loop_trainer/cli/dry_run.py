@@ -19,6 +19,7 @@ from ..envs import available_environments
 from ..rollout.generator import COLOCATED_TP_ONLY
 from ..memory_plan import MemoryPlan, ModelShape, load_model_shape, plan_memory
 from .recipe import RecipeError, ScriptArguments
+from ..packaged_models import resolve_model_path
 from ..tiny import is_tiny_spec, tiny_config
 
 EXIT_DOES_NOT_FIT = 3
@@ -42,8 +43,8 @@ def model_shape(model_args: ModelConfig) -> ModelShape:
     if is_tiny_spec(name):
         return ModelShape.from_config(tiny_config(vocab_size=1024).to_dict(), name)
     try:
-        return load_model_shape(name)
-    except ValueError as error:
+        return load_model_shape(resolve_model_path(name))
+    except ValueError as error:  # PackagedModelError included
         raise RecipeError(str(error)) from None
 
 

@@ -33,6 +33,7 @@ from ..envs import Environment, EnvironmentSetupError, make_environment
 from ..episode_settings import EPISODE_RANGES, EpisodeSettings, Rule, check_ranges
 from ..evaluation import Evaluator, format_metrics, write_evaluation_viewer
 from ..rollout import GenerationBackend, TransformersBackend
+from ..packaged_models import PackagedModelError, resolve_model_path
 from ..tiny import build_tiny_from_spec, build_word_tokenizer, is_tiny_spec, load_tokenizer
 from .recipe import RecipeError, ScriptArguments, parse_recipe
 
@@ -77,6 +78,15 @@ EVAL_RANGES: dict[str, Rule] = {
 }
 
 
+def _resolve(model_args: ModelConfig) -> str:
+    """A ``packaged:<model>`` spec's directory (converted on first use), or the name itself."""
+    try:
+        model_args.model_name_or_path = resolve_model_path(model_args.model_name_or_path)
+    except PackagedModelError as error:
+        raise RecipeError(str(error)) from None
+    return model_args.model_name_or_path
+
+
 def load_policy(model_args: ModelConfig, eval_args: EvalArguments, env: Environment) -> tuple[Any, Any]:
     name = model_args.model_name_or_path
     if not name:
@@ -87,6 +97,7 @@ def load_policy(model_args: ModelConfig, eval_args: EvalArguments, env: Environm
         except ValueError as error:
             raise RecipeError(str(error)) from None
     else:
+        name = _resolve(model_args)
         kwargs: dict[str, Any] = {"revision": model_args.model_revision, "trust_remote_code": getattr(model_args, "trust_remote_code", False)}
         try:
             tokenizer = load_tokenizer(eval_args.adapter or name, **kwargs)
@@ -124,6 +135,7 @@ def load_tokenizer_only(model_args: ModelConfig, eval_args: EvalArguments, env: 
         if label != env.name or not hasattr(env, "vocabulary"):
             raise RecipeError(f"'{name}' is a tiny model for the '{label}' environment; the environment is '{env.name}'")
         return build_word_tokenizer(env.vocabulary())
+    name = _resolve(model_args)
     kwargs: dict[str, Any] = {"revision": model_args.model_revision, "trust_remote_code": getattr(model_args, "trust_remote_code", False)}
     for source in dict.fromkeys(filter(None, (eval_args.adapter, name))):
         try:

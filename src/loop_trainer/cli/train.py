@@ -11,6 +11,7 @@ ModelConfig) and ``main(script_args, training_args, model_args)`` runs the job.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from ..training.checkpoints import CheckpointError, check_fresh_output_dir, is_f
 from ..config import LOOPConfig
 from ..envs import Environment, EnvironmentSetupError, make_environment
 from .recipe import RecipeError, ScriptArguments, make_parser, parse_recipe
+from ..packaged_models import PackagedModelError, resolve_model_path
 from ..tiny import build_tiny_from_spec, is_tiny_spec, load_tokenizer
 from ..rollout import RolloutFailureBudgetExceeded
 from ..training.stress import MemoryStressTestFailed
@@ -39,12 +41,17 @@ def load_model_and_tokenizer(model_args: ModelConfig, training_args: LOOPConfig,
     ``tiny-instruct:<env>`` spec (see :mod:`loop_trainer.tiny`)."""
     name = model_args.model_name_or_path
     if not name:
-        raise RecipeError("model_name_or_path is not set (a model id, a local directory, or 'tiny:<env>')")
+        raise RecipeError("model_name_or_path is not set (a model id, a local directory, 'tiny:<env>' or "
+                          "'packaged:smollm2-135m-instruct')")
     if is_tiny_spec(name):
         try:
             return build_tiny_from_spec(name, env, seed=training_args.seed)
         except ValueError as error:
             raise RecipeError(str(error)) from None
+    try:  # packaged:<model> -> its converted directory (loop_trainer.packaged_models)
+        name = model_args.model_name_or_path = resolve_model_path(name)
+    except PackagedModelError as error:
+        raise RecipeError(str(error)) from None
     kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code)
     try:
         tokenizer = load_tokenizer(name, padding_side="left", **kwargs)
@@ -116,18 +123,25 @@ def close_environment(env: Environment) -> None:
 
 
 def summary(trainer: LOOPTrainer, window: int = 5) -> str:
-    rewards = [h["reward_mean"] for h in trainer.history]
-    k = max(1, min(window, len(rewards) // 2))
-    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-    return "\n".join(
-        [
-            f"LOOP: {len(rewards)} iterations on '{trainer.env.name}'.",
-            f"  mean reward, first {k} iterations: {first:.3f}   last {k} iterations: {last:.3f}",
-            f"  metrics:        {trainer.metrics_path}",
-            f"  learning curve: {trainer.curve_path}",
-            f"  model:          {trainer.args.output_dir}",
-        ]
-    )
+    """The closing lines: where the outputs are, and how reward and success moved from the first
+    ``window`` iterations to the last (success when the environment reports it)."""
+    history = trainer.history
+    k = max(1, min(window, len(history) // 2))
+
+    def moved(key: str) -> tuple[float, float] | None:
+        values = [h.get(key, math.nan) for h in history]
+        first, last = sum(values[:k]) / k, sum(values[-k:]) / k
+        return None if math.isnan(first) or math.isnan(last) else (first, last)
+
+    lines = [f"LOOP: {len(history)} iterations on '{trainer.env.name}'."]
+    for key, label in (("reward_mean", "mean reward"), ("success_rate", "success rate")):
+        if (values := moved(key)) is not None:
+            lines.append(f"  {label + ',':14} first {k} iterations: {values[0]:.3f}   last {k} iterations: "
+                         f"{values[1]:.3f}   ({values[1] - values[0]:+.3f})")
+    return "\n".join([*lines,
+                      f"  metrics:        {trainer.metrics_path}",
+                      f"  learning curve: {trainer.curve_path}",
+                      f"  model:          {trainer.args.output_dir}"])
 
 
 def resume_advice(output_dir: str | None) -> str:
