@@ -20,7 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .continuous_batch import DecodeBatch, PrefixCache, Request, weights_version
-from .records import Completion
+from .records import Completion, settle
 
 __all__ = ["Completion", "GenerationBackend", "TemperatureView", "TransformersBackend"]
 
@@ -47,16 +47,8 @@ class TemperatureView:
 
 def _deliver_to(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Completion]) -> Callable[[Any], None]:
     def deliver(result: Completion | BaseException) -> None:
-        def settle() -> None:
-            if future.done():
-                return
-            if isinstance(result, BaseException):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
-
         try:
-            loop.call_soon_threadsafe(settle)
+            loop.call_soon_threadsafe(settle, future, result)
         except RuntimeError:  # the loop has closed: nobody waits for this reply
             pass
 

@@ -3,6 +3,7 @@ trajectories (with its summary statistics), seeds, and the engine's errors."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -18,6 +19,17 @@ class Completion:
     """Log-prob of each sampled id under the sampling distribution (temperature applied)."""
     stopped: bool
     """True if the reply ended with a stop token, False if it hit ``max_new_tokens``."""
+
+
+def settle(future: asyncio.Future[Completion], result: Completion | BaseException) -> None:
+    """Hand a backend's reply (or its error) to the episode awaiting it, unless it stopped waiting.
+    Runs on the episode's event loop (backends call it with ``loop.call_soon_threadsafe``)."""
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
 
 
 class RolloutFailureBudgetExceeded(RuntimeError):

@@ -25,6 +25,7 @@ import torch
 
 from ..net import free_local_port
 from .backend import Completion, TemperatureView
+from .records import settle
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +58,6 @@ class _Submission:
     temperature: float
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Completion]
-
-
-def _deliver(future: asyncio.Future[Completion], result: Completion | BaseException) -> None:
-    if future.done():
-        return
-    if isinstance(result, BaseException):
-        future.set_exception(result)
-    else:
-        future.set_result(result)
 
 
 class VLLMBackend:
@@ -180,7 +172,7 @@ class VLLMBackend:
                 except Exception as error:
                     logger.exception("vLLM engine step failed")
                     for submission in running.values():
-                        submission.loop.call_soon_threadsafe(_deliver, submission.future, error)
+                        submission.loop.call_soon_threadsafe(settle, submission.future, error)
                     running.clear()
                     continue
             for output in outputs:
@@ -188,7 +180,7 @@ class VLLMBackend:
                     continue
                 submission = running.pop(output.request_id)
                 self.num_sequences += 1
-                submission.loop.call_soon_threadsafe(_deliver, submission.future, self._completion(output))
+                submission.loop.call_soon_threadsafe(settle, submission.future, self._completion(output))
 
     def _stop_driving(self, running: dict[str, _Submission], waiting: list[_Submission]) -> None:
         """close() was called: abort what the engine runs and fail every reply still awaited."""
@@ -198,7 +190,7 @@ class VLLMBackend:
         error = RuntimeError("the vLLM backend was closed while this reply was being generated")
         for submission in [*running.values(), *waiting]:
             if not submission.loop.is_closed():
-                submission.loop.call_soon_threadsafe(_deliver, submission.future, error)
+                submission.loop.call_soon_threadsafe(settle, submission.future, error)
         running.clear()
 
     def close(self) -> None:
