@@ -296,7 +296,7 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None],
     count = len(generators)
     if pool is None or count < 2:
         return torch.cat(rows(range(count)))
-    parts = pool._max_workers
+    parts = torch.get_num_threads()  # the pool's size (backend._decode sizes it so); any split draws the same
     bounds = [count * part // parts for part in range(parts + 1)]
     return torch.cat([token for chunk in pool.map(rows, [range(a, b) for a, b in zip(bounds, bounds[1:])])
                       for token in chunk])
