@@ -1,52 +1,81 @@
-"""`make demo`'s recipe learns: on the default seed and on another, a shortened run ends clearly above
-where it started. This is the main job's promise, so it runs the real recipe through the real CLI."""
+"""`make demo`'s recipe learns: on the default seed and on another, a shortened run moves the success
+rate and the mean reward clearly up. This is the main job's promise, so it runs the real recipe
+through the real CLI. The seed-0 run also reproduces the recorded numerics of its first iterations, so
+a refactor that changes what the trainer computes is caught here."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import json
-
-import pytest
-
+import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from loop_trainer.training.run_log import read_metrics
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"
+RECORD = Path(__file__).parent / "data" / "demo-seed0.json"
+SEEDS = (0, 1)
+ITERATIONS = 60  # of the recipe's 120: success is already well up (full runs: docs/loop_trainer.md)
+
+
+@pytest.fixture(scope="module")
+def demo_runs(tmp_path_factory) -> dict[int, Path]:
+    """Both seeds at once, each a fresh process on one thread, as a user runs it. One thread each
+    makes the numerics independent of the machine's core count, and the tiny model gains nothing
+    from a second thread, so two runs side by side take the time of one."""
+    outputs = {seed: tmp_path_factory.mktemp(f"demo-seed{seed}") for seed in SEEDS}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = {
+        seed: subprocess.Popen(
+            [sys.executable, "-m", "loop_trainer.cli.train", "--config", str(RECIPE), "--output_dir", str(out),
+             "--seed", str(seed), "--iterations", str(ITERATIONS), "--disable_tqdm", "true"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for seed, out in outputs.items()
+    }
+    for seed, run in runs.items():
+        stdout, stderr = run.communicate(timeout=900)
+        assert run.returncode == 0, f"seed {seed}: {stderr[-3000:]}"
+        (outputs[seed] / "stdout.txt").write_text(stdout)
+    return outputs
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 1])
-def test_demo_recipe_learns(tmp_path, seed):
-    out = tmp_path / "demo"
-    # A fresh process per run, as a user runs it: long CPU runs late in a test process that has
-    # already churned through many models get several times slower (allocator fragmentation).
-    command = [sys.executable, "-m", "loop_trainer.cli.train", "--config", str(RECIPE), "--output_dir",
-               str(out), "--seed", str(seed), "--iterations", "40", "--disable_tqdm", "true"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rewards = [r["reward_mean"] for r in read_metrics(out)]
-    assert len(rewards) == 40
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > first + 0.1, f"seed {seed}: reward {first:.3f} -> {last:.3f}"
+@pytest.mark.parametrize("seed", SEEDS)
+def test_demo_recipe_learns(demo_runs, seed):
+    out = demo_runs[seed]
+    records = read_metrics(out)
+    assert len(records) == ITERATIONS
+    success = [r["success_rate"] for r in records]
+    rewards = [r["reward_mean"] for r in records]
+    first, last = _mean(success[:5]), _mean(success[-5:])
+    # the issue's bar for the full run (last 5 at least 0.6 and 0.4 above the first 5, reward +0.25),
+    # met here at half the iterations
+    assert last >= 0.6 and last >= first + 0.4, f"seed {seed}: success rate {first:.3f} -> {last:.3f}"
+    assert _mean(rewards[-5:]) >= _mean(rewards[:5]) + 0.25, f"seed {seed}: reward {rewards[:5]} -> {rewards[-5:]}"
     assert (out / "learning_curve.png").exists() and (out / "model.safetensors").exists()
+    closing = (out / "stdout.txt").read_text()
+    assert "success rate,  first 5 iterations:" in closing and "mean reward,   first 5 iterations:" in closing
 
 
 @pytest.mark.slow
-def test_demo_numerics_match_the_recorded_run(tmp_path):
-    """The redesign changed how the code is organised, not what it computes: the demo recipe's
-    first 20 iterations on seed 0 reproduce the run recorded before it (tests/data/)."""
-    record = json.loads((Path(__file__).parent / "data" / "demo-seed0-first-20.json").read_text())
-    out = tmp_path / "demo"
-    command = [sys.executable, "-m", "loop_trainer.cli.train", "--config", str(RECIPE), "--output_dir", str(out),
-               "--seed", str(record["seed"]), "--iterations", str(record["iterations"]), "--disable_tqdm", "true"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    got = read_metrics(out)
-    assert [r["reward_mean"] for r in got] == [r["reward_mean"] for r in record["records"]]
-    assert [r["num_kept"] for r in got] == [r["num_kept"] for r in record["records"]]
-    assert [r["optimizer_steps"] for r in got] == [r["optimizer_steps"] for r in record["records"]]
+def test_demo_numerics_match_the_recorded_run(demo_runs):
+    """What the trainer computes on the demo recipe (seed 0, one thread) is what it computed when the
+    record was made: rewards, kept rollouts and optimizer steps exactly; loss, KL and gradient norm to
+    float rounding."""
+    record = json.loads(RECORD.read_text())
+    assert record["seed"] == 0 and record["threads"] == 1
+    got = read_metrics(demo_runs[0])[: len(record["records"])]
+    want = record["records"]
+    assert [r["reward_mean"] for r in got] == [r["reward_mean"] for r in want]
+    assert [r["num_kept"] for r in got] == [r["num_kept"] for r in want]
+    assert [r["optimizer_steps"] for r in got] == [r["optimizer_steps"] for r in want]
     for key in ("loss", "kl", "grad_norm"):
-        assert [r[key] for r in got] == pytest.approx([r[key] for r in record["records"]], rel=1e-6, abs=1e-9), key
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-6, abs=1e-9), key

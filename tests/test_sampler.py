@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 
 from loop_trainer.training.sampler import TaskSampler
 
@@ -53,12 +56,15 @@ def test_draws_without_a_repeat_are_those_of_the_plain_walk(num_tasks, n, seed):
 
 
 def test_the_demo_never_crosses_a_pass_mid_draw():
-    # recipes/demo.yaml: vault with 64 tasks, 8 per iteration: every pass ends exactly at the end of a
-    # draw, so the fix cannot change the demo's tasks (its numerics stay bit-for-bit the same).
-    sampler, before = TaskSampler(64, seed=0), TaskSampler(64, seed=0)
+    # recipes/demo.yaml: every pass over vault's tasks ends exactly at the end of a draw, so the fix
+    # cannot change the demo's tasks (its numerics stay bit-for-bit the same).
+    recipe = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml").read_text())
+    tasks, per_iteration = recipe["environment_kwargs"]["num_tasks"], recipe["tasks_per_iteration"]
+    assert tasks % per_iteration == 0
+    sampler, before = TaskSampler(tasks, seed=0), TaskSampler(tasks, seed=0)
     for _ in range(1000):
-        assert sampler.position % 8 == 0
-        assert sampler.next(8) == plain_walk(before, 8)
+        assert sampler.position % per_iteration == 0
+        assert sampler.next(per_iteration) == plain_walk(before, per_iteration)
         assert sampler.state_dict() == before.state_dict()
 
 

@@ -115,11 +115,16 @@ def warm_start(
     *,
     steps: int = 400,
     batch_size: int = 32,
-    learning_rate: float = 3e-3,
+    learning_rate: float = 1e-3,
     seed: int = 0,
 ) -> Qwen2ForCausalLM:
     """Supervised warm-up on chat conversations (loss on assistant replies only), so a tiny model
-    starts RL the way the paper's model does: knowing the format, not yet reliable."""
+    starts RL the way the paper's model does: knowing the format, not yet reliable.
+
+    The learning rate matters more than the steps: at 1e-3 the 2-layer model learns within 250
+    steps to copy the person out of the task and the code out of the last observation (teacher-
+    forced accuracy 1.0 on both, on worlds it never saw); at 3e-3 it learns the code but never the
+    person (chance, 0.1, after 3,000 steps), and LOOP then has to discover copying from scratch."""
     rows = [_assistant_masked_ids(tokenizer, messages) for messages in conversations]
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
