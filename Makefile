@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export WANDB_MODE ?= offline
 
-.PHONY: venv appworld-venv vllm-venv appworld demo test gpu-check gpu-wheels clean
+.PHONY: venv appworld-venv vllm-venv appworld demo demo-real test gpu-check gpu-wheels clean
 
 # .venv is this checkout's own thin virtualenv (this checkout installed editable) on top of the cached,
 # shared dependencies: `make test` and `make demo` run the checkout they are run in (tools/checkout_venv.sh).
@@ -26,6 +26,12 @@ appworld:
 
 demo: venv
 	$(VENV_BIN)/loop-train --config recipes/demo.yaml
+
+# LOOP on a real pretrained model on the CPU (SmolLM2-135M-Instruct, shipped on PyPI, converted on first
+# use), then the trained policy against the starting one on held-out tasks: docs/real-model.md.
+demo-real: venv
+	$(VENV_BIN)/loop-train --config recipes/smollm2-135m-contacts.yaml
+	$(VENV_BIN)/loop-compare --config recipes/smollm2-135m-contacts.yaml --max_tasks 32
 
 # glibc would mmap (and page-fault) every float32 tile of TRL's CPU log-prob head afresh; keeping
 # freed memory makes the tests that train with Qwen2.5's 152k vocabulary ~2.5x faster.

@@ -3,30 +3,15 @@ package ships, converted once into an ordinary Hugging Face directory (loop_trai
 
 from __future__ import annotations
 
-import importlib.util
 from importlib import metadata
 
 import pytest
 import torch
+from support.packaged import SMOLLM2 as SPEC
+from support.packaged import needs_packaged_model as needs_package
 
 from loop_trainer import packaged_models
-from loop_trainer.packaged_models import PACKAGED, PackagedModelError, locate_gguf, resolve_model_path
-
-SPEC = PACKAGED["smollm2-135m-instruct"]
-
-
-def _installed() -> str | None:
-    """Why the conversion cannot be tested here, or None."""
-    if importlib.util.find_spec("gguf") is None:
-        return "gguf is not installed (make venv installs it: requirements/cpu.lock)"
-    try:
-        locate_gguf(SPEC)
-    except PackagedModelError as error:
-        return str(error)
-    return None
-
-
-needs_package = pytest.mark.skipif(_installed() is not None, reason=f"packaged model unavailable: {_installed()}")
+from loop_trainer.packaged_models import PackagedModelError, locate_gguf, resolve_model_path
 
 
 def test_a_plain_name_is_left_alone():

@@ -1,11 +1,12 @@
-"""Environments: the interface (:mod:`.base`), the built-in ``vault`` world, and a registry.
+"""Environments: the interface (:mod:`.base`), the built-in ``vault`` and ``contacts`` worlds, and a registry.
 
 ``make_environment(name, **kwargs)`` resolves ``name`` as, in order: a built-in environment, an
 entry point in the ``loop_trainer.environments`` group (how a separate package plugs one in), or an
 import path ``package.module:ClassName``.
 
-Only ``vault`` is built in: the demo, the tiny models and the tests need it, and it has no
-dependencies, so it must resolve even from a source tree with no installed metadata. AppWorld
+``vault`` (the demo's, in a few dozen words for the tiny models) and ``contacts`` (the same kind of
+task in plain English, for a small pretrained model) are built in: they have no dependencies, so
+they resolve even from a source tree with no installed metadata. AppWorld
 registers through the entry-point group, as a user's package would (see pyproject.toml), and is
 imported only when asked for by name.
 """
@@ -27,10 +28,12 @@ from .base import (
     Step,
     UnknownSplitError,
     as_score,
+    check_pass_rates,
     check_tasks,
     load_tasks,
     success_and_reward,
 )
+from .contacts import ContactsEnv
 from .vault import VaultEnv
 
 __all__ = [
@@ -41,17 +44,19 @@ __all__ = [
     "Message",
     "Score",
     "Step",
+    "ContactsEnv",
     "VaultEnv",
     "as_score",
     "UnknownSplitError",
     "available_environments",
+    "check_pass_rates",
     "check_tasks",
     "load_tasks",
     "make_environment",
     "success_and_reward",
 ]
 
-BUILTIN: dict[str, Callable[..., Environment]] = {"vault": VaultEnv}
+BUILTIN: dict[str, Callable[..., Environment]] = {"vault": VaultEnv, "contacts": ContactsEnv}
 ENTRY_POINT_GROUP = "loop_trainer.environments"
 
 

@@ -152,6 +152,18 @@ def success_and_reward(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     }
 
 
+def check_pass_rates(rows: Sequence[Mapping[str, Any]], checks: Sequence[str]) -> dict[str, float]:
+    """``passed_<check>``: the fraction of rollouts whose ``Score.info["checks"][check]`` is true,
+    for environments that grade by named checks (which step of a task the agent gets wrong). Failed
+    rollouts passed none; NaN when there are no rows."""
+    rates = {}
+    for check in checks:
+        passed = sum(bool((row.get("info") or {}).get("checks", {}).get(check)) for row in rows
+                     if row["status"] == "completed")
+        rates[f"passed_{check}"] = passed / len(rows) if rows else float("nan")
+    return rates
+
+
 def check_tasks(tasks: Any, *, environment: str, split: str) -> Dataset:
     """``tasks``, what ``Environment.tasks(split)`` returned, if it keeps the contract: a
     :class:`datasets.Dataset` with at least one row and a ``task_id`` column whose values are set

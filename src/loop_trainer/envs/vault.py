@@ -29,7 +29,7 @@ from typing import Any
 
 from datasets import Dataset
 
-from .base import Environment, Episode, Message, Score, Step, UnknownSplitError, success_and_reward
+from .base import Environment, Episode, Message, Score, Step, UnknownSplitError, check_pass_rates, success_and_reward
 
 PEOPLE = ("ann", "bob", "cat", "dan", "eve", "fay", "gus", "hal")
 ACCOUNT_IDS = tuple(f"k{i}" for i in range(10))
@@ -132,12 +132,7 @@ class VaultEnv(Environment):
     def summarize(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         """Success rate and mean reward, plus how often each check passed (``passed_found_person``
         ...): which step of the protocol the agent gets wrong. Failed rollouts passed none."""
-        summary = success_and_reward(rows)
-        for check in CHECKS:
-            passed = sum(bool((row.get("info") or {}).get("checks", {}).get(check)) for row in rows
-                         if row["status"] == "completed")
-            summary[f"passed_{check}"] = passed / len(rows) if rows else float("nan")
-        return summary
+        return {**success_and_reward(rows), **check_pass_rates(rows, CHECKS)}
 
     def demonstrations(self, num_conversations: int, accuracy: float = 0.5, seed: int = 0) -> list[list[Message]]:
         """Conversations of an agent that knows the protocol but is unreliable: each argument it

@@ -108,6 +108,12 @@ class TransformersBackend:
         self.busy_seconds = 0.0
         """Wall seconds the decode loop ran."""
 
+    def with_temperature(self, temperature: float) -> TransformersBackend:
+        """The same model sampling at another temperature (evaluation: 0 is greedy). The weights are
+        shared, not copied; the decode loop and its counters are the new backend's own."""
+        return TransformersBackend(self.model, stop_token_ids=self.stop_token_ids.tolist(), pad_token_id=self.pad_token_id,
+                                   temperature=temperature, max_batch_size=self.max_batch_size)
+
     async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
