@@ -31,7 +31,7 @@ demo: venv
 # use), then the trained policy against the starting one on held-out tasks: docs/real-model.md.
 demo-real: venv
 	$(VENV_BIN)/loop-train --config recipes/smollm2-135m-contacts.yaml
-	$(VENV_BIN)/loop-compare --config recipes/smollm2-135m-contacts.yaml --max_tasks 32
+	$(VENV_BIN)/loop-compare --config recipes/smollm2-135m-contacts.yaml --max_tasks 32 --sampled_rollouts_per_task 2
 
 # glibc would mmap (and page-fault) every float32 tile of TRL's CPU log-prob head afresh; keeping
 # freed memory makes the tests that train with Qwen2.5's 152k vocabulary ~2.5x faster.

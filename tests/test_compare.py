@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from loop_trainer.cli.compare import cli as compare_cli
+from loop_trainer.cli.compare import contrasting_trajectories
 from loop_trainer.cli.train import cli as train_cli
 
 RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml")
@@ -40,9 +41,34 @@ def test_both_policies_are_evaluated_greedy_and_sampled_on_the_held_out_split(tr
     assert "| greedy | start |" in printed and "| T=1 | trained |" in printed
     assert (trained / "compare" / "compare.md").read_text().count("\n") == 6
     assert "| greedy | start | 6 |" in printed and "| T=1 | start | 18 |" in printed
+    shown = (trained / "compare" / "trajectories.md").read_text().splitlines()
+    assert sum(line.startswith("## test-") for line in shown) == 3
 
 
 def test_a_run_that_never_trained_is_one_line(tmp_path, capsys):
     assert compare_cli(["--config", RECIPE, "--output_dir", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds no trained model or adapter: run loop-train with this recipe first" in err[0]
+
+
+def _results(directory: Path, rewards: dict[str, float]) -> str:
+    directory.mkdir()
+    lines = [json.dumps({"task_id": task, "reward": reward, "ending": "done", "num_opening_messages": 1,
+                         "messages": [{"role": "user", "content": f"question {task}"},
+                                      {"role": "assistant", "content": f"reply {task} {reward}"}]})
+             for task, reward in rewards.items()]
+    (directory / "results.jsonl").write_text("\n".join(lines) + "\n")
+    return str(directory)
+
+
+def test_trajectories_show_the_tasks_where_the_policies_differ_most(tmp_path):
+    start = _results(tmp_path / "start", {"a": 0.0, "b": 0.5, "c": 0.25, "d": 1.0})
+    trained = _results(tmp_path / "trained", {"a": 1.0, "b": 0.5, "c": 0.75, "d": 0.75})
+    rows = [{"policy": "start", "decoding": "greedy", "output_dir": start},
+            {"policy": "trained", "decoding": "greedy", "output_dir": trained},
+            {"policy": "trained", "decoding": "T=1", "output_dir": str(tmp_path / "unread")}]
+    text = contrasting_trajectories(rows, 2)
+    assert [line for line in text.splitlines() if line.startswith("## ")] == ["## a", "## c"]
+    assert "- assistant: `reply a 0.0`" in text and "- assistant: `reply a 1.0`" in text
+    assert "- user: `question a`" not in text and "'question a'" in text  # the opening is quoted, not replayed
+    assert "**start** (reward 0.25, done)" in text and "**trained** (reward 0.75, done)" in text

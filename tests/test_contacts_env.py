@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loop_trainer.envs import ContactsEnv, UnknownSplitError, make_environment
-from loop_trainer.envs.contacts import CALL, SYSTEM_PROMPT, solve
+from loop_trainer.envs.contacts import CALL, SYSTEM_PROMPT, question, solve
 
 
 @pytest.fixture
@@ -103,9 +103,24 @@ def test_the_opening_shows_one_solved_example_of_another_person():
     assert messages[0] == {"role": "system", "content": SYSTEM_PROMPT}
     assert [m["role"] for m in messages[1:]] == ["user", "assistant", "user", "assistant", "user", "assistant", "user"]
     assert all(CALL.search(m["content"]) for m in messages if m["role"] == "assistant")
-    assert task["person"] in messages[-1]["content"] and task["example"]["person"] in messages[1]["content"]
-    bare = ContactsEnv(num_tasks=4, example=False)
+    assert task["person"] in messages[-1]["content"] and task["examples"][0]["person"] in messages[1]["content"]
+    bare = ContactsEnv(num_tasks=4, examples=0)
     assert [m["role"] for m in bare.episode(bare.tasks("train")[0]).start()] == ["system", "user"]
+
+
+def test_two_examples_answer_different_fields_so_the_question_decides():
+    env = ContactsEnv(num_tasks=16, examples=2)
+    orders = set()
+    for task in env.tasks("train"):
+        fields = [example["field"] for example in task["examples"]]
+        assert sorted(fields) == ["city", "phone"]
+        orders.add(tuple(fields))
+        messages = env.episode(task).start()
+        questions = [m["content"] for m in messages if m["role"] == "user" and m["content"].startswith("What is")]
+        assert questions == [question(task["examples"][0]), question(task["examples"][1]), question(task)]
+    assert len(orders) == 2  # the order is random, so neither field is always the last one shown
+    with pytest.raises(ValueError, match="examples"):
+        ContactsEnv(examples=True)
 
 
 def test_splits_are_reproducible_distinct_and_checked():

@@ -7,7 +7,8 @@ Reads the same recipe ``loop-train`` ran (the model, the environment, the episod
 ``split`` twice: greedy (one rollout per task) and sampled at ``sampled_temperature`` (the
 training temperature by default; ``sampled_rollouts_per_task`` rollouts per task). Each of the four
 evaluations is a ``loop-eval`` run (results.jsonl, metrics.json, viewer.html) under
-``<output_dir>/compare/``; the table is printed and written to ``compare/compare.{md,json}``.
+``<output_dir>/compare/``; the table is printed and written to ``compare/compare.{md,json}``, and
+``compare/trajectories.md`` shows, for a few tasks where greedy rewards differ, what each policy did.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ..rollout import TransformersBackend
 from .evaluate import EvalArguments, evaluate, load_policy
 from .recipe import RecipeError, ScriptArguments, parse_recipe
 
-__all__ = ["CompareArguments", "cli", "compare"]
+__all__ = ["CompareArguments", "cli", "compare", "contrasting_trajectories"]
 
 
 @dataclass
@@ -46,6 +47,8 @@ class CompareArguments:
         default=None, metadata={"help": "Temperature of the sampled evaluation (default: the recipe's temperature)."})
     trained: str | None = field(
         default=None, metadata={"help": "The trained model or adapter directory (default: the recipe's output_dir)."})
+    example_trajectories: int = field(
+        default=3, metadata={"help": "Tasks shown side by side in compare/trajectories.md (greedy, start vs trained)."})
 
 
 def trained_policy(model_args: ModelConfig, directory: str) -> tuple[ModelConfig, str | None]:
@@ -105,6 +108,33 @@ as a column (the rollout counts as one column)."""
     return "\n".join(lines)
 
 
+def contrasting_trajectories(rows: Sequence[dict[str, Any]], count: int) -> str:
+    """Markdown: the greedy episodes of both policies on up to ``count`` tasks where their rewards
+    differ most (the opening, identical for both, left out), so a reader sees what changed."""
+    greedy = {row["policy"]: row for row in rows if row["decoding"] == "greedy"}
+    if set(greedy) != {"start", "trained"}:
+        return ""
+    results = {policy: {r["task_id"]: r for r in _read_results(row["output_dir"])} for policy, row in greedy.items()}
+    shared = [task for task in results["start"] if task in results["trained"]]
+    shared.sort(key=lambda task: -abs(results["trained"][task]["reward"] - results["start"][task]["reward"]))
+    sections = []
+    for task in shared[:count]:
+        sections.append(f"## {task}\n")
+        for policy in ("start", "trained"):
+            result = results[policy][task]
+            messages = result["messages"]
+            opening = result.get("num_opening_messages", 0)
+            sections.append(f"**{policy}** (reward {result['reward']:.2f}, {result['ending']}); the last opening "
+                            f"message: {messages[opening - 1]['content']!r}\n" if opening else f"**{policy}**\n")
+            sections += [f"- {m['role']}: `{m['content']}`" for m in messages[opening:]]
+            sections.append("")
+    return "\n".join(sections)
+
+
+def _read_results(directory: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (Path(directory) / "results.jsonl").read_text().splitlines() if line.strip()]
+
+
 def cli(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -118,8 +148,9 @@ def cli(argv: Sequence[str] | None = None) -> int:
     out = Path(options.trained or training.output_dir) / "compare"
     (out / "compare.md").write_text(text + "\n")
     (out / "compare.json").write_text(json.dumps(rows, indent=1))
+    (out / "trajectories.md").write_text(contrasting_trajectories(rows, options.example_trajectories))
     print(f"\nThe trained policy against the starting one, split '{options.split}':\n{text}")
-    print(f"each evaluation's results.jsonl, metrics.json and viewer.html: {out}/")
+    print(f"each evaluation's results.jsonl, metrics.json and viewer.html: {out}/; what changed: {out}/trajectories.md")
     return 0
 
 

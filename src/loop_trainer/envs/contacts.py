@@ -22,8 +22,10 @@ Reward = fraction of four checks passed (AppWorld's training reward is the fract
 passed): searched the book, a search found the person, opened the person's card, answered right.
 ``success`` is all four.
 
-``example: true`` puts one solved task (of another person) before the task as earlier chat
-turns: the opening a small model needs to see the call format once.
+``examples: N`` puts N solved tasks (of other people) before the task as earlier chat turns: the
+opening a small model needs to see the call format. With one example the model can score by
+answering whatever field the example answered; with two (one phone, one city, in random order) it
+has to read the question to choose the field.
 """
 
 from __future__ import annotations
@@ -63,18 +65,18 @@ def _normalise(text: str) -> str:
 
 
 class ContactsEpisode(Episode):
-    def __init__(self, task: Mapping[str, Any], example: Mapping[str, Any] | None = None):
+    def __init__(self, task: Mapping[str, Any], examples: Sequence[Mapping[str, Any]] = ()):
         self.task = task
         self.cards = {card["id"]: card for card in task["contacts"]}
         self.target = next(card for card in task["contacts"] if card["name"] == task["person"])
-        self.example = example
+        self.examples = examples
         self.visible: set[str] = set()
         self.passed = dict.fromkeys(CHECKS, False)
 
     def start(self) -> list[Message]:
         messages: list[Message] = [{"role": "system", "content": SYSTEM_PROMPT}]
-        if self.example is not None:
-            messages += solved_conversation(self.example)[1:]
+        for example in self.examples:
+            messages += solved_conversation(example)[1:]
         return messages + [{"role": "user", "content": question(self.task)}]
 
     def step(self, reply: str) -> Step:
@@ -118,7 +120,7 @@ class ContactsEpisode(Episode):
 
 
 def solved_conversation(task: Mapping[str, Any]) -> list[Message]:
-    """A perfect agent's conversation on ``task`` (the ``example`` opening, tests, demonstrations)."""
+    """A perfect agent's conversation on ``task`` (the ``examples`` opening, tests, demonstrations)."""
     episode = ContactsEpisode(task)
     messages = episode.start()
     for reply in solve(task):
@@ -139,15 +141,17 @@ class ContactsEnv(Environment):
 
     name = "contacts"
 
-    def __init__(self, num_tasks: int = 64, contacts_per_task: int = 6, namesakes: int = 2, example: bool = True,
+    def __init__(self, num_tasks: int = 64, contacts_per_task: int = 6, namesakes: int = 2, examples: int = 1,
                  seed: int = 0):
         if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1:
             raise ValueError(f"contacts: num_tasks (environment_kwargs) must be an integer >= 1, got {num_tasks!r}")
         if not 0 <= namesakes < contacts_per_task <= len(LAST_NAMES):
             raise ValueError("contacts: environment_kwargs need 0 <= namesakes < contacts_per_task <= "
                              f"{len(LAST_NAMES)}, got namesakes={namesakes!r}, contacts_per_task={contacts_per_task!r}")
+        if isinstance(examples, bool) or not isinstance(examples, int) or examples < 0:
+            raise ValueError(f"contacts: examples (environment_kwargs) must be an integer >= 0, got {examples!r}")
         self.num_tasks, self.contacts_per_task, self.namesakes = num_tasks, contacts_per_task, namesakes
-        self.example, self.seed = bool(example), seed
+        self.examples, self.seed = examples, seed
 
     def tasks(self, split: str = "train") -> Dataset:
         if split not in SPLITS:
@@ -157,12 +161,14 @@ class ContactsEnv(Environment):
         rows = []
         for index in range(self.num_tasks):
             row = {"task_id": f"{split}-{index:04d}", **self._book(rng)}
-            if self.example:
-                row["example"] = self._book(rng)
+            if self.examples:
+                # every field is shown before any repeats, in a random order
+                fields = rng.sample(sorted(FIELDS), len(FIELDS))
+                row["examples"] = [self._book(rng, fields[i % len(fields)]) for i in range(self.examples)]
             rows.append(row)
         return Dataset.from_list(rows)
 
-    def _book(self, rng: random.Random) -> dict[str, Any]:
+    def _book(self, rng: random.Random, field: str | None = None) -> dict[str, Any]:
         first = rng.choice(FIRST_NAMES)
         last_names = rng.sample(LAST_NAMES, self.contacts_per_task)
         others = [name for name in FIRST_NAMES if name != first]
@@ -172,10 +178,10 @@ class ContactsEnv(Environment):
                      "city": rng.choice(CITIES)} for i, f, last in zip(ids, firsts, last_names)]
         rng.shuffle(contacts)
         person = f"{first} {last_names[0]}"
-        return {"person": person, "field": rng.choice(sorted(FIELDS)), "contacts": contacts}
+        return {"person": person, "field": field or rng.choice(sorted(FIELDS)), "contacts": contacts}
 
     def episode(self, task: Mapping[str, Any]) -> ContactsEpisode:
-        return ContactsEpisode(task, task.get("example"))
+        return ContactsEpisode(task, task.get("examples") or ())
 
     def summarize(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         """Success rate and mean reward, plus how often each check passed (``passed_opened_card``
