@@ -52,22 +52,25 @@ class ChatFormatter:
         self._after_truncated_reply = self._encode(after_reply)
         self._after_stop: dict[int, list[int]] = {}
 
-    def _render(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+    def _render(self, messages: Sequence[Message], add_generation_prompt: bool = False,
+                tools: Sequence[Any] | None = None) -> str:
         return self.tokenizer.apply_chat_template(
             list(messages),
             chat_template=self.chat_template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            **({"tools": list(tools)} if tools else {}),
             **self.chat_template_kwargs,
         )
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def opening_ids(self, messages: Sequence[Message]) -> list[int]:
-        """The episode's first prompt: the opening messages as a whole conversation, plus the
-        assistant header the model continues from."""
-        return self._encode(self._render(messages, add_generation_prompt=True))
+    def opening_ids(self, messages: Sequence[Message], tools: Sequence[Any] | None = None) -> list[int]:
+        """The episode's first prompt: the opening messages as a whole conversation (with the
+        ``tools`` the model may call, where the template shows them), plus the assistant header the
+        model continues from. Templates show tools once, in the opening, so later turns render alike."""
+        return self._encode(self._render(messages, add_generation_prompt=True, tools=tools))
 
     def continuation_ids(self, messages: Sequence[Message]) -> list[int]:
         """Ids of ``messages`` appended after a finished assistant turn, plus the next assistant

@@ -38,6 +38,22 @@ ROLES = ("system", "user", "assistant", "tool")
 """The roles an episode's messages may have."""
 
 
+class Reply(str):
+    """The model's reply as :meth:`Episode.step` receives it: its decoded text (special tokens
+    removed), which is all most environments need, carrying the tokens behind it for those that
+    parse the model's output the way it was trained to emit it (tool calls, with TRL's
+    ``parse_response``): ``token_ids``, the sampled ids, and ``prompt_ids``, the whole trajectory
+    they continue."""
+
+    token_ids: tuple[int, ...]
+    prompt_ids: tuple[int, ...]
+
+    def __new__(cls, text: str, token_ids: Sequence[int] = (), prompt_ids: Sequence[int] = ()) -> Reply:
+        reply = super().__new__(cls, text)
+        reply.token_ids, reply.prompt_ids = tuple(token_ids), tuple(prompt_ids)
+        return reply
+
+
 @dataclass
 class Step:
     """What the environment answers to one model reply."""
@@ -63,13 +79,20 @@ class Score:
 class Episode(ABC):
     """One rollout of one task. Methods may be sync or ``async``."""
 
+    tools: Sequence[Any] | None = None
+    """Tools the model may call in this episode (Python functions with type hints and a docstring,
+    or JSON schemas), shown to it the way its chat template shows tools (``apply_chat_template(
+    tools=...)``) when the opening is rendered. Read after :meth:`start` returns. Calling them is
+    the episode's business, in :meth:`step`."""
+
     @abstractmethod
     def start(self) -> list[Message] | Awaitable[list[Message]]:
         """Set up the world and return the opening messages (system prompt, task)."""
 
     @abstractmethod
-    def step(self, reply: str) -> Step | Awaitable[Step]:
-        """Act on the model's reply (its decoded text, special tokens removed)."""
+    def step(self, reply: Reply) -> Step | Awaitable[Step]:
+        """Act on the model's reply: its decoded text, special tokens removed (a :class:`Reply`, a
+        ``str`` that also carries the sampled token ids)."""
 
     @abstractmethod
     def score(self) -> float | Score | Awaitable[float | Score]:

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from tqdm.auto import tqdm
 
 from ..chat import ChatFormatter
-from ..envs.base import Environment, Episode, EpisodeContractError, Message, Step, as_score, check_messages
+from ..envs.base import Environment, Episode, EpisodeContractError, Message, Reply, Step, as_score, check_messages
 from ..trajectory import Trajectory
 from .backend import Completion, GenerationBackend
 from .env_threads import AbandonedCalls, EnvThreads, EpisodeCalls, deliver
@@ -177,7 +177,7 @@ class RolloutEngine:
             messages = self._clean(await self._call(calls, "start"), trajectory, "Episode.start()")
             trajectory.messages.extend(messages)
             trajectory.num_opening_messages = len(messages)
-            trajectory.append(self.formatter.opening_ids(messages), sampled=False)
+            trajectory.append(self.formatter.opening_ids(messages, tools=episode.tools), sampled=False)
             trajectory.prompt_length = len(trajectory.token_ids)
             trajectory.ending = "turn_limit"
             for turn in range(self.limits.max_turns):
@@ -189,11 +189,12 @@ class RolloutEngine:
                     trajectory, min(self.limits.max_new_tokens_per_turn, room),
                     None if seed is None else mix_seed(seed, turn),
                 )
+                reply = Reply(self.formatter.reply_text(completion.token_ids), completion.token_ids,
+                              trajectory.token_ids)
                 trajectory.append(completion.token_ids, sampled=True, logprobs=completion.logprobs, turn=turn)
                 trajectory.num_turns += 1
                 trajectory.truncated_turns += not completion.stopped
-                reply = self.formatter.reply_text(completion.token_ids)
-                trajectory.messages.append({"role": "assistant", "content": reply})
+                trajectory.messages.append({"role": "assistant", "content": str(reply)})
                 step = await self._call(calls, "step", reply)
                 if not isinstance(step, Step):
                     raise EpisodeContractError(f"Episode.step() must return a Step, got {type(step).__name__}")
