@@ -186,8 +186,13 @@ def test_as_score_takes_numbers_only():
         with pytest.raises(EpisodeContractError, match=f"got {kind}: "):
             as_score(value)
     for value in (1.5, -0.1, float("nan"), Score(reward=2)):
-        with pytest.raises(EpisodeContractError, match=r"episode reward must be in \[0, 1\]"):
+        with pytest.raises(EpisodeContractError, match=r"episode reward must be a finite number in \[0, 1\]"):
             as_score(value)
+    # an environment with another range (TRL reward functions: any finite number)
+    assert as_score(-3.5, (-float("inf"), float("inf"))).reward == -3.5
+    for value in (float("inf"), float("nan")):
+        with pytest.raises(EpisodeContractError, match=r"finite number in \[-inf, inf\]"):
+            as_score(value, (-float("inf"), float("inf")))
 
 
 # -- what environments list: tasks ------------------------------------------------------------------

@@ -21,6 +21,7 @@ the task list, :func:`check_messages` for episode messages, :func:`as_score` for
 
 from __future__ import annotations
 
+import math
 import numbers
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -122,6 +123,10 @@ class Environment(ABC):
     """A task source and an episode factory. Subclass it to plug in your own world."""
 
     name: str = "environment"
+    reward_range: tuple[float, float] = (0.0, 1.0)
+    """Where every episode's reward lies (checked; a reward outside fails that rollout). LOOP's
+    leave-one-out advantage needs no normalisation, so any finite range works: rewards on a larger
+    scale give proportionally larger advantages, i.e. a larger effective learning rate."""
     max_concurrent_episodes: int | None = None
     """The most episodes this environment can run at once (e.g. one per server), if bounded."""
 
@@ -261,22 +266,25 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (numbers.Real, np.bool_))
 
 
-def as_score(value: float | Score) -> Score:
-    """Normalise what ``Episode.score`` returned: a number in [0, 1] or a :class:`Score` whose
-    ``reward`` is one. Anything else (a string such as ``"0.5"``, ``None``, a tensor) is an
-    :class:`EpisodeContractError` naming its type, never converted."""
+def as_score(value: float | Score, reward_range: tuple[float, float] = (0.0, 1.0)) -> Score:
+    """Normalise what ``Episode.score`` returned: a number in ``reward_range`` (the environment's;
+    [0, 1] by default) or a :class:`Score` whose ``reward`` is one. Anything else (a string such as
+    ``"0.5"``, ``None``, a tensor, NaN) is an :class:`EpisodeContractError` naming its type, never
+    converted."""
+    low, high = reward_range
+    where = "[0, 1]" if (low, high) == (0.0, 1.0) else f"[{low:g}, {high:g}]"
     if isinstance(value, Score):
         score = value
     elif _is_number(value):
         score = Score(reward=value)
     else:
-        raise EpisodeContractError(f"Episode.score() must return a number in [0, 1] or a Score, got "
+        raise EpisodeContractError(f"Episode.score() must return a number in {where} or a Score, got "
                                    f"{type(value).__name__}: {_short(value)}")
     if not _is_number(score.reward):
-        raise EpisodeContractError(f"Score.reward must be a number in [0, 1] (int or float), got "
+        raise EpisodeContractError(f"Score.reward must be a number in {where} (int or float), got "
                                    f"{type(score.reward).__name__}: {_short(score.reward)}")
     reward = float(score.reward)
-    if not 0.0 <= reward <= 1.0 or reward != reward:
-        raise EpisodeContractError(f"episode reward must be in [0, 1], got {score.reward!r}")
+    if not low <= reward <= high or not math.isfinite(reward):
+        raise EpisodeContractError(f"episode reward must be a finite number in {where}, got {score.reward!r}")
     score.reward = reward
     return score

@@ -208,7 +208,7 @@ class RolloutEngine:
                     + self.formatter.continuation_ids(step.messages),
                     sampled=False,
                 )
-            score = as_score(await self._call(calls, "score"))
+            score = as_score(await self._call(calls, "score"), self.env.reward_range)
             trajectory.reward, trajectory.success, trajectory.info = score.reward, score.success, score.info
         except asyncio.CancelledError:
             trajectory.status, trajectory.ending = "cancelled", "cancelled"
