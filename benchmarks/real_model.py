@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loop_trainer.training.run_log import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -48,7 +50,7 @@ def first_last(records: list[dict[str, Any]], key: str, window: int = 5) -> tupl
 
 
 def seed_summary(run_dir: Path, train: dict[str, float], compare: dict[str, float]) -> dict[str, Any]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = read_metrics(run_dir)
     reward, success = first_last(records, "reward_mean"), first_last(records, "success_rate")
     return {
         "iterations": len(records),
@@ -122,8 +124,10 @@ def main(argv: list[str] | None = None) -> None:
         summary_path.write_text(json.dumps(summary, indent=1))
         print(json.dumps({k: v for k, v in summary["seeds"][str(seed)].items() if k != "compare_rows"}, indent=1),
               flush=True)
-    curves = {int(seed): [json.loads(line) for line in (options.out / f"seed{seed}-metrics.jsonl").read_text().splitlines()
-                          if line.strip()] for seed in sorted(summary["seeds"], key=int)}
+    curves = {}
+    for seed in sorted(summary["seeds"], key=int):  # read_metrics wants a run directory's metrics.jsonl
+        lines = (options.out / f"seed{seed}-metrics.jsonl").read_text().splitlines()
+        curves[int(seed)] = [json.loads(line) for line in lines if line.strip()]
     plot(curves, options.out / "curves.png", f"LOOP on SmolLM2-135M-Instruct, {Path(options.recipe).name}")
     print(f"wrote {options.out}/summary.json, curves.png and each seed's metrics, compare table and trajectories")
 
