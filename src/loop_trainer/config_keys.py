@@ -35,6 +35,9 @@ HONOURED_INHERITED_KEYS = frozenset({
     # checkpoints and the Hub
     "save_on_each_node", "push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo",
     "hub_always_push", "hub_revision",
+    # GRPOTrainer's agent arguments (train_dataset, reward_funcs, tools, environment_factory): read then,
+    # refused with an Environment (training/trl_arguments.py)
+    "reward_weights", "max_tool_calling_iterations",
     # generation with vLLM (rollout/generator.py)
     # the KL penalty to the adapter-disabled base model (training/update.py); LoRA only
     "beta",
@@ -48,7 +51,6 @@ _LOSS = ("its loss is the per-token clipped PPO objective of the paper, token me
 _NO_REFERENCE = "LOOP's only reference policy is the base model with the LoRA adapter disabled (beta)"
 _NO_ENTROPY = "LOOP's objective has no entropy term"
 _OLD_LOGPROBS = "LOOP's ratio uses old log-probs the training model recomputes, not vLLM's"
-_REWARDS = "rewards come from the environment's episodes"
 _EVALUATION = "LOOP evaluates by running episodes on eval_split every eval_every iterations"
 _TASKS = "LOOP samples tasks_per_iteration tasks from the environment itself, seeded by seed"
 _TRAINER_LOOP = "it belongs to the Trainer's training step, which LOOP replaces"
@@ -93,11 +95,11 @@ REFUSED_INHERITED_KEYS: dict[str, tuple[str | None, str]] = {
     # --- advantages and rewards ----------------------------------------------------------------------------
     "scale_rewards": ("std_normalize_advantages", "LOOP's advantages are leave-one-out, not normalised by default (advantage_estimator: group_mean with std_normalize_advantages is GRPO's)"),
     "num_generations": ("rollouts_per_task", "the leave-one-out group"),
-    "reward_weights": (None, _REWARDS), "multi_objective_aggregation": (None, _REWARDS),
+    "multi_objective_aggregation": (None, "LOOP's advantage is leave-one-out on the weighted sum of the rewards "
+                                    "(sum_then_normalize, without normalising); it needs no per-reward scaling"),
     # --- generation ----------------------------------------------------------------------------------------
     "max_completion_length": ("max_trajectory_tokens", "an episode's whole-conversation budget (max_new_tokens_per_turn "
                               "limits one reply)"),
-    "max_tool_calling_iterations": ("max_turns", "model replies per episode"),
     "generation_batch_size": ("tasks_per_iteration", "an iteration collects tasks_per_iteration x rollouts_per_task "
                               "episodes"),
     "num_generations_eval": ("eval_rollouts_per_task", _EVALUATION),
@@ -210,6 +212,8 @@ RANGES: dict[str, Rule] = {
     "eval_every": Rule(">= 0", "evaluate on eval_split every N iterations; 0: never"),
     "eval_rollouts_per_task": Rule(">= 1", "rollouts of every evaluation task"),
     "eval_temperature": Rule(">= 0", "the evaluation sampling temperature; 0 is greedy"),
+    "max_tool_calling_iterations": Rule(">= 1 or None", "rounds of tool calls per episode (GRPOTrainer's agent "
+                                        "arguments); None: no limit but max_turns"),
     "eval_max_tasks": Rule(">= 1 or None", "evaluate only the first N tasks of eval_split; None: all of them"),
     # --- vLLM and distribution
     "vllm_gpu_memory_utilization": Rule("in (0, 1]", "the fraction of each GPU's memory a colocated vLLM engine takes"),

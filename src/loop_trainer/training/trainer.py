@@ -23,11 +23,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
 from transformers.trainer import PushInProgress
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -52,10 +53,13 @@ from .sampler import TaskSampler
 from .checkpointing import checkpointing_kwargs, enable_checkpointing, is_checkpointing
 from .stress import run_memory_stress_test
 from .update import PolicyUpdate, UpdateSettings
+from .trl_arguments import environment_for
 from .workers import RolloutWorkers
 
 
 logger = logging.getLogger(__name__)
+
+RewardFuncs = Callable | Sequence[Callable]
 
 
 def environment_reward(*_: Any, **__: Any) -> list[float]:
@@ -65,17 +69,26 @@ def environment_reward(*_: Any, **__: Any) -> list[float]:
 
 
 class LOOPTrainer(GRPOTrainer):
-    """Trains a policy with LOOP on an :class:`~loop_trainer.envs.Environment`.
+    """Trains a policy with LOOP on an :class:`~loop_trainer.envs.Environment`, or on what a TRL
+    multi-turn script hands ``GRPOTrainer`` (same argument names, same order).
 
     Args:
         model: a model id/path or a ``PreTrainedModel`` (as for ``GRPOTrainer``).
         env: the environment providing tasks and episodes. The trainer prepares it; whoever
-            created it closes it (``loop-train`` does).
+            created it closes it (``loop-train`` does). In its place, GRPOTrainer's agent arguments:
+            ``reward_funcs`` (also accepted here, as GRPOTrainer's second argument), ``train_dataset``
+            (a ``prompt`` column), ``eval_dataset`` (split ``eval``), ``tools`` and
+            ``environment_factory``, with TRL's semantics (:mod:`loop_trainer.envs.trl_agent`);
+            ``args.reward_weights`` and ``args.max_tool_calling_iterations`` apply to them.
         args: a :class:`LOOPConfig`.
         processing_class: the tokenizer (loaded from ``model`` if omitted); it needs a chat template.
         peft_config: e.g. a ``peft.LoraConfig``; the adapter is what gets trained.
+        quantization_config: passed on to model loading, as by ``GRPOTrainer``.
         generation_backend: how rollouts are sampled; defaults to a colocated vLLM engine when
             ``args.use_vllm``, else to sampling with the training model.
+
+    ``reward_processing_classes`` (reward models) and ``rollout_func`` are refused: LOOP's rewards are
+    functions or the environment's, and its rollout engine runs the episodes.
 
     Use it as a context manager (or call :meth:`close`) to release its thread pools, generator
     and temporary files; :meth:`train` also releases them when it ends.
@@ -93,15 +106,23 @@ class LOOPTrainer(GRPOTrainer):
     """Settings changed on resume (``resume_with_changed_settings``), oldest first: ``{"setting", "old",
     "new", "from_iteration"}``; kept in every later checkpoint."""
 
-    def __init__(self, model: str | PreTrainedModel, env: Environment, args: LOOPConfig | None = None,
-                 processing_class: PreTrainedTokenizerBase | None = None, callbacks: list[TrainerCallback] | None = None,
+    def __init__(self, model: str | PreTrainedModel, env: Environment | RewardFuncs | None = None,
+                 args: LOOPConfig | None = None, train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
+                 processing_class: PreTrainedTokenizerBase | None = None, reward_processing_classes: Any = None,
+                 callbacks: list[TrainerCallback] | None = None,
                  optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
-                 peft_config: Any | None = None, generation_backend: GenerationBackend | None = None):
+                 quantization_config: Any = None, peft_config: Any | None = None, tools: list[Callable] | None = None,
+                 rollout_func: Any = None, environment_factory: Callable | Mapping[str, Callable] | None = None, *,
+                 reward_funcs: RewardFuncs | None = None, generation_backend: GenerationBackend | None = None):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path or "model"
             args = LOOPConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-LOOP")
         if not isinstance(args, LOOPConfig):
             raise TypeError(f"args must be a LOOPConfig, got {type(args).__name__}")
+        env, self.trl_route = environment_for(
+            env, args, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, tools=tools,
+            environment_factory=environment_factory, reward_processing_classes=reward_processing_classes,
+            rollout_func=rollout_func)
         use_vllm = args.use_vllm and generation_backend is None
         if use_vllm:
             require_vllm()
@@ -119,7 +140,7 @@ class LOOPTrainer(GRPOTrainer):
         try:
             super().__init__(model=model, reward_funcs=[environment_reward], args=args, train_dataset=tasks,
                              processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
-                             peft_config=peft_config)
+                             quantization_config=quantization_config, peft_config=peft_config)
         finally:
             args.use_vllm, args.beta = use_vllm or args.use_vllm, beta
         if args.beta > 0 and not hasattr(self.model, "disable_adapter"):
@@ -294,6 +315,8 @@ class LOOPTrainer(GRPOTrainer):
             self.prepare_for_iterations()
         started = time.perf_counter()
         iteration = self.state.global_step  # 0-based: the iteration being trained
+        if self.trl_route:
+            self.env.trainer_state = self.state  # TRL's reward functions get trainer_state
         synced = self.generator.sync(iteration)
         tasks = [self.train_dataset[i] for i in self.task_sampler.next(args.tasks_per_iteration)]
         batch = self.collect_rollouts(tasks)

@@ -1,0 +1,83 @@
+"""GRPOTrainer's agent-training arguments on LOOPTrainer: which environment a call describes.
+
+``LOOPTrainer`` takes either a LOOP :class:`~loop_trainer.envs.Environment` or what a TRL 1.16
+multi-turn script hands ``GRPOTrainer``: ``reward_funcs``, ``train_dataset`` / ``eval_dataset``,
+``tools`` and ``environment_factory``. The second route builds a
+:class:`~loop_trainer.envs.trl_agent.TRLAgentEnvironment` from them (TRL's semantics, run through
+LOOP's concurrent rollout engine); the config keys only that route reads (``reward_weights``,
+``max_tool_calling_iterations``) are refused on the first, so neither route ignores a setting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from datasets import Dataset
+
+from ..envs.base import Environment
+from ..envs.trl_agent import TRLAgentEnvironment
+
+# LOOPConfig keys read only when the trainer is given TRL's agent arguments -> what they do.
+TRL_ROUTE_KEYS = {
+    "reward_weights": "weights of reward_funcs in the episode reward",
+    "max_tool_calling_iterations": "rounds of tool calls per episode",
+}
+
+
+def _is_reward_funcs(value: Any) -> bool:
+    return callable(value) or (isinstance(value, (list, tuple)) and all(callable(f) for f in value) and bool(value))
+
+
+def environment_for(env: Any, args: Any, *, reward_funcs: Any = None, train_dataset: Dataset | None = None,
+                    eval_dataset: Dataset | None = None, tools: Sequence[Callable] | None = None,
+                    environment_factory: Callable | Mapping[str, Callable] | None = None,
+                    reward_processing_classes: Any = None, rollout_func: Any = None) -> tuple[Environment, bool]:
+    """The environment a ``LOOPTrainer(...)`` call trains on, and whether it came from TRL's arguments.
+
+    ``env`` is the trainer's second positional argument: an Environment, or (GRPOTrainer's order)
+    the reward functions."""
+    if env is not None and not isinstance(env, Environment):
+        if not _is_reward_funcs(env):
+            raise TypeError(f"LOOPTrainer's second argument is an Environment or, as for GRPOTrainer, reward_funcs "
+                            f"(callables); got {type(env).__name__}")
+        if reward_funcs is not None:
+            raise TypeError("LOOPTrainer got reward_funcs twice (as its second argument and by keyword)")
+        env, reward_funcs = None, env
+    if rollout_func is not None:
+        raise ValueError("LOOPTrainer runs episodes itself and takes no rollout_func: give the multi-turn logic as an "
+                         "environment_factory (or a loop_trainer Environment)")
+    if reward_processing_classes is not None:
+        raise ValueError("LOOPTrainer takes reward functions only (callables), so reward_processing_classes has "
+                         "nothing to apply to: wrap a reward model in a function")
+    trl_arguments = {"reward_funcs": reward_funcs, "train_dataset": train_dataset, "eval_dataset": eval_dataset,
+                     "tools": tools, "environment_factory": environment_factory}
+    given = [name for name, value in trl_arguments.items() if value is not None]
+    if env is not None:
+        if given:
+            raise ValueError(f"LOOPTrainer got an Environment and {', '.join(given)}: give either a loop_trainer "
+                             "Environment, or GRPOTrainer's agent arguments (train_dataset, reward_funcs, tools, "
+                             "environment_factory), not both")
+        for key, meaning in TRL_ROUTE_KEYS.items():
+            if getattr(args, key) is not None:
+                raise ValueError(f"LOOPConfig: {key}={getattr(args, key)!r} is used only with GRPOTrainer's agent "
+                                 f"arguments ({meaning}); this run's rewards and turns come from the environment "
+                                 f"{env.name!r} (its episodes; max_turns)")
+        return env, False
+    if not given:
+        raise TypeError("LOOPTrainer needs an environment: a loop_trainer Environment as its second argument, or "
+                        "GRPOTrainer's agent arguments (train_dataset with a 'prompt' column, reward_funcs, tools, "
+                        "environment_factory)")
+    if train_dataset is None:
+        if environment_factory is None or isinstance(environment_factory, Mapping):
+            raise ValueError("train_dataset is required unless a single environment_factory builds every prompt "
+                             "(reset() returns it), as in GRPOTrainer")
+        # TRL's stand-in: empty user messages that reset()'s returned text fills in, one per task
+        train_dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * args.tasks_per_iteration})
+    if eval_dataset is not None and args.eval_split is None:
+        raise ValueError("eval_dataset is given but eval_split is not set: set eval_split: eval (and eval_every) to "
+                         "evaluate on it")
+    return TRLAgentEnvironment(train_dataset, reward_funcs or (), tools=tools or (),
+                               environment_factory=environment_factory, reward_weights=args.reward_weights,
+                               max_tool_calling_iterations=args.max_tool_calling_iterations,
+                               eval_dataset=eval_dataset), True

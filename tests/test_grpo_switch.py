@@ -1,0 +1,167 @@
+"""A TRL multi-turn script switched from GRPOTrainer to LOOPTrainer: the same environment_factory
+class, dataset and reward function run under TRL's own GRPOTrainer (one real training step, its own
+tool loop) and under LOOPTrainer (two iterations), with the same tiny model, Qwen2.5's chat template
+and the same scripted replies. Both must call the same tools with the same arguments, return the
+same tool messages (errors included) and give each rollout the same reward."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections import Counter as Tally
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers import ScriptedBackend
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from trl import GRPOConfig, GRPOTrainer
+
+from loop_trainer import LOOPConfig, LOOPTrainer
+from loop_trainer.envs import VaultEnv
+
+
+class CounterEnv:
+    """A TRL-style environment: public methods are tools, get_reward() owns a reward."""
+
+    calls: list[tuple] = []
+
+    def reset(self, **row) -> str:
+        self.count = row["start"]
+        return f" (the counter starts at {row['start']})"
+
+    def increment(self, by: int) -> int:
+        """Add to the counter.
+
+        Args:
+            by: How much to add.
+        """
+        CounterEnv.calls.append(("increment", by))
+        self.count += by
+        return self.count
+
+    def explode(self) -> str:
+        """Always fails."""
+        CounterEnv.calls.append(("explode",))
+        raise RuntimeError("kaput")
+
+    def get_reward(self) -> float:
+        return 1.0 if self.count == 10 else 0.0
+
+
+def said_done(completions, target, **kwargs) -> list[float]:
+    said_done.seen.extend(completions)
+    return [0.5 if f"Done at {t}" in c[-1]["content"] else 0.0 for c, t in zip(completions, target, strict=True)]
+
+
+said_done.seen = []
+DATASET = Dataset.from_list([{"prompt": [{"role": "user", "content": "Bring the counter to 10."}], "start": 4, "target": 10},
+                             {"prompt": [{"role": "user", "content": "Bring the counter to 10."}], "start": 7, "target": 10}])
+
+
+def call(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+class Script:
+    """The model: the first rollout of each task reaches 10, the second adds 1; then an unknown tool,
+    a tool that raises, and a final answer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.first_turns = tokenizer, Tally()
+
+    def __call__(self, prompt_ids: list[int]) -> str:
+        prompt = self.tokenizer.decode(prompt_ids)
+        turn = prompt.count("<|im_start|>assistant") - 1
+        start = int(re.search(r"the counter starts at (\d+)", prompt).group(1))
+        if turn == 0:
+            self.first_turns[start] += 1
+            return call("increment", f'{{"by": {10 - start if self.first_turns[start] % 2 else 1}}}')
+        return [call("nope", "{}"), call("explode", "{}"), "Done at 10."][turn - 1]
+
+
+def tiny_qwen(tokenizer):
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+        num_key_value_heads=1, head_dim=32, tie_word_embeddings=True, max_position_embeddings=4096,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id))
+
+
+def rollouts(completions):
+    """(tool calls, tool messages, final answer) of each rollout, as sorted tuples: comparable across trainers."""
+    out = []
+    for messages in completions:
+        calls = tuple((c["function"]["name"], tuple(sorted(c["function"]["arguments"].items())))
+                      for m in messages for c in m.get("tool_calls") or [])
+        tools = tuple(m["content"] for m in messages if m["role"] == "tool")
+        out.append((calls, tools, messages[-1]["content"]))
+    return sorted(out)
+
+
+def run_grpo(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    script = Script(tokenizer)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    args = GRPOConfig(output_dir=str(tmp_path / "grpo"), use_cpu=True, report_to="none", bf16=False, num_generations=2,
+                      per_device_train_batch_size=4, max_steps=1, max_completion_length=1024,
+                      max_tool_calling_iterations=5, activation_checkpointing=False, save_strategy="no", logging_steps=1,
+                      seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = GRPOTrainer(model=tiny_qwen(tokenizer), reward_funcs=said_done, args=args, train_dataset=DATASET,
+                              processing_class=tokenizer, environment_factory=CounterEnv)
+
+    def scripted_single_turn(prompt_ids, *_, **__):  # in place of model.generate: TRL's tool loop is untouched
+        return [tokenizer.encode(script(list(ids)), add_special_tokens=False) + [end] for ids in prompt_ids], None
+
+    trainer._generate_single_turn = scripted_single_turn
+    trainer.train()
+    return trainer
+
+
+def test_the_same_trl_script_runs_under_grpo_trainer_and_loop_trainer(qwen_tokenizer, tmp_path, monkeypatch):
+    CounterEnv.calls, said_done.seen = [], []
+    grpo = run_grpo(qwen_tokenizer, tmp_path, monkeypatch)
+    grpo_calls, grpo_rollouts = Tally(CounterEnv.calls), rollouts(said_done.seen)
+    grpo_log = grpo.state.log_history[0]
+    assert len(grpo_rollouts) == 4 and grpo_log["reward"] == pytest.approx(1.0)  # (1.5 + 0.5) / 2 on each task
+
+    CounterEnv.calls, said_done.seen = [], []
+    args = LOOPConfig(output_dir=str(tmp_path / "loop"), iterations=2, tasks_per_iteration=2, rollouts_per_task=2,
+                      minibatch_size=2, per_device_train_batch_size=2, max_turns=6, max_new_tokens_per_turn=64,
+                      max_trajectory_tokens=512, max_tool_calling_iterations=5, learning_rate=1e-3,
+                      memory_stress_test=False, activation_checkpointing=False, disable_tqdm=True, report_to=[], save_strategy="no", seed=0)
+    script = Script(qwen_tokenizer)
+    # the GRPOTrainer call, word for word, with LOOPTrainer (plus the scripted model in place of sampling)
+    trainer = LOOPTrainer(model=tiny_qwen(qwen_tokenizer), reward_funcs=said_done, args=args, train_dataset=DATASET,
+                          processing_class=qwen_tokenizer, environment_factory=CounterEnv,
+                          generation_backend=ScriptedBackend(qwen_tokenizer, script))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    history = trainer.history
+    assert [h["iteration"] for h in history] == [1, 2]
+    first_iteration = rollouts(said_done.seen[:4])
+    # the same tool calls, tool messages (errors included) and answers as TRL's own loop
+    assert first_iteration == grpo_rollouts
+    assert Tally(CounterEnv.calls) == Tally({k: 2 * v for k, v in grpo_calls.items()})
+    assert {m for r in grpo_rollouts for m in r[1]} >= {"{'error': 'Tool nope not found.'}", "{'error': 'kaput'}"}
+    # rewards: get_reward() (1 when the counter reached 10) + said_done (0.5), per rollout as in TRL
+    assert all(h["reward_mean"] == pytest.approx(grpo_log["reward"]) for h in history)
+    assert all(h["num_kept"] == 4 and h["optimizer_steps"] >= 1 for h in history)
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_trl_route_arguments_and_keys_are_checked(qwen_tokenizer, tmp_path):
+    args = LOOPConfig(output_dir=str(tmp_path / "a"), report_to=[], disable_tqdm=True, reward_weights=[2.0])
+    with pytest.raises(ValueError, match=r"reward_weights=\[2.0\] is used only with GRPOTrainer's agent arguments"):
+        LOOPTrainer(tiny_qwen(qwen_tokenizer), VaultEnv(), args, processing_class=qwen_tokenizer)
+    args = LOOPConfig(output_dir=str(tmp_path / "b"), report_to=[], disable_tqdm=True)
+    with pytest.raises(ValueError, match="got an Environment and train_dataset"):
+        LOOPTrainer(tiny_qwen(qwen_tokenizer), VaultEnv(), args, train_dataset=DATASET, processing_class=qwen_tokenizer)
+    with pytest.raises(ValueError, match="takes no rollout_func"):
+        LOOPTrainer(tiny_qwen(qwen_tokenizer), said_done, args, train_dataset=DATASET, rollout_func=lambda *a: None)
+    with pytest.raises(TypeError, match="needs an environment"):
+        LOOPTrainer(tiny_qwen(qwen_tokenizer), args=args, processing_class=qwen_tokenizer)
+    with pytest.raises(ValueError, match="LOOPConfig: max_tool_calling_iterations must be >= 1 or None, got 0"):
+        LOOPConfig(output_dir=str(tmp_path / "c"), max_tool_calling_iterations=0)
