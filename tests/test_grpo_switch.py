@@ -19,6 +19,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.envs import VaultEnv
+from loop_trainer.grpo_args import loop_config_from_grpo
 
 
 class CounterEnv:
@@ -165,3 +166,45 @@ def test_trl_route_arguments_and_keys_are_checked(qwen_tokenizer, tmp_path):
         LOOPTrainer(tiny_qwen(qwen_tokenizer), args=args, processing_class=qwen_tokenizer)
     with pytest.raises(ValueError, match="LOOPConfig: max_tool_calling_iterations must be >= 1 or None, got 0"):
         LOOPConfig(output_dir=str(tmp_path / "c"), max_tool_calling_iterations=0)
+
+
+def test_a_grpo_config_is_translated_to_loop_terms(qwen_tokenizer, tmp_path):
+    grpo = GRPOConfig(output_dir=str(tmp_path / "g"), use_cpu=True, bf16=False, report_to="none", num_generations=4,
+                      per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=10, logging_steps=2,
+                      max_completion_length=2048, max_tool_calling_iterations=5, learning_rate=1e-5, seed=3)
+    trainer = LOOPTrainer(tiny_qwen(qwen_tokenizer), said_done, grpo, DATASET, processing_class=qwen_tokenizer,
+                          environment_factory=CounterEnv, generation_backend=ScriptedBackend(qwen_tokenizer, str))
+    args = trainer.args
+    assert isinstance(args, LOOPConfig)
+    # 8 completions per generation (4 x 2 micro-steps) = 2 prompts x 4; one optimizer step per 8 completions
+    assert (args.tasks_per_iteration, args.rollouts_per_task, args.minibatch_size, args.ppo_epochs) == (2, 4, 8, 1)
+    assert (args.iterations, args.logging_steps, args.per_device_train_batch_size) == (10, 2, 4)
+    assert (args.max_completion_tokens, args.max_new_tokens_per_turn, args.max_turns) == (2048, 2048, 6)
+    assert (args.learning_rate, args.seed, args.max_tool_calling_iterations) == (1e-5, 3, 5)
+    assert trainer.env.max_tool_calling_iterations == 5
+    trainer.close()
+    epochs = GRPOConfig(output_dir=str(tmp_path / "e"), use_cpu=True, bf16=False, num_generations=2,
+                        per_device_train_batch_size=2, num_train_epochs=3)
+    assert loop_config_from_grpo(epochs, num_tasks=10)[0].iterations == 30  # 3 passes over 10 prompts, 1 per iteration
+    with pytest.raises(ValueError, match=r"^GRPOConfig -> LOOPConfig: .*epsilon=0.3 \(LOOP clips.*top_p=0.9 \("):
+        loop_config_from_grpo(GRPOConfig(output_dir=str(tmp_path / "r"), use_cpu=True, bf16=False, epsilon=0.3,
+                                         top_p=0.9), num_tasks=2)
+
+
+def test_max_completion_tokens_bounds_everything_after_the_opening(qwen_tokenizer):
+    from helpers import EchoEnv
+
+    from loop_trainer.chat import ChatFormatter
+    from loop_trainer.rollout import EpisodeLimits, RolloutEngine
+
+    env = EchoEnv([{"task_id": "a", "turns": 10}])
+    backend = ScriptedBackend(qwen_tokenizer, lambda ids: "word " * 10)
+    limits = EpisodeLimits(max_turns=10, max_new_tokens_per_turn=100, max_trajectory_tokens=10_000,
+                           max_completion_tokens=25)
+    env.set_tokenizer(qwen_tokenizer)
+    with RolloutEngine(env, backend, ChatFormatter(qwen_tokenizer), limits) as engine:
+        [trajectory] = engine.collect(env.tasks(), rollouts_per_task=1).trajectories
+    assert trajectory.ending == "trajectory_budget"
+    # the second reply gets only the room the first reply and its environment message left; then none is left
+    assert trajectory.num_turns == 2 and trajectory.truncated_turns == 1
+    assert sum(trajectory.loss_mask) < 25 < len(trajectory.token_ids) - trajectory.prompt_length

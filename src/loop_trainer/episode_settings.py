@@ -96,6 +96,10 @@ class EpisodeSettings:
     max_trajectory_tokens: int = field(
         default=32000, metadata={"help": "Whole-conversation budget; the episode ends when it is used up."}
     )
+    max_completion_tokens: int | None = field(
+        default=None, metadata={"help": "Budget of everything after the opening prompt (replies and environment "
+                                "messages), as GRPOTrainer's max_completion_length; none: max_trajectory_tokens only."}
+    )
     max_concurrent_episodes: int = field(default=256, metadata={"help": "Episodes in flight at once."})
     env_timeout: float = field(default=300.0, metadata={"help": "Seconds one environment call may take."})
     generation_batch_limit: int = field(
@@ -103,7 +107,8 @@ class EpisodeSettings:
     )
 
     def episode_limits(self) -> EpisodeLimits:
-        return EpisodeLimits(self.max_turns, self.max_new_tokens_per_turn, self.max_trajectory_tokens)
+        return EpisodeLimits(self.max_turns, self.max_new_tokens_per_turn, self.max_trajectory_tokens,
+                             self.max_completion_tokens)
 
     def concurrency_for(self, env_limit: int | None) -> int:
         """Episodes in flight at once, bounded by what the environment can run."""
@@ -115,6 +120,8 @@ EPISODE_RANGES: dict[str, Rule] = {
     "max_turns": Rule(">= 1", "model replies per episode"),
     "max_new_tokens_per_turn": Rule(">= 1", "the token limit of one reply"),
     "max_trajectory_tokens": Rule(">= 1", "the whole conversation's token budget"),
+    "max_completion_tokens": Rule(">= 1 or None", "the token budget after the opening prompt; None: no budget but "
+                                  "max_trajectory_tokens"),
     "max_concurrent_episodes": Rule(">= 1", "episodes in flight at once"),
     "env_timeout": Rule("> 0", "seconds one environment call may take; 0 would fail every call as timed out"),
     "generation_batch_limit": Rule(">= 1", "the most sequences the transformers backend samples in one batch"),

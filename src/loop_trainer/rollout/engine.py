@@ -182,6 +182,9 @@ class RolloutEngine:
             trajectory.ending = "turn_limit"
             for turn in range(self.limits.max_turns):
                 room = self.limits.max_trajectory_tokens - len(trajectory.token_ids)
+                if self.limits.max_completion_tokens is not None:
+                    used = len(trajectory.token_ids) - trajectory.prompt_length
+                    room = min(room, self.limits.max_completion_tokens - used)
                 if room < 1:
                     trajectory.ending = "trajectory_budget"
                     break

@@ -64,6 +64,9 @@ class EpisodeLimits:
     max_new_tokens_per_turn: int = 1500
     max_trajectory_tokens: int = 32000
     """Whole-conversation budget; with less than one token of room left the episode ends."""
+    max_completion_tokens: int | None = None
+    """Budget of everything after the opening (replies and environment messages), as GRPOTrainer's
+    max_completion_length; None: only max_trajectory_tokens. Running out also ends the episode."""
 
 
 @dataclass

@@ -33,11 +33,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixi
 from transformers.trainer import PushInProgress
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import HubStrategy, TrainOutput
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 
 from ..chat import ChatFormatter, stop_token_ids
 from ..config import LOOPConfig
 from ..envs.base import Environment, load_tasks
+from ..grpo_args import loop_config_from_grpo
 from ..objective import advantage_keep_mask, advantages_for
 from ..publishing.publisher import HubPublisher
 from ..rollout import GenerationBackend, RolloutBatch, RolloutEngine, mix_seed
@@ -80,7 +81,7 @@ class LOOPTrainer(GRPOTrainer):
             (a ``prompt`` column), ``eval_dataset`` (split ``eval``), ``tools`` and
             ``environment_factory``, with TRL's semantics (:mod:`loop_trainer.envs.trl_agent`);
             ``args.reward_weights`` and ``args.max_tool_calling_iterations`` apply to them.
-        args: a :class:`LOOPConfig`.
+        args: a :class:`LOOPConfig`; a ``GRPOConfig`` is translated (:mod:`loop_trainer.grpo_args`).
         processing_class: the tokenizer (loaded from ``model`` if omitted); it needs a chat template.
         peft_config: e.g. a ``peft.LoraConfig``; the adapter is what gets trained.
         quantization_config: passed on to model loading, as by ``GRPOTrainer``.
@@ -117,8 +118,11 @@ class LOOPTrainer(GRPOTrainer):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path or "model"
             args = LOOPConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-LOOP")
+        if isinstance(args, GRPOConfig) and not isinstance(args, LOOPConfig):  # the one-word switch from GRPOTrainer
+            args, translated = loop_config_from_grpo(args, None if train_dataset is None else len(train_dataset))
+            logger.info("GRPOConfig as LOOPConfig: %s", ", ".join(f"{k}={v!r}" for k, v in translated.items()))
         if not isinstance(args, LOOPConfig):
-            raise TypeError(f"args must be a LOOPConfig, got {type(args).__name__}")
+            raise TypeError(f"args must be a LOOPConfig (or a GRPOConfig, translated), got {type(args).__name__}")
         env, self.trl_route = environment_for(
             env, args, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, tools=tools,
             environment_factory=environment_factory, reward_processing_classes=reward_processing_classes,

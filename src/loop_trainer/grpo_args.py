@@ -1,0 +1,100 @@
+"""A ``GRPOConfig`` as a :class:`~loop_trainer.LOOPConfig`: the one-word switch from GRPOTrainer.
+
+A TRL script that passes ``args=GRPOConfig(...)`` to ``LOOPTrainer`` keeps every setting it chose,
+translated to LOOP's terms, and is refused (one line, all offending keys) where a setting has no
+LOOP meaning. The batch shape and the run length always carry over (GRPOConfig's defaults too:
+one prompt x 8 completions per step, 3 epochs); of the other keys, those set away from
+GRPOConfig's defaults are carried and the rest take LOOPConfig's defaults (the paper's). The
+translations:
+
+* batch shape: GRPO samples ``generation_batch_size`` completions (``num_generations`` per prompt)
+  and takes an optimizer step every ``per_device_train_batch_size x gradient_accumulation_steps x
+  processes`` of them, ``num_iterations`` passes over each batch. That is LOOP's
+  ``tasks_per_iteration = generation_batch_size / num_generations``, ``rollouts_per_task =
+  num_generations``, ``minibatch_size`` (trajectories per optimizer step) and ``ppo_epochs``;
+* length of the run: ``max_steps`` (optimizer steps) or ``num_train_epochs`` (passes over the
+  prompts) become ``iterations``; ``logging_steps`` and ``save_steps``, in optimizer steps, become
+  iterations the same way (rounded up);
+* ``max_completion_length`` (every turn after the prompt, tool output included) is
+  ``max_completion_tokens``, and also bounds one reply (``max_new_tokens_per_turn``), as in TRL;
+  the number of turns is bounded by ``max_tool_calling_iterations`` + 1, as in TRL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from trl import GRPOConfig
+
+from .config import HONOURED_INHERITED_KEYS, REFUSED_INHERITED_KEYS, LOOPConfig
+
+# GRPOConfig keys with the same meaning in LOOPConfig (besides HONOURED_INHERITED_KEYS).
+SAME_MEANING = {"activation_checkpointing", "gradient_checkpointing", "learning_rate", "lr_scheduler_type",
+                "max_grad_norm", "report_to", "save_total_limit", "temperature", "weight_decay", "save_strategy",
+                "per_device_train_batch_size"}
+# GRPOConfig keys translated below (their values shape LOOP's batch, run length and budgets).
+TRANSLATED = {"num_generations", "generation_batch_size", "steps_per_generation", "gradient_accumulation_steps",
+              "num_iterations", "max_steps", "num_train_epochs", "max_completion_length", "logging_steps",
+              "save_steps"}
+# Keys GRPOConfig derives from others in __post_init__ (compared through the keys they derive from).
+DERIVED = {"generation_batch_size", "steps_per_generation", "logging_dir"}
+DIFFERENT_MEANING = {"epsilon": "LOOP clips the ratio to [1/(1+epsilon), 1+epsilon], GRPO to [1-epsilon, 1+epsilon_high]; "
+                                "LOOPConfig's epsilon is LOOP's"}
+
+
+def _differs(value: Any, default: Any) -> bool:
+    value, default = getattr(value, "value", value), getattr(default, "value", default)
+    return value != default and not (isinstance(value, float) and isinstance(default, float)
+                                     and math.isnan(value) and math.isnan(default))
+
+
+def changed_keys(grpo: GRPOConfig) -> dict[str, Any]:
+    """The keys of ``grpo`` set away from GRPOConfig's defaults (as __post_init__ leaves them)."""
+    try:
+        reference = GRPOConfig(output_dir=grpo.output_dir, use_cpu=grpo.use_cpu)
+    except ValueError:  # GRPOConfig's bf16 default fails where there is no bf16 device: grpo must have set it
+        reference = GRPOConfig(output_dir=grpo.output_dir, use_cpu=grpo.use_cpu, bf16=False)
+    return {spec.name: getattr(grpo, spec.name) for spec in dataclasses.fields(GRPOConfig)
+            if spec.init and spec.name not in DERIVED and _differs(getattr(grpo, spec.name), getattr(reference, spec.name))}
+
+
+def loop_config_from_grpo(grpo: GRPOConfig, num_tasks: int | None) -> tuple[LOOPConfig, dict[str, Any]]:
+    """``grpo`` in LOOP's terms, and the LOOP keys it set (for the log). ``num_tasks``: the prompts
+    in train_dataset (for ``num_train_epochs``), None if unknown."""
+    changed = changed_keys(grpo)
+    refused = []
+    for key, value in sorted(changed.items()):
+        if key in DIFFERENT_MEANING:
+            refused.append(f"{key}={value!r} ({DIFFERENT_MEANING[key]})")
+        elif key in REFUSED_INHERITED_KEYS and key not in TRANSLATED:
+            equivalent, why = REFUSED_INHERITED_KEYS[key]
+            refused.append(f"{key}={value!r} ({why}{'; LOOP key: ' + equivalent if equivalent else ''})")
+    if refused:
+        raise ValueError("GRPOConfig -> LOOPConfig: these settings have no LOOP meaning; drop them or use LOOPConfig: "
+                         + "; ".join(refused))
+    loop: dict[str, Any] = {k: v for k, v in changed.items()
+                            if (k in SAME_MEANING or k in HONOURED_INHERITED_KEYS) and k not in TRANSLATED}
+    # A GRPOConfig always defines a batch shape and a run length (its defaults included): both carry over.
+    per_step = grpo.per_device_train_batch_size * grpo.gradient_accumulation_steps * grpo.world_size
+    loop.update(rollouts_per_task=grpo.num_generations,
+                tasks_per_iteration=max(1, grpo.generation_batch_size // grpo.num_generations),
+                minibatch_size=per_step, per_device_train_batch_size=grpo.per_device_train_batch_size,
+                ppo_epochs=grpo.num_iterations)
+    steps_per_iteration = grpo.num_iterations * math.ceil(grpo.generation_batch_size / per_step)
+    if grpo.max_steps > 0:
+        loop["iterations"] = math.ceil(grpo.max_steps / steps_per_iteration)
+    elif num_tasks is None:
+        raise ValueError("GRPOConfig -> LOOPConfig: num_train_epochs needs a train_dataset to count; set max_steps")
+    else:
+        loop["iterations"] = math.ceil(grpo.num_train_epochs * num_tasks / loop["tasks_per_iteration"])
+    for key in ("logging_steps", "save_steps"):
+        if key in changed:
+            value = getattr(grpo, key)
+            loop[key] = value if value < 1 else math.ceil(value / steps_per_iteration)
+    if "max_completion_length" in changed:
+        loop.update(max_completion_tokens=grpo.max_completion_length, max_new_tokens_per_turn=grpo.max_completion_length)
+    if grpo.max_tool_calling_iterations is not None:
+        loop["max_turns"] = grpo.max_tool_calling_iterations + 1
+    return LOOPConfig(output_dir=grpo.output_dir, **loop), loop
