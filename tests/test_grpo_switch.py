@@ -186,6 +186,10 @@ def test_a_grpo_config_is_translated_to_loop_terms(qwen_tokenizer, tmp_path):
     epochs = GRPOConfig(output_dir=str(tmp_path / "e"), use_cpu=True, bf16=False, num_generations=2,
                         per_device_train_batch_size=2, num_train_epochs=3)
     assert loop_config_from_grpo(epochs, num_tasks=10)[0].iterations == 30  # 3 passes over 10 prompts, 1 per iteration
+    evaluating = GRPOConfig(output_dir=str(tmp_path / "v"), use_cpu=True, bf16=False, num_generations=2,
+                            per_device_train_batch_size=4, max_steps=12, eval_strategy="steps", eval_steps=6)
+    translated = loop_config_from_grpo(evaluating, num_tasks=2)[0]
+    assert (translated.eval_split, translated.eval_every, translated.iterations) == ("eval", 6, 12)
     with pytest.raises(ValueError, match=r"^GRPOConfig -> LOOPConfig: .*epsilon=0.3 \(LOOP clips.*top_p=0.9 \("):
         loop_config_from_grpo(GRPOConfig(output_dir=str(tmp_path / "r"), use_cpu=True, bf16=False, epsilon=0.3,
                                          top_p=0.9), num_tasks=2)

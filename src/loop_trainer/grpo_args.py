@@ -17,7 +17,9 @@ translations:
   iterations the same way (rounded up);
 * ``max_completion_length`` (every turn after the prompt, tool output included) is
   ``max_completion_tokens``, and also bounds one reply (``max_new_tokens_per_turn``), as in TRL;
-  the number of turns is bounded by ``max_tool_calling_iterations`` + 1, as in TRL.
+  the number of turns is bounded by ``max_tool_calling_iterations`` + 1, as in TRL;
+* ``eval_strategy="steps"`` evaluates ``eval_dataset`` (split "eval") every ``eval_steps``
+  optimizer steps, as iterations.
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ SAME_MEANING = {"activation_checkpointing", "gradient_checkpointing", "learning_
 # GRPOConfig keys translated below (their values shape LOOP's batch, run length and budgets).
 TRANSLATED = {"num_generations", "generation_batch_size", "steps_per_generation", "gradient_accumulation_steps",
               "num_iterations", "max_steps", "num_train_epochs", "max_completion_length", "logging_steps",
-              "save_steps"}
+              "save_steps", "eval_strategy", "eval_steps"}
 # Keys GRPOConfig derives from others in __post_init__ (compared through the keys they derive from).
-DERIVED = {"generation_batch_size", "steps_per_generation", "logging_dir"}
+DERIVED = {"generation_batch_size", "steps_per_generation", "logging_dir", "do_eval"}
 DIFFERENT_MEANING = {"epsilon": "LOOP clips the ratio to [1/(1+epsilon), 1+epsilon], GRPO to [1-epsilon, 1+epsilon_high]; "
                                 "LOOPConfig's epsilon is LOOP's"}
 
@@ -93,6 +95,14 @@ def loop_config_from_grpo(grpo: GRPOConfig, num_tasks: int | None) -> tuple[LOOP
         if key in changed:
             value = getattr(grpo, key)
             loop[key] = value if value < 1 else math.ceil(value / steps_per_iteration)
+    strategy = getattr(grpo.eval_strategy, "value", grpo.eval_strategy)
+    if strategy == "steps":  # TRL evaluates eval_dataset every eval_steps (default: logging_steps) optimizer steps
+        every = grpo.eval_steps or grpo.logging_steps  # below 1: a fraction of the run
+        iterations = every * loop["iterations"] if every < 1 else every / steps_per_iteration
+        loop.update(eval_split="eval", eval_every=max(1, math.ceil(iterations)))
+    elif strategy != "no":
+        raise ValueError(f"GRPOConfig -> LOOPConfig: eval_strategy={strategy!r}: LOOP evaluates every eval_every "
+                         "iterations; use eval_strategy='steps' (with eval_steps) or a LOOPConfig")
     if "max_completion_length" in changed:
         loop.update(max_completion_tokens=grpo.max_completion_length, max_new_tokens_per_turn=grpo.max_completion_length)
     if grpo.max_tool_calling_iterations is not None:

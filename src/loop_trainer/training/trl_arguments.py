@@ -11,12 +11,15 @@ LOOP's concurrent rollout engine); the config keys only that route reads (``rewa
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+import logging
 from typing import Any
 
 from datasets import Dataset
 
 from ..envs.base import Environment
 from ..envs.trl_agent import TRLAgentEnvironment
+
+logger = logging.getLogger(__name__)
 
 # LOOPConfig keys read only when the trainer is given TRL's agent arguments -> what they do.
 TRL_ROUTE_KEYS = {
@@ -74,9 +77,9 @@ def environment_for(env: Any, args: Any, *, reward_funcs: Any = None, train_data
                              "(reset() returns it), as in GRPOTrainer")
         # TRL's stand-in: empty user messages that reset()'s returned text fills in, one per task
         train_dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * args.tasks_per_iteration})
-    if eval_dataset is not None and args.eval_split is None:
-        raise ValueError("eval_dataset is given but eval_split is not set: set eval_split: eval (and eval_every) to "
-                         "evaluate on it")
+    if eval_dataset is not None and not (args.eval_split and args.eval_every):
+        logger.warning("eval_dataset is not evaluated during training: set eval_split='eval' and eval_every (or, "
+                       "in a GRPOConfig, eval_strategy='steps'); trainer.evaluate_policy('eval') runs it")
     return TRLAgentEnvironment(train_dataset, reward_funcs or (), tools=tools or (),
                                environment_factory=environment_factory, reward_weights=args.reward_weights,
                                max_tool_calling_iterations=args.max_tool_calling_iterations,
