@@ -1,0 +1,419 @@
+"""OpenEnv environments as LOOP environments: ``from_openenv(client, tasks=...)``.
+
+An OpenEnv (``openenv`` 0.10) environment runs behind a server; a client holds one WebSocket
+session, i.e. one environment instance (``reset(**kwargs)``, then ``step(action)`` until ``done``).
+The HTTP ``/reset`` and ``/step`` routes build a fresh environment per request, so multi-step
+episodes need the WebSocket: every LOOP episode opens its own session in ``start`` and closes it in
+``close``. ``client`` is an ``EnvClient`` subclass (with ``base_url``), a zero-argument factory
+returning a client or an awaitable of one (your own launcher), or a client instance, whose
+``new_session()`` gives each episode its session against the one server (a container the instance
+started, e.g. with ``from_docker_image``, is shared; ``Environment.close()`` closes the instance). The client's async API runs on the rollout
+engine's event loop: episodes are I/O-bound, and a coroutine is cancelled on ``env_timeout``
+where a synchronous ``.sync()`` client would be abandoned in its thread.
+
+* Tasks: OpenEnv has no dataset. ``tasks`` holds the ``reset()`` keyword arguments, one row per task
+  (an int N: seeds 0..N-1). The opening is ``system_prompt`` (if any), then one user message: the
+  row's ``prompt`` (or ``instructions``) and the text of the reset observation.
+* Tool mode (a typed pydantic ``Action``): one tool, named after the Action (``GuessAction`` ->
+  ``guess``), whose parameters are its fields but ``metadata``; each ``<tool_call>`` (parsed as TRL
+  parses it) is one ``step``, its observation a ``tool`` message. A reply without a call ends the
+  episode, as in TRL; a malformed call, arguments the Action rejects or an error the server
+  reports for the action come back as TRL's ``{'error': ...}`` tool message, and the episode goes
+  on. Untyped clients (``GenericEnvClient``) get the parameters from the server's ``/schema``; MCP
+  clients (``MCPToolClient``) the server's tools, each call a ``CallToolAction``.
+* Text mode (``action_from_text``): every reply becomes one action (a ``ValueError`` from it is
+  told to the model); the observation comes back as a user message.
+* Reward: the sum of the steps' rewards (``"last"``: the last one's; or a function of the
+  ``StepResult`` list); ``None`` counts as 0, but steps that all gave ``None`` fail the rollout.
+  An episode in which the model never acted scores 0. ``done`` from the server ends the episode at
+  once: the model would not act on the final observation, which is kept in ``Score.info``.
+* Concurrency: one server session per episode in flight. The server must allow them
+  (``SUPPORTS_CONCURRENT_SESSIONS = True``, ``create_app(..., max_concurrent_envs=N)``); pass the same N
+  as ``max_concurrent_episodes``. A refused session is retried for ``capacity_wait`` seconds, then fails
+  the rollout with one line saying what to raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+import time
+import typing
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from typing import Any
+
+from datasets import Dataset
+
+from .base import (Environment, EnvironmentSetupError, Episode, EpisodeContractError, Message, Reply, Score, Step,
+                   UnknownSplitError)
+from .tool_calls import malformed_call_message, parse_reply, prepare_tokenizer
+
+__all__ = ["OpenEnvEnvironment", "default_observation_text", "from_openenv"]
+
+INSTALL = ("OpenEnv is not installed: pip install 'loop-trainer[openenv]' (with this project's pinned lock, "
+           "pip install --no-deps openenv==0.10.0: its gradio requirement, for the optional web UI only, conflicts "
+           "with the lock; the client needs websockets, a server fastapi, uvicorn and fastmcp)")
+SERVER_ERROR = re.compile(r"Server error: (.*) \(code: (\w+)\)$", re.S)  # EnvClient's RuntimeError text
+ACTION_ERRORS = ("VALIDATION_ERROR", "EXECUTION_ERROR")  # the action's fault: the model is told, not the run failed
+
+
+def _openenv() -> Any:
+    try:
+        from openenv.core import mcp_client
+        from openenv.core.env_server import mcp_types
+    except ModuleNotFoundError as error:
+        raise EnvironmentSetupError(f"{INSTALL} ({error})") from None
+    return mcp_client.MCPClientBase, mcp_types.CallToolAction
+
+
+def _run_in_thread(coroutine: Callable[[], Any]) -> Any:
+    """``asyncio.run(coroutine())`` on a thread of its own: works whether or not a loop runs here."""
+    with ThreadPoolExecutor(1, thread_name_prefix="openenv-setup") as pool:
+        return pool.submit(lambda: asyncio.run(coroutine())).result()
+
+
+def default_observation_text(observation: Any) -> str:
+    """An observation's fields but ``done``, ``reward`` and ``metadata`` as JSON, or its one string
+    field alone; an MCP tool call's result (or ``{'error': ...}``)."""
+    if hasattr(observation, "tool_name") and hasattr(observation, "result"):  # MCP CallToolObservation
+        if getattr(observation, "error", None) is not None:
+            return str({"error": getattr(observation.error, "message", str(observation.error))})
+        result = observation.result
+        result = result["data"] if isinstance(result, Mapping) and "data" in result else result
+        return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+    data = observation.model_dump() if hasattr(observation, "model_dump") else observation
+    if not isinstance(data, Mapping):
+        return str(data)
+    fields = {key: value for key, value in data.items() if key not in ("done", "reward", "metadata")}
+    if len(fields) == 1 and isinstance(only := next(iter(fields.values())), str):
+        return only
+    return json.dumps(fields, ensure_ascii=False, default=str)
+
+
+def _action_class(client_type: type) -> type | None:
+    """The pydantic Action of ``EnvClient[Action, Observation, State]``, if the class says."""
+    from pydantic import BaseModel
+
+    for klass in client_type.__mro__:
+        for base in getattr(klass, "__orig_bases__", ()):
+            args = typing.get_args(base)
+            if args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+                return args[0]
+    return None
+
+
+def _tool(schema: Mapping[str, Any], name: str | None, environment: str) -> dict[str, Any]:
+    """An HF-style tool schema from an Action's JSON schema: its fields but ``metadata`` (OpenEnv's
+    bookkeeping, not the model's to set), field titles dropped (they repeat the names)."""
+    title = re.sub(r"Action$", "", str(schema.get("title", "")))
+    name = name or re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", title).lower() or "step"
+    properties = {key: {k: v for k, v in value.items() if k != "title"}
+                  for key, value in schema.get("properties", {}).items() if key != "metadata"}
+    parameters = {"type": "object", "properties": properties,
+                  "required": [key for key in schema.get("required", []) if key != "metadata"]}
+    if "$defs" in schema:
+        parameters["$defs"] = schema["$defs"]
+    description = schema.get("description") or f"Act in the {environment} environment (one step)."
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+
+
+def _rows(tasks: Any, argument: str, first_seed: int = 0) -> Dataset:
+    if isinstance(tasks, int) and not isinstance(tasks, bool):
+        if tasks < 1:
+            raise ValueError(f"{argument}={tasks}: give at least one task (an int N means seeds {first_seed}..)")
+        return Dataset.from_list([{"task_id": f"seed-{s}", "seed": s} for s in range(first_seed, first_seed + tasks)])
+    if isinstance(tasks, Sequence) and not isinstance(tasks, str) and all(isinstance(r, Mapping) for r in tasks):
+        tasks = Dataset.from_list([dict(row) for row in tasks])
+    if not isinstance(tasks, Dataset):
+        raise ValueError(f"{argument} must be an int (seeds), a list of dicts or a datasets.Dataset of reset() "
+                         f"keyword arguments, got {type(tasks).__name__}")
+    if "task_id" in tasks.column_names:
+        return tasks
+    return tasks.add_column("task_id", [f"task-{index}" for index in range(len(tasks))])
+
+
+class OpenEnvEnvironment(Environment):
+    """Episodes over an OpenEnv server, one client session each; build it with :func:`from_openenv`."""
+
+    name = "openenv"
+    reward_range = (-float("inf"), float("inf"))
+
+    def __init__(self, client: Any, *, base_url: str | None = None, client_kwargs: Mapping[str, Any] | None = None,
+                 tasks: Any = 1, eval_tasks: Any = None, action_from_text: Callable[[str], Any] | None = None,
+                 action_class: type | None = None, tool_name: str | None = None,
+                 observation_text: Callable[[Any], str] = default_observation_text,
+                 reward: str | Callable[[list[Any]], float] = "sum", system_prompt: str | None = None,
+                 instructions: str | None = None, max_concurrent_episodes: int | None = None,
+                 capacity_wait: float = 10.0, name: str = "openenv"):
+        self.mcp_client_class, self.call_tool_action = _openenv()
+        if type(client).__name__ == "SyncEnvClient":
+            raise ValueError("from_openenv runs OpenEnv clients asynchronously: pass the client without .sync() "
+                             "(for a container: asyncio.run(MyEnv.from_docker_image(image)))")
+        if reward not in ("sum", "last") and not callable(reward):
+            raise ValueError(f"reward must be 'sum', 'last' or a function of the StepResults, got {reward!r}")
+        self.parent = None
+        if isinstance(client, type):
+            if base_url is None:
+                raise ValueError(f"from_openenv({client.__name__}) needs base_url= (the OpenEnv server's URL), or pass "
+                                 "a client instance or a factory returning one")
+            self.factory = lambda: client(base_url=base_url, **dict(client_kwargs or {}))
+        elif hasattr(client, "new_session"):  # an instance: each episode a child session of it
+            self.parent, self.factory = client, client.new_session
+        elif callable(client):
+            self.factory = client
+        else:
+            raise ValueError(f"client must be an EnvClient subclass, an instance or a factory, got {client!r}")
+        self.name, self.base_url = name, base_url
+        self.datasets = {"train": _rows(tasks, "tasks")}
+        if eval_tasks is not None:
+            first = tasks if isinstance(tasks, int) and isinstance(eval_tasks, int) else 0  # seeds after train's
+            self.datasets["eval"] = _rows(eval_tasks, "eval_tasks", first)
+        self.action_from_text, self.action_class, self.tool_name = action_from_text, action_class, tool_name
+        self.observation_text, self.reward = observation_text, reward
+        self.system_prompt, self.instructions = system_prompt, instructions
+        self.max_concurrent_episodes, self.capacity_wait = max_concurrent_episodes, capacity_wait
+        self.mode: str | None = None  # "text", "tool", "untyped" or "mcp", once a client is seen
+        self.tool: dict[str, Any] | None = None
+        self.action_type: Any = None
+        self.tokenizer: Any = None
+        self.counts = {"action_errors": 0, "capacity_retries": 0}
+        self.prepared = False
+
+    def tasks(self, split: str = "train") -> Dataset:
+        if split not in self.datasets:
+            raise UnknownSplitError(f"this environment's splits are {', '.join(map(repr, self.datasets))} "
+                                    "(tasks, eval_tasks); set train_split / eval_split to one of them")
+        return self.datasets[split]
+
+    def episode(self, task: Mapping[str, Any]) -> OpenEnvEpisode:
+        return OpenEnvEpisode(self, task)
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        if self.action_from_text is None:  # tool calls are parsed with the template's response schema
+            try:
+                tokenizer = prepare_tokenizer(tokenizer)
+            except ValueError as error:
+                raise EnvironmentSetupError(str(error)) from None
+        self.tokenizer = tokenizer
+
+    def prepare(self) -> None:
+        """Open one session and reset it, so an unreachable or broken server fails at once."""
+        if self.prepared:
+            return
+
+        async def probe() -> None:
+            episode = self.episode(self.datasets["train"][0])
+            try:
+                await episode.start()
+            finally:
+                await episode.close()
+
+        try:
+            _run_in_thread(probe)
+        except Exception as error:  # noqa: BLE001 - one line for loop-train
+            detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise EnvironmentSetupError(f"OpenEnv environment {self.name!r}: {detail}") from None
+        self.prepared = True
+
+    def metrics(self) -> dict[str, float]:
+        return {key: float(value) for key, value in self.counts.items()}
+
+    def close(self) -> None:
+        parent, self.parent = self.parent, None
+        if parent is not None:
+            async def close() -> None:  # works whichever execution mode the instance was locked to
+                result = parent.close()
+                if inspect.isawaitable(result):
+                    await result
+
+            _run_in_thread(close)
+
+    async def new_client(self) -> Any:
+        client = self.factory()
+        if inspect.isawaitable(client):
+            client = await client
+        if self.mode is None:
+            await self._resolve(client)
+        return client
+
+    async def _resolve(self, client: Any) -> None:
+        """Text, MCP, typed or untyped actions, as the first client shows (concurrent calls agree)."""
+        if self.action_from_text is not None:
+            self.mode = "text"
+            return
+        if isinstance(client, self.mcp_client_class):
+            self.mode = "mcp"
+            return
+        action = self.action_class or _action_class(type(client))
+        if action is not None:
+            self.tool, self.action_type = _tool(action.model_json_schema(), self.tool_name, self.name), action
+            self.mode = "tool"
+            return
+        base_url = getattr(client, "base_url", None) or self.base_url
+        if base_url is None:
+            raise EnvironmentSetupError(f"{type(client).__name__} names no typed Action and has no base_url to read "
+                                        "the server's /schema from: pass action_class= or action_from_text=")
+
+        def fetch() -> dict[str, Any]:
+            with urllib.request.urlopen(f"{base_url}/schema", timeout=30) as response:
+                return json.loads(response.read())["action"]
+
+        self.tool = _tool(await asyncio.to_thread(fetch), self.tool_name, self.name)
+        self.mode = "untyped"
+
+
+class OpenEnvEpisode(Episode):
+    def __init__(self, env: OpenEnvEnvironment, task: Mapping[str, Any]):
+        self.env, self.task = env, task
+        self.reset_kwargs = {k: v for k, v in task.items() if k not in ("task_id", "prompt")}
+        self.client: Any = None
+        self.results: list[Any] = []
+        self.done, self.action_errors, self.last_observation = False, 0, ""
+
+    async def start(self) -> list[Message]:
+        env = self.env
+        deadline = time.monotonic() + env.capacity_wait
+        while True:
+            self.client = await env.new_client()
+            try:
+                reset = await self.client.reset(**self.reset_kwargs)
+                break
+            except RuntimeError as error:
+                match = SERVER_ERROR.search(str(error))
+                if match is None or match.group(2) != "CAPACITY_REACHED":
+                    raise
+                # a session that just closed frees its slot a moment later: wait a little, then say what to change
+                await self.close()
+                if time.monotonic() > deadline:
+                    limit = re.search(r"/(\d+) sessions", match.group(1))
+                    raise RuntimeError(
+                        f"the OpenEnv server refused a session ({match.group(1)}): let it run as many sessions as "
+                        "episodes run at once (create_app(..., max_concurrent_envs=N) and SUPPORTS_CONCURRENT_SESSIONS"
+                        " = True on its Environment), or cap LOOP's: from_openenv(..., max_concurrent_episodes="
+                        f"{limit.group(1) if limit else 'N'})") from None
+                env.counts["capacity_retries"] += 1
+                await asyncio.sleep(0.2)
+        if env.mode == "mcp":
+            self.tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                            "parameters": t.input_schema}}
+                          for t in await self.client.list_tools()]
+        elif env.mode != "text":
+            self.tools = [env.tool]
+        opening = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
+        prompt = self.task.get("prompt") or env.instructions
+        observation = env.observation_text(reset.observation)
+        text = "\n\n".join(part for part in (prompt, observation) if part)
+        return [*opening, {"role": "user", "content": text}]
+
+    async def step(self, reply: Reply) -> Step:
+        env = self.env
+        if env.mode == "text":
+            try:
+                action = env.action_from_text(str(reply))
+            except ValueError as error:  # pydantic's ValidationError is one: the reply is not an action
+                return Step([{"role": "user", "content": self._error(f"no action in this reply: {error}")}])
+            content = await self._act(action)
+            return Step(done=True) if self.done else Step([{"role": "user", "content": content}])
+        parsed = parse_reply(env.tokenizer, reply, self.tools)
+        calls = parsed.get("tool_calls")
+        if not calls:
+            malformed = malformed_call_message(env.tokenizer, parsed)
+            if malformed is None:
+                return Step(done=True)  # as in TRL: no call, the model is done
+            self._count_error()
+            return Step([malformed])
+        messages = []
+        for call in calls:
+            function = call.get("function") or {}
+            name = function.get("name", "unknown")
+            if call.get("type") != "function":
+                content = self._error(f"Unsupported tool call type: {call.get('type')}")
+            elif name not in {tool["function"]["name"] for tool in self.tools}:
+                content = self._error(f"Tool {name} not found.")
+            else:
+                content = await self._call(name, function.get("arguments") or {})
+            if self.done:
+                return Step(done=True)
+            messages.append({"role": "tool", "name": name, "content": content})
+        return Step(messages)
+
+    async def _call(self, name: str, arguments: Any) -> str:
+        env = self.env
+        if env.mode == "mcp":
+            return await self._act(env.call_tool_action(tool_name=name, arguments=dict(arguments)))
+        if env.mode == "untyped":  # GenericEnvClient: the server validates
+            return await self._act(dict(arguments))
+        try:
+            action = env.action_type(**arguments)
+        except (ValueError, TypeError) as error:  # pydantic's ValidationError is a ValueError
+            # pydantic's message spans lines and links its docs: one "field: problem" per error instead
+            problems = error.errors() if hasattr(error, "errors") else [{"loc": (), "msg": str(error)}]
+            text = "; ".join(f"{'.'.join(map(str, e['loc'])) or name}: {e['msg']}" for e in problems)
+            return self._error(f"invalid arguments for {name}: {text}")
+        return await self._act(action)
+
+    async def _act(self, action: Any) -> str:
+        """One ``step``: the observation's text, or the error the server reported for the action."""
+        try:
+            result = await self.client.step(action)
+        except RuntimeError as error:
+            match = SERVER_ERROR.search(str(error))
+            if match is None or match.group(2) not in ACTION_ERRORS:
+                raise  # a broken session, not a bad action: the rollout fails
+            return self._error(match.group(1))
+        self.results.append(result)
+        self.done = bool(result.done)
+        self.last_observation = self.env.observation_text(result.observation)
+        return self.last_observation
+
+    def _error(self, message: str) -> str:
+        self._count_error()
+        return str({"error": message})
+
+    def _count_error(self) -> None:
+        self.action_errors += 1
+        self.env.counts["action_errors"] += 1
+
+    def score(self) -> Score:
+        rewards = [result.reward for result in self.results]
+        if callable(self.env.reward):
+            reward = self.env.reward(self.results)
+        elif not rewards:
+            reward = 0.0  # the model never acted
+        elif all(value is None for value in rewards):
+            raise EpisodeContractError(f"the OpenEnv server gave no reward in any of this episode's {len(rewards)} "
+                                       "steps (every StepResult.reward is None): pass reward=<function of the "
+                                       "StepResults> to from_openenv")
+        elif self.env.reward == "last":
+            reward = rewards[-1] or 0.0
+        else:
+            reward = sum(value or 0.0 for value in rewards)
+        return Score(reward=reward, info={"steps": len(self.results), "rewards": rewards, "done": self.done,
+                                          "action_errors": self.action_errors,
+                                          "last_observation": self.last_observation})
+
+    async def close(self) -> None:
+        client, self.client = self.client, None
+        if client is not None:
+            await client.close()
+            parent = self.env.parent
+            with suppress(AttributeError, ValueError):  # new_session() keeps every child until its parent closes
+                parent._child_clients.remove(client)
+
+
+def from_openenv(client: Any, **kwargs: Any) -> OpenEnvEnvironment:
+    """An OpenEnv environment as a LOOP :class:`~loop_trainer.envs.base.Environment`.
+
+    ``client``: an ``EnvClient`` subclass (with ``base_url=``), a zero-argument factory returning a
+    client or an awaitable of one, or a client instance (each episode a ``new_session()`` of it).
+    Keywords: ``tasks`` (int N: seeds 0..N-1; or rows of ``reset()`` kwargs, with optional
+    ``task_id`` and ``prompt``), ``eval_tasks``, ``action_from_text`` (text mode), ``action_class``,
+    ``tool_name``, ``observation_text``, ``reward`` (``"sum"``, ``"last"`` or a function of the
+    StepResults), ``system_prompt``, ``instructions``, ``max_concurrent_episodes`` (at most the
+    server's ``max_concurrent_envs``), ``capacity_wait``, ``client_kwargs``, ``name``."""
+    return OpenEnvEnvironment(client, **kwargs)
