@@ -9,6 +9,10 @@ task in plain English, for a small pretrained model) are built in: they have no 
 they resolve even from a source tree with no installed metadata. AppWorld
 registers through the entry-point group, as a user's package would (see pyproject.toml), and is
 imported only when asked for by name.
+
+Environments from elsewhere, unchanged: ``TRLAgentEnvironment`` (GRPOTrainer's ``train_dataset``,
+``reward_funcs``, ``tools`` and ``environment_factory``; LOOPTrainer builds it from those
+arguments), ``from_verifiers(vf_env)`` and ``from_openenv(client)``.
 """
 
 from __future__ import annotations
@@ -35,7 +39,10 @@ from .base import (
     success_and_reward,
 )
 from .contacts import ContactsEnv
+from .openenv_env import OpenEnvEnvironment, from_openenv  # imports openenv only when used
+from .trl_agent import TRLAgentEnvironment
 from .vault import VaultEnv
+from .verifiers_env import VerifiersEnvironment, from_verifiers  # imports verifiers only when used
 
 __all__ = [
     "Environment",
@@ -47,7 +54,12 @@ __all__ = [
     "Score",
     "Step",
     "ContactsEnv",
+    "OpenEnvEnvironment",
+    "TRLAgentEnvironment",
     "VaultEnv",
+    "VerifiersEnvironment",
+    "from_openenv",
+    "from_verifiers",
     "as_score",
     "UnknownSplitError",
     "available_environments",
