@@ -2,7 +2,7 @@
 
 Each episode opens its own WebSocket session on the server (reset with the task's seed, then one
 step per tool call); the server's rewards are summed into the episode's reward (docs/environments.md,
-"OpenEnv environments"). Start the server first, allowing as many sessions as run at once, e.g.
+"verifiers and OpenEnv environments"). Start the server first, allowing as many sessions as run at once, e.g.
 `create_app(MyEnv, MyAction, MyObservation, max_concurrent_envs=16)` with
 `SUPPORTS_CONCURRENT_SESSIONS = True` on the environment, served on 127.0.0.1:8000. Then:
 

@@ -1,7 +1,7 @@
 """Train a verifiers 0.3.1 ToolEnv with LOOP: `from_verifiers(vf_env)` is the whole adapter.
 
 verifiers runs its own rollout loop, tools and rubric; LOOP samples every reply, appends the tokens
-exactly and trains on the rubric's reward (docs/environments.md, "verifiers environments"). Needs
+exactly and trains on the rubric's reward (docs/environments.md, "verifiers and OpenEnv environments"). Needs
 `pip install 'loop-trainer[verifiers]'` and a tool-calling chat model:
 
     python examples/verifiers_env.py --model Qwen/Qwen2.5-0.5B-Instruct --output_dir out/vf-arithmetic

@@ -1,5 +1,7 @@
-"""The scripts in examples/ build their trainers (a tiny model stands in for the real one; nothing
-trains here: each route's training is tested in its own test file)."""
+"""The example scripts build what they train: the TRL script its trainer, from its GRPOConfig (a tiny
+model stands in for the real one), and the verifiers script its environment. Nothing trains here:
+each route's training is tested in its own test file. examples/openenv_env.py needs a running
+OpenEnv server (tests/test_openenv_env.py trains against one)."""
 
 from __future__ import annotations
 
@@ -35,3 +37,11 @@ def test_the_trl_example_builds_its_trainer_from_a_grpo_config(qwen_tokenizer, t
         assert (args.tasks_per_iteration, args.rollouts_per_task, args.iterations, args.max_turns) == (2, 6, 50, 7)
         assert sorted(trainer.env.tasks()["target"]) == sorted([10, 25, 42] * 7)
         assert hasattr(trainer.model, "peft_config")
+
+
+def test_the_verifiers_example_builds_its_environment():
+    from loop_trainer.envs import from_verifiers
+
+    env = from_verifiers(load_example("verifiers_env").build_env())
+    tasks = env.tasks()
+    assert len(tasks) == 200 and tasks[0]["prompt"][-1]["content"].startswith("What is ")

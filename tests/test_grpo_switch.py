@@ -100,18 +100,22 @@ def rollouts(completions):
     return sorted(out)
 
 
+def script_args(output_dir) -> GRPOConfig:
+    """The script's GRPOConfig: 2 prompts x 2 completions per optimizer step, 2 steps."""
+    return GRPOConfig(output_dir=str(output_dir), use_cpu=True, report_to="none", bf16=False, num_generations=2,
+                      per_device_train_batch_size=4, max_steps=2, max_completion_length=1024, learning_rate=1e-4,
+                      max_tool_calling_iterations=5, activation_checkpointing=False, save_strategy="no",
+                      logging_steps=1, seed=0, disable_tqdm=True)
+
+
 def run_grpo(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     script = Script(tokenizer)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    args = GRPOConfig(output_dir=str(tmp_path / "grpo"), use_cpu=True, report_to="none", bf16=False, num_generations=2,
-                      per_device_train_batch_size=4, max_steps=1, max_completion_length=1024,
-                      max_tool_calling_iterations=5, activation_checkpointing=False, save_strategy="no", logging_steps=1,
-                      seed=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = GRPOTrainer(model=tiny_qwen(tokenizer), reward_funcs=said_done, args=args, train_dataset=DATASET,
-                              processing_class=tokenizer, environment_factory=CounterEnv)
+        trainer = GRPOTrainer(model=tiny_qwen(tokenizer), reward_funcs=said_done, args=script_args(tmp_path / "grpo"),
+                              train_dataset=DATASET, processing_class=tokenizer, environment_factory=CounterEnv)
 
     def scripted_single_turn(prompt_ids, *_, **__):  # in place of model.generate: TRL's tool loop is untouched
         return [tokenizer.encode(script(list(ids)), add_special_tokens=False) + [end] for ids in prompt_ids], None
@@ -125,31 +129,27 @@ def test_the_same_trl_script_runs_under_grpo_trainer_and_loop_trainer(qwen_token
     CounterEnv.calls, said_done.seen = [], []
     grpo = run_grpo(qwen_tokenizer, tmp_path, monkeypatch)
     grpo_calls, grpo_rollouts = Tally(CounterEnv.calls), rollouts(said_done.seen)
-    grpo_log = grpo.state.log_history[0]
-    assert len(grpo_rollouts) == 4 and grpo_log["reward"] == pytest.approx(1.0)  # (1.5 + 0.5) / 2 on each task
+    grpo_rewards = [entry["reward"] for entry in grpo.state.log_history if "reward" in entry]
+    assert len(grpo_rollouts) == 8 and grpo_rewards == pytest.approx([1.0, 1.0])  # (1.5 + 0.5) / 2 on each task
 
     CounterEnv.calls, said_done.seen = [], []
-    args = LOOPConfig(output_dir=str(tmp_path / "loop"), iterations=2, tasks_per_iteration=2, rollouts_per_task=2,
-                      minibatch_size=2, per_device_train_batch_size=2, max_turns=6, max_new_tokens_per_turn=64,
-                      max_trajectory_tokens=512, max_tool_calling_iterations=5, learning_rate=1e-3,
-                      memory_stress_test=False, activation_checkpointing=False, disable_tqdm=True, report_to=[], save_strategy="no", seed=0)
-    script = Script(qwen_tokenizer)
     # the GRPOTrainer call, word for word, with LOOPTrainer (plus the scripted model in place of sampling)
-    trainer = LOOPTrainer(model=tiny_qwen(qwen_tokenizer), reward_funcs=said_done, args=args, train_dataset=DATASET,
-                          processing_class=qwen_tokenizer, environment_factory=CounterEnv,
-                          generation_backend=ScriptedBackend(qwen_tokenizer, script))
+    trainer = LOOPTrainer(model=tiny_qwen(qwen_tokenizer), reward_funcs=said_done, args=script_args(tmp_path / "loop"),
+                          train_dataset=DATASET, processing_class=qwen_tokenizer, environment_factory=CounterEnv,
+                          generation_backend=ScriptedBackend(qwen_tokenizer, Script(qwen_tokenizer)))
+    args = trainer.args
+    assert (args.iterations, args.tasks_per_iteration, args.rollouts_per_task, args.minibatch_size) == (2, 2, 2, 4)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     history = trainer.history
     assert [h["iteration"] for h in history] == [1, 2]
-    first_iteration = rollouts(said_done.seen[:4])
     # the same tool calls, tool messages (errors included) and answers as TRL's own loop
-    assert first_iteration == grpo_rollouts
-    assert Tally(CounterEnv.calls) == Tally({k: 2 * v for k, v in grpo_calls.items()})
+    assert rollouts(said_done.seen) == grpo_rollouts
+    assert Tally(CounterEnv.calls) == grpo_calls
     assert {m for r in grpo_rollouts for m in r[1]} >= {"{'error': 'Tool nope not found.'}", "{'error': 'kaput'}"}
     # rewards: get_reward() (1 when the counter reached 10) + said_done (0.5), per rollout as in TRL
-    assert all(h["reward_mean"] == pytest.approx(grpo_log["reward"]) for h in history)
-    assert all(h["num_kept"] == 4 and h["optimizer_steps"] >= 1 for h in history)
+    assert [h["reward_mean"] for h in history] == pytest.approx(grpo_rewards)
+    assert all(h["num_kept"] == 4 and h["optimizer_steps"] == 1 for h in history)
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
 
 
@@ -162,6 +162,11 @@ def test_trl_route_arguments_and_keys_are_checked(qwen_tokenizer, tmp_path):
         LOOPTrainer(tiny_qwen(qwen_tokenizer), VaultEnv(), args, train_dataset=DATASET, processing_class=qwen_tokenizer)
     with pytest.raises(ValueError, match="takes no rollout_func"):
         LOOPTrainer(tiny_qwen(qwen_tokenizer), said_done, args, train_dataset=DATASET, rollout_func=lambda *a: None)
+    with pytest.raises(ValueError, match="LOOP takes reward functions"):  # GRPOTrainer would load a reward model
+        LOOPTrainer(tiny_qwen(qwen_tokenizer), args=args, reward_funcs="org/reward-model", train_dataset=DATASET,
+                    processing_class=qwen_tokenizer)
+    with pytest.raises(ValueError, match="LOOP takes reward functions"):
+        LOOPTrainer(tiny_qwen(qwen_tokenizer), [tiny_qwen(qwen_tokenizer)], args, DATASET, processing_class=qwen_tokenizer)
     with pytest.raises(TypeError, match="needs an environment"):
         LOOPTrainer(tiny_qwen(qwen_tokenizer), args=args, processing_class=qwen_tokenizer)
     with pytest.raises(ValueError, match="LOOPConfig: max_tool_calling_iterations must be >= 1 or None, got 0"):
@@ -180,16 +185,27 @@ def test_a_grpo_config_is_translated_to_loop_terms(qwen_tokenizer, tmp_path):
     assert (args.tasks_per_iteration, args.rollouts_per_task, args.minibatch_size, args.ppo_epochs) == (2, 4, 8, 1)
     assert (args.iterations, args.logging_steps, args.per_device_train_batch_size) == (10, 2, 4)
     assert (args.max_completion_tokens, args.max_new_tokens_per_turn, args.max_turns) == (2048, 2048, 6)
+    assert not args.memory_stress_test  # GRPOTrainer has none; LOOP's would need max_trajectory_tokens
     assert (args.learning_rate, args.seed, args.max_tool_calling_iterations) == (1e-5, 3, 5)
     assert trainer.env.max_tool_calling_iterations == 5
     trainer.close()
     epochs = GRPOConfig(output_dir=str(tmp_path / "e"), use_cpu=True, bf16=False, num_generations=2,
                         per_device_train_batch_size=2, num_train_epochs=3)
     assert loop_config_from_grpo(epochs, num_tasks=10)[0].iterations == 30  # 3 passes over 10 prompts, 1 per iteration
+    _, _, replaced = loop_config_from_grpo(epochs, num_tasks=10)
+    assert "learning_rate: GRPO's 1e-06 -> LOOP's 5e-05" in replaced
+    with pytest.raises(ValueError, match="a generation batch of 8 completions is not a whole number of optimizer steps"):
+        loop_config_from_grpo(GRPOConfig(output_dir=str(tmp_path / "s"), use_cpu=True, bf16=False,
+                                         gradient_accumulation_steps=4, steps_per_generation=1), num_tasks=2)
     evaluating = GRPOConfig(output_dir=str(tmp_path / "v"), use_cpu=True, bf16=False, num_generations=2,
-                            per_device_train_batch_size=4, max_steps=12, eval_strategy="steps", eval_steps=6)
+                            per_device_train_batch_size=4, per_device_eval_batch_size=4, max_steps=12,
+                            eval_strategy="steps", eval_steps=6, num_generations_eval=4, temperature=0.7)
     translated = loop_config_from_grpo(evaluating, num_tasks=2)[0]
     assert (translated.eval_split, translated.eval_every, translated.iterations) == ("eval", 6, 12)
+    assert (translated.eval_rollouts_per_task, translated.eval_temperature) == (4, 0.7)
+    none = loop_config_from_grpo(GRPOConfig(output_dir=str(tmp_path / "n"), use_cpu=True, bf16=False,
+                                            scale_rewards="none"), num_tasks=8)
+    assert "scale_rewards" not in str(none[2])
     with pytest.raises(ValueError, match=r"^GRPOConfig -> LOOPConfig: .*epsilon=0.3 \(LOOP clips.*top_p=0.9 \("):
         loop_config_from_grpo(GRPOConfig(output_dir=str(tmp_path / "r"), use_cpu=True, bf16=False, epsilon=0.3,
                                          top_p=0.9), num_tasks=2)

@@ -228,6 +228,10 @@ def test_an_instance_or_an_untyped_client_works_and_setup_errors_are_one_line(qw
         from_openenv(GuessClient(base_url=guess_server).sync(), tasks=1)
     with pytest.raises(ValueError, match="tasks must be an int"):
         from_openenv(GuessClient, base_url=guess_server, tasks="seed")
+    with pytest.raises(ValueError, match="client_kwargs are for a client class"):
+        from_openenv(lambda: GuessClient(base_url=guess_server), client_kwargs={"message_timeout_s": 5})
+    with pytest.raises(ValueError, match="action_class and tool_name are for tool mode"):
+        from_openenv(GuessClient, base_url=guess_server, action_from_text=str, tool_name="guess")
 
 
 def test_without_openenv_the_error_says_what_to_install(monkeypatch):

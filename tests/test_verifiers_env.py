@@ -255,6 +255,8 @@ def test_splits_and_setup_errors():
         from_verifiers(vf.SingleTurnEnv(dataset=train, rubric=vf.Rubric(funcs=[lambda completions: [1.0]])))
     with pytest.raises(ValueError, match="takes a verifiers 0.3.x vf.Environment"):
         from_verifiers(object())
+    with pytest.raises(ValueError, match="env_args are for loading an environment by id"):
+        from_verifiers(vf.SingleTurnEnv(dataset=train, rubric=vf.Rubric(funcs=[lambda completion: 1.0])), env_args={})
     words = build_word_tokenizer(["hi"])  # a template TRL cannot parse tool calls from
     env.set_tokenizer(words)  # fine without tools
     with pytest.raises(EnvironmentSetupError, match="set tokenizer.response_template"):

@@ -98,8 +98,8 @@ REFUSED_INHERITED_KEYS: dict[str, tuple[str | None, str]] = {
     "multi_objective_aggregation": (None, "LOOP's advantage is leave-one-out on the weighted sum of the rewards "
                                     "(sum_then_normalize, without normalising); it needs no per-reward scaling"),
     # --- generation ----------------------------------------------------------------------------------------
-    "max_completion_length": ("max_trajectory_tokens", "an episode's whole-conversation budget (max_new_tokens_per_turn "
-                              "limits one reply)"),
+    "max_completion_length": ("max_completion_tokens", "the budget of everything after the opening prompt "
+                              "(max_trajectory_tokens: the whole conversation; max_new_tokens_per_turn: one reply)"),
     "generation_batch_size": ("tasks_per_iteration", "an iteration collects tasks_per_iteration x rollouts_per_task "
                               "episodes"),
     "num_generations_eval": ("eval_rollouts_per_task", _EVALUATION),

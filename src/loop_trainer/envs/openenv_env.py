@@ -156,6 +156,12 @@ class OpenEnvEnvironment(Environment):
                              "(for a container: asyncio.run(MyEnv.from_docker_image(image)))")
         if reward not in ("sum", "last") and not callable(reward):
             raise ValueError(f"reward must be 'sum', 'last' or a function of the StepResults, got {reward!r}")
+        if client_kwargs is not None and not isinstance(client, type):
+            raise ValueError("client_kwargs are for a client class (with base_url); a factory or an instance is "
+                             "already configured")
+        if action_from_text is not None and (action_class is not None or tool_name is not None):
+            raise ValueError("action_from_text (text mode) takes every reply as an action: action_class and tool_name "
+                             "are for tool mode; pass one mode's arguments")
         self.parent = None
         if isinstance(client, type):
             if base_url is None:
@@ -247,6 +253,9 @@ class OpenEnvEnvironment(Environment):
             self.mode = "text"
             return
         if isinstance(client, self.mcp_client_class):
+            if self.action_class is not None or self.tool_name is not None:
+                raise EnvironmentSetupError("an MCP client's tools are the server's own: action_class and tool_name "
+                                            "do not apply to it")
             self.mode = "mcp"
             return
         action = self.action_class or _action_class(type(client))

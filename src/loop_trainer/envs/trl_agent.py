@@ -44,6 +44,12 @@ def _name(function: Callable) -> str:
     return getattr(function, "__name__", type(function).__name__)
 
 
+def _is_model(value: Any) -> bool:
+    # GRPOTrainer also takes reward models (a model id, or a model): callable, but not as a reward function
+    return type(value).__module__.startswith(("torch.", "transformers.")) or hasattr(value, "config") and hasattr(
+        value, "forward")
+
+
 async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
@@ -59,9 +65,10 @@ class TRLAgentEnvironment(Environment):
                  tools: Sequence[Callable] = (), environment_factory: Callable | Mapping[str, Callable] | None = None,
                  reward_weights: Sequence[float] | None = None, max_tool_calling_iterations: int | None = None,
                  eval_dataset: Dataset | None = None):
-        self.reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs or ())
+        self.reward_funcs = [reward_funcs] if callable(reward_funcs) or isinstance(reward_funcs, str) \
+            else list(reward_funcs or ())
         for function in self.reward_funcs:
-            if not callable(function):
+            if not callable(function) or _is_model(function):
                 raise ValueError(f"reward_funcs: LOOP takes reward functions (callables); got {function!r}. Wrap a "
                                  "reward model in a function that scores the completions")
         if reward_weights is not None and len(reward_weights) != len(self.reward_funcs):

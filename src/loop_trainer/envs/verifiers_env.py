@@ -168,6 +168,9 @@ class VerifiersEnvironment(Environment):
                 vf_env = vf.load_environment(vf_env, **dict(env_args or {}))
             except (ValueError, RuntimeError) as error:
                 raise EnvironmentSetupError(str(error).splitlines()[0]) from None
+        elif env_args is not None:
+            raise ValueError("env_args are for loading an environment by id (from_verifiers('my-env', env_args=...)); "
+                             "this one is already built")
         if not isinstance(vf_env, vf.Environment):
             raise ValueError(f"from_verifiers takes a verifiers 0.3.x vf.Environment (MultiTurnEnv, ToolEnv, ...), "
                              f"got {type(vf_env).__name__}")
@@ -179,6 +182,13 @@ class VerifiersEnvironment(Environment):
             raise EnvironmentSetupError("the rubric has group reward functions (plural parameters such as completions/"
                                         "states): LOOP scores each rollout as it ends, so they would see a group of one; "
                                         "pass allow_group_rewards=True if each rollout's score depends on it alone")
+        # LOOP's sampler draws every reply (at LOOPConfig's temperature); verifiers' default {n: 1, extra_body: {}}
+        # asks for nothing else
+        unused = {k: v for k, v in (getattr(vf_env, "sampling_args", None) or {}).items()
+                  if (k, v) not in (("n", 1), ("extra_body", {}))}
+        if unused:
+            logger.warning("the verifiers environment's sampling_args %s are not used: LOOP samples at LOOPConfig's "
+                           "temperature", unused)
         self.vf_env, self.vf = vf_env, vf
         self.name = f"verifiers:{getattr(vf_env, 'env_id', None) or type(vf_env).__name__}"
         self.fail_on_reward_error = fail_on_reward_error

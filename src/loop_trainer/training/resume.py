@@ -33,7 +33,8 @@ RESUME_SETTINGS = (
     # what is sampled: tasks, rollouts, episodes
     "seed", "train_split", "tasks_per_iteration", "rollouts_per_task", "temperature", "max_turns",
     "max_new_tokens_per_turn", "max_trajectory_tokens", "chat_template_kwargs", "early_stop_done_fraction",
-    "early_stop_task_fraction", "use_vllm",
+    "early_stop_task_fraction", "use_vllm", "max_completion_tokens", "max_tool_calling_iterations",
+    "reward_weights",
     # advantages, filtering and the update
     "advantage_threshold", "std_normalize_advantages", "advantage_estimator", "ratio_level", "beta", "minibatch_size", "ppo_epochs", "epsilon",
     "max_training_tokens", "kl_abort_threshold", "per_device_train_batch_size", "max_grad_norm", "bf16", "fp16",

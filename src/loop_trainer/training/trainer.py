@@ -119,8 +119,9 @@ class LOOPTrainer(GRPOTrainer):
             name = model if isinstance(model, str) else model.config._name_or_path or "model"
             args = LOOPConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-LOOP")
         if isinstance(args, GRPOConfig) and not isinstance(args, LOOPConfig):  # the one-word switch from GRPOTrainer
-            args, translated = loop_config_from_grpo(args, None if train_dataset is None else len(train_dataset))
-            logger.info("GRPOConfig as LOOPConfig: %s", ", ".join(f"{k}={v!r}" for k, v in translated.items()))
+            args, translated, replaced = loop_config_from_grpo(args, None if train_dataset is None else len(train_dataset))
+            logger.warning("GRPOConfig as LOOPConfig: %s. GRPO defaults LOOP replaces: %s",
+                           ", ".join(f"{k}={v!r}" for k, v in translated.items()), "; ".join(replaced) or "none")
         if not isinstance(args, LOOPConfig):
             raise TypeError(f"args must be a LOOPConfig (or a GRPOConfig, translated), got {type(args).__name__}")
         env, self.trl_route = environment_for(
