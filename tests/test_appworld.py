@@ -17,10 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from helpers import AnyTemperature, ScriptedBackend
+from helpers import AnyTemperature, ScriptedBackend, tiny_qwen
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.chat import ChatFormatter
 from loop_trainer.envs import EnvironmentSetupError
@@ -208,15 +206,6 @@ def test_code_that_runs_too_long_is_the_agents_problem_not_a_server_failure(worl
         assert env.pool.stats["restarts"] == 0
     finally:
         env.close()
-
-
-def tiny_qwen(tokenizer, seed=0):
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=1, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
-                         max_position_embeddings=32768, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                         pad_token_id=tokenizer.pad_token_id)
-    return Qwen2ForCausalLM(config)
 
 
 def appworld_evaluate(root, experiment, split):

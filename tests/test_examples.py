@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from test_grpo_switch import tiny_qwen
+from helpers import tiny_qwen
 
 from loop_trainer import LOOPConfig
 

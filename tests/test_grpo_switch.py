@@ -13,8 +13,7 @@ from collections import Counter as Tally
 import pytest
 import torch
 from datasets import Dataset
-from helpers import ScriptedBackend
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from helpers import ScriptedBackend, tiny_qwen
 from trl import GRPOConfig, GRPOTrainer
 
 from loop_trainer import LOOPConfig, LOOPTrainer
@@ -79,14 +78,6 @@ class Script:
             self.first_turns[start] += 1
             return call("increment", f'{{"by": {10 - start if self.first_turns[start] % 2 else 1}}}')
         return [call("nope", "{}"), call("explode", "{}"), "Done at 10."][turn - 1]
-
-
-def tiny_qwen(tokenizer):
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
-        num_key_value_heads=1, head_dim=32, tie_word_embeddings=True, max_position_embeddings=4096,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id))
 
 
 def rollouts(completions):

@@ -10,12 +10,10 @@ import sys
 import threading
 
 import pytest
-import torch
-from helpers import ScriptedBackend
+from helpers import ScriptedBackend, tiny_qwen
 from openenv.core import GenericEnvClient  # the project's venv has OpenEnv (requirements/integrations*.lock)
 from openenv.core.mcp_client import MCPToolClient
 from support.openenv_guess import GuessAction, GuessClient, GuessEnvironment, calculator_app, guess_app, serve
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.chat import ChatFormatter
@@ -126,15 +124,6 @@ def test_a_full_server_says_how_to_fix_it(guess_server):
                 await second.close()
 
         asyncio.run(two_sessions())
-
-
-def tiny_qwen(tokenizer, seed=0):
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=1, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
-                         max_position_embeddings=32768, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                         pad_token_id=tokenizer.pad_token_id)
-    return Qwen2ForCausalLM(config)
 
 
 def test_two_loop_iterations_against_the_live_server(qwen_tokenizer, guess_server, tmp_path):
