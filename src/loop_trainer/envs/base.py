@@ -222,6 +222,14 @@ def check_tasks(tasks: Any, *, environment: str, split: str) -> Dataset:
     return tasks
 
 
+def with_task_ids(dataset: Dataset, prefix: str) -> Dataset:
+    """``dataset`` with a ``task_id`` column (``<prefix>-<row>``) if it has none: for adapters whose
+    tasks come from someone else's rows (prompt datasets, reset() arguments)."""
+    if "task_id" in dataset.column_names:
+        return dataset
+    return dataset.add_column("task_id", [f"{prefix}-{index}" for index in range(len(dataset))])
+
+
 def load_tasks(env: Environment, split: str) -> Dataset:
     """``env.tasks(split)``, checked by :func:`check_tasks`. A ``KeyError`` or ``ValueError`` from
     ``tasks()`` (an environment's usual answer to a split it lacks) becomes one line."""

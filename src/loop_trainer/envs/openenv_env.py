@@ -40,7 +40,6 @@ import inspect
 import json
 import re
 import time
-import typing
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +49,8 @@ from typing import Any
 from datasets import Dataset
 
 from .base import (Environment, EnvironmentSetupError, Episode, EpisodeContractError, Message, Reply, Score, Step,
-                   UnknownSplitError)
+                   UnknownSplitError, with_task_ids)
+from .openenv_actions import action_class, action_tool, default_observation_text
 from .tool_calls import malformed_call_message, parse_reply, prepare_tokenizer
 
 __all__ = ["OpenEnvEnvironment", "default_observation_text", "from_openenv"]
@@ -77,51 +77,6 @@ def _run_in_thread(coroutine: Callable[[], Any]) -> Any:
         return pool.submit(lambda: asyncio.run(coroutine())).result()
 
 
-def default_observation_text(observation: Any) -> str:
-    """An observation's fields but ``done``, ``reward`` and ``metadata`` as JSON, or its one string
-    field alone; an MCP tool call's result (or ``{'error': ...}``)."""
-    if hasattr(observation, "tool_name") and hasattr(observation, "result"):  # MCP CallToolObservation
-        if getattr(observation, "error", None) is not None:
-            return str({"error": getattr(observation.error, "message", str(observation.error))})
-        result = observation.result
-        result = result["data"] if isinstance(result, Mapping) and "data" in result else result
-        return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
-    data = observation.model_dump() if hasattr(observation, "model_dump") else observation
-    if not isinstance(data, Mapping):
-        return str(data)
-    fields = {key: value for key, value in data.items() if key not in ("done", "reward", "metadata")}
-    if len(fields) == 1 and isinstance(only := next(iter(fields.values())), str):
-        return only
-    return json.dumps(fields, ensure_ascii=False, default=str)
-
-
-def _action_class(client_type: type) -> type | None:
-    """The pydantic Action of ``EnvClient[Action, Observation, State]``, if the class says."""
-    from pydantic import BaseModel
-
-    for klass in client_type.__mro__:
-        for base in getattr(klass, "__orig_bases__", ()):
-            args = typing.get_args(base)
-            if args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
-                return args[0]
-    return None
-
-
-def _tool(schema: Mapping[str, Any], name: str | None, environment: str) -> dict[str, Any]:
-    """An HF-style tool schema from an Action's JSON schema: its fields but ``metadata`` (OpenEnv's
-    bookkeeping, not the model's to set), field titles dropped (they repeat the names)."""
-    title = re.sub(r"Action$", "", str(schema.get("title", "")))
-    name = name or re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", title).lower() or "step"
-    properties = {key: {k: v for k, v in value.items() if k != "title"}
-                  for key, value in schema.get("properties", {}).items() if key != "metadata"}
-    parameters = {"type": "object", "properties": properties,
-                  "required": [key for key in schema.get("required", []) if key != "metadata"]}
-    if "$defs" in schema:
-        parameters["$defs"] = schema["$defs"]
-    description = schema.get("description") or f"Act in the {environment} environment (one step)."
-    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
-
-
 def _rows(tasks: Any, argument: str, first_seed: int = 0) -> Dataset:
     if isinstance(tasks, int) and not isinstance(tasks, bool):
         if tasks < 1:
@@ -132,9 +87,7 @@ def _rows(tasks: Any, argument: str, first_seed: int = 0) -> Dataset:
     if not isinstance(tasks, Dataset):
         raise ValueError(f"{argument} must be an int (seeds), a list of dicts or a datasets.Dataset of reset() "
                          f"keyword arguments, got {type(tasks).__name__}")
-    if "task_id" in tasks.column_names:
-        return tasks
-    return tasks.add_column("task_id", [f"task-{index}" for index in range(len(tasks))])
+    return with_task_ids(tasks, "task")
 
 
 class OpenEnvEnvironment(Environment):
@@ -258,9 +211,9 @@ class OpenEnvEnvironment(Environment):
                                             "do not apply to it")
             self.mode = "mcp"
             return
-        action = self.action_class or _action_class(type(client))
+        action = self.action_class or action_class(type(client))
         if action is not None:
-            self.tool, self.action_type = _tool(action.model_json_schema(), self.tool_name, self.name), action
+            self.tool, self.action_type = action_tool(action.model_json_schema(), self.tool_name, self.name), action
             self.mode = "tool"
             return
         base_url = getattr(client, "base_url", None) or self.base_url
@@ -272,7 +225,7 @@ class OpenEnvEnvironment(Environment):
             with urllib.request.urlopen(f"{base_url}/schema", timeout=30) as response:
                 return json.loads(response.read())["action"]
 
-        self.tool = _tool(await asyncio.to_thread(fetch), self.tool_name, self.name)
+        self.tool = action_tool(await asyncio.to_thread(fetch), self.tool_name, self.name)
         self.mode = "untyped"
 
 

@@ -28,7 +28,8 @@ from typing import Any
 
 from .base import Message, Reply
 
-__all__ = ["NOT_TOOLS", "call_tools", "malformed_call_message", "parse_reply", "prepare_tokenizer", "tool_functions"]
+__all__ = ["NOT_TOOLS", "call_tools", "malformed_call_message", "parse_reply", "prepare_tokenizer", "tool_functions",
+           "unparsed_call"]
 
 NOT_TOOLS = ("reset", "get_reward")
 """Public methods of an environment class that are not tools (TRL's rule)."""
@@ -84,21 +85,30 @@ def _call_markers(tokenizer: Any) -> tuple[str, str] | None:
     return tool_calls["open"], close if isinstance(close, str) else ""
 
 
-def malformed_call_message(tokenizer: Any, parsed: Mapping[str, Any]) -> Message | None:
-    """A tool message for a reply that opens a tool call which did not parse, else None."""
+def unparsed_call(tokenizer: Any, parsed: Mapping[str, Any]) -> tuple[str, str] | None:
+    """For a reply that opens a tool call which did not parse: the text before the call and the
+    call's body (up to its closing marker); else None."""
     markers = _call_markers(tokenizer)
     content = parsed.get("content") or ""
     if parsed.get("tool_calls") or markers is None or markers[0] not in content:
         return None
-    body = content.split(markers[0], 1)[1]
-    body = re.split(markers[1], body, maxsplit=1)[0] if markers[1] else body
+    before, body = content.split(markers[0], 1)
+    return before, re.split(markers[1], body, maxsplit=1)[0] if markers[1] else body
+
+
+def malformed_call_message(tokenizer: Any, parsed: Mapping[str, Any]) -> Message | None:
+    """A tool message for a reply that opens a tool call which did not parse, else None."""
+    call = unparsed_call(tokenizer, parsed)
+    if call is None:
+        return None
+    body = call[1]
     try:
         json.loads(body)
         reason = 'it needs a "name" (a string) and "arguments" (an object)'
     except json.JSONDecodeError as error:
         reason = f"its JSON does not parse ({error})"
     return {"role": "tool", "name": "unknown",
-            "content": str({"error": f"malformed tool call: {reason}. Expected {markers[0]}"
+            "content": str({"error": f"malformed tool call: {reason}. Expected {_call_markers(tokenizer)[0]}"
                                      '{"name": <function-name>, "arguments": <args-json-object>}' + "."})}
 
 

@@ -34,7 +34,8 @@ from typing import Any
 
 from datasets import Dataset
 
-from .base import Environment, EnvironmentSetupError, Episode, EpisodeContractError, Message, Reply, Score, Step, UnknownSplitError
+from .base import (Environment, EnvironmentSetupError, Episode, EpisodeContractError, Message, Reply, Score, Step,
+                   UnknownSplitError, with_task_ids)
 from .tool_calls import call_tools, malformed_call_message, parse_reply, prepare_tokenizer, tool_functions
 
 __all__ = ["TRLAgentEnvironment"]
@@ -115,9 +116,7 @@ class TRLAgentEnvironment(Environment):
                                  f"({', '.join(map(str, self.factories))}); every row needs an 'environment' column "
                                  "naming one of them")
         self.user_columns.update(dataset.column_names)
-        if "task_id" in dataset.column_names:
-            return dataset
-        return dataset.add_column("task_id", [f"row-{index}" for index in range(len(dataset))])
+        return with_task_ids(dataset, "row")
 
     def tasks(self, split: str = "train") -> Dataset:
         if split not in self.datasets:

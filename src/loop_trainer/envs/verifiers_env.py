@@ -48,7 +48,7 @@ from typing import Any
 from datasets import Dataset
 
 from .base import Environment, EnvironmentSetupError, Episode, EpisodeContractError, Message, Reply, Score, Step, UnknownSplitError
-from .tool_calls import _call_markers, malformed_call_message, parse_reply, prepare_tokenizer
+from .tool_calls import parse_reply, prepare_tokenizer, unparsed_call
 
 __all__ = ["VerifiersEnvironment", "VerifiersEpisode", "from_verifiers"]
 
@@ -297,11 +297,10 @@ class VerifiersEpisode(Episode):
                                 arguments=json.dumps(call["function"].get("arguments") or {}))
                  for i, call in enumerate(parsed.get("tool_calls") or [])]
         content = parsed.get("content") or ""
-        if not calls and self.tool_defs and malformed_call_message(self.env.tokenizer, parsed) is not None:
+        unparsed = unparsed_call(self.env.tokenizer, parsed) if not calls and self.tool_defs else None
+        if unparsed is not None:
             # hand verifiers the unparsed call, so the environment reports the error in its own words
-            opening, closing = _call_markers(self.env.tokenizer)
-            content, body = content.split(opening, 1)
-            body = re.split(closing, body, maxsplit=1)[0].strip() if closing else body.strip()
+            content, body = unparsed[0], unparsed[1].strip()
             name = re.search(r'"name"\s*:\s*"([^"]*)"', body)
             calls = [types.ToolCall(id=f"call_{self.turn}_0", name=name.group(1) if name else "", arguments=body)]
         message = types.ResponseMessage(content=content, reasoning_content=parsed.get("reasoning_content"),

@@ -33,12 +33,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixi
 from transformers.trainer import PushInProgress
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import HubStrategy, TrainOutput
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 
 from ..chat import ChatFormatter, stop_token_ids
 from ..config import LOOPConfig
 from ..envs.base import Environment, load_tasks
-from ..grpo_args import loop_config_from_grpo
 from ..objective import advantage_keep_mask, advantages_for
 from ..publishing.publisher import HubPublisher
 from ..rollout import GenerationBackend, RolloutBatch, RolloutEngine, mix_seed
@@ -54,7 +53,7 @@ from .sampler import TaskSampler
 from .checkpointing import checkpointing_kwargs, enable_checkpointing, is_checkpointing
 from .stress import run_memory_stress_test
 from .update import PolicyUpdate, UpdateSettings
-from .trl_arguments import environment_for
+from .trl_arguments import environment_for, loop_config_for
 from .workers import RolloutWorkers
 
 
@@ -118,12 +117,7 @@ class LOOPTrainer(GRPOTrainer):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path or "model"
             args = LOOPConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-LOOP")
-        if isinstance(args, GRPOConfig) and not isinstance(args, LOOPConfig):  # the one-word switch from GRPOTrainer
-            args, translated, replaced = loop_config_from_grpo(args, None if train_dataset is None else len(train_dataset))
-            logger.warning("GRPOConfig as LOOPConfig: %s. GRPO defaults LOOP replaces: %s",
-                           ", ".join(f"{k}={v!r}" for k, v in translated.items()), "; ".join(replaced) or "none")
-        if not isinstance(args, LOOPConfig):
-            raise TypeError(f"args must be a LOOPConfig (or a GRPOConfig, translated), got {type(args).__name__}")
+        args = loop_config_for(args, train_dataset)
         env, self.trl_route = environment_for(
             env, args, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, tools=tools,
             environment_factory=environment_factory, reward_processing_classes=reward_processing_classes,

@@ -5,7 +5,8 @@ multi-turn script hands ``GRPOTrainer``: ``reward_funcs``, ``train_dataset`` / `
 ``tools`` and ``environment_factory``. The second route builds a
 :class:`~loop_trainer.envs.trl_agent.TRLAgentEnvironment` from them (TRL's semantics, run through
 LOOP's concurrent rollout engine); the config keys only that route reads (``reward_weights``,
-``max_tool_calling_iterations``) are refused on the first, so neither route ignores a setting.
+``max_tool_calling_iterations``) are refused on the first, so neither route ignores a setting. A
+``GRPOConfig`` given as ``args`` is translated (:mod:`loop_trainer.grpo_args`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import logging
 from typing import Any
 
 from datasets import Dataset
+from trl import GRPOConfig
 
+from ..config import LOOPConfig
 from ..envs.base import Environment
 from ..envs.trl_agent import TRLAgentEnvironment
+from ..grpo_args import loop_config_from_grpo
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +30,18 @@ TRL_ROUTE_KEYS = {
     "reward_weights": "weights of reward_funcs in the episode reward",
     "max_tool_calling_iterations": "rounds of tool calls per episode",
 }
+
+
+def loop_config_for(args: Any, train_dataset: Dataset | None) -> LOOPConfig:
+    """``args`` as a LOOPConfig: itself, or a GRPOConfig translated (the one-word switch from
+    GRPOTrainer), what the translation set and replaced logged."""
+    if isinstance(args, GRPOConfig) and not isinstance(args, LOOPConfig):
+        args, translated, replaced = loop_config_from_grpo(args, None if train_dataset is None else len(train_dataset))
+        logger.warning("GRPOConfig as LOOPConfig: %s. GRPO defaults LOOP replaces: %s",
+                       ", ".join(f"{k}={v!r}" for k, v in translated.items()), "; ".join(replaced) or "none")
+    if not isinstance(args, LOOPConfig):
+        raise TypeError(f"args must be a LOOPConfig (or a GRPOConfig, translated), got {type(args).__name__}")
+    return args
 
 
 def _is_reward_funcs(value: Any) -> bool:
