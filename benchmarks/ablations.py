@@ -22,8 +22,8 @@ per variant: the
 mean over seeds of the last-5-iterations mean reward and success rate (± the std over seeds), and
 wall seconds per run; one PNG with every variant's mean success-rate curve.
 
-    python benchmarks/ablations.py --workers 2                       # ~30 min on 2 cores
-    python benchmarks/ablations.py --iterations 2 --seeds 0 --out /tmp/ablations-smoke   # a check
+    python -m benchmarks.ablations --workers 2                       # ~30 min on 2 cores
+    python -m benchmarks.ablations --iterations 2 --seeds 0 --out /tmp/ablations-smoke   # a check
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import RESULTS, ROOT, command_line
+
 PAPER = {"LOOP": 71.3, "LOOP per turn": 64.1, "LOOP + std": 61.9, "GRPO w/o KL": 59.0, "GRPO": 58.0, "RLOO": 57.2,
          "LOOP per trajectory": 53.3}
 
@@ -70,7 +70,7 @@ def warmed_up_models(recipe: str, seeds: list[int], out: Path) -> dict[int, str]
     import yaml
 
     from loop_trainer.envs import make_environment
-    from loop_trainer.tiny import build_tiny_from_spec, is_tiny_spec
+    from loop_trainer.models.tiny import build_tiny_from_spec, is_tiny_spec
 
     settings = yaml.safe_load(Path(recipe).read_text())
     if not is_tiny_spec(settings["model_name_or_path"]):
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--beta", type=float, default=0.04, help="GRPO's KL coefficient (TRL's former default)")
     parser.add_argument("--workers", type=int, default=1, help="runs at a time, one process and one thread each")
     parser.add_argument("--last", type=int, default=5, help="final iterations averaged in the table")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ablations")
+    parser.add_argument("--out", type=Path, default=RESULTS / "ablations")
     options = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -210,15 +210,16 @@ def main(argv: list[str] | None = None) -> None:
                   f"{statistics.fmean(s for s in run['success'][-options.last:] if s is not None):.3f}, "
                   f"{run['seconds']:.0f} s", flush=True)
             (options.out / "ablations.json").write_text(json.dumps(
-                {"command": "python " + " ".join(sys.argv), "options": {k: str(v) for k, v in vars(options).items()},
-                 "runs": runs}, indent=1))
+                {"command": command_line("benchmarks.ablations", argv),
+                 "options": {k: str(v) for k, v in vars(options).items()}, "runs": runs}, indent=1))
     finally:
         if workers:
             workers.shutdown(cancel_futures=True)
     table = summarize(runs, options.variants, options.last)
     text = markdown(table, options.last)
     (options.out / "ablations.json").write_text(json.dumps(
-        {"command": "python " + " ".join(sys.argv), "options": {k: str(v) for k, v in vars(options).items()},
+        {"command": command_line("benchmarks.ablations", argv),
+         "options": {k: str(v) for k, v in vars(options).items()},
          "seconds": time.perf_counter() - started, "table": table, "runs": runs}, indent=1))
     (options.out / "ablations.md").write_text(text + "\n")
     plot(runs, options.variants, options.out / "ablations.png")

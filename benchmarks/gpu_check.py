@@ -3,15 +3,15 @@ update vs GRPOTrainer and generation throughput, in one command, with every resu
 one markdown summary in ``--out`` (``GPU_CHECK_OUT``).
 
 Without CUDA it runs in CPU mode: the same code on tiny shapes, in seconds, so the battery keeps
-working between the rare GPU runs (``tests/test_gpu_check.py`` runs it in ``make test``). A CPU-mode
+working between the rare GPU runs (``tests/integration/test_gpu_check.py`` runs it in ``make test``). A CPU-mode
 result says so in its first line and in its JSON (``"mode": "cpu"``); it is never a GPU result.
 
 Each section runs in its own process (a crash or an out-of-memory error in one leaves the others'
 results, and each measures its own peaks); the JSON and summary are rewritten after every section,
 so a run cut off by a time limit keeps what it finished.
 
-    python benchmarks/gpu_check.py --out /tmp/gpu-check              # GPU if there is one, else CPU mode
-    python benchmarks/gpu_check.py --mode quick --out /tmp/gpu-quick  # a 2-minute first look at a GPU
+    python -m benchmarks.gpu_check --out /tmp/gpu-check              # GPU if there is one, else CPU mode
+    python -m benchmarks.gpu_check --mode quick --out /tmp/gpu-quick  # a 2-minute first look at a GPU
 """
 
 from __future__ import annotations
@@ -26,47 +26,31 @@ import time
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "gpu_battery"))
+from benchmarks.common import ROOT, cpu_model, git_commit, software
 
 SECTIONS = {  # name -> (module, seconds allowed in GPU mode); the memory plan first, it matters most
-    "memory": ("memory", 240),
-    "update": ("update", 200),
-    "loop_bf16": ("loop_bf16", 240),
+    "memory": ("benchmarks.gpu_battery.memory", 240),
+    "update": ("benchmarks.gpu_battery.update", 200),
+    "loop_bf16": ("benchmarks.gpu_battery.loop_bf16", 240),
 }
+PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets")
 
 
-def software() -> dict[str, str | None]:
-    import importlib.metadata as metadata
-
+def measured_with() -> dict[str, str | None]:
+    """The JSON's ``software``: Python, torch's CUDA and the package versions (``common.software``)."""
     import torch
 
-    versions: dict[str, str | None] = {"python": sys.version.split()[0], "torch_cuda": torch.version.cuda}
-    for name in ("torch", "transformers", "trl", "peft", "accelerate", "datasets"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
+    versions = software(PACKAGES)
+    return {"python": versions.pop("python"), "torch_cuda": torch.version.cuda, **versions}
 
 
 def host() -> dict[str, object]:
-    model = None
-    try:
-        model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), None)
-    except OSError:
-        pass
-    return {"cpus": os.cpu_count(), "cpu_model": model}
+    return {"cpus": os.cpu_count(), "cpu_model": cpu_model()}
 
 
 def commit() -> str:
-    if os.environ.get("LOOP_COMMIT"):
-        return os.environ["LOOP_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    """``LOOP_COMMIT`` where it is set, else the checkout's git commit ("unknown" outside git)."""
+    return os.environ.get("LOOP_COMMIT") or git_commit()
 
 
 def run_section(name: str, mode: str, out: Path) -> None:
@@ -92,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from report import write_summary
+    from benchmarks.gpu_battery.report import write_summary
 
     cuda = torch.cuda.is_available()
     mode = options.mode if options.mode != "auto" else ("gpu" if cuda else "cpu")
@@ -107,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     options.out.mkdir(parents=True, exist_ok=True)
     results = {"mode": mode, "device": device or "cpu", "gpu_result": mode != "cpu",
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               "commit": commit(), "software": software(), "host": host(), "sections": {},
+               "commit": commit(), "software": measured_with(), "host": host(), "sections": {},
                "generation_backend": "transformers (vLLM's CUDA wheel, over 300 MB, cannot be carried to the GPU "
                                      "machine: generation runs on the transformers backend)"}
     failures = 0
@@ -117,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         section_out.unlink(missing_ok=True)
         limit = SECTIONS[name][1] * (1 if mode != "cpu" else 2)
         print(f"--- {name} (at most {limit} s)", flush=True)
-        command = [sys.executable, str(Path(__file__).resolve()), "--_section", name, mode, str(section_out)]
+        command = [sys.executable, "-m", "benchmarks.gpu_check", "--_section", name, mode, str(section_out.resolve())]
         record: dict = {}
         try:
-            done = subprocess.run(command, timeout=limit, capture_output=True, text=True,
+            done = subprocess.run(command, cwd=ROOT, timeout=limit, capture_output=True, text=True,
                                   env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
             (options.out / f"{name}.log").write_text(done.stdout + done.stderr)
             if done.returncode == 0:

@@ -1,5 +1,5 @@
-"""For ``multiturn_throughput.py``: the lower bound of one multi-turn collection, and measuring
-only while no other process takes the CPU.
+"""For ``multiturn_throughput.py``: the lower bound of one multi-turn collection. (Measuring only
+while no other process takes the CPU is ``Alone`` in ``benchmarks/common.py``.)
 
 No schedule can collect N episodes faster than either of two things:
 
@@ -27,13 +27,9 @@ replies are usually generated beside other episodes' (which only makes them slow
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from pathlib import Path
-from typing import Any, TypeVar
-
-T = TypeVar("T")
+from typing import Any
 
 
 def lower_bound(generation_full_s: Mapping[str, float], env_sleep_max_episode_s: float,
@@ -100,71 +96,3 @@ class LockStepBackend:
                 else:
                     waiting.set_result(result)
         return await future
-
-
-# --- measuring alone ----------------------------------------------------------------------------
-def wait_for_load(max_load: float | None, max_wait: float) -> list[float]:
-    """Wait until the 1-minute load average is below ``max_load`` (None: don't wait)."""
-    load = list(os.getloadavg())
-    if max_load is None:
-        return load
-    deadline = time.monotonic() + max_wait
-    while load[0] >= max_load:
-        if time.monotonic() > deadline:
-            raise SystemExit(f"load average {load[0]:.2f} stayed above {max_load} for {max_wait:.0f} s")
-        print(f"load average {load[0]:.2f} >= {max_load}; waiting", flush=True)
-        time.sleep(20)
-        load = list(os.getloadavg())
-    return load
-
-
-def busy_cpu_seconds() -> tuple[float, float]:
-    """(CPU seconds all processes spent busy since boot, CPU seconds of this process): their change
-    over a measurement shows how much CPU other processes took meanwhile."""
-    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    ticks = os.sysconf("SC_CLK_TCK")
-    busy = sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7)) / ticks  # user nice system irq softirq steal
-    own = os.times()
-    return busy, own.user + own.system
-
-
-def other_cpu_seconds(before: tuple[float, float], after: tuple[float, float]) -> float:
-    return max(0.0, (after[0] - before[0]) - (after[1] - before[1]))
-
-
-class Alone:
-    """``alone(measure, what)`` runs ``measure()`` and, while other processes took more than
-    ``max_other_cpu`` CPU seconds per second of it, waits until they are quiet and runs it again, at
-    most ``retries`` times. Every disturbed attempt is recorded in ``disturbed``."""
-
-    def __init__(self, max_other_cpu: float, retries: int, max_wait: float, window: float = 10.0):
-        self.max_other_cpu, self.retries, self.max_wait, self.window = max_other_cpu, retries, max_wait, window
-        self.disturbed: list[dict[str, Any]] = []
-
-    def __call__(self, measure: Callable[[], T], what: str) -> T:
-        for attempt in range(self.retries + 1):
-            before, started = busy_cpu_seconds(), time.perf_counter()
-            value = measure()
-            seconds = time.perf_counter() - started
-            other = other_cpu_seconds(before, busy_cpu_seconds())
-            if other <= self.max_other_cpu * seconds:
-                return value
-            print(f"{what}: other processes took {other:.1f} CPU s during its {seconds:.1f} s", flush=True)
-            self.disturbed.append({"what": what, "attempt": attempt, "seconds": seconds, "other_cpu_s": other,
-                                   "kept": attempt == self.retries})
-            if attempt < self.retries:
-                self.wait_until_quiet()
-        return value
-
-    def wait_until_quiet(self) -> None:
-        """Until other processes take at most ``max_other_cpu`` CPU s per s over ``window`` seconds."""
-        deadline = time.monotonic() + self.max_wait
-        while True:
-            before = busy_cpu_seconds()
-            time.sleep(self.window)
-            other = other_cpu_seconds(before, busy_cpu_seconds())
-            if other <= self.max_other_cpu * self.window:
-                return
-            if time.monotonic() > deadline:
-                raise SystemExit(f"other processes kept taking the CPU for {self.max_wait:.0f} s")
-            print(f"other processes took {other:.1f} CPU s in {self.window:.0f} s; waiting", flush=True)

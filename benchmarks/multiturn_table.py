@@ -1,6 +1,6 @@
 """The docs' table of a ``multiturn_throughput.py`` JSON (docs/benchmarks.md pastes its output).
 
-    python benchmarks/multiturn_table.py benchmarks/results/multiturn-cpu.json
+    python -m benchmarks.multiturn_table benchmarks/results/multiturn-cpu.json
 """
 
 from __future__ import annotations

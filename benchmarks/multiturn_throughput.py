@@ -57,8 +57,8 @@ in one batch every turn, with the faster decoder; the slowest episode's own late
 alone), and both sides' wall seconds / bound. A measurement during which other processes took the CPU
 (``--max-other-cpu``) is run again once they are quiet.
 
-    OMP_NUM_THREADS=2 python benchmarks/multiturn_throughput.py --out benchmarks/results/multiturn-cpu.json
-    .vllm-venv/bin/python benchmarks/multiturn_throughput.py --backend vllm --out benchmarks/results/multiturn-vllm-cpu.json
+    OMP_NUM_THREADS=2 python -m benchmarks.multiturn_throughput --out benchmarks/results/multiturn-cpu.json
+    .vllm-venv/bin/python -m benchmarks.multiturn_throughput --backend vllm --out benchmarks/results/multiturn-vllm-cpu.json
 """
 
 from __future__ import annotations
@@ -67,9 +67,7 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -78,17 +76,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import (RESULTS, Alone, busy_cpu_seconds, command_line, other_cpu_seconds, software,
+                               wait_for_load)
+from benchmarks.multiturn_bound import LockStepBackend, attach_bounds
+
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-
-from multiturn_bound import Alone, attach_bounds, busy_cpu_seconds, wait_for_load  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT / "src", ROOT / "tests"):  # the package, and the tests' support package (the tokenizer)
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
 
 VOCAB_SIZE = 151_665  # Qwen2.5's tokenizer
 VLLM_MAX_MODEL_LEN = 2048  # --backend vllm: both engines
@@ -135,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a measurement during which other processes took more CPU s per s than this is run "
                              "again after waiting for --max-load (default 0.05)")
     parser.add_argument("--retries", type=int, default=3, help="at most this many re-runs per measurement")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "multiturn.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "multiturn.json")
     return parser.parse_args(argv)
 
 
@@ -237,7 +232,7 @@ def build_model(args: argparse.Namespace) -> Any:
 
 
 def build_tokenizer() -> Any:
-    from support.qwen import build_qwen25_tokenizer
+    from tests.support.qwen import build_qwen25_tokenizer  # the tests' offline Qwen2.5 tokenizer
 
     cache = Path(os.environ.get("LOOP_CACHE_DIR", Path.home() / ".cache" / "loop_trainer")) / "test-assets"
     return build_qwen25_tokenizer(cache)
@@ -308,8 +303,6 @@ class Ours:
     def lock_step(self, n: int) -> dict[str, Any]:
         """The bound's generation term: the same n episodes with no environment latency, every turn
         all n requests submitted at once to our backend, so they are decoded as one batch."""
-        from multiturn_bound import LockStepBackend
-
         backend = self._vllm_backend() if self.args.backend == "vllm" else self._transformers_backend(n)
         lock_step = LockStepBackend(backend.generate, n)
         result = self._collect(LatencyWorld(self.args.seed, 0.0, 0.0, 0.0), n, lock_step)
@@ -493,25 +486,12 @@ class Trl:
 
 
 # --- driver -------------------------------------------------------------------------------------
-def software() -> dict[str, Any]:
-    import datasets
+def measured_with() -> dict[str, Any]:
+    """The JSON's ``software``: package versions, the CPU, threads and commit (``common.software``)."""
     import torch
-    import transformers
-    import trl
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, check=False,
-                                    capture_output=True, text=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty = "unknown", False
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "trl": trl.__version__, "datasets": datasets.__version__,
-            "cpu": cpu, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "commit": commit, "tracked_changes": dirty,
+    return {**software(("torch", "transformers", "trl", "datasets"), host=True, checkout=True,
+                       torch_threads=torch.get_num_threads(), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS")),
             **({"vllm": sys.modules["vllm"].__version__} if "vllm" in sys.modules else {})}
 
 
@@ -519,7 +499,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.turns < 2:
         raise SystemExit("--turns must be >= 2 (TRL needs at least one tool call)")
-    load_before = wait_for_load(args.max_load, args.max_wait)
+    load_before, _ = wait_for_load(args.max_load, args.max_wait, measure_anyway=False)
     print(f"load average before: {load_before}", flush=True)
     import torch
 
@@ -610,8 +590,8 @@ def main(argv: list[str] | None = None) -> None:
         attach_bounds(runs, lock_steps)
     wall = time.perf_counter() - started
     cpu_after = busy_cpu_seconds()
-    own_cpu = cpu_after[1] - cpu_before[1]
-    other_cpu = max(0.0, (cpu_after[0] - cpu_before[0]) - own_cpu)
+    own_cpu = cpu_after.this_process - cpu_before.this_process
+    other_cpu = other_cpu_seconds(cpu_before, cpu_after)
     print(f"measurement: {wall:.0f} s wall, {own_cpu:.0f} CPU s ours, {other_cpu:.0f} CPU s other processes",
           flush=True)
 
@@ -659,12 +639,13 @@ def main(argv: list[str] | None = None) -> None:
                    for e in range(2000) for s in range(4))
     quantile = {q: draws[min(len(draws) - 1, int(q * len(draws)))] for q in (0.5, 0.9, 0.99)}
     out = {
-        "command": (".vllm-venv/bin/python " if args.backend == "vllm" else "python ") + " ".join([os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])]),
+        "command": command_line("benchmarks.multiturn_throughput", argv,
+                                python=".vllm-venv/bin/python" if args.backend == "vllm" else "python"),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "latency_distribution": {"median_s": quantile[0.5], "p90_s": quantile[0.9], "p99_s": quantile[0.99],
                                  "mean_s": statistics.mean(draws), "max_s": draws[-1],
                                  "fraction_at_cap": sum(d >= args.max_latency for d in draws) / len(draws)},
-        "software": software(), **({"engine_dtypes": engine_dtypes} if engine_dtypes else {}),
+        "software": measured_with(), **({"engine_dtypes": engine_dtypes} if engine_dtypes else {}),
         "load_before": load_before, "load_after_warmup": load_after_warmup,
         "load_after": list(os.getloadavg()), "measurement_cpu_s": {"this_process": own_cpu, "other_processes": other_cpu},
         "benchmark_wall_s": wall, "summary": summary, "decode_check": decode_check,

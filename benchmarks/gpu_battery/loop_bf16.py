@@ -19,7 +19,8 @@ import hashlib
 import time
 from typing import Any
 
-from common import build_model, device_for, lora_config, loop_config, qwen_tokenizer, scratch, sizes_for
+from benchmarks.gpu_battery.common import build_model, device_for, lora_config, loop_config, qwen_tokenizer, \
+    scratch, sizes_for
 
 GAP_METRICS = ("sampler_logprob_diff", "sampler_logprob_diff_max", "loss", "kl", "clip_frac", "ratio_min", "ratio_max", "grad_norm",
                "skipped_nonfinite_steps", "num_kept", "reward_mean", "reward_std", "sampled_tokens",
@@ -66,7 +67,7 @@ def _adapter_state(model: Any) -> dict[str, Any]:
 def run_bf16(trainer: Any, iterations: int = 2) -> dict[str, Any]:
     import torch
 
-    from loop_trainer.training.checkpointing import is_checkpointing
+    from loop_trainer.training.activation_checkpointing import is_checkpointing
 
     before = _adapter_state(trainer.model)
     records = []

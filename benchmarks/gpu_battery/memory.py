@@ -21,8 +21,8 @@ import gc
 import time
 from typing import Any
 
-from common import GIB, bf16_peak, build_model, device_for, gpu_name, lora_config, loop_config, qwen_tokenizer, \
-    scratch, shape_config, sizes_for
+from benchmarks.gpu_battery.common import GIB, bf16_peak, build_model, device_for, gpu_name, lora_config, \
+    loop_config, qwen_tokenizer, scratch, shape_config, sizes_for
 
 LORA_R = 8
 
@@ -107,7 +107,7 @@ def _build_trainer(shape_name: str, device: str, max_tokens: int, output_dir: st
 
 
 def _plan(shape: Any, tokens: int, gpu_gib: float, zero_stage: int) -> Any:
-    from loop_trainer.memory_plan import plan_memory
+    from loop_trainer.models.memory_plan import plan_memory
 
     return plan_memory(shape, world_size=1, gpu_memory_gib=gpu_gib, zero_stage=zero_stage,
                        lora={"r": LORA_R, "target_modules": "all-linear", "dropout": 0.0}, bf16=True,
@@ -191,7 +191,7 @@ def measure_mfu(trainer: Any, shape: Any, tokens: int, count: int, device: str) 
 def run(mode: str) -> dict[str, Any]:
     import torch
 
-    from loop_trainer.memory_plan import ModelShape
+    from loop_trainer.models.memory_plan import ModelShape
 
     sizes = sizes_for(mode)
     device = device_for(mode)

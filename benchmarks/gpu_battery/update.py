@@ -10,7 +10,8 @@ import subprocess
 import sys
 from typing import Any
 
-from common import ROOT, TINY_CONFIG, device_for, scratch, sizes_for
+from benchmarks.common import ROOT
+from benchmarks.gpu_battery.common import TINY_CONFIG, device_for, scratch, sizes_for
 
 
 def command(mode: str, out: str) -> list[str]:
@@ -18,7 +19,7 @@ def command(mode: str, out: str) -> list[str]:
     body = (["--shape", sizes.update_shape] if sizes.update_shape != "tiny" else
             ["--hidden-size", str(TINY_CONFIG["hidden_size"]), "--layers", str(TINY_CONFIG["num_hidden_layers"]),
              "--heads", str(TINY_CONFIG["num_attention_heads"]), "--kv-heads", str(TINY_CONFIG["num_key_value_heads"])])
-    return [sys.executable, str(ROOT / "benchmarks" / "update_throughput.py"), "--device", device_for(mode),
+    return [sys.executable, "-m", "benchmarks.update_throughput", "--device", device_for(mode),
             "--lengths", *map(str, sizes.update_lengths), "--num-trajectories", str(sizes.update_trajectories),
             "--minibatch-size", str(sizes.update_minibatch), "--ppo-epochs", str(sizes.update_epochs), *body,
             "--out", out]
@@ -33,5 +34,5 @@ def run(mode: str) -> dict[str, Any]:
         if done.returncode:
             raise RuntimeError(f"update_throughput.py failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
         result = json.loads(open(out).read())
-    result["command"] = " ".join(argv[1:]).replace(str(ROOT) + "/", "").replace(out, "OUT.json")
+    result["command"] = " ".join(["python", *argv[1:]]).replace(out, "OUT.json")
     return result
