@@ -1,14 +1,17 @@
 """The LOOP objective (Chen et al. 2025, arXiv 2502.01600), in pure torch.
 
-Four functions, each checkable line by line against the paper:
+Six functions, each checkable line by line against the paper:
 
 * :func:`leave_one_out_advantages` -- one scalar advantage per rollout, from its task group.
 * :func:`group_mean_advantages` -- GRPO's advantage (reward minus the group mean, optionally over
   the group's standard deviation), for the paper's ablations.
+* :func:`advantages_for` -- one of the two above, by name (``advantage_estimator``).
 * :func:`advantage_keep_mask` -- drop rollouts whose advantage is (almost) zero.
 * :func:`loop_policy_loss` -- the clipped PPO surrogate (importance ratio per token, as LOOP, or
   per turn / per trajectory for the ablations), token-mean per trajectory, summed over
   trajectories and divided by a constant (the nominal minibatch size).
+* :func:`reference_kl_penalty` -- a KL penalty to a reference policy, aggregated like the loss
+  (not LOOP's: GRPO's ``beta > 0``).
 
 Nothing here knows about models, tokenizers or TRL.
 """
@@ -23,14 +26,18 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "MAX_LOG_RATIO",
     "RATIO_LEVELS",
+    "STD_EPS",
     "PolicyLossOutput",
     "RatioLevel",
     "advantage_keep_mask",
+    "advantages_for",
     "group_mean_advantages",
     "leave_one_out_advantages",
     "loop_policy_loss",
+    "reference_kl_penalty",
 ]
 
 RatioLevel = Literal["token", "turn", "trajectory"]
@@ -40,6 +47,11 @@ MAX_LOG_RATIO = 20.0
 """Overflow guard of the per-turn and per-trajectory ratios: their summed log-ratio is clamped to
 ``[-MAX_LOG_RATIO, MAX_LOG_RATIO]`` before ``exp`` (ratios within ``[2e-9, 4.9e8]``). See
 :func:`loop_policy_loss`."""
+
+STD_EPS = 1e-4
+"""Added to a group's reward standard deviation by the ``std_normalize`` ablations of both
+advantage estimators: TRL's ``GRPOTrainer`` constant (``advantages / (std + 1e-4)``). LOOP itself
+does not divide by the standard deviation."""
 
 
 def _group_index(group_ids: Tensor | Sequence[Hashable], device: torch.device) -> Tensor:
@@ -68,7 +80,7 @@ def leave_one_out_advantages(
     group_ids: Tensor | Sequence[Hashable],
     *,
     std_normalize: bool = False,
-    std_eps: float = 1e-6,
+    std_eps: float = STD_EPS,
 ) -> Tensor:
     r"""Leave-one-out advantage of every rollout within its task group.
 
@@ -82,7 +94,7 @@ def leave_one_out_advantages(
 
     LOOP does *not* divide by the group's standard deviation (the paper's ablation: it hurts).
     ``std_normalize=True`` exists for that ablation only: it divides each advantage by the
-    sample (unbiased) standard deviation of its group's rewards plus ``std_eps``.
+    sample (unbiased) standard deviation of its group's rewards plus ``std_eps`` (:data:`STD_EPS`).
 
     Args:
         rewards: ``[N]`` rewards, one per rollout.
@@ -109,7 +121,7 @@ def group_mean_advantages(
     group_ids: Tensor | Sequence[Hashable],
     std_normalize: bool = False,
     *,
-    std_eps: float = 1e-4,
+    std_eps: float = STD_EPS,
 ) -> Tensor:
     r"""GRPO's group-mean advantage of every rollout (Shao et al. 2024), for the paper's ablations.
 
@@ -123,10 +135,10 @@ def group_mean_advantages(
     .. math::  A_i = \frac{r_i - \bar r_g}{s_g + \epsilon_{std}}, \qquad
                s_g = \sqrt{\frac{1}{n_g - 1} \sum_{j \in g} (r_j - \bar r_g)^2}
 
-    the sample (unbiased) standard deviation, and :math:`\epsilon_{std}` = ``std_eps`` = 1e-4 by
-    default, TRL's ``GRPOTrainer`` constant (``advantages / (std + 1e-4)``). A group of one rollout
-    gets :math:`A_i = 0` (it is its own mean; its :math:`s_g` is taken as 0, where TRL would get
-    NaN). A group whose rewards are all equal gets 0 (up to float rounding) with or without
+    the sample (unbiased) standard deviation, and :math:`\epsilon_{std}` = ``std_eps``, by
+    default :data:`STD_EPS` = 1e-4, TRL's ``GRPOTrainer`` constant. A group of one rollout gets
+    :math:`A_i = 0` (it is its own mean; its :math:`s_g` is taken as 0, where TRL would get NaN).
+    A group whose rewards are all equal gets 0 (up to float rounding) with or without
     normalisation.
 
     Args:
@@ -204,53 +216,44 @@ def loop_policy_loss(
     ratio_level: RatioLevel = "token",
     turn_ids: Tensor | None = None,
 ) -> PolicyLossOutput:
-    r"""LOOP's per-token clipped PPO loss for a batch of trajectories.
+    r"""LOOP's clipped PPO loss for a batch of trajectories.
 
     For trajectory :math:`i` with advantage :math:`A_i` and sampled tokens :math:`t \in T_i`
-    (``loss_mask == 1``):
+    (``loss_mask == 1``), each token :math:`t` in a segment :math:`k(t) \subseteq T_i`:
 
     .. math::
-        \rho_{i,t} = \exp(\log\pi_\theta(y_t) - \log\pi_{old}(y_t)) \\
+        \rho_{i,t} = \exp\Bigl(\sum_{u \in k(t)} \log\pi_\theta(y_u) - \log\pi_{old}(y_u)\Bigr) \\
         o_{i,t} = \min\bigl(\rho_{i,t} A_i,\ \mathrm{clip}(\rho_{i,t}, \tfrac{1}{1+\epsilon}, 1+\epsilon) A_i\bigr) \\
         L = -\frac{1}{D} \sum_i \frac{1}{|T_i|} \sum_{t \in T_i} o_{i,t}
+
+    The segment is the **ratio level** (the paper's Table 1 ablations): ``"token"`` (LOOP) is the
+    token alone, :math:`k(t) = \{t\}`, so :math:`\rho_{i,t} = \pi_\theta(y_t) / \pi_{old}(y_t)`;
+    ``"turn"`` is the token's assistant turn (the sampled tokens of its row with its ``turn_ids``
+    label), so every token of a turn carries the turn's ratio and a turn weighs by its number of
+    sampled tokens; ``"trajectory"`` is all of :math:`T_i` (``turn_ids`` not needed). A trajectory
+    cut to the training budget has the ratio of the part kept.
 
     The clip range is symmetric in log space (``[1/1.1, 1.1]`` for the paper's
     :math:`\epsilon = 0.1`). :math:`D` is a *constant* divisor, the nominal minibatch size
     (paper: 32), so a short minibatch or a trajectory split across gradient-accumulation
     micro-batches is weighted exactly as in a full one. It defaults to the batch size.
 
-    **Ratio level** (the paper's Table 1 ablations; LOOP is ``"token"``). With ``"turn"`` the
-    importance ratio belongs to a whole assistant turn: for turn :math:`k` of trajectory :math:`i`
-    with sampled tokens :math:`T_{i,k}` (``turn_ids == k`` where ``loss_mask == 1``),
-
-    .. math::
-        \rho_{i,k} = \prod_{t \in T_{i,k}} \rho_{i,t}
-                   = \exp\Bigl(\sum_{t \in T_{i,k}} \log\pi_\theta(y_t) - \log\pi_{old}(y_t)\Bigr) \\
-        o_{i,t} = \min\bigl(\rho_{i,k} A_i,\ \mathrm{clip}(\rho_{i,k}, \tfrac{1}{1+\epsilon}, 1+\epsilon) A_i\bigr)
-                  \quad \text{for every } t \in T_{i,k}
-
-    and :math:`L` as above (token mean within each trajectory, so a turn weighs by its number of
-    sampled tokens). ``"trajectory"`` is the same with all of :math:`T_i` as one turn (``turn_ids``
-    is not needed). A trajectory cut to the training budget has the ratio of the part kept.
-
-    The log-ratio sums are taken in float32 (float64 if the inputs are float64), and a sum
+    Arithmetic is in float32 (float64 if the inputs are float64). A turn or trajectory sum
     :math:`S` is clamped to :math:`[-S_{max}, S_{max}]`, :data:`MAX_LOG_RATIO` = 20, before
     ``exp``: a long turn's sum may be far outside float32's ``exp`` range. Since
     :math:`S_{max} > \log(1+\epsilon)`, the clipped branch and every choice the ``min`` makes
     are unchanged; only where :math:`|S| > S_{max}` does the unclipped branch see
     :math:`e^{\pm S_{max}}` with zero gradient (there: :math:`S > S_{max}` with :math:`A < 0`,
     whose true gradient would be astronomically large, and :math:`S < -S_{max}` with
-    :math:`A > 0`, whose true gradient is below :math:`2 \cdot 10^{-9} A`). So finite inputs
-    give a finite loss and finite gradients; positions with ``loss_mask == 0`` are never read
-    (padding may hold anything, ``inf`` and ``nan`` included). The ``"token"`` level is left
-    exactly as it was (no clamp).
+    :math:`A > 0`, whose true gradient is below :math:`2 \cdot 10^{-9} A`). A single token's
+    log-ratio (the ``"token"`` level) is not clamped. Positions with ``loss_mask == 0`` are never
+    read (padding may hold anything, ``inf`` and ``nan`` included).
 
-    **Statistics** (:class:`PolicyLossOutput`) are over sampled tokens at every level, each token
-    carrying the ratio its level uses: ``clip_frac`` is the fraction of sampled tokens whose
-    turn's (trajectory's) objective took the clipped branch, ``ratio_mean/min/max`` are over those
-    per-token copies of the turn (trajectory) ratios, i.e. token-weighted, as guarded by the clamp,
-    and ``kl`` is the per-token k1 estimate at every level (so a KL threshold means the same
-    whatever the level).
+    **Statistics** (:class:`PolicyLossOutput`, float32) are over sampled tokens, each carrying
+    the ratio its level uses: ``clip_frac`` is the fraction of sampled tokens whose objective took
+    the clipped branch, ``ratio_mean/min/max`` are over the per-token ratios (token-weighted;
+    as guarded by the clamp), and ``kl`` is the per-token k1 estimate at every level (so a KL
+    threshold means the same whatever the level).
 
     Args:
         logprobs: ``[B, T]`` log-probs of the tokens under the policy being trained (with grad).
@@ -266,23 +269,26 @@ def loop_policy_loss(
             (any non-negative labels; tokens of one row with the same label form one turn).
             Required for ``"turn"``, ignored otherwise.
     """
-    if ratio_level != "token":
-        return _sequence_level_policy_loss(logprobs, old_logprobs, advantages, loss_mask, epsilon=epsilon,
-                                           divisor=divisor, ratio_level=ratio_level, turn_ids=turn_ids)
-    if logprobs.shape != old_logprobs.shape or logprobs.shape != loss_mask.shape:
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {', '.join(RATIO_LEVELS)}; got {ratio_level!r}")
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != loss_mask.shape or logprobs.ndim != 2:
         raise ValueError(
             f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
-            f"loss_mask {tuple(loss_mask.shape)} must have the same shape"
+            f"loss_mask {tuple(loss_mask.shape)} must have the same [B, T] shape"
         )
-    # The ratio is exp of a small difference of large numbers: do it in float32 whatever the model dtype.
-    logprobs, old_logprobs = logprobs.float(), old_logprobs.detach().float()
-    mask = loss_mask.to(torch.float32)
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(f"advantages must have shape ({logprobs.shape[0]},), got {tuple(advantages.shape)}")
     divisor = float(logprobs.shape[0] if divisor is None else divisor)
+    # The ratio is exp of a small difference of large numbers: float32 at least, whatever the model
+    # dtype (float64 stays float64: gradcheck).
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    sampled = loss_mask.bool()
+    mask = loss_mask.to(dtype)
 
-    # Masked positions get log-ratio 0 so padding can never produce inf * 0 = nan.
-    log_ratio = (logprobs - old_logprobs) * mask
-    ratio = torch.exp(log_ratio)
-    adv = advantages.detach().to(torch.float32)[:, None]
+    # Per token log pi_theta - log pi_old; 0 where not sampled, so padding never reaches the loss.
+    log_ratio = torch.where(sampled, logprobs.to(dtype) - old_logprobs.detach().to(dtype), 0.0)
+    ratio = torch.exp(_segment_log_ratio(log_ratio, sampled, ratio_level, turn_ids))
+    adv = advantages.detach().to(dtype)[:, None]
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 / (1.0 + epsilon), 1.0 + epsilon) * adv
     objective = torch.minimum(unclipped, clipped)
@@ -295,18 +301,45 @@ def loop_policy_loss(
         num_tokens = mask.sum()
         denom = num_tokens.clamp(min=1)
         took_clipped = (clipped < unclipped).to(mask.dtype) * mask
-        selected = ratio[mask.bool()]
+        selected = ratio[sampled]
         empty = selected.numel() == 0
-        stats = PolicyLossOutput(
-            loss=loss,
-            clip_frac=took_clipped.sum() / denom,
-            kl=(-log_ratio * mask).sum() / denom,
-            ratio_mean=(ratio * mask).sum() / denom,
-            ratio_min=selected.min() if not empty else ratio.new_tensor(1.0),
-            ratio_max=selected.max() if not empty else ratio.new_tensor(1.0),
-            num_tokens=num_tokens,
-        )
-    return stats
+        stats = {
+            "clip_frac": took_clipped.sum() / denom,
+            "kl": (-log_ratio * mask).sum() / denom,
+            "ratio_mean": (ratio * mask).sum() / denom,
+            "ratio_min": selected.min() if not empty else ratio.new_tensor(1.0),
+            "ratio_max": selected.max() if not empty else ratio.new_tensor(1.0),
+            "num_tokens": num_tokens,
+        }
+    return PolicyLossOutput(loss=loss, **{name: value.to(torch.float32) for name, value in stats.items()})
+
+
+def _segment_log_ratio(log_ratio: Tensor, sampled: Tensor, ratio_level: str, turn_ids: Tensor | None) -> Tensor:
+    """``[B, T]``: every sampled token's log-ratio of its segment (see :func:`loop_policy_loss`):
+    its own (``"token"``), the sum over its turn or over its trajectory (clamped to
+    ``MAX_LOG_RATIO``); 0 where not sampled. ``log_ratio`` is 0 where not sampled."""
+    if ratio_level == "token":
+        return log_ratio
+    batch_size = log_ratio.shape[0]
+    if ratio_level == "trajectory":
+        turn = torch.zeros_like(sampled, dtype=torch.long)
+    else:
+        if turn_ids is None:
+            raise ValueError('ratio_level="turn" needs turn_ids ([B, T] turn index of every sampled token)')
+        if turn_ids.shape != sampled.shape:
+            raise ValueError(f"turn_ids {tuple(turn_ids.shape)} must have the shape of loss_mask "
+                             f"{tuple(sampled.shape)}")
+        turn = turn_ids.to(device=log_ratio.device, dtype=torch.long)
+        if bool((turn[sampled] < 0).any()):
+            raise ValueError("turn_ids must be >= 0 on every sampled token (loss_mask == 1)")
+    width = int(turn[sampled].max()) + 1 if bool(sampled.any()) else 1
+    row = torch.arange(batch_size, device=log_ratio.device)[:, None]
+    # One segment per (trajectory, turn) label; every token not sampled in one more (log-ratio 0).
+    _, segment = torch.unique(torch.where(sampled, row * width + turn, -1), return_inverse=True)
+    num_segments = int(segment.max()) + 1 if segment.numel() else 0
+    sums = log_ratio.new_zeros(num_segments).index_add(0, segment.flatten(), log_ratio.flatten())
+    # Overflow guard (see MAX_LOG_RATIO): exact wherever |S| <= MAX_LOG_RATIO, finite everywhere.
+    return torch.where(sampled, sums[segment], 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
 
 
 def reference_kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor, *,
@@ -331,77 +364,3 @@ def reference_kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tens
     with torch.no_grad():
         mean = (k3 * mask).sum() / mask.sum().clamp(min=1)
     return per_trajectory.sum() / divisor, mean
-
-
-def _sequence_level_policy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    *,
-    epsilon: float,
-    divisor: float | None,
-    ratio_level: str,
-    turn_ids: Tensor | None,
-) -> PolicyLossOutput:
-    """:func:`loop_policy_loss` with one ratio per turn or per trajectory (see its docstring)."""
-    if ratio_level not in RATIO_LEVELS:
-        raise ValueError(f"ratio_level must be one of {', '.join(RATIO_LEVELS)}; got {ratio_level!r}")
-    if logprobs.shape != old_logprobs.shape or logprobs.shape != loss_mask.shape or logprobs.ndim != 2:
-        raise ValueError(
-            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
-            f"loss_mask {tuple(loss_mask.shape)} must have the same [B, T] shape"
-        )
-    batch_size = logprobs.shape[0]
-    if advantages.shape != (batch_size,):
-        raise ValueError(f"advantages must have shape ({batch_size},), got {tuple(advantages.shape)}")
-    divisor = float(batch_size if divisor is None else divisor)
-    # float32 at least (float64 stays float64: gradcheck).
-    dtype = torch.promote_types(logprobs.dtype, torch.float32)
-    sampled = loss_mask.bool()
-    # Only sampled positions are ever read: whatever padding holds cannot reach the loss or the gradient.
-    log_ratio = logprobs[sampled].to(dtype) - old_logprobs.detach()[sampled].to(dtype)  # [N] sampled tokens
-    row = torch.arange(batch_size, device=logprobs.device)[:, None].expand_as(sampled)[sampled]
-
-    if ratio_level == "trajectory":
-        segment = row
-    else:
-        if turn_ids is None:
-            raise ValueError('ratio_level="turn" needs turn_ids ([B, T] turn index of every sampled token)')
-        if turn_ids.shape != loss_mask.shape:
-            raise ValueError(f"turn_ids {tuple(turn_ids.shape)} must have the shape of loss_mask "
-                             f"{tuple(loss_mask.shape)}")
-        turn = turn_ids.to(device=logprobs.device, dtype=torch.long)[sampled]
-        if turn.numel() and bool((turn < 0).any()):
-            raise ValueError("turn_ids must be >= 0 on every sampled token (loss_mask == 1)")
-        width = int(turn.max()) + 1 if turn.numel() else 1
-        segment = row * width + turn
-    # One segment per (trajectory, turn); inverse maps each sampled token to its segment.
-    _, inverse = torch.unique(segment, return_inverse=True)
-    num_segments = int(inverse.max()) + 1 if inverse.numel() else 0
-    segment_log_ratio = log_ratio.new_zeros(num_segments).index_add(0, inverse, log_ratio)
-    # Overflow guard (see the docstring): exact wherever |S| <= MAX_LOG_RATIO, finite everywhere.
-    guarded = segment_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    ratio = torch.exp(guarded)[inverse]  # [N]: each sampled token carries its segment's ratio
-    adv = advantages.detach().to(dtype)[row]
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 / (1.0 + epsilon), 1.0 + epsilon) * adv
-    objective = torch.minimum(unclipped, clipped)
-
-    tokens_per_trajectory = torch.zeros(batch_size, dtype=dtype, device=logprobs.device).index_add_(
-        0, row, torch.ones_like(log_ratio.detach()))
-    loss = -(objective / tokens_per_trajectory[row]).sum() / divisor
-
-    with torch.no_grad():
-        num_tokens = sampled.sum().to(torch.float32)
-        denom = num_tokens.clamp(min=1)
-        empty = ratio.numel() == 0
-        return PolicyLossOutput(
-            loss=loss,
-            clip_frac=(clipped < unclipped).sum().to(torch.float32) / denom,
-            kl=(-log_ratio).sum().to(torch.float32) / denom,
-            ratio_mean=ratio.sum().to(torch.float32) / denom,
-            ratio_min=ratio.min().to(torch.float32) if not empty else ratio.new_tensor(1.0, dtype=torch.float32),
-            ratio_max=ratio.max().to(torch.float32) if not empty else ratio.new_tensor(1.0, dtype=torch.float32),
-            num_tokens=num_tokens,
-        )

@@ -44,6 +44,15 @@ class GenerationError(RuntimeError):
     """The generation backend failed twice for one turn."""
 
 
+def stream_seed(seed: int, index: int) -> int:
+    """The ``torch.Generator`` seed of the ``index``-th draw of a run seeded ``seed``: the task order's
+    passes (``TaskSampler``) and each iteration's minibatch shuffles (``PolicyUpdate``).
+
+    Not :func:`mix_seed`, which derives every other seed: this formula predates it, and the recorded
+    demo runs (``tests/data/demo-seed0/``) depend on the task order and shuffles it gives."""
+    return seed * 1_000_003 + index
+
+
 def mix_seed(*parts: int) -> int:
     """A 63-bit seed from integers (splitmix64 steps): distinct inputs give unrelated seeds.
 

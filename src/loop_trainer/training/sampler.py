@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..rollout.records import stream_seed
+
 
 @dataclass
 class TaskSampler:
@@ -30,7 +32,7 @@ class TaskSampler:
             raise ValueError("the environment has no tasks in this split")
 
     def _permutation(self) -> list[int]:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        generator = torch.Generator().manual_seed(stream_seed(self.seed, self.epoch))
         return torch.randperm(self.num_tasks, generator=generator).tolist()
 
     def next(self, n: int) -> list[int]:

@@ -1,9 +1,11 @@
 """The policy update of one LOOP iteration: old log-probs, then shuffled minibatches, one optimizer
 step each, with the guards that keep a bad step from reaching the weights.
 
-    old log-probs  <- current policy on the kept trajectories (no grad, eval mode)
+    fixed log-probs <- current policy on the kept trajectories (no grad, eval mode): the old
+                       policy's, and the reference policy's when beta > 0 (FixedLogprobs)
     for epoch in ppo_epochs:   shuffle all trajectories (across tasks), cut into minibatches
-        for minibatch:         accumulate loop_policy_loss over micro-batches, then
+        for minibatch:         accumulate loop_policy_loss (+ beta * reference_kl_penalty) over
+                               micro-batches, then
                                skip (non-finite loss or gradient)  |  abort the iteration (|KL| too large)
                                |  clip and step
 
@@ -23,10 +25,22 @@ from typing import Any
 import torch
 
 from ..objective import loop_policy_loss, reference_kl_penalty
-from .batching import TrainingSample, chunks, collate, minibatch_indices, token_logprobs
+from .batching import TrainingSample, chunks, collate, minibatch_indices
+from .logprobs import token_logprobs
+from ..rollout.records import stream_seed
 from .distribution import DistributionStrategy
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FixedLogprobs:
+    """Per-sample token log-probs held fixed through one iteration's update, keyed by sample index
+    (the samples this process trains): the old policy's (the ratio's denominator) and, when
+    ``beta > 0``, the reference policy's (the KL penalty's); each ``[len(token_ids)]`` on the CPU."""
+
+    old: dict[int, torch.Tensor]
+    reference: dict[int, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,8 @@ class StepResult:
     stepped: bool = False
     kl_ref: float = math.nan
     """Mean k3 estimate of KL(policy || reference) over the minibatch's sampled tokens (beta > 0)."""
+    kl_exceeded: bool = False
+    """|kl| was over ``kl_abort_threshold``: gradients discarded, the iteration's updates end here."""
 
 
 class PolicyUpdate:
@@ -79,32 +95,30 @@ class PolicyUpdate:
         self.strategy = strategy
         self.autocast = autocast
         self.reference = reference
-        self._reference_logprobs: dict[int, torch.Tensor] = {}
 
     def __call__(self, samples: list[TrainingSample], iteration: int) -> dict[str, float]:
         """``ppo_epochs`` passes of shuffled minibatches over ``samples``; ``iteration`` (0-based,
         the one being trained) seeds the shuffles."""
         s = self.settings
-        generator = torch.Generator().manual_seed(s.seed * 1_000_003 + iteration)
+        generator = torch.Generator().manual_seed(stream_seed(s.seed, iteration))
         epochs = [list(minibatch_indices(len(samples), s.minibatch_size, generator)) for _ in range(s.ppo_epochs)]
         schedule = [minibatch for epoch in epochs for minibatch in epoch]
         mine = sorted({i for minibatch in schedule for i in self.strategy.share(minibatch)})
         # Each sample is in exactly one process's share of the first epoch: that process counts it
         # in the sampler comparison, so the combined metric counts every sample once.
         counted = {i for minibatch in epochs[0] for i in self.strategy.share(minibatch)}
-        self._reference_logprobs = {}  # filled beside the old log-probs when beta > 0
-        old_logprobs, sampler_diff = self.old_logprobs(samples, mine, counted)
+        fixed, sampler_diff = self.fixed_logprobs(samples, mine, counted)
         steps: list[StepResult] = []
         skipped_nonfinite = 0
         aborted_on_kl = False
         for minibatch in schedule:
-            step = self.minibatch_step(samples, old_logprobs, minibatch)
+            step = self.minibatch_step(samples, fixed, minibatch)
             if step is None:
                 skipped_nonfinite += 1
                 logger.warning("iteration %d: non-finite loss or gradient norm, optimizer step skipped", iteration + 1)
                 continue
             steps.append(step)
-            if abs(step.kl) > s.kl_abort_threshold:
+            if step.kl_exceeded:
                 logger.warning("iteration %d: KL estimate %.3g exceeds %.3g; step skipped, remaining updates aborted",
                                iteration + 1, step.kl, s.kl_abort_threshold)
                 aborted_on_kl = True
@@ -113,11 +127,12 @@ class PolicyUpdate:
                 "aborted_on_kl": int(aborted_on_kl), **sampler_diff}
 
     @torch.no_grad()
-    def old_logprobs(self, samples: list[TrainingSample], indices: list[int] | None = None,
-                     counted: set[int] | None = None) -> tuple[dict[int, torch.Tensor], dict[str, float]]:
+    def fixed_logprobs(self, samples: list[TrainingSample], indices: list[int] | None = None,
+                       counted: set[int] | None = None) -> tuple[FixedLogprobs, dict[str, float]]:
         """Log-probs of ``samples[i]`` for ``i`` in ``indices`` (default: all) under the current
-        policy, in eval mode, and how far the sampler's log-probs were from them over ``counted``
-        (default: all of ``indices``), combined over processes.
+        policy, in eval mode (and, when ``beta > 0``, under the reference policy), and how far the
+        sampler's log-probs were from the current policy's over ``counted`` (default: all of
+        ``indices``), combined over processes.
 
         LOOP takes its PPO denominator from the trainer, not the sampler; the sampler's log-probs
         are only compared, as a health check of the generation path."""
@@ -127,6 +142,7 @@ class PolicyUpdate:
         was_training = model.training
         model.eval()
         old: dict[int, torch.Tensor] = {}
+        reference: dict[int, torch.Tensor] | None = {} if self.settings.beta > 0 else None
         abs_diff_sum, abs_diff_max, count = 0.0, 0.0, 0
         work = list(chunks(indices, self.settings.micro_batch_size))
         real = len(work)
@@ -137,14 +153,14 @@ class PolicyUpdate:
                 batch = collate([samples[i] for i in chunk], self.settings.pad_token_id).to(strategy.device)
                 with self.autocast():
                     logprobs = token_logprobs(model, batch).float()
-                    if self.settings.beta > 0:
+                    if reference is not None:
                         with self.reference():
-                            reference = token_logprobs(model, batch).float()
+                            reference_logprobs = token_logprobs(model, batch).float()
                 if k >= real:
                     continue
-                if self.settings.beta > 0:
+                if reference is not None:
                     for row, i in enumerate(chunk):
-                        self._reference_logprobs[i] = reference[row, : len(samples[i].token_ids)].cpu()
+                        reference[i] = reference_logprobs[row, : len(samples[i].token_ids)].cpu()
                 rows = torch.tensor([i in counted for i in chunk], device=logprobs.device)[:, None]
                 diff = (logprobs - batch.sampler_logprobs)[batch.loss_mask.bool() & rows].abs()
                 if diff.numel():
@@ -157,15 +173,19 @@ class PolicyUpdate:
             model.train(was_training)
         abs_diff_sum, count = strategy.sum([abs_diff_sum, float(count)])
         _, abs_diff_max = strategy.min_max(0.0, abs_diff_max)
-        return old, {"sampler_logprob_diff": abs_diff_sum / count if count else float("nan"),
-                     "sampler_logprob_diff_max": abs_diff_max}
+        diff = {"sampler_logprob_diff": abs_diff_sum / count if count else float("nan"),
+                "sampler_logprob_diff_max": abs_diff_max}
+        return FixedLogprobs(old, reference), diff
 
-    def minibatch_step(self, samples: list[TrainingSample], old_logprobs: dict[int, torch.Tensor],
+    def minibatch_step(self, samples: list[TrainingSample], fixed: FixedLogprobs,
                        minibatch: list[int]) -> StepResult | None:
         """Accumulate this process's share of one minibatch, then one optimizer step. Returns None
         if the loss or the gradient norm was not finite (the step is skipped), and a result with
-        ``stepped=False`` if the KL estimate is over the abort threshold (gradients discarded)."""
+        ``kl_exceeded=True`` (``stepped=False``) if the KL estimate is over the abort threshold
+        (gradients discarded; the caller ends the iteration's updates)."""
         s, strategy = self.settings, self.strategy
+        if s.beta > 0 and fixed.reference is None:
+            raise ValueError("beta > 0 needs the reference policy's log-probs (FixedLogprobs.reference)")
         share = strategy.share(minibatch)
         micro_batches = [(indices, False) for indices in chunks(share, s.micro_batch_size)]
         needed = strategy.micro_batches_per_step(len(micro_batches), len(minibatch), s.micro_batch_size)
@@ -179,10 +199,7 @@ class PolicyUpdate:
         ratio_min, ratio_max = math.inf, -math.inf
         for i, (indices, stand_in) in enumerate(micro_batches):
             batch = collate([samples[j] for j in indices], s.pad_token_id).to(strategy.device)
-            old = torch.zeros_like(batch.sampler_logprobs)
-            for row, j in enumerate(indices):
-                if j in old_logprobs:
-                    old[row, : old_logprobs[j].numel()] = old_logprobs[j]
+            old = _padded(fixed.old, indices, like=batch.sampler_logprobs)
             if stand_in:
                 batch.advantages.zero_()
                 batch.loss_mask.zero_()
@@ -193,10 +210,7 @@ class PolicyUpdate:
                                        divisor=divisor, ratio_level=s.ratio_level, turn_ids=batch.turn_ids)
                 loss = out.loss
                 if s.beta > 0:
-                    reference = torch.zeros_like(batch.sampler_logprobs)
-                    for row, j in enumerate(indices):
-                        if j in self._reference_logprobs:
-                            reference[row, : self._reference_logprobs[j].numel()] = self._reference_logprobs[j]
+                    reference = _padded(fixed.reference, indices, like=batch.sampler_logprobs)
                     penalty, kl_ref = reference_kl_penalty(logprobs, reference, batch.loss_mask, divisor=divisor)
                     loss = loss + s.beta * penalty
                     totals["kl_ref"] += float(kl_ref) * float(out.num_tokens)
@@ -219,11 +233,22 @@ class PolicyUpdate:
         if not math.isfinite(step.loss):
             strategy.discard_gradients()
             return None
-        if abs(step.kl) > s.kl_abort_threshold:
+        if abs(step.kl) > s.kl_abort_threshold:  # the only KL-abort check: __call__ reads kl_exceeded
             strategy.discard_gradients()
+            step.kl_exceeded = True
             return step
         step.grad_norm, step.stepped = strategy.step()
         return step if step.stepped else None
+
+
+def _padded(per_sample: dict[int, torch.Tensor], indices: list[int], like: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped like the ``[B, T]`` tensor ``like``, row ``r`` starting with
+    ``per_sample[indices[r]]`` (rows of samples not in ``per_sample`` stay zero)."""
+    out = torch.zeros_like(like)
+    for row, i in enumerate(indices):
+        if i in per_sample:
+            out[row, : per_sample[i].numel()] = per_sample[i]
+    return out
 
 
 def summarize_steps(steps: list[StepResult]) -> dict[str, float]:
