@@ -17,7 +17,7 @@ from typing import Any
 
 from .chat import ChatFormatter
 from .envs.base import Environment, load_tasks
-from .episode_settings import EpisodeSettings
+from .config import EpisodeSettings
 from .rollout import GenerationBackend, RolloutEngine, mix_seed
 from .rollout.sharding import collect_across_processes
 from .trajectory import Trajectory

@@ -28,7 +28,7 @@ from trl import ModelConfig
 from ..chat import stop_token_ids
 from ..config import LOOPConfig
 from ..envs import EnvironmentSetupError, make_environment
-from ..episode_settings import EpisodeSettings
+from ..config import EpisodeSettings
 from ..rollout import TransformersBackend
 from .evaluate import EvalArguments, evaluate, load_policy
 from .recipe import RecipeError, ScriptArguments, parse_recipe

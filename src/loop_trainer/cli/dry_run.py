@@ -1,7 +1,7 @@
 """``loop-train --config RECIPE --dry-run``: check a recipe and plan its GPU memory, without a GPU.
 
 Prints the effective configuration (every LOOP key, the model and environment settings) and the
-per-GPU memory plan of :mod:`loop_trainer.memory_plan`, and exits 0 if it fits, 3 if it does not
+per-GPU memory plan of :mod:`loop_trainer.models.memory_plan`, and exits 0 if it fits, 3 if it does not
 (with the reasons and the knobs to turn).
 """
 
@@ -12,15 +12,16 @@ import os
 import re
 from typing import Any
 
+from transformers import TrainingArguments
 from trl import ModelConfig
 
 from ..config import LOOPConfig
 from ..envs import available_environments
 from ..rollout.generator import COLOCATED_TP_ONLY
-from ..memory_plan import MemoryPlan, ModelShape, load_model_shape, plan_memory
+from ..models.memory_plan import MemoryPlan, ModelShape, load_model_shape, plan_memory
 from .recipe import RecipeError, ScriptArguments
-from ..packaged_models import resolve_model_path
-from ..tiny import is_tiny_spec, tiny_config
+from ..models.packaged import resolve_model_path
+from ..models.tiny import is_tiny_spec, tiny_config
 
 EXIT_DOES_NOT_FIT = 3
 MODEL_KEYS = ("model_name_or_path", "dtype", "attn_implementation", "use_peft", "lora_r", "lora_alpha",
@@ -94,8 +95,8 @@ def in_recipe_keys(advice: str) -> str:
 
 
 def effective_configuration(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelConfig) -> str:
-    loop_keys = [f.name for f in dataclasses.fields(LOOPConfig)
-                 if f.name in LOOPConfig.__annotations__ and f.name != "gradient_checkpointing"]
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    loop_keys = [f.name for f in dataclasses.fields(LOOPConfig) if f.init and f.name not in inherited]
     training_keys = ("learning_rate", "lr_scheduler_type", "weight_decay", "max_grad_norm", "epsilon", "temperature",
                      "per_device_train_batch_size", "activation_checkpointing", "bf16", "seed", "output_dir",
                      "save_strategy", "save_steps", "save_total_limit", "report_to", "push_to_hub", "hub_model_id")

@@ -28,13 +28,13 @@ from transformers import AutoModelForCausalLM
 from trl import ModelConfig
 
 from ..chat import ChatFormatter, stop_token_ids
-from ..config import RANGES, output_dir_problem
+from ..config import EpisodeSettings, LOOPConfig, output_dir_problem, range_of
+from ..config.ranges import setting
 from ..envs import Environment, EnvironmentSetupError, make_environment
-from ..episode_settings import EPISODE_RANGES, EpisodeSettings, Rule, check_ranges
 from ..evaluation import Evaluator, format_metrics, write_evaluation_viewer
 from ..rollout import GenerationBackend, TransformersBackend
-from ..packaged_models import PackagedModelError, resolve_model_path
-from ..tiny import build_tiny_from_spec, build_word_tokenizer, is_tiny_spec, load_tokenizer
+from ..models.packaged import PackagedModelError, resolve_model_path
+from ..models.tiny import build_tiny_from_spec, build_word_tokenizer, is_tiny_spec, load_tokenizer
 from .recipe import RecipeError, ScriptArguments, parse_recipe
 
 __all__ = ["EvalArguments", "cli", "evaluate"]
@@ -49,33 +49,22 @@ class EvalArguments(ScriptArguments, EpisodeSettings):
     environment: str = field(default="appworld", metadata={"help": "Environment name (as in loop-train)."})
     split: str = field(default="dev", metadata={"help": "Split to evaluate (AppWorld: dev, test_normal, ...)."})
     adapter: str | None = field(default=None, metadata={"help": "A PEFT adapter directory to load on the model."})
-    rollouts_per_task: int = field(default=1, metadata={"help": "Independent rollouts of every task."})
-    temperature: float = field(default=0.0, metadata={"help": "Sampling temperature; 0 is greedy."})
-    max_tasks: int | None = field(default=None, metadata={"help": "Evaluate only the first N tasks of the split."})
+    # loop-eval's ranges are training's: those of LOOPConfig's evaluation keys (and the episode settings').
+    rollouts_per_task: int = setting(1, "Independent rollouts of every task.",
+                                     range_of(LOOPConfig, "eval_rollouts_per_task"))
+    temperature: float = setting(0.0, "Sampling temperature; 0 is greedy.", range_of(LOOPConfig, "eval_temperature"))
+    max_tasks: int | None = setting(None, "Evaluate only the first N tasks of the split.",
+                                    range_of(LOOPConfig, "eval_max_tasks"))
     output_dir: str = field(default="eval", metadata={"help": "Where results, metrics and the viewer go."})
     experiment_name: str | None = field(
         default=None, metadata={"help": "AppWorld experiment name for the saved outputs (default: output_dir's name)."}
     )
-    seed: int = field(default=0, metadata={"help": "Sampling seed."})
+    seed: int = setting(0, "Sampling seed.", range_of(LOOPConfig, "seed"))
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        try:
-            check_ranges(self, EVAL_RANGES)
-        except ValueError as error:
-            raise RecipeError(str(error)) from None
+        super().__post_init__()  # checks every field's range
         if problem := output_dir_problem(self.output_dir):
             raise RecipeError(problem)
-
-
-# loop-eval's ranges are training's: the episode settings', and those of LOOPConfig's evaluation keys.
-EVAL_RANGES: dict[str, Rule] = {
-    **EPISODE_RANGES,
-    "rollouts_per_task": RANGES["eval_rollouts_per_task"],
-    "temperature": RANGES["eval_temperature"],
-    "max_tasks": RANGES["eval_max_tasks"],
-    "seed": RANGES["seed"],
-}
 
 
 def _resolve(model_args: ModelConfig) -> str:
@@ -93,7 +82,7 @@ def load_policy(model_args: ModelConfig, eval_args: EvalArguments, env: Environm
         raise RecipeError("model_name_or_path is not set (a model id or a local directory)")
     if is_tiny_spec(name):
         try:
-            model, tokenizer = build_tiny_from_spec(name, env, seed=eval_args.seed)
+            model, tokenizer = build_tiny_from_spec(name, env, seed=eval_args.seed, env_timeout=eval_args.env_timeout)
         except ValueError as error:
             raise RecipeError(str(error)) from None
     else:

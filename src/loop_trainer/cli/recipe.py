@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
-from trl import ModelConfig, TrlParser
+from transformers import TrainingArguments
+from trl import GRPOConfig, ModelConfig, TrlParser
 
-from ..config import REFUSED_INHERITED_KEYS, LOOPConfig, refused_key_message
-from ..episode_settings import Rule, check_ranges
+from ..config import LOOP_EQUIVALENTS, LOOPConfig, check_ranges, unknown_key_message
+from ..config.ranges import above, at_least, setting
 
 
 class RecipeError(ValueError):
@@ -44,14 +45,15 @@ class ScriptArguments:
         metadata={"help": "Check the recipe and print the effective configuration and a per-GPU memory plan; "
                   "train nothing (no GPU needed). Exit status 3 if the plan does not fit."},
     )
-    plan_gpus: int | None = field(
-        default=None, metadata={"help": "GPUs the memory plan assumes (default: $WORLD_SIZE, else 8)."}
-    )
-    plan_gpu_memory_gib: float = field(default=80.0, metadata={"help": "Memory of one GPU for the memory plan."})
+    plan_gpus: int | None = setting(
+        None, "GPUs the memory plan assumes (default: $WORLD_SIZE, else 8).",
+        at_least(1, "GPUs the dry run's memory plan assumes; None: $WORLD_SIZE, else 8", none=True))
+    plan_gpu_memory_gib: float = setting(80.0, "Memory of one GPU for the memory plan.",
+                                         above(0, "the memory of one GPU in the dry run's memory plan"))
 
     def __post_init__(self) -> None:
         try:
-            check_ranges(self, SCRIPT_RANGES)
+            check_ranges(self)
         except ValueError as error:
             raise RecipeError(str(error)) from None
         if isinstance(self.environment_kwargs, str):
@@ -62,11 +64,6 @@ class ScriptArguments:
         if self.environment_kwargs is not None and not isinstance(self.environment_kwargs, dict):
             raise RecipeError("environment_kwargs must be a mapping")
 
-
-SCRIPT_RANGES: dict[str, Rule] = {
-    "plan_gpus": Rule(">= 1 or None", "GPUs the dry run's memory plan assumes; None: $WORLD_SIZE, else 8"),
-    "plan_gpu_memory_gib": Rule("> 0", "the memory of one GPU in the dry run's memory plan"),
-}
 
 # Options parse_recipe itself reads, besides the dataclasses' keys.
 OWN_OPTIONS = ("config", "help")
@@ -90,14 +87,10 @@ REFUSED_MODEL_KEYS: dict[str, str] = {
 
 def make_parser(classes: Sequence[type] = DATACLASSES) -> TrlParser:
     parser = _Parser(tuple(classes))
-    # --help lists every field of the dataclasses; say which ones LOOP refuses rather than advertise them.
+    # --help lists every field of the dataclasses; say which ModelConfig ones LOOP refuses rather than advertise them.
     for action in parser._actions:
-        key = action.dest
-        if key in REFUSED_INHERITED_KEYS and LOOPConfig in classes:
-            equivalent, why = REFUSED_INHERITED_KEYS[key]
-            action.help = f"REFUSED by LOOP: {why}" + (f"; use {equivalent}" if equivalent else "") + "."
-        elif key in REFUSED_MODEL_KEYS and ModelConfig in classes:
-            action.help = f"REFUSED by LOOP: {REFUSED_MODEL_KEYS[key]}."
+        if action.dest in REFUSED_MODEL_KEYS and ModelConfig in classes:
+            action.help = f"REFUSED by LOOP: {REFUSED_MODEL_KEYS[action.dest]}."
     return parser
 
 
@@ -111,44 +104,22 @@ def refuse_unused_model_keys(model_args: ModelConfig) -> None:
 
 
 def _known_keys(classes: Sequence[type]) -> set[str]:
-    return {f.name for cls in classes for f in dataclasses.fields(cls)}
+    return {f.name for cls in classes for f in dataclasses.fields(cls) if f.init}
+
+
+# Settings of other trainers: a recipe naming one gets LOOP's equivalent, not a spelling suggestion.
+OTHER_TRAINERS_KEYS = frozenset(LOOP_EQUIVALENTS) | {f.name for cls in (TrainingArguments, GRPOConfig)
+                                                     for f in dataclasses.fields(cls)}
 
 
 def _did_you_mean(key: str, classes: Sequence[type], prefix: str = "") -> str:
-    """A hint spelled as the user spelled the mistake: ``prefix`` is ``--`` for a flag, empty for a YAML key."""
+    """A hint spelled as the user spelled the mistake: ``prefix`` is ``--`` for a flag, empty for a YAML key.
+    For another trainer's setting, LOOP's equivalent."""
+    if key in OTHER_TRAINERS_KEYS and LOOPConfig in classes:
+        return f": {unknown_key_message(key)}"
     candidates = sorted(_known_keys(classes) | (set(OWN_OPTIONS) if prefix else set()))
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.7)
     return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-
-
-def _flag_values(argv: Sequence[str]) -> dict[str, Any]:
-    """``--key value``, ``--key v1 v2`` and ``--key=value`` as {key: value}, each value typed as YAML
-    would type it (a bare ``--key`` is ``True``)."""
-    values: dict[str, Any] = {}
-    key = None
-    for token in argv:
-        if token.startswith("--"):
-            key, has_value, value = token[2:].partition("=")
-            key = key.replace("-", "_")
-            values[key] = [value] if has_value else []
-        elif key is not None:
-            values[key].append(token)
-    def typed(token: str) -> Any:
-        try:
-            return yaml.safe_load(token) if token else token
-        except yaml.YAMLError:
-            return token
-
-    return {key: True if not tokens else typed(tokens[0]) if len(tokens) == 1 else [typed(t) for t in tokens]
-            for key, tokens in values.items()}
-
-
-def _refuse_unused_inherited_keys(given: dict[str, Any]) -> None:
-    """A recipe key or flag LOOP does not use stops the run even when it repeats TRL's default:
-    ``loss_type: dapo`` in a recipe means its author expects DAPO's loss, which LOOP never computes."""
-    for key, value in given.items():
-        if key in REFUSED_INHERITED_KEYS:
-            raise RecipeError(refused_key_message(key, value))
 
 
 def _as_flags(config: dict[str, Any], source: str, classes: Sequence[type]) -> tuple[list[str], dict[str, Any]]:
@@ -214,8 +185,6 @@ def parse_recipe(argv: Sequence[str] | None = None, classes: Sequence[type] = DA
         if token.startswith("--") and token[2:].split("=", 1)[0].replace("-", "_") not in _known_keys(classes):
             key = token[2:].split("=", 1)[0]
             raise RecipeError(f"unknown option '--{key}'{_did_you_mean(key, classes, prefix='--')}")
-    if LOOPConfig in classes:
-        _refuse_unused_inherited_keys({**config, **_flag_values(argv)})
     try:
         parsed = tuple(parser.parse_args_into_dataclasses(args=config_flags + argv))
     except RecipeError:

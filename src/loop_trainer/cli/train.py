@@ -22,8 +22,8 @@ from ..training.checkpoints import CheckpointError, check_fresh_output_dir, is_f
 from ..config import LOOPConfig
 from ..envs import Environment, EnvironmentSetupError, make_environment
 from .recipe import RecipeError, ScriptArguments, make_parser, parse_recipe
-from ..packaged_models import PackagedModelError, resolve_model_path
-from ..tiny import build_tiny_from_spec, is_tiny_spec, load_tokenizer
+from ..models.packaged import PackagedModelError, resolve_model_path
+from ..models.tiny import build_tiny_from_spec, is_tiny_spec, load_tokenizer
 from ..rollout import RolloutFailureBudgetExceeded
 from ..training.stress import MemoryStressTestFailed
 from ..training.distribution import DistributedSetupError
@@ -38,17 +38,17 @@ logger = logging.getLogger("loop_trainer")
 
 def load_model_and_tokenizer(model_args: ModelConfig, training_args: LOOPConfig, env: Environment):
     """A model id/path (loaded by the trainer, like TRL) or a ``tiny:<env>`` /
-    ``tiny-instruct:<env>`` spec (see :mod:`loop_trainer.tiny`)."""
+    ``tiny-instruct:<env>`` spec (see :mod:`loop_trainer.models.tiny`)."""
     name = model_args.model_name_or_path
     if not name:
         raise RecipeError("model_name_or_path is not set (a model id, a local directory, 'tiny:<env>' or "
                           "'packaged:smollm2-135m-instruct')")
     if is_tiny_spec(name):
         try:
-            return build_tiny_from_spec(name, env, seed=training_args.seed)
+            return build_tiny_from_spec(name, env, seed=training_args.seed, env_timeout=training_args.env_timeout)
         except ValueError as error:
             raise RecipeError(str(error)) from None
-    try:  # packaged:<model> -> its converted directory (loop_trainer.packaged_models)
+    try:  # packaged:<model> -> its converted directory (loop_trainer.models.packaged)
         name = model_args.model_name_or_path = resolve_model_path(name)
     except PackagedModelError as error:
         raise RecipeError(str(error)) from None

@@ -39,10 +39,10 @@ from .base import (
     success_and_reward,
 )
 from .contacts import ContactsEnv
-from .openenv_env import OpenEnvEnvironment, from_openenv  # imports openenv only when used
-from .trl_agent import TRLAgentEnvironment
+from ..compat.openenv import OpenEnvEnvironment, from_openenv  # imports openenv only when used
+from ..compat.trl import TRLAgentEnvironment
 from .vault import VaultEnv
-from .verifiers_env import VerifiersEnvironment, from_verifiers  # imports verifiers only when used
+from ..compat.verifiers import VerifiersEnvironment, from_verifiers  # imports verifiers only when used
 
 __all__ = [
     "Environment",

@@ -18,7 +18,7 @@ of unit tests passed): the agent used the directory, looked up the right person,
 account, submitted the right code. ``success`` is all four.
 
 The vocabulary is a few dozen words, so a tiny model built from a config (see
-:mod:`loop_trainer.tiny`) can learn it from scratch on a CPU in minutes.
+:mod:`loop_trainer.models.tiny`) can learn it from scratch on a CPU in minutes.
 """
 
 from __future__ import annotations

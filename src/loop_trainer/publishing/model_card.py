@@ -55,9 +55,16 @@ PAPER_VALUES: dict[str, Any] = {
     "epsilon": 0.1, "temperature": 1.0, "max_turns": 40, "max_new_tokens_per_turn": 1500,
     "max_trajectory_tokens": 32768,
 }
-# Trainer settings that shape a LOOP update, listed with LOOP's own keys (all other inherited
-# GRPOConfig/TrainingArguments fields are left out of the card).
+# Trainer settings that shape a LOOP update, listed with LOOP's own keys (the other TrainingArguments
+# fields are left out of the card).
 TRAINER_FIELDS = ("learning_rate", "lr_scheduler_type", "weight_decay", "max_grad_norm", "epsilon", "temperature", "seed")
+# LOOPConfig keys that set up the machinery (model loading, vLLM, GRPOTrainer's agent arguments), not the
+# algorithm: left out of the card's hyperparameters.
+MACHINERY_FIELDS = frozenset({
+    "model_init_kwargs", "trust_remote_code", "disable_dropout", "chat_template_kwargs", "reward_weights",
+    "max_tool_calling_iterations", "malformed_tool_call", "beta", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization",
+    "vllm_tensor_parallel_size", "vllm_enable_sleep_mode", "vllm_max_model_length", "vllm_server_base_url",
+    "vllm_server_host", "vllm_server_port", "vllm_server_timeout"})
 LORA_FIELDS = ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora", "modules_to_save")
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -102,17 +109,18 @@ def is_hub_model_id(name: str | None) -> bool:
 
 def hyperparameter_rows(args: Any) -> list[tuple[str, str, str]]:
     """(name, this run's value, the paper's value or "") for LOOP's own settings of ``args`` (the
-    fields LOOPConfig adds to GRPOConfig, the episode settings) and :data:`TRAINER_FIELDS`.
+    fields LOOPConfig adds to TrainingArguments but :data:`MACHINERY_FIELDS`, the episode settings) and
+    :data:`TRAINER_FIELDS`.
     Local paths (``*_dir``) stay out of a published card."""
     if args is None or not dataclasses.is_dataclass(args):
         return []
-    from trl import GRPOConfig
+    from transformers import TrainingArguments
 
-    from ..episode_settings import EpisodeSettings
+    from ..config import EpisodeSettings
 
-    inherited = {f.name for f in dataclasses.fields(GRPOConfig)}
+    left_out = {f.name for f in dataclasses.fields(TrainingArguments)} | MACHINERY_FIELDS | set(TRAINER_FIELDS)
     episode = [f.name for f in dataclasses.fields(EpisodeSettings)]
-    own = [f.name for f in dataclasses.fields(args) if f.name not in inherited and f.name not in episode]
+    own = [f.name for f in dataclasses.fields(args) if f.init and f.name not in left_out and f.name not in episode]
     names = [n for n in (*own, *TRAINER_FIELDS, *episode) if hasattr(args, n) and not n.endswith("_dir")]
     return [(n, format_value(getattr(args, n)), format_value(PAPER_VALUES[n]) if n in PAPER_VALUES else "")
             for n in names]

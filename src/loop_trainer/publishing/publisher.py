@@ -22,12 +22,29 @@ CardContext = Callable[[], dict[str, Any]]
 
 
 class HubPublisher:
-    """Writes the card and starts uploads; the trainer owns the repository id and the jobs."""
+    """Writes the card, starts uploads and keeps track of those still running; the trainer owns the
+    repository id."""
 
     def __init__(self, args: Any, card_context: CardContext):
         self.args = args
         self.card_context = card_context
         self._checkpoint_pending = False
+        self.jobs: list[Any] = []
+        """Uploads started in the background (``concurrent.futures.Future``), oldest first."""
+
+    def track(self, job: Any | None) -> None:
+        if job is not None:
+            self.jobs.append(job)
+
+    def busy(self) -> bool:
+        """Whether an upload started in the background is still running."""
+        return any(not job.done() for job in self.jobs)
+
+    def wait(self) -> None:
+        """Block until every background upload has finished (raising the first one's error)."""
+        jobs, self.jobs = self.jobs, []
+        for job in jobs:
+            job.result()
 
     def write_card(self, output_dir: str, **overrides: Any) -> None:
         card = {"model_name": None, "tags": None, "license": None, **self.card_context()}

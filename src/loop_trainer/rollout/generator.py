@@ -87,7 +87,7 @@ ProbeScorer = Callable[[list[int]], torch.Tensor]
 """The trainer's log-probs of a probe sequence (positions 1..n), to check a weight sync."""
 
 
-class Generator:
+class RolloutGenerator:
     """What samples the rollouts, kept on the trainer's policy.
 
     Built once per run (:func:`build_generator`): the training model itself (transformers), a
@@ -146,15 +146,15 @@ class Generator:
 
 def build_generator(args: Any, model: torch.nn.Module, *, stop_token_ids: list[int], tokenizer: Any,
                     process_index: int, is_main_process: bool, barrier: Callable[[], None],
-                    probe_scorer: ProbeScorer, custom_backend: GenerationBackend | None = None) -> Generator:
+                    probe_scorer: ProbeScorer, custom_backend: GenerationBackend | None = None) -> RolloutGenerator:
     """The run's generator: ``custom_backend`` if given, else vLLM (``use_vllm``), else the
     training model itself."""
     if custom_backend is not None:
-        return Generator(custom_backend, owns_backend=False)
+        return RolloutGenerator(custom_backend, owns_backend=False)
     if not args.use_vllm:
         settings = {"model": model, "stop_token_ids": stop_token_ids, "pad_token_id": tokenizer.pad_token_id,
                     "max_batch_size": args.generation_batch_limit}
-        return Generator(TransformersBackend(**settings, temperature=args.temperature), transformers_settings=settings)
+        return RolloutGenerator(TransformersBackend(**settings, temperature=args.temperature), transformers_settings=settings)
     if args.vllm_mode == "server":
         url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         try:
@@ -201,4 +201,4 @@ def build_generator(args: Any, model: torch.nn.Module, *, stop_token_ids: list[i
     probe = probe_token_ids(len(tokenizer), args.vllm_probe_tokens, avoid=set(tokenizer.all_special_ids))
     weight_sync = WeightSync(model, backend, probe_scorer, probe, tolerance if tolerance >= 0 else None)
     barrier()
-    return Generator(backend, weight_sync=weight_sync)
+    return RolloutGenerator(backend, weight_sync=weight_sync)

@@ -1,15 +1,9 @@
-"""From kept trajectories to padded tensors and per-token log-probs.
-
-Per-token log-probs come from TRL's fused LM head (``model(..., labels=..., fused_lm_head=True)``,
-installed by GRPOTrainer): it projects hidden states through the LM head in tiles and never
-materialises ``[tokens x vocab]`` logits, so a 32k-token trajectory with Qwen2.5's 152k vocabulary
-fits. Only sampled tokens are labelled, so on GPUs only those positions are projected at all.
-"""
+"""From kept trajectories to padded tensors, and the minibatch schedule over them (the log-prob
+forward passes over those tensors are :mod:`.logprobs`)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -99,20 +93,6 @@ def collate(samples: Sequence[TrainingSample], pad_token_id: int) -> Batch:
     return Batch(input_ids, attention_mask, loss_mask, advantages, sampler_logprobs, turn_ids)
 
 
-def token_logprobs(model: torch.nn.Module, batch: Batch) -> Tensor:
-    """``[B, T]`` log-prob of each token given the ones before it; 0 where ``loss_mask`` is 0."""
-    labels = batch.input_ids.masked_fill(batch.loss_mask == 0, -100)
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        labels=labels,
-        fused_lm_head=True,
-        use_cache=False,
-    )
-    shifted = out.log_probs  # [B, T-1]: log p(token t+1 | tokens <= t)
-    return torch.cat([shifted.new_zeros(shifted.shape[0], 1), shifted], dim=1) * batch.loss_mask
-
-
 def minibatch_indices(num_samples: int, minibatch_size: int, generator: torch.Generator) -> Iterator[list[int]]:
     """One epoch: a fresh shuffle of all samples (across tasks), cut into minibatches."""
     order = torch.randperm(num_samples, generator=generator).tolist()
@@ -123,20 +103,3 @@ def minibatch_indices(num_samples: int, minibatch_size: int, generator: torch.Ge
 def chunks(items: Sequence[int], size: int) -> Iterator[list[int]]:
     for start in range(0, len(items), size):
         yield list(items[start : start + size])
-
-
-@torch.no_grad()
-def sequence_logprobs(model: torch.nn.Module, token_ids: Sequence[int], pad_token_id: int, device: torch.device,
-                      autocast: Callable[[], contextlib.AbstractContextManager]) -> Tensor:
-    """Log-probs of ``token_ids[1:]`` given the tokens before each, in eval mode, on the CPU (the
-    trainer's side of a weight-sync probe)."""
-    sample = TrainingSample(token_ids=list(token_ids), loss_mask=[0] + [1] * (len(token_ids) - 1),
-                            sampler_logprobs=[0.0] * len(token_ids), advantage=0.0, truncated=False)
-    was_training = model.training
-    model.eval()
-    try:
-        batch = collate([sample], pad_token_id).to(device)
-        with autocast():
-            return token_logprobs(model, batch)[0, 1:].float().cpu()
-    finally:
-        model.train(was_training)

@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from .batching import TrainingSample, collate, token_logprobs
+from .batching import TrainingSample, collate
+from .logprobs import token_logprobs
 from ..objective import loop_policy_loss
 from .distribution import DistributionStrategy
 

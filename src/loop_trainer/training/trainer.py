@@ -1,21 +1,24 @@
-"""LOOPTrainer: Leave-One-Out PPO with TRL's trainer API.
+"""LOOPTrainer: Leave-One-Out PPO with TRL's trainer API, on transformers' ``Trainer``.
 
 One iteration reads top to bottom in :meth:`LOOPTrainer.run_iteration`:
 
     tasks -> rollouts (multi-turn, concurrent) -> leave-one-out advantages -> drop |A| < threshold
           -> policy update (old log-probs, E epochs x shuffled minibatches, one step each)
 
-The work is done by collaborators, each in its own module (see docs/architecture.md): the
-generator (:mod:`..rollout.generator`), the rollout engine (:mod:`..rollout.engine`), the policy
-update (:mod:`.update`) over a distribution strategy (:mod:`.distribution`), the evaluator
-(:mod:`..evaluation`), the checkpoint stager (:mod:`.checkpoints`), the Hub publisher
-(:mod:`..publishing.publisher`) and the run log (:mod:`.run_log`). This class wires them to
-transformers' Trainer, whose hooks it overrides only to delegate.
+The work is done by collaborators, each in its own module (see docs/architecture.md): the model
+loader (:mod:`.model_loading`), the generator (:mod:`..rollout.generator`), the rollout engine
+(:mod:`..rollout.engine`), the policy update (:mod:`.update`) over a distribution strategy
+(:mod:`.distribution`), the evaluator (:mod:`..evaluation`), the checkpoint stager (:mod:`.checkpoints`),
+the Hub publisher (:mod:`..publishing.publisher`) and the run log (:mod:`.run_log`). transformers'
+``Trainer`` keeps what users rely on: accelerate/DDP/DeepSpeed set-up, the optimizer and scheduler,
+callbacks and ``report_to``, ``save_model``, checkpoint saving and rotation, the Hub repository.
 
-Private TRL/transformers API used here, each pinned by tests/test_trl_contract.py:
-``Trainer._inner_training_loop`` (overridden), ``Trainer._init_training_state``,
-``Trainer._prepare_for_training``, ``Trainer._save_checkpoint`` and ``Trainer._get_output_dir``
-(overridden to stage checkpoints), ``Trainer._load_rng_state``, and the ``fused_lm_head=True`` forward GRPOTrainer installs.
+Private ``transformers.Trainer`` API used by LOOPTrainer (here and in :mod:`.trainer_hooks`), each pinned by
+tests/unit/training/test_trainer_hooks.py: ``_inner_training_loop`` (overridden: LOOP's loop),
+``_init_training_state`` and ``_prepare_for_training`` (the training state, optimizer, scheduler and
+accelerate/DeepSpeed wrapping, as ``Trainer.train`` builds them), ``_load_rng_state`` (resume),
+``_save_checkpoint`` and ``_get_output_dir`` (overridden to stage checkpoints), ``_push_from_checkpoint``
+(overridden: LOOP's upload of a checkpoint). No private TRL API.
 """
 
 from __future__ import annotations
@@ -29,46 +32,40 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
-from transformers.trainer import PushInProgress
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
-from transformers.trainer_utils import HubStrategy, TrainOutput
-from trl import GRPOTrainer
+from transformers.trainer_utils import TrainOutput
 
 from ..chat import ChatFormatter, stop_token_ids
+from ..compat.trl.arguments import environment_for, loop_config_for
 from ..config import LOOPConfig
 from ..envs.base import Environment, load_tasks
+from ..evaluation import Evaluator, write_evaluation_viewer
 from ..objective import advantage_keep_mask, advantages_for
 from ..publishing.publisher import HubPublisher
 from ..rollout import GenerationBackend, RolloutBatch, RolloutEngine, mix_seed
-from ..rollout.generator import Generator, build_generator, require_vllm
+from ..rollout.generator import RolloutGenerator, build_generator, require_vllm
 from ..rollout.sharding import collect_across_processes
-from ..evaluation import Evaluator, write_evaluation_viewer
-from .batching import TrainingSample, sequence_logprobs
+from .batching import TrainingSample
+from .logprobs import sequence_logprobs
+from .activation_checkpointing import checkpointing_kwargs, enable_checkpointing, is_checkpointing
 from .checkpoints import CheckpointStager, read_loop_state
-from .resume import apply_setting_changes, plan_start, resume_settings
 from .distribution import DistributionStrategy, check_launch, check_sampling_with_training_model
+from .model_loading import load_model, load_tokenizer, wrap_for_training
+from .resume import apply_setting_changes, plan_start
 from .run_log import LOOPPrinterCallback, LOOPProgressCallback, RunLog
 from .sampler import TaskSampler
-from .checkpointing import checkpointing_kwargs, enable_checkpointing, is_checkpointing
+from .trainer_hooks import TrainerHooks
 from .stress import run_memory_stress_test
 from .update import PolicyUpdate, UpdateSettings
-from .trl_arguments import environment_for, loop_config_for
-from .workers import RolloutWorkers
-
+from .rollout_resources import RolloutResources
 
 logger = logging.getLogger(__name__)
 
 RewardFuncs = Callable | Sequence[Callable]
 
 
-def environment_reward(*_: Any, **__: Any) -> list[float]:
-    """Placeholder for GRPOTrainer's required reward function: LOOP's rewards come from
-    ``Episode.score`` and GRPO's reward path never runs."""
-    raise RuntimeError("LOOPTrainer takes rewards from the environment; GRPO's reward functions are not used")
-
-
-class LOOPTrainer(GRPOTrainer):
+class LOOPTrainer(TrainerHooks):
     """Trains a policy with LOOP on an :class:`~loop_trainer.envs.Environment`, or on what a TRL
     multi-turn script hands ``GRPOTrainer`` (same argument names, same order).
 
@@ -78,12 +75,12 @@ class LOOPTrainer(GRPOTrainer):
             created it closes it (``loop-train`` does). In its place, GRPOTrainer's agent arguments:
             ``reward_funcs`` (also accepted here, as GRPOTrainer's second argument), ``train_dataset``
             (a ``prompt`` column), ``eval_dataset`` (split ``eval``), ``tools`` and
-            ``environment_factory``, with TRL's semantics (:mod:`loop_trainer.envs.trl_agent`);
+            ``environment_factory``, with TRL's semantics (:mod:`loop_trainer.compat.trl.environment`);
             ``args.reward_weights`` and ``args.max_tool_calling_iterations`` apply to them.
-        args: a :class:`LOOPConfig`; a ``GRPOConfig`` is translated (:mod:`loop_trainer.grpo_args`).
+        args: a :class:`LOOPConfig`; a ``GRPOConfig`` is translated (:mod:`loop_trainer.compat.trl.grpo_config`).
         processing_class: the tokenizer (loaded from ``model`` if omitted); it needs a chat template.
         peft_config: e.g. a ``peft.LoraConfig``; the adapter is what gets trained.
-        quantization_config: passed on to model loading, as by ``GRPOTrainer``.
+        quantization_config: passed on to model loading when ``model`` is an id, as by ``GRPOTrainer``.
         generation_backend: how rollouts are sampled; defaults to a colocated vLLM engine when
             ``args.use_vllm``, else to sampling with the training model.
 
@@ -95,16 +92,7 @@ class LOOPTrainer(GRPOTrainer):
     """
 
     _name = "LOOP"
-    _tag_names = ["trl", "loop"]  # GRPOTrainer.__init__ tags the model with these (saved in its config)
-    recipe_path: str | dict[str, Any] | None = None
-    """The recipe the run came from (a path, or the effective values); uploaded as recipe.yaml."""
-    run_settings: dict[str, Any] | None = None
-    """Settings from outside LOOPConfig that shape the run, recorded in every checkpoint and compared on
-    resume like LOOPConfig's (see ``resume.RESUME_SETTINGS``). ``loop-train`` sets ``environment``
-    and ``environment_kwargs`` (its ScriptArguments); by default ``environment`` is ``env.name``."""
-    setting_changes: Sequence[dict[str, Any]] = ()
-    """Settings changed on resume (``resume_with_changed_settings``), oldest first: ``{"setting", "old",
-    "new", "from_iteration"}``; kept in every later checkpoint."""
+    _tag_names = ["trl", "loop"]  # the model is tagged with these (saved in its config)
 
     def __init__(self, model: str | PreTrainedModel, env: Environment | RewardFuncs | None = None,
                  args: LOOPConfig | None = None, train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
@@ -117,7 +105,7 @@ class LOOPTrainer(GRPOTrainer):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path or "model"
             args = LOOPConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-LOOP")
-        args = loop_config_for(args, train_dataset)
+        args = loop_config_for(args, train_dataset)  # a GRPOConfig is translated (compat.trl)
         env, self.trl_route = environment_for(
             env, args, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, tools=tools,
             environment_factory=environment_factory, reward_processing_classes=reward_processing_classes,
@@ -132,35 +120,34 @@ class LOOPTrainer(GRPOTrainer):
             logger.warning("tasks_per_iteration (%d) exceeds the %d tasks of split %r: each iteration holds some tasks "
                            "more than once (as separate leave-one-out groups)", args.tasks_per_iteration, len(tasks),
                            args.train_split)
-        # GRPOTrainer would start its own single-turn vLLM engine and, with beta > 0, build its own reference
-        # (a copy of the adapter or of the model); LOOP's generator is built below, and its reference is the
-        # base model with the adapter disabled (no second copy).
-        args.use_vllm, beta, args.beta = False, args.beta, 0.0
-        try:
-            super().__init__(model=model, reward_funcs=[environment_reward], args=args, train_dataset=tasks,
-                             processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
-                             quantization_config=quantization_config, peft_config=peft_config)
-        finally:
-            args.use_vllm, args.beta = use_vllm or args.use_vllm, beta
-        if args.beta > 0 and not hasattr(self.model, "disable_adapter"):
+        if isinstance(model, str):
+            model = load_model(model, args, quantization_config)
+        elif quantization_config is not None:
+            raise ValueError("quantization_config applies when LOOPTrainer loads the model from an id; this model is "
+                             "already loaded")
+        self.tokenizer = load_tokenizer(model, processing_class)
+        model = wrap_for_training(model, args, peft_config)
+        if args.beta > 0 and not hasattr(model, "disable_adapter"):
             raise ValueError(f"LOOPConfig: beta={args.beta} needs a LoRA adapter (use_peft: true): LOOP's reference "
                              "policy is the base model with the adapter disabled, never a second copy of the model")
+        super().__init__(model=model, args=args, data_collator=lambda rows: rows, train_dataset=tasks,
+                         processing_class=self.tokenizer, callbacks=callbacks, optimizers=optimizers)
+        if hasattr(self.model, "add_model_tags"):
+            self.model.add_model_tags(self._tag_names)  # saved in the model's config: what trained it
         for stock, ours in ((ProgressCallback, LOOPProgressCallback), (PrinterCallback, LOOPPrinterCallback)):
             if self.pop_callback(stock) is not None:
                 self.add_callback(ours)
-        tokenizer = self.processing_class
-        self.tokenizer = tokenizer.tokenizer if isinstance(tokenizer, ProcessorMixin) else tokenizer
         self.env = env
         env.set_tokenizer(self.tokenizer)
         self.formatter = ChatFormatter(self.tokenizer, chat_template_kwargs=args.chat_template_kwargs)
         self._custom_backend = generation_backend
         if generation_backend is None and not use_vllm:
             check_sampling_with_training_model(self.accelerator)
-        self.workers = RolloutWorkers(
+        self.rollout_resources = RolloutResources(
             env, self.formatter, args, open_generator=self._open_generator, eval_temperature=args.eval_temperature,
             num_processes=self.accelerator.num_processes, process_index=self.accelerator.process_index,
             show_progress=not args.disable_tqdm and self.accelerator.is_local_main_process)
-        self.workers.generator  # built now: a setting it cannot honour stops the run before training starts
+        self.rollout_resources.generator  # built now: a setting it cannot honour stops the run before training starts
         self.task_sampler = TaskSampler(len(tasks), seed=args.seed)
         self.run_log = RunLog(args.output_dir, writes=self.is_world_process_zero(), env_name=env.name,
                               plot_curves=args.plot_curves, viewer_rollouts_per_iteration=args.viewer_rollouts_per_iteration,
@@ -171,7 +158,7 @@ class LOOPTrainer(GRPOTrainer):
         self.latest_eval: dict[str, Any] | None = None
 
     # --- The parts that sample, opened on demand (and released by close()) ---
-    def _open_generator(self) -> Generator:
+    def _open_generator(self) -> RolloutGenerator:
         generator = build_generator(
             self.args, self.model, stop_token_ids=stop_token_ids(self.model, self.tokenizer), tokenizer=self.tokenizer,
             process_index=self.accelerator.process_index, is_main_process=self.accelerator.is_main_process,
@@ -183,22 +170,22 @@ class LOOPTrainer(GRPOTrainer):
         return generator
 
     @property
-    def generator(self) -> Generator:
-        return self.workers.generator
+    def generator(self) -> RolloutGenerator:
+        return self.rollout_resources.generator
 
     @property
     def rollout_engine(self) -> RolloutEngine:
-        return self.workers.engine
+        return self.rollout_resources.engine
 
     @property
     def evaluator(self) -> Evaluator:
-        return self.workers.evaluator
+        return self.rollout_resources.evaluator
 
     def close(self) -> None:
         """Release what the trainer opened: rollout thread pools, the generator (a vLLM engine, its
         temporary files). The environment is its creator's to close. Safe to call twice; anything
         used afterwards is opened again."""
-        self.workers.close()
+        self.rollout_resources.close()
 
     def __enter__(self) -> LOOPTrainer:
         return self
@@ -242,7 +229,6 @@ class LOOPTrainer(GRPOTrainer):
         else:
             self.run_log.start()
         started = time.time()
-        self._initial_num_input_tokens_seen = self.state.num_input_tokens_seen
         model.zero_grad()
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         while self.state.global_step < args.iterations and not self.control.should_training_stop:
@@ -389,88 +375,3 @@ class LOOPTrainer(GRPOTrainer):
         metrics = self.evaluate_policy()
         self.log(metrics)
         return metrics
-
-    # --- Trainer hooks: delegations ---
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        loop_state = lambda: {"iteration": self.state.global_step, "task_sampler": self.task_sampler.state_dict(),  # noqa: E731
-                              "history": self.history, "settings": self.resume_settings(),
-                              "setting_changes": self.setting_changes}
-        with self.checkpoints.staged(super()._get_output_dir(trial), self.state.global_step, loop_state,
-                                     on_published=self._push_published_checkpoint):
-            super()._save_checkpoint(model, trial)
-
-    # --- Resuming with the checkpoint's settings, or with changed ones applied and recorded ---
-    def resume_settings(self) -> dict[str, Any]:
-        """The settings an exact resume depends on, as recorded in every checkpoint (:mod:`.resume`)."""
-        return resume_settings(self.args, env_name=self.env.name, num_train_tasks=len(self.train_dataset),
-                               model=self.accelerator.unwrap_model(self.model), run_settings=self.run_settings)
-
-    def _get_output_dir(self, trial: Any) -> str:
-        staging = self.checkpoints.staging_root
-        return str(staging) if staging is not None else super()._get_output_dir(trial)
-
-    def _card_context(self) -> dict[str, Any]:
-        model = self.accelerator.unwrap_model(self.model)
-        return dict(base_model=getattr(model.config, "_name_or_path", None) or None,
-                    hub_model_id=self.hub_model_id or self.args.hub_model_id, args=self.args,
-                    peft_config=getattr(model, "peft_config", None), environment=self.env.name,
-                    iterations_done=self.state.global_step, history=self.history, eval_metrics=self.latest_eval,
-                    recipe_path=self.recipe_path, setting_changes=self.setting_changes)
-
-    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
-                          tags: list[str] | None = None, license: str | None = None, **_: Any) -> None:
-        # GRPOTrainer._save_checkpoint calls this before every checkpoint; push_to_hub calls it too.
-        if self.is_world_process_zero():
-            self.publisher.write_card(self.args.output_dir, model_name=model_name, tags=tags, license=license)
-
-    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
-                    token: str | None = None, revision: str | None = None, private: bool | None = None,
-                    merge_adapter: bool = False, **kwargs: Any):
-        """Upload the adapter (merged weights only with ``merge_adapter=True``), the tokenizer and
-        its chat template, the recipe, the metrics and the model card."""
-        self.callback_handler.on_push_begin(self.args, self.state, self.control)
-        token = token if token is not None else self.args.hub_token
-        if self.hub_model_id is None:
-            self.init_hf_repo(token=token, private=private)
-        self.save_model(_internal_call=True)
-        if not self.is_world_process_zero():
-            return None
-        self._finish_current_push()
-        return self.publisher.upload_run(
-            repo_id=self.hub_model_id, token=token, revision=revision if revision is not None else self.args.hub_revision,
-            commit_message=commit_message or "End of training", merge_adapter=merge_adapter, blocking=blocking, **kwargs)
-
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        # Called inside Trainer._save_checkpoint with the *staging* folder.
-        if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END:
-            return
-        if not self.args.hub_always_push and self.push_in_progress is not None and not self.push_in_progress.is_done():
-            return
-        self.callback_handler.on_push_begin(self.args, self.state, self.control)
-        self._add_push_job(self.publisher.upload_checkpoint_model(
-            checkpoint_folder, repo_id=self.hub_model_id, iteration=self.state.global_step, tokenizer=self.processing_class))
-
-    def _push_published_checkpoint(self, checkpoint: Path) -> None:
-        self._add_push_job(self.publisher.upload_published_checkpoint(
-            checkpoint, repo_id=self.hub_model_id, iteration=self.state.global_step))
-
-    def _add_push_job(self, job: Any | None) -> None:
-        if job is None:
-            return
-        if self.push_in_progress is None or self.push_in_progress.is_done():
-            self.push_in_progress = PushInProgress([job])
-        else:
-            self.push_in_progress.jobs.append(job)
-
-    # --- The run log ---
-    @property
-    def history(self) -> list[dict[str, Any]]:
-        return self.run_log.history
-
-    @property
-    def metrics_path(self) -> str:
-        return str(self.run_log.metrics_path)
-
-    @property
-    def curve_path(self) -> str:
-        return str(self.run_log.curve_path)

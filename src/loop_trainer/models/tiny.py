@@ -15,6 +15,8 @@ hundred thousand parameters trains in seconds on a CPU.
 from __future__ import annotations
 
 import json
+import logging
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,34 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ROLES = ("system", "user", "assistant", "tool")
 RANDOM_PREFIX = "tiny:"
 INSTRUCT_PREFIX = "tiny-instruct:"
+WARM_UP_CONVERSATIONS = 512
+
+logger = logging.getLogger(__name__)
+
+
+def replay_demonstrations(env: Any, num_conversations: int, seed: int, timeout: float) -> list[list[dict[str, str]]]:
+    """``env.demonstrations(...)``, which replays the environment's own episodes, on a daemon thread: an
+    environment whose ``step`` hangs stops the warm-up after ``timeout`` seconds with one line, instead
+    of hanging the process before the first iteration (a Python thread cannot be killed; the daemon one
+    is left behind and never holds up the exit)."""
+    result: dict[str, Any] = {}
+
+    def replay() -> None:
+        try:
+            result["conversations"] = env.demonstrations(num_conversations, seed=seed)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+            result["error"] = error
+
+    worker = threading.Thread(target=replay, name=f"{env.name}-warm-up", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise ValueError(f"the warm-up of '{INSTRUCT_PREFIX}{env.name}' replays {num_conversations} of the environment's "
+                         f"episodes and got no answer within env_timeout={timeout:g}s: its step() may hang (raise "
+                         "env_timeout if the environment is just slow)")
+    if "error" in result:
+        raise result["error"]
+    return result["conversations"]
 
 
 def build_word_tokenizer(words: Iterable[str]) -> PreTrainedTokenizerFast:
@@ -171,8 +201,10 @@ def is_tiny_spec(name: str) -> bool:
     return name.startswith((RANDOM_PREFIX, INSTRUCT_PREFIX))
 
 
-def build_tiny_from_spec(name: str, env, seed: int = 0) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
-    """Build the model a ``tiny:<env>`` / ``tiny-instruct:<env>`` spec names, for ``env``."""
+def build_tiny_from_spec(name: str, env, seed: int = 0,
+                         env_timeout: float = 300.0) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
+    """Build the model a ``tiny:<env>`` / ``tiny-instruct:<env>`` spec names, for ``env``; the warm-up's
+    replay of the environment's episodes gets ``env_timeout`` seconds in all."""
     label = name.split(":", 1)[1]
     if label != env.name:
         raise ValueError(f"'{name}' is a tiny model for the '{label}' environment, but the environment is '{env.name}'")
@@ -182,7 +214,9 @@ def build_tiny_from_spec(name: str, env, seed: int = 0) -> tuple[Qwen2ForCausalL
     if name.startswith(INSTRUCT_PREFIX):
         if not hasattr(env, "demonstrations"):
             raise ValueError(f"'{name}' needs an environment with demonstrations(); '{env.name}' has none")
-        warm_start(model, tokenizer, env.demonstrations(512, seed=seed), seed=seed)
+        logger.info("%s: replaying %d of the environment's episodes for the warm-up (at most %gs)", name,
+                    WARM_UP_CONVERSATIONS, env_timeout)
+        warm_start(model, tokenizer, replay_demonstrations(env, WARM_UP_CONVERSATIONS, seed, env_timeout), seed=seed)
     return model, tokenizer
 
 

@@ -11,10 +11,11 @@
   arguments or a tool that raises gives ``str({"error": "<message>"})``, TRL's exact text
   (:func:`call_tools`).
 
-One difference, on purpose: when a reply opens a tool call that does not parse (malformed JSON, a
-call cut off by the token limit), TRL treats the turn as plain text and ends the rollout; here the
-model gets a tool message saying the call could not be parsed, and the episode goes on
-(:func:`malformed_call_message`), as it would for any other failed call.
+When a reply opens a tool call that does not parse (malformed JSON, a call cut off by the token limit),
+TRL treats the turn as plain text and ends the rollout: so does LOOP's TRL route by default. With
+``malformed_tool_call: answer`` (and in the verifiers and OpenEnv adapters) the model gets a tool message
+saying the call could not be parsed (:func:`malformed_call_message`), and the episode goes on, as it
+would for any other failed call.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .base import Message, Reply
+from ...envs.base import Message, Reply
 
 __all__ = ["NOT_TOOLS", "call_tools", "malformed_call_message", "parse_reply", "prepare_tokenizer", "tool_functions",
            "unparsed_call"]

@@ -48,10 +48,10 @@ from typing import Any
 
 from datasets import Dataset
 
-from .base import (Environment, EnvironmentSetupError, Episode, EpisodeContractError, Message, Reply, Score, Step,
+from ...envs.base import (Environment, EnvironmentSetupError, Episode, EpisodeContractError, Message, Reply, Score, Step,
                    UnknownSplitError, with_task_ids)
-from .openenv_actions import action_class, action_tool, default_observation_text
-from .tool_calls import malformed_call_message, parse_reply, prepare_tokenizer
+from .actions import action_class, action_tool, default_observation_text
+from ..trl.tool_calls import malformed_call_message, parse_reply, prepare_tokenizer
 
 __all__ = ["OpenEnvEnvironment", "default_observation_text", "from_openenv"]
 

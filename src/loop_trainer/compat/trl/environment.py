@@ -34,7 +34,7 @@ from typing import Any
 
 from datasets import Dataset
 
-from .base import (Environment, EnvironmentSetupError, Episode, EpisodeContractError, Message, Reply, Score, Step,
+from ...envs.base import (Environment, EnvironmentSetupError, Episode, EpisodeContractError, Message, Reply, Score, Step,
                    UnknownSplitError, with_task_ids)
 from .tool_calls import call_tools, malformed_call_message, parse_reply, prepare_tokenizer, tool_functions
 
@@ -65,7 +65,7 @@ class TRLAgentEnvironment(Environment):
     def __init__(self, train_dataset: Dataset, reward_funcs: Callable | Sequence[Callable] = (), *,
                  tools: Sequence[Callable] = (), environment_factory: Callable | Mapping[str, Callable] | None = None,
                  reward_weights: Sequence[float] | None = None, max_tool_calling_iterations: int | None = None,
-                 eval_dataset: Dataset | None = None):
+                 eval_dataset: Dataset | None = None, answer_malformed_calls: bool = False):
         self.reward_funcs = [reward_funcs] if callable(reward_funcs) or isinstance(reward_funcs, str) \
             else list(reward_funcs or ())
         for function in self.reward_funcs:
@@ -81,6 +81,8 @@ class TRLAgentEnvironment(Environment):
         self.multi_environment = isinstance(environment_factory, Mapping)
         self.tools = list(tools or ())
         self.max_tool_calling_iterations = max_tool_calling_iterations
+        # False: as GRPOTrainer, a reply opening a call that does not parse is plain text and ends the rollout
+        self.answer_malformed_calls = answer_malformed_calls
         # one instance per factory now, as TRL probes them: its class says whether it owns a reward, and
         # it is the first of the pool rollouts draw from
         self.pools: dict[Any, list[Any]] = {}
@@ -182,7 +184,8 @@ class TRLAgentEpisode(Episode):
         self.completion.append(parsed)
         calls = parsed.get("tool_calls")
         if not calls:
-            malformed = malformed_call_message(self.env.tokenizer, parsed) if self.tools else None
+            answer = self.tools and self.env.answer_malformed_calls
+            malformed = malformed_call_message(self.env.tokenizer, parsed) if answer else None
             if malformed is None or self._out_of_rounds():
                 return Step(done=True)
             self.tool_rounds += 1

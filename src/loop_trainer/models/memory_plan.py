@@ -140,13 +140,13 @@ class ModelShape:
 
 
 def shipped_shapes() -> list[str]:
-    folder = resources.files("loop_trainer") / "model_shapes"
+    folder = resources.files("loop_trainer") / "models" / "shapes"
     return sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json"))
 
 
 def load_model_shape(name_or_path: str) -> ModelShape:
     """A local directory's config.json, else the shipped shape named like the model id's last part
-    ("Qwen/Qwen2.5-7B-Instruct" -> model_shapes/Qwen2.5-7B-Instruct.json)."""
+    ("Qwen/Qwen2.5-7B-Instruct" -> models/shapes/Qwen2.5-7B-Instruct.json)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -157,7 +157,7 @@ def load_model_shape(name_or_path: str) -> ModelShape:
     if not matches:
         raise ValueError(f"memory plan: no model shape for {name_or_path!r}; shipped shapes: {', '.join(shipped_shapes())}; "
                          "or pass a local directory containing the model's config.json")
-    text = (resources.files("loop_trainer") / "model_shapes" / f"{matches[0]}.json").read_text()
+    text = (resources.files("loop_trainer") / "models" / "shapes" / f"{matches[0]}.json").read_text()
     return ModelShape.from_config(json.loads(text), matches[0])
 
 

@@ -47,8 +47,8 @@ from typing import Any
 
 from datasets import Dataset
 
-from .base import Environment, EnvironmentSetupError, Episode, EpisodeContractError, Message, Reply, Score, Step, UnknownSplitError
-from .tool_calls import parse_reply, prepare_tokenizer, unparsed_call
+from ..envs.base import Environment, EnvironmentSetupError, Episode, EpisodeContractError, Message, Reply, Score, Step, UnknownSplitError
+from .trl.tool_calls import parse_reply, prepare_tokenizer, unparsed_call
 
 __all__ = ["VerifiersEnvironment", "VerifiersEpisode", "from_verifiers"]
 

@@ -3,25 +3,26 @@
 ``LOOPTrainer`` takes either a LOOP :class:`~loop_trainer.envs.Environment` or what a TRL 1.16
 multi-turn script hands ``GRPOTrainer``: ``reward_funcs``, ``train_dataset`` / ``eval_dataset``,
 ``tools`` and ``environment_factory``. The second route builds a
-:class:`~loop_trainer.envs.trl_agent.TRLAgentEnvironment` from them (TRL's semantics, run through
+:class:`~loop_trainer.compat.trl.environment.TRLAgentEnvironment` from them (TRL's semantics, run through
 LOOP's concurrent rollout engine); the config keys only that route reads (``reward_weights``,
 ``max_tool_calling_iterations``) are refused on the first, so neither route ignores a setting. A
-``GRPOConfig`` given as ``args`` is translated (:mod:`loop_trainer.grpo_args`).
+``GRPOConfig`` given as ``args`` is translated (:mod:`.grpo_config`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 import logging
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from datasets import Dataset
 from trl import GRPOConfig
 
-from ..config import LOOPConfig
-from ..envs.base import Environment
-from ..envs.trl_agent import TRLAgentEnvironment
-from ..grpo_args import loop_config_from_grpo
+from ...config import LOOPConfig
+from ...envs.base import Environment
+from .environment import TRLAgentEnvironment
+from .grpo_config import loop_config_from_grpo
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 TRL_ROUTE_KEYS = {
     "reward_weights": "weights of reward_funcs in the episode reward",
     "max_tool_calling_iterations": "rounds of tool calls per episode",
+    "malformed_tool_call": "what a tool call that does not parse does",
 }
 
 
@@ -77,8 +79,9 @@ def environment_for(env: Any, args: Any, *, reward_funcs: Any = None, train_data
             raise ValueError(f"LOOPTrainer got an Environment and {', '.join(given)}: give either a loop_trainer "
                              "Environment, or GRPOTrainer's agent arguments (train_dataset, reward_funcs, tools, "
                              "environment_factory), not both")
+        defaults = {spec.name: spec.default for spec in dataclasses.fields(LOOPConfig)}
         for key, meaning in TRL_ROUTE_KEYS.items():
-            if getattr(args, key) is not None:
+            if getattr(args, key) != defaults[key]:
                 raise ValueError(f"LOOPConfig: {key}={getattr(args, key)!r} is used only with GRPOTrainer's agent "
                                  f"arguments ({meaning}); this run's rewards and turns come from the environment "
                                  f"{env.name!r} (its episodes; max_turns)")
@@ -99,4 +102,5 @@ def environment_for(env: Any, args: Any, *, reward_funcs: Any = None, train_data
     return TRLAgentEnvironment(train_dataset, reward_funcs or (), tools=tools or (),
                                environment_factory=environment_factory, reward_weights=args.reward_weights,
                                max_tool_calling_iterations=args.max_tool_calling_iterations,
+                               answer_malformed_calls=args.malformed_tool_call == "answer",
                                eval_dataset=eval_dataset), True

@@ -9,21 +9,21 @@ from typing import Any
 
 from ..chat import ChatFormatter
 from ..envs.base import Environment
-from ..episode_settings import EpisodeSettings
+from ..config import EpisodeSettings
 from ..evaluation import Evaluator
 from ..rollout import RolloutEngine
-from ..rollout.generator import Generator
+from ..rollout.generator import RolloutGenerator
 
 
-class RolloutWorkers:
+class RolloutResources:
     def __init__(self, env: Environment, formatter: ChatFormatter, settings: EpisodeSettings, *,
-                 open_generator: Callable[[], Generator], eval_temperature: float, num_processes: int = 1,
+                 open_generator: Callable[[], RolloutGenerator], eval_temperature: float, num_processes: int = 1,
                  process_index: int = 0, show_progress: bool = False):
         self.env, self.formatter, self.settings = env, formatter, settings
         self.open_generator = open_generator
         self.eval_temperature = eval_temperature
         self.num_processes, self.process_index, self.show_progress = num_processes, process_index, show_progress
-        self._generator: Generator | None = None
+        self._generator: RolloutGenerator | None = None
         self._engine: RolloutEngine | None = None
         self._evaluator: Evaluator | None = None
 
@@ -32,7 +32,7 @@ class RolloutWorkers:
         return any(part is not None for part in (self._generator, self._engine, self._evaluator))
 
     @property
-    def generator(self) -> Generator:
+    def generator(self) -> RolloutGenerator:
         if self._generator is None:
             self._generator = self.open_generator()
         return self._generator
@@ -63,7 +63,7 @@ class RolloutWorkers:
                 part.close()
         self._evaluator = self._engine = self._generator = None
 
-    def __enter__(self) -> RolloutWorkers:
+    def __enter__(self) -> RolloutResources:
         return self
 
     def __exit__(self, *_: Any) -> None:

@@ -1,0 +1,88 @@
+"""The policy LOOPTrainer trains: a model loaded from an id (ZeRO-3-aware), its tokenizer, the LoRA
+adapter, and TRL's fused log-prob head.
+
+``LOOPConfig`` is a ``TrainingArguments``: when it names a DeepSpeed ZeRO-3 config (or ``accelerate launch``
+set one), constructing it registers that config with transformers (``HfDeepSpeedConfig``), so
+``from_pretrained`` below loads the weights already partitioned across the processes. That is why the
+config is built before the model, never after.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from accelerate import PartialState
+from transformers import AutoModelForCausalLM, AutoProcessor, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
+from trl.trainer import add_fused_lm_head
+
+from ..config import LOOPConfig
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def load_model(name: str, args: LOOPConfig, quantization_config: Any = None) -> PreTrainedModel:
+    """``from_pretrained(name, **args.model_init_kwargs)``: float32 unless ``dtype`` says otherwise; on one
+    device of this process (DDP and DeepSpeed place it themselves)."""
+    kwargs = dict(args.model_init_kwargs or {})
+    dtype = kwargs.get("dtype", "float32")
+    if isinstance(dtype, str) and dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"model_init_kwargs: dtype must be 'auto' or one of {', '.join(DTYPES)}, got {dtype!r}")
+        kwargs["dtype"] = DTYPES[dtype]
+    if quantization_config is not None:
+        if "quantization_config" in kwargs:
+            raise ValueError("quantization_config is given both to LOOPTrainer and in model_init_kwargs: give it once")
+        kwargs["quantization_config"] = quantization_config
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    if "device_map" not in kwargs:
+        distributed = args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED")
+        kwargs["device_map"] = None if distributed or PartialState().device.type in ("cpu", "mps") else "auto"
+    return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+
+
+def load_tokenizer(model: PreTrainedModel, processing_class: Any = None) -> PreTrainedTokenizerBase:
+    """The tokenizer (given, or the model's own); a pad token (the EOS token where there is none) that the
+    model's config and generation config agree on."""
+    if processing_class is None:
+        processing_class = AutoProcessor.from_pretrained(model.config._name_or_path, padding_side="left")
+    tokenizer = processing_class.tokenizer if isinstance(processing_class, ProcessorMixin) else processing_class
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise TypeError(f"processing_class must be a tokenizer (or a processor holding one), got "
+                        f"{type(processing_class).__name__}")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+    if model.generation_config is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return tokenizer
+
+
+def wrap_for_training(model: PreTrainedModel, args: LOOPConfig, peft_config: Any = None) -> Any:
+    """Add the fused log-prob head (at the sampling temperature), then the LoRA adapter; switch dropout off
+    if asked. ZeRO-3 with checkpointing and an adapter needs reentrant checkpointing (as in TRL)."""
+    # Per-token log-probs without [tokens x vocab] logits: model(..., labels=..., fused_lm_head=True).
+    add_fused_lm_head(model, temperature=args.temperature, outputs=("log_probs", "entropy"))
+    zero3 = args.deepspeed_plugin is not None and args.deepspeed_plugin.zero_stage == 3
+    if peft_config is not None:
+        from peft import PeftConfig, get_peft_model
+
+        if not isinstance(peft_config, PeftConfig):
+            raise TypeError(f"peft_config must be a peft.PeftConfig (e.g. peft.LoraConfig), got {type(peft_config).__name__}")
+        if hasattr(model, "peft_config"):
+            raise ValueError("LOOPTrainer got a PeftModel and a peft_config: merge the existing adapter first, or give "
+                             "the base model with the peft_config")
+        quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+        model = get_peft_model(model, peft_config, **({"autocast_adapter_dtype": False} if zero3 and not quantized else {}))
+    if hasattr(model, "peft_config") and args.activation_checkpointing:
+        if zero3:
+            args.activation_checkpointing_kwargs = {**(args.activation_checkpointing_kwargs or {}), "use_reentrant": True}
+        model.enable_input_require_grads()  # the frozen embeddings' outputs need grads for checkpointed layers
+    if args.disable_dropout:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    return model
