@@ -1,4 +1,4 @@
-"""Launching tests/ddp_driver.py (1 process, torchrun, or accelerate + DeepSpeed) and reading its
+"""Launching tests/support/ddp_driver.py (1 process, torchrun, or accelerate + DeepSpeed) and reading its
 per-case results: shared by the DDP and ZeRO-3 equivalence tests."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 
 ROOT = Path(__file__).resolve().parents[2]  # tests/support/ -> the repository
-DRIVER = ROOT / "tests" / "ddp_driver.py"
+DRIVER = ROOT / "tests" / "support" / "ddp_driver.py"
 PYTHON = [sys.executable]
 
 

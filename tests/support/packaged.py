@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from loop_trainer.packaged_models import PACKAGED, PackagedModelError, locate_gguf
+from loop_trainer.models.packaged import PACKAGED, PackagedModelError, locate_gguf
 
 SMOLLM2 = PACKAGED["smollm2-135m-instruct"]
 

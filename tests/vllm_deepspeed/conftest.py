@@ -37,7 +37,7 @@ def vault(tmp_path_factory):
     """(env, model, tokenizer, path): a warm-started tiny model for the vault environment, saved
     (vLLM loads from a directory). Warm-started so greedy decoding has no near-ties."""
     from loop_trainer.envs import VaultEnv
-    from loop_trainer.tiny import build_tiny_for_environment, warm_start
+    from loop_trainer.models.tiny import build_tiny_for_environment, warm_start
 
     env = VaultEnv(num_tasks=12)
     model, tokenizer = build_tiny_for_environment(env.vocabulary(), seed=0)

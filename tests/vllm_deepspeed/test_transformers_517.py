@@ -9,8 +9,8 @@ from peft import LoraConfig
 
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.envs import VaultEnv
-from loop_trainer.tiny import build_tiny_for_environment
-from loop_trainer.training.checkpointing import is_checkpointing
+from loop_trainer.models.tiny import build_tiny_for_environment
+from loop_trainer.training.activation_checkpointing import is_checkpointing
 
 
 def _trainer(tmp_path, peft_config=None, **overrides):

@@ -1,6 +1,6 @@
 """A LOOP update on 2 DeepSpeed ZeRO-3 processes equals the update on 1 plain process.
 
-tests/ddp_driver.py runs ``LOOPTrainer.update_policy`` on fixed trajectories once on one process
+tests/support/ddp_driver.py runs ``LOOPTrainer.update_policy`` on fixed trajectories once on one process
 without DeepSpeed and once under ``accelerate launch --config_file recipes/accelerate/zero3.yaml
 --num_processes 2 --mixed_precision no`` (the recipe's own accelerate config, fp32 on CPU, gloo).
 Each optimizer step's loss and gradient norm (the global pre-clip norm), the metrics and the weights

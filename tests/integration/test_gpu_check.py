@@ -1,0 +1,74 @@
+"""The GPU battery (`make gpu-check`) in its CPU mode, so its code keeps working between the rare GPU
+runs: every section runs on tiny shapes, and the result says it is not a GPU result."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the repository root, for the benchmarks package
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-check")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--out", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    return done, out
+
+
+@pytest.mark.slow
+def test_without_cuda_the_battery_runs_every_section_in_cpu_mode_and_says_so(cpu_run):
+    done, out = cpu_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.splitlines()[0].startswith("gpu-check: CPU MODE (no CUDA device)")
+    results = json.loads((out / "gpu-check.json").read_text())
+    assert results["mode"] == "cpu" and results["gpu_result"] is False and results["device"] == "cpu"
+    assert (out / "gpu-check.md").read_text().startswith("# gpu-check: CPU MODE (no CUDA device): not a GPU result")
+    assert {name: record["status"] for name, record in results["sections"].items()} == \
+        {"memory": "ok", "update": "ok", "loop_bf16": "ok"}
+
+
+@pytest.mark.slow
+def test_each_section_measured_what_it_claims(cpu_run):
+    _, out = cpu_run
+    sections = {name: record["result"] for name, record in json.loads((out / "gpu-check.json").read_text())["sections"].items()}
+    memory = sections["memory"]
+    assert [row["tokens"] for row in memory["memory"]] == [128, 256]
+    assert all(row["plan_training_gib"] > 0 and "measured_gib" not in row for row in memory["memory"])  # no CUDA: none
+    assert memory["mfu"]["model_flops"] < memory["mfu"]["hardware_flops"] and memory["mfu"]["mfu_model"] is None
+    update = sections["update"]
+    for row in update["rows"]:  # the first step's loss is fixed by the advantages at ratio 1
+        assert row["first_loss"] == pytest.approx(row["first_loss_expected"], abs=1e-4)
+    bf16 = sections["loop_bf16"]["bf16"]
+    assert len(bf16["iterations"]) == 2 and bf16["adapter_finite"] and bf16["adapter_max_abs_change"] > 0
+    assert bf16["activation_checkpointing"] and bf16["attention"] == "sdpa"
+    assert all(r["skipped_nonfinite_steps"] == 0 and r["sampler_logprob_diff"] < 1e-3 for r in bf16["iterations"])
+    rows = sections["loop_bf16"]["generation"]["rows"]
+    assert [r["concurrency"] for r in rows] == [2, 4] and all(r["sampled_tokens"] > 0 for r in rows)
+
+
+def test_update_flops_follow_the_formula_in_its_docstring():
+    from benchmarks.gpu_battery.memory import update_flops
+
+    from loop_trainer.models.memory_plan import LinearLayer, ModelShape
+
+    linears = (LinearLayer("q_proj", 8, 8), LinearLayer("down_proj", 16, 8))
+    shape = ModelShape(name="t", model_type="qwen2", hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, vocab_size=100, head_dim=4,
+                       max_position_embeddings=None, num_params=0, embedding_params=0, layer_params=0,
+                       linear_layers=linears)
+    p, lora, t, s = 8 * 8 + 16 * 8, 2 * (16 + 24), 10, 4  # weights, r=2 adapters, tokens, scored
+    layers = 2 * t * (p + lora) + 2 * 1 * 8 * t * t
+    head = 2 * s * 8 * 100
+    backward = 2 * t * p + 4 * t * lora + 4 * 8 * t * t + head
+    flops = update_flops(shape, [t], [s], lora_r=2, epochs=2)
+    assert flops["model_flops"] == (layers + head) + 2 * (layers + head + backward)
+    assert flops["hardware_flops"] == flops["model_flops"] + 2 * layers

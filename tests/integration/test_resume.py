@@ -1,0 +1,106 @@
+"""Crash and resume: a run SIGKILLed mid-rollout, mid-update or mid-checkpoint, then resumed,
+ends exactly where an uninterrupted run of the same seed ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+DRIVER = Path(__file__).resolve().parents[2] / "support" / "fault_driver.py"
+
+
+@pytest.fixture(scope="module")
+def instruct_model(tmp_path_factory):
+    """The demo's warm-started tiny model, saved once for every process of this module."""
+    from loop_trainer.envs import VaultEnv
+    from loop_trainer.models.tiny import build_tiny_from_spec
+
+    model, tokenizer = build_tiny_from_spec("tiny-instruct:vault", VaultEnv(num_tasks=16), seed=0)
+    path = tmp_path_factory.mktemp("tiny-instruct")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def drive(model: Path, output_dir: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, "PYTHONPATH": str(DRIVER.parent)}
+    return subprocess.run([sys.executable, str(DRIVER), str(model), str(output_dir), *options],
+                          capture_output=True, text=True, env=environment, timeout=600)
+
+
+def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(output_dir / "final" / "model.safetensors")
+
+
+def metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(instruct_model, tmp_path_factory):
+    output = tmp_path_factory.mktemp("uninterrupted")
+    result = drive(instruct_model, output)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_in", ["rollouts", "update", "save"])
+def test_a_killed_run_resumes_to_the_same_weights(instruct_model, uninterrupted, tmp_path, kill_in):
+    if kill_in == "update":  # the first iteration after the first checkpoint that takes optimizer steps
+        kill_at = next(m["iteration"] for m in metrics(uninterrupted) if m["iteration"] >= 2 and m["optimizer_steps"])
+    else:
+        kill_at = 3
+    resumes_after = kill_at - 1
+    killed = drive(instruct_model, tmp_path, "--kill-in", kill_in, "--kill-at", str(kill_at))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    complete = sorted(p.name for p in tmp_path.glob("checkpoint-*"))
+    assert complete[-1] == f"checkpoint-{resumes_after}"  # a half-written checkpoint never appears
+    resumed = drive(instruct_model, tmp_path, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    expected, got = final_weights(uninterrupted), final_weights(tmp_path)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+    before, after = metrics(uninterrupted), metrics(tmp_path)
+    assert [m["iteration"] for m in after] == [1, 2, 3, 4]  # continuous, nothing doubled
+    for a, b in zip(before, after, strict=True):
+        assert (a["reward_mean"], a["num_kept"], a["optimizer_steps"]) == (b["reward_mean"], b["num_kept"], b["optimizer_steps"])
+        assert (a.get("loss") is None) == (b.get("loss") is None)
+        assert a.get("loss") is None or a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]  # pruned
+    assert not list(tmp_path.glob(".staging*"))
+
+
+@pytest.mark.slow
+def test_two_uninterrupted_runs_of_one_seed_agree(instruct_model, uninterrupted, tmp_path):
+    result = drive(instruct_model, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected, got = final_weights(uninterrupted), final_weights(tmp_path)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+    assert any(m["optimizer_steps"] > 0 for m in metrics(tmp_path))  # the weights really moved
+
+
+@pytest.mark.slow
+def test_a_run_killed_twice_still_ends_where_it_would_have(instruct_model, uninterrupted, tmp_path):
+    updates = [m["iteration"] for m in metrics(uninterrupted) if m["iteration"] >= 3 and m["optimizer_steps"]]
+    first = drive(instruct_model, tmp_path, "--kill-in", "rollouts", "--kill-at", "2")
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    second = drive(instruct_model, tmp_path, "--resume", "--kill-in", "update", "--kill-at", str(updates[0]))
+    assert second.returncode == -signal.SIGKILL, second.stderr[-3000:]
+    last = drive(instruct_model, tmp_path, "--resume")
+    assert last.returncode == 0, last.stderr[-3000:]
+    expected, got = final_weights(uninterrupted), final_weights(tmp_path)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+    assert [m["reward_mean"] for m in metrics(tmp_path)] == [m["reward_mean"] for m in metrics(uninterrupted)]

@@ -1,0 +1,80 @@
+"""A LOOP training process for the crash tests: ``python fault_driver.py MODEL_DIR OUTPUT_DIR
+[--kill-in rollouts|update|save --kill-at N] [--resume]``. It SIGKILLs itself at the named moment
+of iteration N (no clean-up of any kind runs), then the test resumes it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+from transformers import AutoModelForCausalLM
+
+from loop_trainer import LOOPConfig, LOOPTrainer
+from loop_trainer.envs import VaultEnv
+from loop_trainer.models.tiny import load_tokenizer
+from loop_trainer.training.update import PolicyUpdate
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("output_dir")
+    parser.add_argument("--iterations", type=int, default=4)
+    parser.add_argument("--kill-in", choices=["rollouts", "update", "save"])
+    parser.add_argument("--kill-at", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    options = parser.parse_args()
+
+    env = VaultEnv(num_tasks=16)
+    model = AutoModelForCausalLM.from_pretrained(options.model)
+    tokenizer = load_tokenizer(options.model)
+    args = LOOPConfig(
+        output_dir=options.output_dir, iterations=options.iterations, tasks_per_iteration=4, rollouts_per_task=4,
+        minibatch_size=8, max_turns=6, max_new_tokens_per_turn=4, max_trajectory_tokens=512, learning_rate=6e-4,
+        max_grad_norm=1.0, per_device_train_batch_size=8, activation_checkpointing=False, bf16=False, seed=0,
+        disable_tqdm=True, report_to=[], viewer_rollouts_per_iteration=0, plot_curves=False,
+    )
+    trainer = LOOPTrainer(model, env, args, processing_class=tokenizer)
+    at_kill_iteration = lambda: trainer.state.global_step + 1 == options.kill_at  # noqa: E731
+
+    if options.kill_in == "rollouts":
+        make_episode, started = env.episode, []
+
+        def episode(task):
+            started.append(task)
+            if at_kill_iteration() and len(started) > options.kill_at * 16 - 8:  # mid-collection
+                die()
+            return make_episode(task)
+
+        env.episode = episode
+    elif options.kill_in == "update":
+        step = PolicyUpdate.minibatch_step
+
+        def minibatch_step(*a, **k):
+            result = step(*a, **k)  # one optimizer step has changed the weights: then die
+            if at_kill_iteration():
+                die()
+            return result
+
+        PolicyUpdate.minibatch_step = minibatch_step
+    elif options.kill_in == "save":
+        write_state = trainer._save_rng_state
+
+        def save_rng_state(output_dir):  # the model is written, the checkpoint is not complete
+            write_state(output_dir)
+            if trainer.state.global_step == options.kill_at:
+                die()
+
+        trainer._save_rng_state = save_rng_state
+
+    trainer.train(resume_from_checkpoint=True if options.resume else None)
+    trainer.save_model(os.path.join(options.output_dir, "final"))
+
+
+if __name__ == "__main__":
+    main()

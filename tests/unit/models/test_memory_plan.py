@@ -1,0 +1,195 @@
+"""The dry-run memory planner: exact parameter counts, shipped shapes, and plans that fit or refuse
+with a knob to turn. No GPU, no weights, no network: parameters are counted on meta-device models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loop_trainer.models.memory_plan import (
+    ModelShape,
+    load_model_shape,
+    plan_memory,
+    shipped_shapes,
+)
+
+NODE = {"world_size": 8, "gpu_memory_gib": 80, "zero_stage": 3, "activation_checkpointing": True,
+        "max_training_tokens": 32000, "per_device_train_batch_size": 1}
+LORA_7B = {"r": 8, "alpha": 16, "target_modules": "all-linear"}
+LORA_32B = {"r": 16, "alpha": 32, "target_modules": "all-linear"}
+# 32B bf16 weights (61 GiB) need TP >= 2; a TP-4 engine at 0.5 holds 12 full-length sequences and
+# sleep mode frees the reservation during the update (the planner's arithmetic; the trainer colocates
+# at TP 1 only, so the 32B recipe generates on a vLLM server).
+VLLM_32B = {"use_vllm": True, "vllm_tensor_parallel_size": 4, "vllm_gpu_memory_utilization": 0.5, "vllm_sleep_mode": True}
+
+
+@pytest.fixture(scope="module")
+def qwen7b() -> ModelShape:
+    return load_model_shape("Qwen/Qwen2.5-7B-Instruct")
+
+
+@pytest.fixture(scope="module")
+def qwen32b() -> ModelShape:
+    return load_model_shape("Qwen/Qwen2.5-32B-Instruct")
+
+
+def test_parameter_counts(qwen7b, qwen32b):
+    assert qwen7b.num_params == 7_615_616_512
+    assert qwen32b.num_params == 32_763_876_352
+    assert abs(qwen7b.num_params / 7.62e9 - 1) < 0.01
+    assert abs(qwen32b.num_params / 32.76e9 - 1) < 0.01
+    assert qwen7b.head_dim == 128 and qwen7b.kv_dim == 512 and qwen32b.kv_dim == 1024
+
+
+@pytest.mark.parametrize("name, billions", [("Qwen2.5-0.5B-Instruct", 0.494), ("Qwen2.5-1.5B-Instruct", 1.544),
+                                            ("Qwen2.5-3B-Instruct", 3.086), ("Qwen2.5-14B-Instruct", 14.77),
+                                            ("Qwen2.5-72B-Instruct", 72.71)])
+def test_other_shipped_shapes(name, billions):
+    assert name in shipped_shapes()
+    assert abs(load_model_shape(f"Qwen/{name}").num_params / (billions * 1e9) - 1) < 0.01
+
+
+def test_lora_parameter_count(qwen7b):
+    # r x (in + out) per projection per layer: q 2h, k/v h+kv, o 2h, gate/up/down h+I
+    per_layer = 8 * (2 * 3584 + 2 * (3584 + 512) + 2 * 3584 + 3 * (3584 + 18944))
+    assert qwen7b.lora_params(8, "all-linear") == 28 * per_layer
+    assert qwen7b.lora_params(8, ["q_proj", "v_proj"]) == 28 * 8 * (2 * 3584 + 3584 + 512)
+    with pytest.raises(ValueError, match="target_modules"):
+        qwen7b.lora_params(8, ["lm_head"])
+
+
+def test_load_from_local_directory(tmp_path):
+    config = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = load_model_shape(str(tmp_path))
+    layer = 64 * 64 + 64 + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64
+    assert shape.num_params == 1000 * 64 + 2 * layer + 64  # tied: no separate lm_head
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 3,
+     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500, "tie_word_embeddings": False},
+    {"model_type": "phi3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+     "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 300, "pad_token_id": 0},
+    {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": True},
+], ids=lambda config: config["model_type"])
+def test_any_architecture_counts_like_the_real_model(tmp_path, config):
+    """Parameter and LoRA counts equal those of the model transformers and PEFT build (no hand
+    formula per architecture: Phi-3 fuses q/k/v and gate/up, Llama has no attention biases)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = load_model_shape(str(tmp_path))
+    values = dict(config)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values))
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert shape.embedding_params == model.get_input_embeddings().weight.numel()
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+    assert shape.lora_params(4, "all-linear") == sum(p.numel() for p in lora.parameters() if p.requires_grad)
+
+
+def test_dry_run_tiny_config_and_unknown_architecture(tmp_path):
+    from loop_trainer.models.tiny import tiny_config
+
+    shape = ModelShape.from_config(tiny_config(vocab_size=1024).to_dict(), "tiny:vault")
+    assert shape.num_hidden_layers == 2 and shape.num_params > 0
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-architecture", "hidden_size": 8}))
+    with pytest.raises(ValueError, match="model_type 'no-such-architecture'") as error:
+        load_model_shape(str(tmp_path))
+    assert "\n" not in str(error.value)
+
+
+def test_unknown_model_error(tmp_path):
+    with pytest.raises(ValueError) as error:
+        load_model_shape("someorg/Unknown-13B")
+    message = str(error.value)
+    assert "\n" not in message and "Qwen2.5-7B-Instruct" in message and "config.json" in message
+    with pytest.raises(ValueError, match="config.json"):
+        load_model_shape(str(tmp_path))  # a directory without config.json
+
+
+def test_7b_lora_node_with_colocated_vllm_fits(qwen7b):
+    for utilization in (0.3, 0.35, 0.4):
+        plan = plan_memory(qwen7b, lora=LORA_7B, use_vllm=True, vllm_gpu_memory_utilization=utilization, **NODE)
+        assert plan.fits, plan.format()
+        assert plan.vllm_sequences >= 5
+        # colocated without sleep mode: the reservation stays during the update
+        assert plan.peak_gib == pytest.approx(plan.training_gib + utilization * 80)
+    text = plan.format()
+    assert text.rstrip().endswith("FITS") and "vLLM reservation" in text and "recomputed layer" in text
+
+
+def test_32b_refuses_tp1_at_0_4(qwen32b):
+    plan = plan_memory(qwen32b, lora=LORA_32B, use_vllm=True, vllm_tensor_parallel_size=1,
+                       vllm_gpu_memory_utilization=0.4, **NODE)
+    assert not plan.fits
+    assert any("exceed" in r and "vllm_mode: server" in r for r in plan.reasons)
+    # TP 2 at 0.4: the weights fit but not one 32k-token sequence
+    plan = plan_memory(qwen32b, lora=LORA_32B, use_vllm=True, vllm_tensor_parallel_size=2,
+                       vllm_gpu_memory_utilization=0.4, vllm_sleep_mode=True, **NODE)
+    assert not plan.fits and any("less than one" in r for r in plan.reasons)
+
+
+def test_32b_lora_recipe_setting_fits(qwen32b):
+    plan = plan_memory(qwen32b, lora=LORA_32B, **VLLM_32B, **NODE)
+    assert plan.fits, plan.format()
+    assert plan.vllm_sequences >= 8
+    assert plan.peak_gib == pytest.approx(max(plan.training_gib, plan.generation_gib))
+    # without sleep mode the reservation stacks on the update and the plan names that knob
+    awake = plan_memory(qwen32b, lora=LORA_32B, **{**VLLM_32B, "vllm_sleep_mode": False}, **NODE)
+    assert not awake.fits and any("vllm_sleep_mode" in r for r in awake.reasons)
+
+
+def test_32b_full_finetuning_on_one_gpu_refused(qwen32b):
+    plan = plan_memory(qwen32b, **{**NODE, "world_size": 1})
+    assert not plan.fits
+    assert any("LoRA" in r for r in plan.reasons) and any("more GPUs" in r for r in plan.reasons)
+    assert "DOES NOT FIT" in plan.format()
+
+
+def test_7b_long_context_without_checkpointing_refused(qwen7b):
+    plan = plan_memory(qwen7b, lora=LORA_7B, **{**NODE, "world_size": 1, "activation_checkpointing": False,
+                                                 "max_training_tokens": 131072})
+    assert not plan.fits
+    assert any("activation_checkpointing" in r for r in plan.reasons)
+    assert any("max_training_tokens" in r for r in plan.reasons)
+    assert any("max_position_embeddings" in n for n in plan.notes)
+
+
+def test_activation_formula_and_knobs(qwen7b):
+    base = plan_memory(qwen7b, lora=LORA_7B, **NODE)
+    rows = {r.name: r.gib for r in base.rows}
+    tokens, h, kv, i = 32000, 3584, 512, 18944
+    assert rows["checkpointed layer inputs"] == pytest.approx(28 * tokens * h * 2 / 2**30)
+    assert rows["recomputed layer (backward)"] == pytest.approx(tokens * (8 * h + 3 * kv + 4 * i) * 2 * 1.75 / 2**30)
+    # TRL's fused head: one 4096 x 32768 bf16 tile, the scored hidden states (bf16 copy + fp32 grad), 40 B/token
+    assert rows["log-prob working memory"] == pytest.approx((4096 * 32768 * 2 + tokens * (h * 6 + 40)) / 2**30)
+    allocated = sum(r.gib for r in base.rows if "train" in r.phases and r.name not in ("CUDA context", "allocator fragmentation"))
+    assert rows["allocator fragmentation"] == pytest.approx(0.05 * allocated)
+    doubled = plan_memory(qwen7b, lora=LORA_7B, **{**NODE, "per_device_train_batch_size": 2})
+    assert doubled.training_gib > base.training_gib
+    # the suggested max_training_tokens really fits
+    one_gpu = {**NODE, "world_size": 1, "use_vllm": True, "vllm_gpu_memory_utilization": 0.3, "max_trajectory_tokens": 32000}
+    plan = plan_memory(qwen7b, lora=LORA_7B, **{**one_gpu, "max_training_tokens": 131072})
+    hint = next(r for r in plan.reasons if "max_training_tokens" in r)
+    suggested = int(hint.split("<= ")[1].split()[0])
+    assert 4096 < suggested < 131072
+    assert plan_memory(qwen7b, lora=LORA_7B, **{**one_gpu, "max_training_tokens": suggested}).fits
+
+
+def test_transformers_backend_generation_counts_kv_cache(qwen7b):
+    plan = plan_memory(qwen7b, lora=LORA_7B, generation_batch=4, **NODE)
+    kv = next(r for r in plan.rows if r.name == "generation KV cache")
+    assert kv.gib == pytest.approx(4 * 32000 * 2 * 28 * 4 * 128 * 2 / 2**30)
+    assert plan.peak_gib == max(plan.training_gib, plan.generation_gib)
+    big = plan_memory(qwen7b, lora=LORA_7B, generation_batch=64, **NODE)
+    assert not big.fits and any("generation_batch" in r for r in big.reasons)
+
+
+def test_invalid_tensor_parallel_size(qwen7b):
+    with pytest.raises(ValueError, match="divide"):
+        plan_memory(qwen7b, use_vllm=True, vllm_tensor_parallel_size=3, **NODE)

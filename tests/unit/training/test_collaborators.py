@@ -1,0 +1,147 @@
+"""The trainer's collaborators, each built and tested alone (no LOOPTrainer): the policy update over
+a single-process distribution strategy, the checkpoint stager, the run log and the generator."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Mapping
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate import Accelerator
+from trl.trainer.utils import add_fused_lm_head
+
+from support.helpers import ScriptedBackend
+from loop_trainer.rollout.generator import GeneratorConfigError, RolloutGenerator
+from loop_trainer.rollout.backend import TransformersBackend
+from loop_trainer.training.batching import TrainingSample
+from loop_trainer.training.checkpoints import CheckpointStager, read_loop_state
+from loop_trainer.training.distribution import DistributionStrategy
+from loop_trainer.training.run_log import RunLog, read_metrics
+from loop_trainer.training.update import PolicyUpdate, UpdateSettings
+
+
+def make_update(model, pad_token_id: int, **overrides) -> tuple[PolicyUpdate, torch.optim.Optimizer]:
+    add_fused_lm_head(model)  # what GRPOTrainer installs: per-token log-probs without [T x vocab] logits
+    accelerator = Accelerator(cpu=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    strategy = DistributionStrategy(accelerator, model, optimizer, scheduler, max_grad_norm=1.0)
+    settings = dict(epsilon=0.1, minibatch_size=2, ppo_epochs=2, micro_batch_size=1, kl_abort_threshold=20.0, seed=0,
+                    pad_token_id=pad_token_id)
+    settings.update(overrides)
+    return PolicyUpdate(UpdateSettings(**settings), strategy, contextlib.nullcontext), optimizer
+
+
+def samples_for(tokenizer) -> list[TrainingSample]:
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "fetch code of ann"}], add_generation_prompt=True)
+    prompt = list(prompt["input_ids"] if isinstance(prompt, Mapping) else prompt)
+    out = []
+    for reply, advantage in (("find ann", 1.0), ("open k3", -1.0), ("find ann", 1.0), ("open k3", -1.0)):
+        ids = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
+        mask = [0] * len(prompt) + [1] * len(ids)
+        out.append(TrainingSample(prompt + ids, mask, [-1.0] * len(mask), advantage, False))
+    return out
+
+
+def test_policy_update_alone_takes_one_step_per_minibatch_and_reports_the_sampler_gap(vault_tiny):
+    _, model, tok = vault_tiny
+    update, _ = make_update(model, tok.pad_token_id)
+    before = [p.detach().clone() for p in model.parameters()]
+    metrics = update(samples_for(tok), iteration=0)
+    assert metrics["optimizer_steps"] == 2 * 2  # 2 epochs x 4 samples / minibatch 2
+    assert metrics["skipped_nonfinite_steps"] == 0 and metrics["aborted_on_kl"] == 0
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    # The samples claim log-prob -1 for every sampled token; the model's differ.
+    assert metrics["sampler_logprob_diff"] > 0 and metrics["sampler_logprob_diff_max"] >= metrics["sampler_logprob_diff"]
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_policy_update_alone_aborts_on_kl_without_touching_the_weights(vault_tiny):
+    _, model, tok = vault_tiny
+    update, _ = make_update(model, tok.pad_token_id, kl_abort_threshold=-1.0)  # any KL estimate is "too large"
+    before = [p.detach().clone() for p in model.parameters()]
+    metrics = update(samples_for(tok), iteration=0)
+    assert metrics["aborted_on_kl"] == 1 and metrics["optimizer_steps"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())  # nothing left to leak into a step
+
+
+def test_checkpoint_stager_publishes_complete_checkpoints_only_and_rotates(tmp_path):
+    stager = CheckpointStager(is_main_process=True, barrier=lambda: None, save_total_limit=2)
+    for iteration in (1, 2, 3):
+        with stager.staged(tmp_path, iteration, lambda i=iteration: {"iteration": i, "history": []}) as staging:
+            assert stager.staging_root == staging
+            (staging / f"checkpoint-{iteration}").mkdir(parents=True)
+            (staging / f"checkpoint-{iteration}" / "weights.bin").write_bytes(b"w")
+        assert stager.staging_root is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-3"]
+    assert read_loop_state(tmp_path / "checkpoint-3")["iteration"] == 3
+    with pytest.raises(RuntimeError, match="crash"):  # a crash mid-write publishes nothing
+        with stager.staged(tmp_path, 4, lambda: {"iteration": 4}) as staging:
+            (staging / "checkpoint-4").mkdir(parents=True)
+            raise RuntimeError("crash")
+    assert not (tmp_path / "checkpoint-4").exists() and (tmp_path / "checkpoint-3" / "weights.bin").is_file()
+
+
+def test_run_log_alone_writes_metrics_and_continues_a_resumed_history(tmp_path):
+    log = RunLog(tmp_path, writes=True, env_name="x", plot_curves=False)
+    log.start()
+    for i in (1, 2, 3):
+        log.record({"iteration": i, "reward_mean": i / 10, "loss": float("nan")})
+    assert [r["iteration"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert read_metrics(tmp_path)[0]["loss"] is None  # non-finite values are written as null
+    resumed = RunLog(tmp_path, writes=True, env_name="x", plot_curves=False)
+    resumed.start(log.history[:2])  # the checkpoint after iteration 2: iteration 3 is redone
+    assert [r["iteration"] for r in read_metrics(tmp_path)] == [1, 2]
+    silent = RunLog(tmp_path / "other", writes=False, env_name="x")
+    silent.start()
+    silent.record({"iteration": 1, "reward_mean": 0.0})
+    assert not (tmp_path / "other").exists() and len(silent.history) == 1
+
+
+class FakeWeightSync:
+    def __init__(self):
+        self.calls = []
+        self.generator = SimpleNamespace(sleep=lambda: self.calls.append("sleep"))
+
+    def __call__(self, version):
+        self.calls.append(("sync", version))
+        return SimpleNamespace(seconds=0.0, logprob_diff_max=0.0, metrics=lambda: {"weight_sync_seconds": 0.0})
+
+    def close(self):
+        self.calls.append("close")
+
+
+def test_generator_syncs_only_when_behind_and_leaves_a_users_backend_open(vault_tiny):
+    _, _, tok = vault_tiny
+    backend = ScriptedBackend(tok, lambda prompt: "x")
+    backend.close = lambda: pytest.fail("a backend the user passed in is theirs to close")
+    sync = FakeWeightSync()
+    generator = RolloutGenerator(backend, weight_sync=sync, owns_backend=False)
+    assert generator.sync(0) == {"weight_sync_seconds": 0.0}
+    assert generator.sync(0) == {}  # already on iteration 0's policy
+    generator.sleep()
+    generator.sync(1)
+    generator.close()
+    assert sync.calls == [("sync", 0), "sleep", ("sync", 1), "close"]
+
+
+def test_generator_honours_or_refuses_an_evaluation_temperature(vault_tiny):
+    _, model, tok = vault_tiny
+    plain = RolloutGenerator(TransformersBackend(model, stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
+                                          temperature=1.0))
+    assert plain.for_evaluation(0.0).temperature == 0.0
+    scripted = RolloutGenerator(ScriptedBackend(tok, lambda prompt: "x"), owns_backend=False)
+    with pytest.raises(GeneratorConfigError, match="eval_temperature cannot be honoured.*eval_every: 0"):
+        scripted.check_evaluation()
+
+
+def test_loop_state_is_json(tmp_path):
+    stager = CheckpointStager(is_main_process=True, barrier=lambda: None, save_total_limit=None)
+    with stager.staged(tmp_path, 1, lambda: {"iteration": 1, "history": [{"loss": 0.5}]}) as staging:
+        (staging / "checkpoint-1").mkdir(parents=True)
+    assert json.loads((tmp_path / "checkpoint-1" / "loop_state.json").read_text())["history"] == [{"loss": 0.5}]
