@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Re-resolve requirements/gpu.lock, the exact set a GPU user installs (README.md, "GPU install"),
 # from requirements/gpu.in: this project with its vllm, deepspeed and wandb extras, read from
-# pyproject.toml. Run it after changing a pin there (tests/test_gpu_lock.py fails until you do).
+# pyproject.toml. Run it after changing a pin there (tests/integration/test_gpu_lock.py fails until you do).
 #
 # uv resolves for the GPU users' platform, Linux x86_64 with CPython 3.12, from any machine: it
 # reads the wheels' metadata and installs nothing, so no GPU and no CUDA wheels are needed here.
