@@ -19,7 +19,7 @@ from openenv.core import GenericEnvClient
 from peft import LoraConfig
 
 from loop_trainer import LOOPConfig, LOOPTrainer
-from loop_trainer.envs.openenv_env import from_openenv
+from loop_trainer.compat.openenv.environment import from_openenv
 
 
 def main() -> None:

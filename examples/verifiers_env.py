@@ -15,7 +15,7 @@ from datasets import Dataset
 from peft import LoraConfig
 
 from loop_trainer import LOOPConfig, LOOPTrainer
-from loop_trainer.envs.verifiers_env import from_verifiers
+from loop_trainer.compat.verifiers import from_verifiers
 
 
 def multiply(a: int, b: int) -> int:
