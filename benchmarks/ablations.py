@@ -40,8 +40,15 @@ from typing import Any
 
 from benchmarks.common import RESULTS, ROOT, command_line
 
-PAPER = {"LOOP": 71.3, "LOOP per turn": 64.1, "LOOP + std": 61.9, "GRPO w/o KL": 59.0, "GRPO": 58.0, "RLOO": 57.2,
-         "LOOP per trajectory": 53.3}
+PAPER = {
+    "LOOP": 71.3,
+    "LOOP per turn": 64.1,
+    "LOOP + std": 61.9,
+    "GRPO w/o KL": 59.0,
+    "GRPO": 58.0,
+    "RLOO": 57.2,
+    "LOOP per trajectory": 53.3,
+}
 
 
 def variants(rollouts: int, beta: float) -> dict[str, dict[str, Any]]:
@@ -95,15 +102,27 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_one(name: str, flags: dict[str, Any], seed: int, options: argparse.Namespace, out: Path,
-            model: str | None) -> dict[str, Any]:
+def run_one(
+    name: str, flags: dict[str, Any], seed: int, options: argparse.Namespace, out: Path, model: str | None
+) -> dict[str, Any]:
     run_dir = out / "runs" / f"{name.replace(' ', '_').replace('/', '')}-seed{seed}"
-    common = {"config": options.recipe, "output_dir": run_dir, "seed": seed, "iterations": options.iterations,
-              **({"model_name_or_path": model} if model else {}),
-              "overwrite_output_dir": "true", "save_strategy": "no", "plot_curves": "false",
-              "viewer_rollouts_per_iteration": 0, "disable_tqdm": "true", "use_peft": "true",
-              "lora_r": options.lora_r, "lora_alpha": 2 * options.lora_r, "lora_target_modules": "all-linear",
-              "learning_rate": options.learning_rate}
+    common = {
+        "config": options.recipe,
+        "output_dir": run_dir,
+        "seed": seed,
+        "iterations": options.iterations,
+        **({"model_name_or_path": model} if model else {}),
+        "overwrite_output_dir": "true",
+        "save_strategy": "no",
+        "plot_curves": "false",
+        "viewer_rollouts_per_iteration": 0,
+        "disable_tqdm": "true",
+        "use_peft": "true",
+        "lora_r": options.lora_r,
+        "lora_alpha": 2 * options.lora_r,
+        "lora_target_modules": "all-linear",
+        "learning_rate": options.learning_rate,
+    }
     argv = []
     for key, value in {**common, **flags}.items():
         argv += [f"--{key}", str(value)]
@@ -118,8 +137,14 @@ def run_one(name: str, flags: dict[str, Any], seed: int, options: argparse.Names
         raise SystemExit(f"{name} seed {seed} failed ({code}): loop-train {' '.join(argv)}")
     rows = read_metrics(run_dir / "metrics.jsonl")
     rows = [r for r in rows if "reward_mean" in r and "iteration" in r]
-    return {"variant": name, "seed": seed, "flags": flags, "seconds": seconds,
-            "reward": [r["reward_mean"] for r in rows], "success": [r.get("success_rate") for r in rows]}
+    return {
+        "variant": name,
+        "seed": seed,
+        "flags": flags,
+        "seconds": seconds,
+        "reward": [r["reward_mean"] for r in rows],
+        "success": [r.get("success_rate") for r in rows],
+    }
 
 
 def summarize(runs: list[dict[str, Any]], names: list[str], last: int) -> list[dict[str, Any]]:
@@ -127,23 +152,32 @@ def summarize(runs: list[dict[str, Any]], names: list[str], last: int) -> list[d
     for name in names:
         mine = [r for r in runs if r["variant"] == name]
         finals = {key: [statistics.fmean(r[key][-last:]) for r in mine] for key in ("reward", "success")}
-        table.append({
-            "variant": name, "paper_tgc": PAPER[name], "seeds": len(mine),
-            **{f"{key}_mean": statistics.fmean(v) for key, v in finals.items()},
-            **{f"{key}_std": statistics.stdev(v) if len(v) > 1 else 0.0 for key, v in finals.items()},
-            "first5_success": statistics.fmean(statistics.fmean(r["success"][:last]) for r in mine),
-            "seconds_mean": statistics.fmean(r["seconds"] for r in mine),
-        })
+        table.append(
+            {
+                "variant": name,
+                "paper_tgc": PAPER[name],
+                "seeds": len(mine),
+                **{f"{key}_mean": statistics.fmean(v) for key, v in finals.items()},
+                **{f"{key}_std": statistics.stdev(v) if len(v) > 1 else 0.0 for key, v in finals.items()},
+                "first5_success": statistics.fmean(statistics.fmean(r["success"][:last]) for r in mine),
+                "seconds_mean": statistics.fmean(r["seconds"] for r in mine),
+            }
+        )
     return table
 
 
 def markdown(table: list[dict[str, Any]], last: int) -> str:
-    lines = [f"| variant | paper TGC | success, last {last} its | reward, last {last} its | success, first {last} its "
-             "| seconds per run |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"| variant | paper TGC | success, last {last} its | reward, last {last} its | success, first {last} its "
+        "| seconds per run |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for row in sorted(table, key=lambda r: -r["success_mean"]):
-        lines.append(f"| {row['variant']} | {row['paper_tgc']} | {row['success_mean']:.3f} ± {row['success_std']:.3f} | "
-                     f"{row['reward_mean']:.3f} ± {row['reward_std']:.3f} | {row['first5_success']:.3f} | "
-                     f"{row['seconds_mean']:.0f} |")
+        lines.append(
+            f"| {row['variant']} | {row['paper_tgc']} | {row['success_mean']:.3f} ± {row['success_std']:.3f} | "
+            f"{row['reward_mean']:.3f} ± {row['reward_std']:.3f} | {row['first5_success']:.3f} | "
+            f"{row['seconds_mean']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -161,7 +195,7 @@ def plot(runs: list[dict[str, Any]], names: list[str], path: Path) -> None:
             length = min(len(c) for c in curves)
             mean = [statistics.fmean(c[i] for c in curves) for i in range(length)]
             window = 5  # a trailing mean: single iterations are noisy
-            smooth = [statistics.fmean(mean[max(0, i - window + 1): i + 1]) for i in range(length)]
+            smooth = [statistics.fmean(mean[max(0, i - window + 1) : i + 1]) for i in range(length)]
             axis.plot(range(1, length + 1), smooth, label=f"{name} (paper {PAPER[name]})")
     for axis, key in zip(axes, ("success rate", "mean reward"), strict=True):
         axis.set_xlabel("iteration")
@@ -199,28 +233,56 @@ def main(argv: list[str] | None = None) -> None:
     if options.workers > 1:
         workers = ProcessPoolExecutor(options.workers, mp_context=get_context("spawn"), initializer=one_thread)
     try:
-        pending = [(name, seed, workers.submit(run_one, name, table_of[name], seed, options, options.out,
-                                                  models.get(seed))
-                    if workers else None) for name, seed in jobs]
+        pending = [
+            (
+                name,
+                seed,
+                workers.submit(run_one, name, table_of[name], seed, options, options.out, models.get(seed))
+                if workers
+                else None,
+            )
+            for name, seed in jobs
+        ]
         for name, seed, future in pending:
-            run = future.result() if future else run_one(name, table_of[name], seed, options, options.out,
-                                                                         models.get(seed))
+            run = (
+                future.result()
+                if future
+                else run_one(name, table_of[name], seed, options, options.out, models.get(seed))
+            )
             runs.append(run)
-            print(f"{name:20s} seed {seed}: last-{options.last} success "
-                  f"{statistics.fmean(s for s in run['success'][-options.last:] if s is not None):.3f}, "
-                  f"{run['seconds']:.0f} s", flush=True)
-            (options.out / "ablations.json").write_text(json.dumps(
-                {"command": command_line("benchmarks.ablations", argv),
-                 "options": {k: str(v) for k, v in vars(options).items()}, "runs": runs}, indent=1))
+            print(
+                f"{name:20s} seed {seed}: last-{options.last} success "
+                f"{statistics.fmean(s for s in run['success'][-options.last :] if s is not None):.3f}, "
+                f"{run['seconds']:.0f} s",
+                flush=True,
+            )
+            (options.out / "ablations.json").write_text(
+                json.dumps(
+                    {
+                        "command": command_line("benchmarks.ablations", argv),
+                        "options": {k: str(v) for k, v in vars(options).items()},
+                        "runs": runs,
+                    },
+                    indent=1,
+                )
+            )
     finally:
         if workers:
             workers.shutdown(cancel_futures=True)
     table = summarize(runs, options.variants, options.last)
     text = markdown(table, options.last)
-    (options.out / "ablations.json").write_text(json.dumps(
-        {"command": command_line("benchmarks.ablations", argv),
-         "options": {k: str(v) for k, v in vars(options).items()},
-         "seconds": time.perf_counter() - started, "table": table, "runs": runs}, indent=1))
+    (options.out / "ablations.json").write_text(
+        json.dumps(
+            {
+                "command": command_line("benchmarks.ablations", argv),
+                "options": {k: str(v) for k, v in vars(options).items()},
+                "seconds": time.perf_counter() - started,
+                "table": table,
+                "runs": runs,
+            },
+            indent=1,
+        )
+    )
     (options.out / "ablations.md").write_text(text + "\n")
     plot(runs, options.variants, options.out / "ablations.png")
     print(text)

@@ -56,8 +56,9 @@ def cpu_model(default: str | None = None) -> str | None:
 def git_commit() -> str:
     """The short hash of the checkout's HEAD; "unknown" outside a git checkout."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -65,8 +66,15 @@ def git_commit() -> str:
 def tracked_changes() -> bool:
     """Whether tracked files differ from HEAD (untracked files are not counted); False outside git."""
     try:
-        return bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, check=False,
-                                   capture_output=True, text=True).stdout.strip())
+        return bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=ROOT,
+                check=False,
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+        )
     except OSError:
         return False
 
@@ -106,8 +114,9 @@ def wait_for_load(max_load: float | None, max_wait: float, *, measure_anyway: bo
         if time.monotonic() > deadline:
             if not measure_anyway:
                 raise SystemExit(f"load average {load[0]:.2f} stayed above {max_load} for {max_wait:.0f} s")
-            print(f"load average {load[0]:.2f} stayed above {max_load} for {max_wait:.0f} s; measuring anyway",
-                  flush=True)
+            print(
+                f"load average {load[0]:.2f} stayed above {max_load} for {max_wait:.0f} s; measuring anyway", flush=True
+            )
             return load, False
         print(f"load average {load[0]:.2f} >= {max_load}; waiting", flush=True)
         time.sleep(20)
@@ -157,8 +166,15 @@ class Alone:
             if other <= self.max_other_cpu * seconds:
                 return value
             print(f"{what}: other processes took {other:.1f} CPU s during its {seconds:.1f} s", flush=True)
-            self.disturbed.append({"what": what, "attempt": attempt, "seconds": seconds, "other_cpu_s": other,
-                                   "kept": attempt == self.retries})
+            self.disturbed.append(
+                {
+                    "what": what,
+                    "attempt": attempt,
+                    "seconds": seconds,
+                    "other_cpu_s": other,
+                    "kept": attempt == self.retries,
+                }
+            )
             if attempt < self.retries:
                 self.wait_until_quiet()
         return value

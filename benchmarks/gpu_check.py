@@ -64,8 +64,12 @@ def run_section(name: str, mode: str, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("GPU_CHECK_OUT") or "gpu-check-out"))
-    parser.add_argument("--mode", choices=["auto", "gpu", "quick", "cpu"], default="auto",
-                        help="auto: gpu where CUDA is available, else cpu; quick: one shape per section on a GPU")
+    parser.add_argument(
+        "--mode",
+        choices=["auto", "gpu", "quick", "cpu"],
+        default="auto",
+        help="auto: gpu where CUDA is available, else cpu; quick: one shape per section on a GPU",
+    )
     parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     parser.add_argument("--_section", nargs=3, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
@@ -84,16 +88,26 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--mode {mode} needs a CUDA device; none is visible")
     device = torch.cuda.get_device_name(0) if cuda and mode != "cpu" else None
     if mode == "cpu":
-        print("gpu-check: CPU MODE (no CUDA device): tiny shapes on the CPU check that the battery's code runs; "
-              "these numbers are NOT a GPU result", flush=True)
+        print(
+            "gpu-check: CPU MODE (no CUDA device): tiny shapes on the CPU check that the battery's code runs; "
+            "these numbers are NOT a GPU result",
+            flush=True,
+        )
     else:
         print(f"gpu-check: {mode.upper()} mode on {device}", flush=True)
     options.out.mkdir(parents=True, exist_ok=True)
-    results = {"mode": mode, "device": device or "cpu", "gpu_result": mode != "cpu",
-               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               "commit": commit(), "software": measured_with(), "host": host(), "sections": {},
-               "generation_backend": "transformers (vLLM's CUDA wheel, over 300 MB, cannot be carried to the GPU "
-                                     "machine: generation runs on the transformers backend)"}
+    results = {
+        "mode": mode,
+        "device": device or "cpu",
+        "gpu_result": mode != "cpu",
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit(),
+        "software": measured_with(),
+        "host": host(),
+        "sections": {},
+        "generation_backend": "transformers (vLLM's CUDA wheel, over 300 MB, cannot be carried to the GPU "
+        "machine: generation runs on the transformers backend)",
+    }
     failures = 0
     for name in options.sections:
         started = time.perf_counter()
@@ -104,8 +118,14 @@ def main(argv: list[str] | None = None) -> int:
         command = [sys.executable, "-m", "benchmarks.gpu_check", "--_section", name, mode, str(section_out.resolve())]
         record: dict = {}
         try:
-            done = subprocess.run(command, cwd=ROOT, timeout=limit, capture_output=True, text=True,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
+            done = subprocess.run(
+                command,
+                cwd=ROOT,
+                timeout=limit,
+                capture_output=True,
+                text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"},
+            )
             (options.out / f"{name}.log").write_text(done.stdout + done.stderr)
             if done.returncode == 0:
                 record = {"status": "ok", "result": json.loads(section_out.read_text())}
@@ -119,8 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         record["seconds"] = time.perf_counter() - started
         failures += record["status"] != "ok"
         results["sections"][name] = record
-        print(f"--- {name}: {record['status']} in {record['seconds']:.0f} s"
-              + ("" if record["status"] == "ok" else f"\n{record['error'][-3000:]}"), flush=True)
+        print(
+            f"--- {name}: {record['status']} in {record['seconds']:.0f} s"
+            + ("" if record["status"] == "ok" else f"\n{record['error'][-3000:]}"),
+            flush=True,
+        )
         (options.out / "gpu-check.json").write_text(json.dumps(results, indent=2, default=str))
         write_summary(results, options.out / "gpu-check.md")
         section_out.unlink(missing_ok=True)

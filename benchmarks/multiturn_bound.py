@@ -32,8 +32,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 
-def lower_bound(generation_full_s: Mapping[str, float], env_sleep_max_episode_s: float,
-                generation_alone_s: float) -> dict[str, Any]:
+def lower_bound(
+    generation_full_s: Mapping[str, float], env_sleep_max_episode_s: float, generation_alone_s: float
+) -> dict[str, Any]:
     """The bound of one collection. ``generation_full_s`` maps each decoder measured ("ours",
     "trl") to its zero-latency lock-step generation time for this N; the fastest one counts."""
     if not generation_full_s:
@@ -43,9 +44,14 @@ def lower_bound(generation_full_s: Mapping[str, float], env_sleep_max_episode_s:
     fastest = min(generation_full_s, key=generation_full_s.__getitem__)
     full = generation_full_s[fastest]
     critical = env_sleep_max_episode_s + generation_alone_s
-    return {"bound_s": max(full, critical), "generation_full_s": full, "fastest_decoder": fastest,
-            "critical_path_s": critical, "limited_by": "generation" if full >= critical else "slowest episode",
-            **{f"generation_full_{name}_s": seconds for name, seconds in generation_full_s.items()}}
+    return {
+        "bound_s": max(full, critical),
+        "generation_full_s": full,
+        "fastest_decoder": fastest,
+        "critical_path_s": critical,
+        "limited_by": "generation" if full >= critical else "slowest episode",
+        **{f"generation_full_{name}_s": seconds for name, seconds in generation_full_s.items()},
+    }
 
 
 def attach_bounds(runs: list[dict[str, Any]], lock_steps: Mapping[int, Sequence[Mapping[str, float]]]) -> None:
@@ -86,8 +92,9 @@ class LockStepBackend:
         if len(self._waiting) == self.n:
             batch, self._waiting = self._waiting, []
             started = time.perf_counter()
-            results = await asyncio.gather(*(self._generate(prompt, limit, seed=seed) for prompt, limit, seed, _ in batch),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *(self._generate(prompt, limit, seed=seed) for prompt, limit, seed, _ in batch), return_exceptions=True
+            )
             self.generation_seconds += time.perf_counter() - started
             self.batch_sizes.append(len(batch))
             for (*_, waiting), result in zip(batch, results, strict=True):

@@ -1,6 +1,6 @@
 """The docs' table of a ``multiturn_throughput.py`` JSON (docs/benchmarks.md pastes its output).
 
-    python -m benchmarks.multiturn_table benchmarks/results/multiturn-cpu.json
+python -m benchmarks.multiturn_table benchmarks/results/multiturn-cpu.json
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ def runs_of(result: dict[str, Any], side: str, n: int) -> list[dict[str, Any]]:
 
 def table(result: dict[str, Any]) -> str:
     decode = {row["concurrency"]: row for row in result.get("decode_check", [])}
-    lines = ["| N | ours episodes/s (runs) | TRL episodes/s (runs) | **ours / TRL** | ours mean batch (decode steps) "
-             "| env sleep s | wall s ours / TRL | generation s ours / TRL | lower bound s (limited by) "
-             "| **ours / bound** (runs) | TRL / bound | decode only s ours / TRL |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| N | ours episodes/s (runs) | TRL episodes/s (runs) | **ours / TRL** | ours mean batch (decode steps) "
+        "| env sleep s | wall s ours / TRL | generation s ours / TRL | lower bound s (limited by) "
+        "| **ours / bound** (runs) | TRL / bound | decode only s ours / TRL |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for row in result["summary"]:
         n, ours, trl = row["concurrency"], row["ours"], row["trl"]
         ours_runs = runs_of(result, "ours", n)
@@ -37,7 +39,8 @@ def table(result: dict[str, Any]) -> str:
             f"| {row['bound_s']:.1f} ({bound['limited_by']}) "
             f"| **×{ours['over_bound']:.2f}** ({', '.join(f'{v:.2f}' for v in ours['over_bound_runs'])}) "
             f"| ×{trl['over_bound']:.2f} "
-            f"| {decode_only} |")
+            f"| {decode_only} |"
+        )
     return "\n".join(lines)
 
 

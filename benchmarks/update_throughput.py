@@ -115,13 +115,28 @@ def build_model(spec: Spec) -> Any:
 
         shapes = resources.files("loop_trainer") / "models" / "shapes"
         values = json.loads((shapes / f"{spec.shape}.json").read_text())
-        body = {key: values[key] for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                             "num_attention_heads", "num_key_value_heads", "vocab_size",
-                                             "tie_word_embeddings")}
+        body = {
+            key: values[key]
+            for key in (
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "vocab_size",
+                "tie_word_embeddings",
+            )
+        }
     else:
-        body = dict(vocab_size=VOCAB_SIZE, hidden_size=spec.hidden_size, intermediate_size=4 * spec.hidden_size,
-                    num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-                    tie_word_embeddings=True)
+        body = {
+            "vocab_size": VOCAB_SIZE,
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": 4 * spec.hidden_size,
+            "num_hidden_layers": spec.layers,
+            "num_attention_heads": spec.heads,
+            "num_key_value_heads": spec.kv_heads,
+            "tie_word_embeddings": True,
+        }
     config = Qwen2Config(**body, max_position_embeddings=max(32768, max(spec.lengths)), pad_token_id=0)
     torch.manual_seed(spec.seed)
     dtype = torch.bfloat16 if spec.device == "cuda" else torch.float32
@@ -132,8 +147,21 @@ def build_model(spec: Spec) -> Any:
 
 # --- measurement --------------------------------------------------------------------------------
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 class HeapSampler(threading.Thread):
@@ -194,28 +222,48 @@ class Meter:
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             self.heap.stop()
-            heap = {"heap_peak_mib": self.heap.peak / mib,
-                    "heap_delta_mib": (self.heap.peak - self.heap.baseline) / mib}
-        self.result = {"seconds": seconds, "cpu_seconds": cpu_seconds, "peak_mib": peak / mib,
-                       "baseline_mib": self.baseline / mib, "peak_delta_mib": (peak - self.baseline) / mib, **heap}
+            heap = {
+                "heap_peak_mib": self.heap.peak / mib,
+                "heap_delta_mib": (self.heap.peak - self.heap.baseline) / mib,
+            }
+        self.result = {
+            "seconds": seconds,
+            "cpu_seconds": cpu_seconds,
+            "peak_mib": peak / mib,
+            "baseline_mib": self.baseline / mib,
+            "peak_delta_mib": (peak - self.baseline) / mib,
+            **heap,
+        }
 
 
 def run_loop(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) -> dict[str, Any]:
     from loop_trainer import LOOPConfig, LOOPTrainer
-    from loop_trainer.training.batching import TrainingSample
     from loop_trainer.envs import VaultEnv
     from loop_trainer.models.tiny import build_word_tokenizer
+    from loop_trainer.training.batching import TrainingSample
 
     args = LOOPConfig(
-        output_dir=output_dir, iterations=1, tasks_per_iteration=len(trajectories) // 2, rollouts_per_task=2,
-        minibatch_size=spec.minibatch_size, ppo_epochs=spec.ppo_epochs, per_device_train_batch_size=spec.micro_batch,
-        activation_checkpointing=spec.checkpointing, bf16=spec.device == "cuda", use_cpu=spec.device == "cpu",
-        max_trajectory_tokens=max(spec.lengths), epsilon=LOOP_EPSILON, seed=spec.seed, disable_tqdm=True,
+        output_dir=output_dir,
+        iterations=1,
+        tasks_per_iteration=len(trajectories) // 2,
+        rollouts_per_task=2,
+        minibatch_size=spec.minibatch_size,
+        ppo_epochs=spec.ppo_epochs,
+        per_device_train_batch_size=spec.micro_batch,
+        activation_checkpointing=spec.checkpointing,
+        bf16=spec.device == "cuda",
+        use_cpu=spec.device == "cpu",
+        max_trajectory_tokens=max(spec.lengths),
+        epsilon=LOOP_EPSILON,
+        seed=spec.seed,
+        disable_tqdm=True,
         plot_curves=False,
     )
     trainer = LOOPTrainer(build_model(spec), VaultEnv(), args, processing_class=build_word_tokenizer(["x"]))
-    samples = [TrainingSample(t["token_ids"], t["loss_mask"], [0.0] * len(t["token_ids"]), t["advantage"], False)
-               for t in trajectories]
+    samples = [
+        TrainingSample(t["token_ids"], t["loss_mask"], [0.0] * len(t["token_ids"]), t["advantage"], False)
+        for t in trajectories
+    ]
     trainer.prepare_for_iterations()
     check_checkpointing(trainer.model, spec)
     first: dict[str, Any] = {}
@@ -232,8 +280,13 @@ def run_loop(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) ->
     meter.start()
     record = trainer.update_policy(samples)
     meter.stop()
-    return {**meter.result, "optimizer_steps": record["optimizer_steps"], "first_loss": first.get("loss"),
-            "first_advantages": first.get("advantages"), "padded_width": max(spec.lengths)}
+    return {
+        **meter.result,
+        "optimizer_steps": record["optimizer_steps"],
+        "first_loss": first.get("loss"),
+        "first_advantages": first.get("advantages"),
+        "padded_width": max(spec.lengths),
+    }
 
 
 def _grpo_inputs(trajectories: list[dict[str, Any]], pad_token_id: int) -> dict[str, Any]:
@@ -262,9 +315,8 @@ def _grpo_inputs(trajectories: list[dict[str, Any]], pad_token_id: int) -> dict[
 
 def run_grpo(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) -> dict[str, Any]:
     import torch
-    from transformers import TrainingArguments
     from datasets import Dataset
-    from transformers import TrainerCallback
+    from transformers import TrainerCallback, TrainingArguments
     from trl import GRPOConfig, GRPOTrainer
     from trl.models.utils import disable_gradient_checkpointing
 
@@ -273,11 +325,16 @@ def run_grpo(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) ->
 
     n, p, m = len(trajectories), spec.micro_batch, spec.minibatch_size
     # transformers < 5.18 (the GPU image's 5.17, the one vLLM accepts) has only the older name
-    checkpointing_key = "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ \
+    checkpointing_key = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
         else "gradient_checkpointing"
+    )
     # LOOP's optimizer settings (its defaults, which run_loop uses)
-    optimizer = {name: LOOPConfig.__dataclass_fields__[name].default
-                 for name in ("learning_rate", "weight_decay", "max_grad_norm", "lr_scheduler_type")}
+    optimizer = {
+        name: LOOPConfig.__dataclass_fields__[name].default
+        for name in ("learning_rate", "weight_decay", "max_grad_norm", "lr_scheduler_type")
+    }
     tokenizer = build_word_tokenizer(["x"])
     prebuilt = _grpo_inputs(trajectories, tokenizer.pad_token_id)
     meter = Meter(spec.device)
@@ -296,7 +353,10 @@ def run_grpo(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) ->
             attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
             with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
                 output["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, input_ids, attention_mask, output["completion_ids"].size(1),
+                    self.model,
+                    input_ids,
+                    attention_mask,
+                    output["completion_ids"].size(1),
                     batch_size=self.args.per_device_train_batch_size,
                 )
             return output
@@ -314,21 +374,45 @@ def run_grpo(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) ->
                 meter.stop()
 
     args = GRPOConfig(
-        output_dir=output_dir, per_device_train_batch_size=p, gradient_accumulation_steps=m // p,
-        steps_per_generation=n // p, num_generations=2, num_iterations=spec.ppo_epochs,
-        max_steps=spec.ppo_epochs * n // m, beta=0.0, loss_type="grpo", epsilon=1 - 1 / (1 + LOOP_EPSILON),
-        epsilon_high=LOOP_EPSILON, **optimizer, **{checkpointing_key: spec.checkpointing}, bf16=spec.device == "cuda",
-        use_cpu=spec.device == "cpu", max_completion_length=int(prebuilt["completion_ids"].size(1)),
-        report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=spec.seed,
+        output_dir=output_dir,
+        per_device_train_batch_size=p,
+        gradient_accumulation_steps=m // p,
+        steps_per_generation=n // p,
+        num_generations=2,
+        num_iterations=spec.ppo_epochs,
+        max_steps=spec.ppo_epochs * n // m,
+        beta=0.0,
+        loss_type="grpo",
+        epsilon=1 - 1 / (1 + LOOP_EPSILON),
+        epsilon_high=LOOP_EPSILON,
+        **optimizer,
+        **{checkpointing_key: spec.checkpointing},
+        bf16=spec.device == "cuda",
+        use_cpu=spec.device == "cpu",
+        max_completion_length=int(prebuilt["completion_ids"].size(1)),
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=spec.seed,
     )
     trainer = PrebuiltGRPOTrainer(
-        model=build_model(spec), reward_funcs=[lambda **_: [0.0] * n], args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["x"] * n}), processing_class=tokenizer, callbacks=[StopClock()],
+        model=build_model(spec),
+        reward_funcs=[lambda **_: [0.0] * n],
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["x"] * n}),
+        processing_class=tokenizer,
+        callbacks=[StopClock()],
     )
     trainer.train()
     width = int(prebuilt["prompt_ids"].size(1) + prebuilt["completion_ids"].size(1))
-    return {**meter.result, "optimizer_steps": trainer.state.global_step, "first_loss": sum(first["losses"]),
-            "first_advantages": first["advantages"], "padded_width": width}
+    return {
+        **meter.result,
+        "optimizer_steps": trainer.state.global_step,
+        "first_loss": sum(first["losses"]),
+        "first_advantages": first["advantages"],
+        "padded_width": width,
+    }
 
 
 def check_checkpointing(model: Any, spec: Spec) -> None:
@@ -356,14 +440,22 @@ def summarize(trainer: str, spec: Spec, runs: list[dict[str, Any]]) -> dict[str,
     seconds = statistics.median(r["seconds"] for r in runs)
     first = runs[0]
     row = {
-        "trainer": trainer, "checkpointing": spec.checkpointing, "seconds": seconds,
-        "seconds_all": [r["seconds"] for r in runs], "tokens_per_s": trained_tokens / seconds,
+        "trainer": trainer,
+        "checkpointing": spec.checkpointing,
+        "seconds": seconds,
+        "seconds_all": [r["seconds"] for r in runs],
+        "tokens_per_s": trained_tokens / seconds,
         "cpu_seconds": statistics.median(r["cpu_seconds"] for r in runs),
-        "cpu_seconds_all": [r["cpu_seconds"] for r in runs], "trained_tokens": trained_tokens,
-        "optimizer_steps": first["optimizer_steps"], "padded_width": first["padded_width"],
+        "cpu_seconds_all": [r["cpu_seconds"] for r in runs],
+        "trained_tokens": trained_tokens,
+        "optimizer_steps": first["optimizer_steps"],
+        "padded_width": first["padded_width"],
         # GRPO pads every micro-batch to the generation batch's width; LOOP pads within a micro-batch only.
-        "tokens_per_pass": len(spec.lengths) * first["padded_width"] if trainer == "grpo"
-        else sum(spec.lengths) if spec.micro_batch == 1 else None,
+        "tokens_per_pass": len(spec.lengths) * first["padded_width"]
+        if trainer == "grpo"
+        else sum(spec.lengths)
+        if spec.micro_batch == 1
+        else None,
         "first_loss": first["first_loss"],
         "first_loss_expected": -sum(first["first_advantages"]) / spec.minibatch_size,
     }
@@ -374,8 +466,13 @@ def summarize(trainer: str, spec: Spec, runs: list[dict[str, Any]]) -> dict[str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 2048, 4096, 8192],
-                        help="trajectory lengths, cycled to --num-trajectories")
+    parser.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=[2048, 2048, 4096, 8192],
+        help="trajectory lengths, cycled to --num-trajectories",
+    )
     parser.add_argument("--num-trajectories", type=int, default=None, help="default: len(--lengths)")
     parser.add_argument("--minibatch-size", type=int, default=2, help="trajectories per optimizer step")
     parser.add_argument("--ppo-epochs", type=int, default=1)
@@ -384,13 +481,19 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--shape", default=None,
-                        help="a shipped model shape (e.g. Qwen2.5-1.5B-Instruct) instead of --hidden-size/--layers/...")
+    parser.add_argument(
+        "--shape",
+        default=None,
+        help="a shipped model shape (e.g. Qwen2.5-1.5B-Instruct) instead of --hidden-size/--layers/...",
+    )
     parser.add_argument("--checkpointing", choices=["on", "off", "both"], default="on")
     parser.add_argument("--repeats", type=int, default=1, help="alternating runs per trainer; seconds = median")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plain-malloc", action="store_true",
-                        help="on CPU, keep glibc's default of returning large blocks to the OS (see module doc)")
+    parser.add_argument(
+        "--plain-malloc",
+        action="store_true",
+        help="on CPU, keep glibc's default of returning large blocks to the OS (see module doc)",
+    )
     parser.add_argument("--out", default=str(RESULTS / "update_throughput.json"))
     parser.add_argument("--_worker", nargs=3, help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -410,16 +513,35 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for checkpointing in modes:
-            spec = Spec(options.device, lengths, m, options.ppo_epochs, p, options.hidden_size, options.layers,
-                        options.heads, options.kv_heads, checkpointing, options.seed, options.shape)
+            spec = Spec(
+                options.device,
+                lengths,
+                m,
+                options.ppo_epochs,
+                p,
+                options.hidden_size,
+                options.layers,
+                options.heads,
+                options.kv_heads,
+                checkpointing,
+                options.seed,
+                options.shape,
+            )
             spec_path = Path(tmp) / "spec.json"
             spec_path.write_text(json.dumps(asdict(spec)))
             runs: dict[str, list[dict[str, Any]]] = {"loop": [], "grpo": []}
             for repeat in range(options.repeats):
                 for trainer in ("loop", "grpo"):
                     out_path = Path(tmp) / f"{trainer}-{checkpointing}-{repeat}.json"
-                    command = [sys.executable, "-m", "benchmarks.update_throughput", "--_worker", trainer,
-                               str(spec_path), str(out_path)]
+                    command = [
+                        sys.executable,
+                        "-m",
+                        "benchmarks.update_throughput",
+                        "--_worker",
+                        trainer,
+                        str(spec_path),
+                        str(out_path),
+                    ]
                     print(f"[{trainer}] checkpointing={checkpointing} run {repeat + 1}/{options.repeats}", flush=True)
                     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True)
                     if done.returncode:
@@ -433,39 +555,62 @@ def report(options: argparse.Namespace, lengths: list[int], rows: list[dict[str,
     import torch
 
     cuda = options.device == "cuda"
-    columns = [("trainer", "{trainer}"), ("ckpt", "{ckpt}"), ("opt steps", "{optimizer_steps}"),
-               ("padded width", "{padded_width}"), ("tokens/pass", "{tokens_per_pass}"), ("update s", "{seconds:.1f}"),
-               ("cpu s", "{cpu_seconds:.1f}"), ("tokens/s", "{tokens_per_s:.0f}"),
-               ("CUDA peak MiB" if cuda else "peak RSS MiB", "{peak_mib:.0f}"), ("rise MiB", "{peak_delta_mib:.0f}")]
+    columns = [
+        ("trainer", "{trainer}"),
+        ("ckpt", "{ckpt}"),
+        ("opt steps", "{optimizer_steps}"),
+        ("padded width", "{padded_width}"),
+        ("tokens/pass", "{tokens_per_pass}"),
+        ("update s", "{seconds:.1f}"),
+        ("cpu s", "{cpu_seconds:.1f}"),
+        ("tokens/s", "{tokens_per_s:.0f}"),
+        ("CUDA peak MiB" if cuda else "peak RSS MiB", "{peak_mib:.0f}"),
+        ("rise MiB", "{peak_delta_mib:.0f}"),
+    ]
     if not cuda:
         columns += [("malloc peak MiB", "{heap_peak_mib:.0f}"), ("malloc rise MiB", "{heap_delta_mib:.0f}")]
     columns += [("1st loss", "{first_loss:+.4f}"), ("expected", "{first_loss_expected:+.4f}")]
     lines = [[name for name, _ in columns]]
     lines += [[fmt.format(ckpt="on" if r["checkpointing"] else "off", **r) for _, fmt in columns] for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
-    print(f"\nlengths={lengths} minibatch={options.minibatch_size} ppo_epochs={options.ppo_epochs} "
-          f"micro_batch={options.micro_batch} " + (f"shape={options.shape} " if options.shape else
-                                                    f"hidden={options.hidden_size} layers={options.layers} ") +
-          f"vocab={VOCAB_SIZE} device={options.device} torch threads={torch.get_num_threads()}")
+    print(
+        f"\nlengths={lengths} minibatch={options.minibatch_size} ppo_epochs={options.ppo_epochs} "
+        f"micro_batch={options.micro_batch} "
+        + (f"shape={options.shape} " if options.shape else f"hidden={options.hidden_size} layers={options.layers} ")
+        + f"vocab={VOCAB_SIZE} device={options.device} torch threads={torch.get_num_threads()}"
+    )
     for i, line in enumerate(lines):
         print("| " + " | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) + " |")
         if i == 0:
             print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     ratios = []
     for checkpointing in sorted({r["checkpointing"] for r in rows}, reverse=True):
-        loop, grpo = (next(r for r in rows if r["trainer"] == t and r["checkpointing"] == checkpointing)
-                      for t in ("loop", "grpo"))
-        ratio = {"checkpointing": checkpointing, "tokens_per_s": loop["tokens_per_s"] / grpo["tokens_per_s"],
-                 "tokens_per_cpu_s": grpo["cpu_seconds"] / loop["cpu_seconds"]}
+        loop, grpo = (
+            next(r for r in rows if r["trainer"] == t and r["checkpointing"] == checkpointing) for t in ("loop", "grpo")
+        )
+        ratio = {
+            "checkpointing": checkpointing,
+            "tokens_per_s": loop["tokens_per_s"] / grpo["tokens_per_s"],
+            "tokens_per_cpu_s": grpo["cpu_seconds"] / loop["cpu_seconds"],
+        }
         ratio.update({key: loop[key] / grpo[key] for key in MEMORY_KEYS if key in loop})
         ratios.append(ratio)
-        print(f"LOOP/GRPO (checkpointing {'on' if checkpointing else 'off'}): "
-              + ", ".join(f"{key} x{value:.2f}" for key, value in ratio.items() if key != "checkpointing"))
+        print(
+            f"LOOP/GRPO (checkpointing {'on' if checkpointing else 'off'}): "
+            + ", ".join(f"{key} x{value:.2f}" for key, value in ratio.items() if key != "checkpointing")
+        )
     finite = all(abs(r["first_loss"]) < float("inf") for r in rows)
     print(f"first-minibatch losses finite: {finite} (expected = -sum(advantages in minibatch) / minibatch_size)")
-    result = {"command": command_line("benchmarks.update_throughput"), "lengths": lengths, "options": vars(options),
-              "rows": rows, "ratios": ratios, "first_losses_finite": finite, "torch": torch.__version__,
-              "torch_threads": torch.get_num_threads()}
+    result = {
+        "command": command_line("benchmarks.update_throughput"),
+        "lengths": lengths,
+        "options": vars(options),
+        "rows": rows,
+        "ratios": ratios,
+        "first_losses_finite": finite,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
     Path(options.out).parent.mkdir(parents=True, exist_ok=True)
     Path(options.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {options.out}")

@@ -59,8 +59,9 @@ def main() -> None:
     engines = {"ours": ours.llm, "trl": trl.trainer.vllm_generation.llm}
 
     def generate(llm: object) -> float:
-        params = SamplingParams(max_tokens=args.new_tokens, min_tokens=args.new_tokens, temperature=1.0,
-                                logprobs=0, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=args.new_tokens, min_tokens=args.new_tokens, temperature=1.0, logprobs=0, ignore_eos=True
+        )
         started = time.perf_counter()
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)  # type: ignore[attr-defined]
         return time.perf_counter() - started
@@ -78,18 +79,31 @@ def main() -> None:
     names = list(paths)
     runs: dict[str, list[float]] = {name: [] for name in names}
     for repeat in range(options.repeats):
-        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
             runs[name].append(paths[name]())
-    configs = {side: {"max_num_batched_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
-                      "max_num_seqs": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
-                      "enforce_eager": llm.llm_engine.vllm_config.model_config.enforce_eager,
-                      "dtype": str(llm.llm_engine.vllm_config.model_config.dtype)} for side, llm in engines.items()}
-    result = {"command": command_line("benchmarks.vllm_decode_gap"), "n": options.n, "new_tokens": args.new_tokens,
-              "prompt_tokens": len(prompt), "engines": configs, "software": mt.measured_with(),
-              "paths": {name: {"median_s": statistics.median(v), "best_s": min(v), "runs": v} for name, v in runs.items()}}
+    configs = {
+        side: {
+            "max_num_batched_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
+            "max_num_seqs": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
+            "enforce_eager": llm.llm_engine.vllm_config.model_config.enforce_eager,
+            "dtype": str(llm.llm_engine.vllm_config.model_config.dtype),
+        }
+        for side, llm in engines.items()
+    }
+    result = {
+        "command": command_line("benchmarks.vllm_decode_gap"),
+        "n": options.n,
+        "new_tokens": args.new_tokens,
+        "prompt_tokens": len(prompt),
+        "engines": configs,
+        "software": mt.measured_with(),
+        "paths": {name: {"median_s": statistics.median(v), "best_s": min(v), "runs": v} for name, v in runs.items()},
+    }
     for name, row in result["paths"].items():
-        print(f"{name:32} median {row['median_s']:.2f} s  best {row['best_s']:.2f} s  runs "
-              f"{[round(v, 2) for v in row['runs']]}")
+        print(
+            f"{name:32} median {row['median_s']:.2f} s  best {row['best_s']:.2f} s  runs "
+            f"{[round(v, 2) for v in row['runs']]}"
+        )
     print("engines:", configs)
     if options.out:
         options.out.write_text(json.dumps(result, indent=2) + "\n")

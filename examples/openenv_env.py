@@ -31,11 +31,28 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=16, help="at most the server's max_concurrent_envs")
     parser.add_argument("--instructions", default="Play the game: act by calling the tool until it is over.")
     cli = parser.parse_args()
-    env = from_openenv(GenericEnvClient, base_url=cli.base_url, tasks=cli.tasks, eval_tasks=16,
-                       instructions=cli.instructions, max_concurrent_episodes=cli.sessions)
-    args = LOOPConfig(output_dir=cli.output_dir, iterations=20, tasks_per_iteration=8, rollouts_per_task=6,
-                      minibatch_size=12, max_turns=8, max_new_tokens_per_turn=256, max_trajectory_tokens=4096,
-                      learning_rate=1e-5, eval_split="eval", eval_every=5, report_to=[])
+    env = from_openenv(
+        GenericEnvClient,
+        base_url=cli.base_url,
+        tasks=cli.tasks,
+        eval_tasks=16,
+        instructions=cli.instructions,
+        max_concurrent_episodes=cli.sessions,
+    )
+    args = LOOPConfig(
+        output_dir=cli.output_dir,
+        iterations=20,
+        tasks_per_iteration=8,
+        rollouts_per_task=6,
+        minibatch_size=12,
+        max_turns=8,
+        max_new_tokens_per_turn=256,
+        max_trajectory_tokens=4096,
+        learning_rate=1e-5,
+        eval_split="eval",
+        eval_every=5,
+        report_to=[],
+    )
     try:
         trainer = LOOPTrainer(cli.model, env, args, peft_config=LoraConfig(r=16, target_modules="all-linear"))
         trainer.train()

@@ -42,14 +42,35 @@ def answered_with_the_target(completions, target, **kwargs) -> list[float]:
 
 
 def build_trainer(model: str, output_dir: str, **config: object) -> LOOPTrainer:
-    rows = [{"prompt": [{"role": "user", "content": f"Use the tools to bring the counter to {t}, then say its value."}],
-             "start": s, "target": t} for s in range(0, 20, 3) for t in (10, 25, 42)]
-    args = GRPOConfig(output_dir=output_dir, num_generations=6, per_device_train_batch_size=12, max_steps=50,
-                      learning_rate=1e-5, max_completion_length=1024, max_tool_calling_iterations=6, logging_steps=1,
-                      report_to="none", **config)
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"Use the tools to bring the counter to {t}, then say its value."}],
+            "start": s,
+            "target": t,
+        }
+        for s in range(0, 20, 3)
+        for t in (10, 25, 42)
+    ]
+    args = GRPOConfig(
+        output_dir=output_dir,
+        num_generations=6,
+        per_device_train_batch_size=12,
+        max_steps=50,
+        learning_rate=1e-5,
+        max_completion_length=1024,
+        max_tool_calling_iterations=6,
+        logging_steps=1,
+        report_to="none",
+        **config,
+    )
     return LOOPTrainer(  # was: GRPOTrainer(
-        model=model, reward_funcs=answered_with_the_target, args=args, train_dataset=Dataset.from_list(rows),
-        environment_factory=CounterEnv, peft_config=LoraConfig(r=16, target_modules="all-linear"))
+        model=model,
+        reward_funcs=answered_with_the_target,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        environment_factory=CounterEnv,
+        peft_config=LoraConfig(r=16, target_modules="all-linear"),
+    )
 
 
 def main() -> None:

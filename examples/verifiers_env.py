@@ -36,11 +36,16 @@ def correct_answer(completion, answer) -> float:
 def build_env() -> vf.ToolEnv:
     rng = random.Random(0)
     pairs = [(rng.randint(100, 999), rng.randint(100, 999)) for _ in range(200)]
-    dataset = Dataset.from_dict({"question": [f"What is {a} * {b}?" for a, b in pairs],
-                                 "answer": [str(a * b) for a, b in pairs]})
-    return vf.ToolEnv(tools=[multiply], dataset=dataset, max_turns=4,
-                      system_prompt="Use the multiply tool, then give the product as a number.",
-                      rubric=vf.Rubric(funcs=[correct_answer]))
+    dataset = Dataset.from_dict(
+        {"question": [f"What is {a} * {b}?" for a, b in pairs], "answer": [str(a * b) for a, b in pairs]}
+    )
+    return vf.ToolEnv(
+        tools=[multiply],
+        dataset=dataset,
+        max_turns=4,
+        system_prompt="Use the multiply tool, then give the product as a number.",
+        rubric=vf.Rubric(funcs=[correct_answer]),
+    )
 
 
 def main() -> None:
@@ -48,11 +53,21 @@ def main() -> None:
     parser.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct")
     parser.add_argument("--output_dir", default="vf-arithmetic-LOOP")
     cli = parser.parse_args()
-    args = LOOPConfig(output_dir=cli.output_dir, iterations=20, tasks_per_iteration=8, rollouts_per_task=6,
-                      minibatch_size=12, max_turns=4, max_new_tokens_per_turn=256, max_trajectory_tokens=4096,
-                      learning_rate=1e-5, report_to=[])
-    trainer = LOOPTrainer(cli.model, from_verifiers(build_env()), args,
-                          peft_config=LoraConfig(r=16, target_modules="all-linear"))
+    args = LOOPConfig(
+        output_dir=cli.output_dir,
+        iterations=20,
+        tasks_per_iteration=8,
+        rollouts_per_task=6,
+        minibatch_size=12,
+        max_turns=4,
+        max_new_tokens_per_turn=256,
+        max_trajectory_tokens=4096,
+        learning_rate=1e-5,
+        report_to=[],
+    )
+    trainer = LOOPTrainer(
+        cli.model, from_verifiers(build_env()), args, peft_config=LoraConfig(r=16, target_modules="all-linear")
+    )
     trainer.train()
     trainer.save_model()
 

@@ -18,9 +18,17 @@ H100_BF16_DENSE_PEAK = 989.4e12  # H100 SXM5, bf16 dense tensor-core FLOP/s (NVI
 PEAKS = {"H100": H100_BF16_DENSE_PEAK, "H200": H100_BF16_DENSE_PEAK}  # the H200 has the H100's compute
 
 # CPU mode: a Qwen2 body small enough for seconds on 2 cores, with Qwen2.5's real vocabulary.
-TINY_CONFIG = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
-               "max_position_embeddings": 32768}
+TINY_CONFIG = {
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 32768,
+}
 
 
 @dataclass
@@ -49,25 +57,64 @@ class Sizes:
 
 GPU_SIZES = Sizes(
     memory_shapes=["Qwen2.5-0.5B-Instruct", "Qwen2.5-1.5B-Instruct", "Qwen2.5-3B-Instruct", "Qwen2.5-7B-Instruct"],
-    memory_lengths=[8192, 16384, 32768], mfu_shape="Qwen2.5-7B-Instruct", mfu_tokens=16384, mfu_trajectories=2,
-    update_shape="Qwen2.5-1.5B-Instruct", update_lengths=[4096, 8192, 16384, 32768], update_trajectories=8,
-    update_minibatch=4, update_epochs=2, loop_shape="Qwen2.5-0.5B-Instruct", loop_tasks=4, loop_rollouts=4,
-    loop_turns=2, loop_new_tokens=48, generation_concurrency=[8, 32, 64], generation_turns=2,
+    memory_lengths=[8192, 16384, 32768],
+    mfu_shape="Qwen2.5-7B-Instruct",
+    mfu_tokens=16384,
+    mfu_trajectories=2,
+    update_shape="Qwen2.5-1.5B-Instruct",
+    update_lengths=[4096, 8192, 16384, 32768],
+    update_trajectories=8,
+    update_minibatch=4,
+    update_epochs=2,
+    loop_shape="Qwen2.5-0.5B-Instruct",
+    loop_tasks=4,
+    loop_rollouts=4,
+    loop_turns=2,
+    loop_new_tokens=48,
+    generation_concurrency=[8, 32, 64],
+    generation_turns=2,
     generation_new_tokens=64,
 )
 # A first look at a fresh GPU machine in about two minutes: one shape, one length, each section once.
 QUICK_SIZES = Sizes(
-    memory_shapes=["Qwen2.5-0.5B-Instruct"], memory_lengths=[8192], mfu_shape="Qwen2.5-0.5B-Instruct",
-    mfu_tokens=8192, mfu_trajectories=2, update_shape="Qwen2.5-0.5B-Instruct", update_lengths=[2048, 4096],
-    update_trajectories=4, update_minibatch=2, update_epochs=1, loop_shape="Qwen2.5-0.5B-Instruct", loop_tasks=4,
-    loop_rollouts=2, loop_turns=2, loop_new_tokens=32, generation_concurrency=[8], generation_turns=2,
+    memory_shapes=["Qwen2.5-0.5B-Instruct"],
+    memory_lengths=[8192],
+    mfu_shape="Qwen2.5-0.5B-Instruct",
+    mfu_tokens=8192,
+    mfu_trajectories=2,
+    update_shape="Qwen2.5-0.5B-Instruct",
+    update_lengths=[2048, 4096],
+    update_trajectories=4,
+    update_minibatch=2,
+    update_epochs=1,
+    loop_shape="Qwen2.5-0.5B-Instruct",
+    loop_tasks=4,
+    loop_rollouts=2,
+    loop_turns=2,
+    loop_new_tokens=32,
+    generation_concurrency=[8],
+    generation_turns=2,
     generation_new_tokens=32,
 )
 CPU_SIZES = Sizes(
-    memory_shapes=["tiny"], memory_lengths=[128, 256], mfu_shape="tiny", mfu_tokens=256, mfu_trajectories=2,
-    update_shape="tiny", update_lengths=[128, 256], update_trajectories=4, update_minibatch=2, update_epochs=1,
-    loop_shape="tiny", loop_tasks=2, loop_rollouts=2, loop_turns=2, loop_new_tokens=8,
-    generation_concurrency=[2, 4], generation_turns=2, generation_new_tokens=8,
+    memory_shapes=["tiny"],
+    memory_lengths=[128, 256],
+    mfu_shape="tiny",
+    mfu_tokens=256,
+    mfu_trajectories=2,
+    update_shape="tiny",
+    update_lengths=[128, 256],
+    update_trajectories=4,
+    update_minibatch=2,
+    update_epochs=1,
+    loop_shape="tiny",
+    loop_tasks=2,
+    loop_rollouts=2,
+    loop_turns=2,
+    loop_new_tokens=8,
+    generation_concurrency=[2, 4],
+    generation_turns=2,
+    generation_new_tokens=8,
 )
 
 
@@ -121,12 +168,24 @@ def lora_config(r: int = 8) -> Any:
 def loop_config(output_dir: str, device: str, **overrides: Any) -> Any:
     from loop_trainer import LOOPConfig
 
-    settings: dict[str, Any] = dict(
-        output_dir=output_dir, iterations=2, tasks_per_iteration=1, rollouts_per_task=2, minibatch_size=2,
-        per_device_train_batch_size=1, bf16=device == "cuda", use_cpu=device == "cpu", activation_checkpointing=True,
-        report_to="none", disable_tqdm=True, plot_curves=False, save_strategy="no", memory_stress_test=False,
-        viewer_rollouts_per_iteration=0, seed=0,
-    )
+    settings: dict[str, Any] = {
+        "output_dir": output_dir,
+        "iterations": 2,
+        "tasks_per_iteration": 1,
+        "rollouts_per_task": 2,
+        "minibatch_size": 2,
+        "per_device_train_batch_size": 1,
+        "bf16": device == "cuda",
+        "use_cpu": device == "cpu",
+        "activation_checkpointing": True,
+        "report_to": "none",
+        "disable_tqdm": True,
+        "plot_curves": False,
+        "save_strategy": "no",
+        "memory_stress_test": False,
+        "viewer_rollouts_per_iteration": 0,
+        "seed": 0,
+    }
     settings.update(overrides)
     return LOOPConfig(**settings)
 

@@ -19,12 +19,34 @@ import hashlib
 import time
 from typing import Any
 
-from benchmarks.gpu_battery.common import build_model, device_for, lora_config, loop_config, qwen_tokenizer, \
-    scratch, sizes_for
+from benchmarks.gpu_battery.common import (
+    build_model,
+    device_for,
+    loop_config,
+    lora_config,
+    qwen_tokenizer,
+    scratch,
+    sizes_for,
+)
 
-GAP_METRICS = ("sampler_logprob_diff", "sampler_logprob_diff_max", "loss", "kl", "clip_frac", "ratio_min", "ratio_max", "grad_norm",
-               "skipped_nonfinite_steps", "num_kept", "reward_mean", "reward_std", "sampled_tokens",
-               "rollout_seconds", "update_seconds", "seconds")
+GAP_METRICS = (
+    "sampler_logprob_diff",
+    "sampler_logprob_diff_max",
+    "loss",
+    "kl",
+    "clip_frac",
+    "ratio_min",
+    "ratio_max",
+    "grad_norm",
+    "skipped_nonfinite_steps",
+    "num_kept",
+    "reward_mean",
+    "reward_std",
+    "sampled_tokens",
+    "rollout_seconds",
+    "update_seconds",
+    "seconds",
+)
 
 
 def _shaped_vault(num_tasks: int) -> Any:
@@ -45,8 +67,9 @@ def _shaped_vault(num_tasks: int) -> Any:
         def score(self) -> Score:
             score = as_score(self.inner.score())
             digest = hashlib.sha256("".join(self.replies).encode()).digest()[0]
-            return Score(reward=min(1.0, score.reward + 0.25 * (digest % 4) / 3), success=score.success,
-                         info=score.info)
+            return Score(
+                reward=min(1.0, score.reward + 0.25 * (digest % 4) / 3), success=score.success, info=score.info
+            )
 
         def close(self):
             return self.inner.close()
@@ -79,9 +102,14 @@ def run_bf16(trainer: Any, iterations: int = 2) -> dict[str, Any]:
     moved = max((after[name] - before[name]).abs().max().item() for name in before)
     finite = all(torch.isfinite(value).all().item() for value in after.values())
     dtypes = sorted({str(p.dtype) for p in trainer.model.parameters()})
-    return {"iterations": records, "adapter_max_abs_change": moved, "adapter_finite": finite,
-            "parameter_dtypes": dtypes, "attention": trainer.model.config._attn_implementation,
-            "activation_checkpointing": is_checkpointing(trainer.model)}
+    return {
+        "iterations": records,
+        "adapter_max_abs_change": moved,
+        "adapter_finite": finite,
+        "parameter_dtypes": dtypes,
+        "attention": trainer.model.config._attn_implementation,
+        "activation_checkpointing": is_checkpointing(trainer.model),
+    }
 
 
 def run_generation(trainer: Any, concurrency: list[int], turns: int, new_tokens: int) -> list[dict[str, Any]]:
@@ -92,11 +120,16 @@ def run_generation(trainer: Any, concurrency: list[int], turns: int, new_tokens:
     rows = []
     tasks = list(trainer.env.tasks("train"))
     for n in concurrency:
-        backend = TransformersBackend(trainer.model, stop_token_ids=stop_token_ids(trainer.model, tokenizer),
-                                      pad_token_id=tokenizer.pad_token_id, max_batch_size=n)
+        backend = TransformersBackend(
+            trainer.model,
+            stop_token_ids=stop_token_ids(trainer.model, tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            max_batch_size=n,
+        )
         limits = EpisodeLimits(max_turns=turns, max_new_tokens_per_turn=new_tokens, max_trajectory_tokens=8192)
-        with RolloutEngine(trainer.env, backend, trainer.formatter, limits, max_concurrent_episodes=n,
-                           show_progress=False) as engine:
+        with RolloutEngine(
+            trainer.env, backend, trainer.formatter, limits, max_concurrent_episodes=n, show_progress=False
+        ) as engine:
             chosen = [tasks[i % len(tasks)] for i in range(n)]
             backend.sample([[tokenizer.pad_token_id] * 8] * n, [2] * n)  # warm-up: kernels for this batch size
             started = time.perf_counter()
@@ -104,14 +137,22 @@ def run_generation(trainer: Any, concurrency: list[int], turns: int, new_tokens:
             seconds = time.perf_counter() - started
         stats = batch.stats()
         first_prompts = [t.token_ids[: t.loss_mask.index(1)] for t in batch.trajectories if 1 in t.loss_mask]
-        rows.append({"concurrency": n, "episodes": len(batch.trajectories), "seconds": seconds,
-                     "sampled_tokens": stats["sampled_tokens"], "turns_mean": stats["turns_mean"],
-                     "sampled_tokens_per_s": stats["sampled_tokens"] / seconds,
-                     "mean_batch": backend.num_sequences / max(1, backend.num_batches),
-                     "hf_generate_tokens_per_s": hf_generate_rate(trainer.model, tokenizer, first_prompts, new_tokens)})
+        rows.append(
+            {
+                "concurrency": n,
+                "episodes": len(batch.trajectories),
+                "seconds": seconds,
+                "sampled_tokens": stats["sampled_tokens"],
+                "turns_mean": stats["turns_mean"],
+                "sampled_tokens_per_s": stats["sampled_tokens"] / seconds,
+                "mean_batch": backend.num_sequences / max(1, backend.num_batches),
+                "hf_generate_tokens_per_s": hf_generate_rate(trainer.model, tokenizer, first_prompts, new_tokens),
+            }
+        )
         with trainer.model.disable_adapter():  # the same without PEFT's LoRA wrappers: what they cost per step
-            rows[-1]["hf_generate_no_adapter_tokens_per_s"] = hf_generate_rate(trainer.model, tokenizer, first_prompts,
-                                                                               new_tokens)
+            rows[-1]["hf_generate_no_adapter_tokens_per_s"] = hf_generate_rate(
+                trainer.model, tokenizer, first_prompts, new_tokens
+            )
         print(f"generation: {rows[-1]}", flush=True)
     return rows
 
@@ -125,10 +166,19 @@ def hf_generate_rate(model: Any, tokenizer: Any, prompts: list[list[int]], new_t
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, top_k=0, top_p=1.0,
-                  temperature=1.0, pad_token_id=pad)
+    kwargs = {
+        "max_new_tokens": new_tokens,
+        "min_new_tokens": new_tokens,
+        "do_sample": True,
+        "top_k": 0,
+        "top_p": 1.0,
+        "temperature": 1.0,
+        "pad_token_id": pad,
+    }
     with torch.no_grad():
-        model.generate(input_ids=ids[:1], attention_mask=mask[:1], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+        model.generate(
+            input_ids=ids[:1], attention_mask=mask[:1], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2}
+        )
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         started = time.perf_counter()
@@ -145,19 +195,37 @@ def run(mode: str) -> dict[str, Any]:
     device = device_for(mode)
     tokenizer = qwen_tokenizer()
     with scratch() as output_dir:
-        args = loop_config(output_dir, device, tasks_per_iteration=sizes.loop_tasks,
-                           rollouts_per_task=sizes.loop_rollouts, minibatch_size=sizes.loop_tasks * sizes.loop_rollouts // 2,
-                           max_turns=sizes.loop_turns, max_new_tokens_per_turn=sizes.loop_new_tokens,
-                           max_trajectory_tokens=4096, advantage_threshold=0.0, learning_rate=1e-4)
+        args = loop_config(
+            output_dir,
+            device,
+            tasks_per_iteration=sizes.loop_tasks,
+            rollouts_per_task=sizes.loop_rollouts,
+            minibatch_size=sizes.loop_tasks * sizes.loop_rollouts // 2,
+            max_turns=sizes.loop_turns,
+            max_new_tokens_per_turn=sizes.loop_new_tokens,
+            max_trajectory_tokens=4096,
+            advantage_threshold=0.0,
+            learning_rate=1e-4,
+        )
         env = _shaped_vault(num_tasks=max(64, max(sizes.generation_concurrency)))
-        trainer = LOOPTrainer(build_model(sizes.loop_shape, device), env, args, processing_class=tokenizer,
-                              peft_config=lora_config(8))
+        trainer = LOOPTrainer(
+            build_model(sizes.loop_shape, device), env, args, processing_class=tokenizer, peft_config=lora_config(8)
+        )
         try:
             bf16 = run_bf16(trainer)
             trainer.model.eval()
-            generation = run_generation(trainer, sizes.generation_concurrency, sizes.generation_turns,
-                                        sizes.generation_new_tokens)
+            generation = run_generation(
+                trainer, sizes.generation_concurrency, sizes.generation_turns, sizes.generation_new_tokens
+            )
         finally:
             trainer.close()
-    return {"bf16": {"shape": sizes.loop_shape, **bf16}, "generation": {"shape": sizes.loop_shape, "backend": "transformers",
-            "turns": sizes.generation_turns, "new_tokens_per_turn": sizes.generation_new_tokens, "rows": generation}}
+    return {
+        "bf16": {"shape": sizes.loop_shape, **bf16},
+        "generation": {
+            "shape": sizes.loop_shape,
+            "backend": "transformers",
+            "turns": sizes.generation_turns,
+            "new_tokens_per_turn": sizes.generation_new_tokens,
+            "rows": generation,
+        },
+    }

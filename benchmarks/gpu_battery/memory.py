@@ -21,8 +21,19 @@ import gc
 import time
 from typing import Any
 
-from benchmarks.gpu_battery.common import GIB, bf16_peak, build_model, device_for, gpu_name, lora_config, \
-    loop_config, qwen_tokenizer, scratch, shape_config, sizes_for
+from benchmarks.gpu_battery.common import (
+    GIB,
+    bf16_peak,
+    build_model,
+    device_for,
+    gpu_name,
+    loop_config,
+    lora_config,
+    qwen_tokenizer,
+    scratch,
+    shape_config,
+    sizes_for,
+)
 
 LORA_R = 8
 
@@ -73,8 +84,9 @@ def update_flops(shape: Any, lengths: list[int], scored: list[int], *, lora_r: i
         layers_forward = 2 * tokens * (linear + lora) + 2 * shape.num_hidden_layers * attention_width * tokens**2
         head = 2 * labelled * shape.hidden_size * shape.vocab_size
         forward = layers_forward + head
-        backward = 2 * tokens * linear + 4 * tokens * lora + 4 * shape.num_hidden_layers * attention_width * tokens**2 \
-            + head
+        backward = (
+            2 * tokens * linear + 4 * tokens * lora + 4 * shape.num_hidden_layers * attention_width * tokens**2 + head
+        )
         model += forward + epochs * (forward + backward)
         hardware += forward + epochs * (forward + backward + layers_forward)
     return {"model_flops": model, "hardware_flops": hardware}
@@ -100,18 +112,32 @@ def _build_trainer(shape_name: str, device: str, max_tokens: int, output_dir: st
     from loop_trainer import LOOPTrainer
     from loop_trainer.envs import VaultEnv
 
-    args = loop_config(output_dir, device, max_trajectory_tokens=max_tokens, max_training_tokens=max_tokens,
-                       ppo_epochs=1)
-    return LOOPTrainer(build_model(shape_name, device), VaultEnv(num_tasks=4), args, processing_class=tokenizer,
-                       peft_config=lora_config(LORA_R))
+    args = loop_config(
+        output_dir, device, max_trajectory_tokens=max_tokens, max_training_tokens=max_tokens, ppo_epochs=1
+    )
+    return LOOPTrainer(
+        build_model(shape_name, device),
+        VaultEnv(num_tasks=4),
+        args,
+        processing_class=tokenizer,
+        peft_config=lora_config(LORA_R),
+    )
 
 
 def _plan(shape: Any, tokens: int, gpu_gib: float, zero_stage: int) -> Any:
     from loop_trainer.models.memory_plan import plan_memory
 
-    return plan_memory(shape, world_size=1, gpu_memory_gib=gpu_gib, zero_stage=zero_stage,
-                       lora={"r": LORA_R, "target_modules": "all-linear", "dropout": 0.0}, bf16=True,
-                       activation_checkpointing=True, max_training_tokens=tokens, per_device_train_batch_size=1)
+    return plan_memory(
+        shape,
+        world_size=1,
+        gpu_memory_gib=gpu_gib,
+        zero_stage=zero_stage,
+        lora={"r": LORA_R, "target_modules": "all-linear", "dropout": 0.0},
+        bf16=True,
+        activation_checkpointing=True,
+        max_training_tokens=tokens,
+        per_device_train_batch_size=1,
+    )
 
 
 def _outside_allocator(device: str) -> int:
@@ -174,9 +200,16 @@ def measure_mfu(trainer: Any, shape: Any, tokens: int, count: int, device: str) 
     best = min(seconds)
     matmul = matmul_flops_per_s(device)
     result: dict[str, Any] = {
-        "shape": shape.name, "tokens_per_trajectory": tokens, "trajectories": count, "scored_tokens": scored,
-        "ppo_epochs": trainer.args.ppo_epochs, "update_seconds": seconds, "tokens_per_s": count * tokens / best,
-        **flops, "model_flops_per_s": flops["model_flops"] / best, "hardware_flops_per_s": flops["hardware_flops"] / best,
+        "shape": shape.name,
+        "tokens_per_trajectory": tokens,
+        "trajectories": count,
+        "scored_tokens": scored,
+        "ppo_epochs": trainer.args.ppo_epochs,
+        "update_seconds": seconds,
+        "tokens_per_s": count * tokens / best,
+        **flops,
+        "model_flops_per_s": flops["model_flops"] / best,
+        "hardware_flops_per_s": flops["hardware_flops"] / best,
         "matmul": matmul,
     }
     peak = bf16_peak(gpu_name()) if device == "cuda" else None
@@ -191,7 +224,7 @@ def measure_mfu(trainer: Any, shape: Any, tokens: int, count: int, device: str) 
 def run(mode: str) -> dict[str, Any]:
     import torch
 
-    from loop_trainer.models.memory_plan import ModelShape
+    from loop_trainer.models.model_shape import ModelShape
 
     sizes = sizes_for(mode)
     device = device_for(mode)
@@ -203,7 +236,9 @@ def run(mode: str) -> dict[str, Any]:
         gc.collect()
         leftover = torch.cuda.memory_allocated() if device == "cuda" else 0
         with scratch() as output_dir:
-            trainer = _build_trainer(name, device, max(sizes.memory_lengths + [sizes.mfu_tokens]), output_dir, tokenizer)
+            trainer = _build_trainer(
+                name, device, max(sizes.memory_lengths + [sizes.mfu_tokens]), output_dir, tokenizer
+            )
             trainer.prepare_for_iterations()
             for tokens in sizes.memory_lengths:
                 rows.append(measure_memory(trainer, shape, tokens, device, gpu_gib, leftover))

@@ -14,7 +14,7 @@ rendered as a whole conversation, so the template behaves exactly as at inferenc
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -52,16 +52,19 @@ class ChatFormatter:
         self._after_truncated_reply = self._encode(after_reply)
         self._after_stop: dict[int, list[int]] = {}
 
-    def _render(self, messages: Sequence[Message], add_generation_prompt: bool = False,
-                tools: Sequence[Any] | None = None) -> str:
-        return self.tokenizer.apply_chat_template(
+    def _render(
+        self, messages: Sequence[Message], add_generation_prompt: bool = False, tools: Sequence[Any] | None = None
+    ) -> str:
+        extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
+        text = self.tokenizer.apply_chat_template(
             list(messages),
             chat_template=self.chat_template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
-            **({"tools": list(tools)} if tools else {}),
+            **extra,
             **self.chat_template_kwargs,
         )
+        return cast(str, text)  # tokenize=False: the text (transformers annotates every return type at once)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -92,7 +95,7 @@ class ChatFormatter:
             return list(self._after_truncated_reply)
         stop_id = int(sampled_ids[-1])
         if stop_id not in self._after_stop:
-            stop_text = self.tokenizer.decode([stop_id])
+            stop_text = self._decode([stop_id])
             rest = self._after_reply_text
             rest = rest[len(stop_text) :] if stop_text and rest.startswith(stop_text) else rest
             self._after_stop[stop_id] = self._encode(rest)
@@ -100,7 +103,11 @@ class ChatFormatter:
 
     def reply_text(self, sampled_ids: Sequence[int]) -> str:
         """The reply as the environment sees it: decoded, special tokens removed."""
-        return self.tokenizer.decode(list(sampled_ids), skip_special_tokens=True)
+        return self._decode(list(sampled_ids), skip_special_tokens=True)
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        # one sequence decodes to one str (transformers annotates the batched list[str] return too)
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
 
 def stop_token_ids(model: Any, tokenizer: Any) -> list[int]:

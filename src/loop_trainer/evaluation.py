@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from .chat import ChatFormatter
-from .envs.base import Environment, load_tasks
 from .config import EpisodeSettings
+from .envs.base import Environment, load_tasks
 from .rollout import GenerationBackend, RolloutEngine, mix_seed
 from .rollout.sharding import collect_across_processes
 from .trajectory import Trajectory
@@ -54,15 +54,28 @@ class Evaluator:
     (``num_processes``, ``process_index``), each runs its share of the tasks and every process gets
     every row (call :meth:`run` on all of them)."""
 
-    def __init__(self, env: Environment, backend: GenerationBackend, formatter: ChatFormatter,
-                 settings: EpisodeSettings, *, num_processes: int = 1, process_index: int = 0,
-                 show_progress: bool = False):
+    def __init__(
+        self,
+        env: Environment,
+        backend: GenerationBackend,
+        formatter: ChatFormatter,
+        settings: EpisodeSettings,
+        *,
+        num_processes: int = 1,
+        process_index: int = 0,
+        show_progress: bool = False,
+    ):
         self.env = env
         self.num_processes = num_processes
         self.process_index = process_index
         self.engine = RolloutEngine(
-            env, backend, formatter, settings.episode_limits(), env_timeout=settings.env_timeout,
-            max_concurrent_episodes=settings.concurrency_for(env.max_concurrent_episodes), show_progress=show_progress,
+            env,
+            backend,
+            formatter,
+            settings.episode_limits(),
+            env_timeout=settings.env_timeout,
+            max_concurrent_episodes=settings.concurrency_for(env.max_concurrent_episodes),
+            show_progress=show_progress,
         )
         self._tasks: dict[tuple[str, int | None], list[Mapping[str, Any]]] = {}
 
@@ -75,8 +88,15 @@ class Evaluator:
             self._tasks[split, max_tasks] = list(tasks)
         return self._tasks[split, max_tasks]
 
-    def run(self, split: str, *, rollouts_per_task: int = 1, seed: int | None = None, max_tasks: int | None = None,
-            before_rollout: Callable[[int], None] | None = None) -> EvaluationResult:
+    def run(
+        self,
+        split: str,
+        *,
+        rollouts_per_task: int = 1,
+        seed: int | None = None,
+        max_tasks: int | None = None,
+        before_rollout: Callable[[int], None] | None = None,
+    ) -> EvaluationResult:
         """Roll out every task of ``split`` ``rollouts_per_task`` times, one pass per rollout
         index k (every task once, then again): ``before_rollout(k)`` runs before pass k (e.g. to
         name AppWorld's experiment per pass), and pass k samples with ``mix_seed(seed, k)``.
@@ -88,10 +108,17 @@ class Evaluator:
         for k in range(rollouts_per_task):
             if before_rollout is not None:
                 before_rollout(k)
-            description = f"evaluation on {split}" + (f" ({k + 1}/{rollouts_per_task})" if rollouts_per_task > 1 else "")
+            description = f"evaluation on {split}" + (
+                f" ({k + 1}/{rollouts_per_task})" if rollouts_per_task > 1 else ""
+            )
             batch = collect_across_processes(
-                self.engine, tasks, 1, num_processes=self.num_processes, process_index=self.process_index,
-                seed=None if seed is None else mix_seed(seed, k), description=description,
+                self.engine,
+                tasks,
+                1,
+                num_processes=self.num_processes,
+                process_index=self.process_index,
+                seed=None if seed is None else mix_seed(seed, k),
+                description=description,
             )
             for trajectory in sorted((*batch.trajectories, *batch.failed), key=lambda t: t.group):
                 trajectory.rollout = k
@@ -116,6 +143,7 @@ def write_evaluation_viewer(rows: Sequence[Mapping[str, Any]], path: str | Path,
 def format_metrics(metrics: Mapping[str, Any]) -> str:
     """An evaluation's metrics, one ``name  value`` line each (numbers to 3 decimals)."""
     width = max((len(name) for name in metrics), default=0)
-    return "\n".join(f"{name:<{width}}  {value:.3f}" if isinstance(value, float) else f"{name:<{width}}  {value}"
-                     for name, value in metrics.items())
-
+    return "\n".join(
+        f"{name:<{width}}  {value:.3f}" if isinstance(value, float) else f"{name:<{width}}  {value}"
+        for name, value in metrics.items()
+    )

@@ -76,11 +76,7 @@ def _group_sums(rewards: Tensor, group_ids: Tensor | Sequence[Hashable]) -> tupl
 
 
 def leave_one_out_advantages(
-    rewards: Tensor,
-    group_ids: Tensor | Sequence[Hashable],
-    *,
-    std_normalize: bool = False,
-    std_eps: float = STD_EPS,
+    rewards: Tensor, group_ids: Tensor | Sequence[Hashable], *, std_normalize: bool = False, std_eps: float = STD_EPS
 ) -> Tensor:
     r"""Leave-one-out advantage of every rollout within its task group.
 
@@ -117,11 +113,7 @@ def leave_one_out_advantages(
 
 
 def group_mean_advantages(
-    rewards: Tensor,
-    group_ids: Tensor | Sequence[Hashable],
-    std_normalize: bool = False,
-    *,
-    std_eps: float = STD_EPS,
+    rewards: Tensor, group_ids: Tensor | Sequence[Hashable], std_normalize: bool = False, *, std_eps: float = STD_EPS
 ) -> Tensor:
     r"""GRPO's group-mean advantage of every rollout (Shao et al. 2024), for the paper's ablations.
 
@@ -163,8 +155,9 @@ def group_mean_advantages(
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("leave_one_out", "group_mean")
 
 
-def advantages_for(estimator: str, rewards: Tensor, group_ids: Tensor | Sequence[Hashable],
-                   std_normalize: bool = False) -> Tensor:
+def advantages_for(
+    estimator: str, rewards: Tensor, group_ids: Tensor | Sequence[Hashable], std_normalize: bool = False
+) -> Tensor:
     """The advantages of ``estimator``: LOOP's ``"leave_one_out"`` (the paper's) or GRPO's
     ``"group_mean"``, each optionally divided by its group's reward std."""
     if estimator == "leave_one_out":
@@ -327,8 +320,9 @@ def _segment_log_ratio(log_ratio: Tensor, sampled: Tensor, ratio_level: str, tur
         if turn_ids is None:
             raise ValueError('ratio_level="turn" needs turn_ids ([B, T] turn index of every sampled token)')
         if turn_ids.shape != sampled.shape:
-            raise ValueError(f"turn_ids {tuple(turn_ids.shape)} must have the shape of loss_mask "
-                             f"{tuple(sampled.shape)}")
+            raise ValueError(
+                f"turn_ids {tuple(turn_ids.shape)} must have the shape of loss_mask {tuple(sampled.shape)}"
+            )
         turn = turn_ids.to(device=log_ratio.device, dtype=torch.long)
         if bool((turn[sampled] < 0).any()):
             raise ValueError("turn_ids must be >= 0 on every sampled token (loss_mask == 1)")
@@ -342,8 +336,9 @@ def _segment_log_ratio(log_ratio: Tensor, sampled: Tensor, ratio_level: str, tur
     return torch.where(sampled, sums[segment], 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
 
 
-def reference_kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor, *,
-                         divisor: float | None = None) -> tuple[Tensor, Tensor]:
+def reference_kl_penalty(
+    logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor, *, divisor: float | None = None
+) -> tuple[Tensor, Tensor]:
     r"""The KL penalty to a reference policy, aggregated like :func:`loop_policy_loss`.
 
     Per sampled token, the k3 estimator TRL's GRPO uses,

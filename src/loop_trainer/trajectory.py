@@ -61,8 +61,9 @@ class Trajectory:
     def num_sampled_tokens(self) -> int:
         return sum(self.loss_mask)
 
-    def append(self, token_ids: list[int], *, sampled: bool, logprobs: list[float] | None = None,
-               turn: int | None = None) -> None:
+    def append(
+        self, token_ids: list[int], *, sampled: bool, logprobs: list[float] | None = None, turn: int | None = None
+    ) -> None:
         """Append tokens. Sampled tokens are labelled with ``turn`` (default: ``num_turns``, the
         index of the reply not yet counted); tokens not sampled with -1."""
         self.token_ids.extend(token_ids)

@@ -31,7 +31,7 @@ def _parts(content: str) -> list[tuple[str, str]]:
     """A message as ("text" | "code", text) parts: fenced code shows as code blocks."""
     parts, last = [], 0
     for match in _FENCE.finditer(content):
-        parts += [("text", content[last:match.start()]), ("code", match.group(2))]
+        parts += [("text", content[last : match.start()]), ("code", match.group(2))]
         last = match.end()
     parts.append(("text", content[last:]))
     return [(kind, text) for kind, text in parts if kind == "code" or text]
@@ -61,19 +61,30 @@ def _rollout(row: Mapping[str, Any]) -> dict[str, Any]:
     messages = list(row.get("messages") or [])
     opening = int(row.get("num_opening_messages") or 0)
     status = row.get("status", "completed")
-    kind = "error" if status != "completed" else ("pass" if row.get("success") or (
-        row.get("success") is None and float(row.get("reward") or 0) >= 1.0) else "fail")
+    kind = (
+        "error"
+        if status != "completed"
+        else (
+            "pass"
+            if row.get("success") or (row.get("success") is None and float(row.get("reward") or 0) >= 1.0)
+            else "fail"
+        )
+    )
     info = _info(row)
     return {
-        "kind": kind, "tag": {"pass": "PASS", "fail": "FAIL", "error": str(status).upper()}[kind],
-        "task_id": str(row.get("task_id")), "rollout": row.get("rollout"),
+        "kind": kind,
+        "tag": {"pass": "PASS", "fail": "FAIL", "error": str(status).upper()}[kind],
+        "task_id": str(row.get("task_id")),
+        "rollout": row.get("rollout"),
         "reward": None if row.get("reward") is None else float(row["reward"]),
-        "num_turns": row.get("num_turns", "?"), "ending": str(row.get("ending", "?")),
+        "num_turns": row.get("num_turns", "?"),
+        "ending": str(row.get("ending", "?")),
         "advantage": None if row.get("advantage") is None else float(row["advantage"]),
         "error": str(row["error"]) if row.get("error") else None,
         # The opening messages fold away, except the last one (the task itself).
-        "opening": opening, "prompt": [_message(m) for m in messages[: max(opening - 1, 0)]],
-        "messages": [_message(m) for m in messages[max(opening - 1, 0):]],
+        "opening": opening,
+        "prompt": [_message(m) for m in messages[: max(opening - 1, 0)]],
+        "messages": [_message(m) for m in messages[max(opening - 1, 0) :]],
         "passes": [str(p) for p in info.get("passes") or []],
         "failures": [_failure(f) for f in info.get("failures") or []],
     }
@@ -86,10 +97,13 @@ def render_viewer(rows: Iterable[Mapping[str, Any]], title: str = "Rollouts") ->
         "rollouts": len(rows),
         "successes": sum(bool(r.get("success")) for r in completed),
         "failed_to_run": len(rows) - len(completed),
-        "mean_reward": sum(float(r.get("reward") or 0) for r in completed) / len(completed) if completed else float("nan"),
+        "mean_reward": sum(float(r.get("reward") or 0) for r in completed) / len(completed)
+        if completed
+        else float("nan"),
     }
-    return _PAGES.get_template("viewer.html.j2").render(title=title, summary=summary,
-                                                         rollouts=[_rollout(row) for row in rows])
+    return _PAGES.get_template("viewer.html.j2").render(
+        title=title, summary=summary, rollouts=[_rollout(row) for row in rows]
+    )
 
 
 def write_viewer(rows: Iterable[Mapping[str, Any]], path: str | Path, title: str = "Rollouts") -> Path:

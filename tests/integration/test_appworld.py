@@ -17,17 +17,18 @@ import time
 from pathlib import Path
 
 import pytest
+from trl import ModelConfig
 
-from support.helpers import AnyTemperature, ScriptedBackend, tiny_qwen
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.chat import ChatFormatter
+from loop_trainer.cli.evaluate import EvalArguments, evaluate
+from loop_trainer.cli.evaluate import cli as eval_cli
 from loop_trainer.envs import EnvironmentSetupError
 from loop_trainer.envs.appworld import AppWorldCallError, AppWorldRolloutEnv
 from loop_trainer.envs.appworld.agent import DEFAULT_PROMPT_DIR
 from loop_trainer.rollout import EpisodeLimits, RolloutEngine
-from loop_trainer.cli.evaluate import EvalArguments, cli as eval_cli, evaluate
 from support.appworld_world import appworld_python, build_synthetic_world
-from trl import ModelConfig
+from support.helpers import AnyTemperature, ScriptedBackend, tiny_qwen
 
 pytestmark = pytest.mark.appworld
 ALL_SPLITS = "train_and_dev_and_test_normal_and_test_challenge"
@@ -45,8 +46,9 @@ def world(tmp_path_factory):
 @pytest.fixture(scope="module")
 def env(world, tmp_path_factory):
     root, _ = world
-    env = AppWorldRolloutEnv(root=root, num_servers=2, python=str(appworld_python()),
-                             log_dir=str(tmp_path_factory.mktemp("servers")))
+    env = AppWorldRolloutEnv(
+        root=root, num_servers=2, python=str(appworld_python()), log_dir=str(tmp_path_factory.mktemp("servers"))
+    )
     yield env
     env.close()
 
@@ -64,7 +66,7 @@ class Policy:
 
     def __call__(self, prompt_ids):
         text = self.tokenizer.decode(prompt_ids)
-        after_task = text[text.rindex("\nTask: ") + len("\nTask: "):]
+        after_task = text[text.rindex("\nTask: ") + len("\nTask: ") :]
         instruction = after_task.split("<|im_end|>")[0].strip()
         turn = after_task.count("<|im_start|>assistant") - 1
         return self.plan(self.by_instruction[instruction], turn)
@@ -74,9 +76,14 @@ class Policy:
 
 
 def run(env, tokenizer, tasks, plan, max_turns=3, rollouts=1):
-    engine = RolloutEngine(env, Policy(tokenizer, tasks, plan).backend(), ChatFormatter(tokenizer),
-                           EpisodeLimits(max_turns, 2000, 30000), max_concurrent_episodes=env.max_concurrent_episodes,
-                           show_progress=False)
+    engine = RolloutEngine(
+        env,
+        Policy(tokenizer, tasks, plan).backend(),
+        ChatFormatter(tokenizer),
+        EpisodeLimits(max_turns, 2000, 30000),
+        max_concurrent_episodes=env.max_concurrent_episodes,
+        show_progress=False,
+    )
     try:
         return engine.collect(list(tasks), rollouts)
     finally:
@@ -104,7 +111,7 @@ def test_do_nothing_agent_gets_the_partial_reward_the_tests_imply(env, world, qw
         assert 0 < expected < 1
         assert trajectory.reward == pytest.approx(expected) and trajectory.success is False
         assert trajectory.ending == "turn_limit" and trajectory.num_turns == 2
-        reply, answer = trajectory.messages[trajectory.num_opening_messages:][:2]
+        reply, answer = trajectory.messages[trajectory.num_opening_messages :][:2]
         assert reply == {"role": "assistant", "content": "I am not sure what to do."}
         assert "no ```python code block" in answer["content"]
 
@@ -113,7 +120,7 @@ def test_observations_are_the_worlds_output_with_a_reminder(env, world, qwen_tok
     tasks = env.tasks("train").select([0])
     plan = {0: code("print('hello from the world')"), 1: code("print('\\n'.join(str(i) for i in range(5000)))")}
     batch = run(env, qwen_tokenizer, tasks, lambda task_id, turn: plan.get(turn, "done"), max_turns=3)
-    messages = batch.trajectories[0].messages[batch.trajectories[0].num_opening_messages:]
+    messages = batch.trajectories[0].messages[batch.trajectories[0].num_opening_messages :]
     assert "hello from the world" in messages[1]["content"] and "Reminder, the task is:" in messages[1]["content"]
     long_observation = messages[3]["content"]
     assert "The output was too long" in long_observation
@@ -124,7 +131,9 @@ def test_observations_are_the_worlds_output_with_a_reminder(env, world, qwen_tok
 def test_servers_listen_on_loopback_only(env):
     env.prepare()
     listening = {}
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:] + Path("/proc/net/tcp6").read_text().splitlines()[1:]:
+    for line in (
+        Path("/proc/net/tcp").read_text().splitlines()[1:] + Path("/proc/net/tcp6").read_text().splitlines()[1:]
+    ):
         local, state = line.split()[1], line.split()[3]
         if state == "0A":
             address, port = local.rsplit(":", 1)
@@ -142,6 +151,7 @@ def solve_in_two_steps(solutions):
         if turn == 0:
             return code(f"solution = {solutions[task_id]['solution_code']!r}\nprint('stored')")
         return code("exec(solution)")
+
     return plan
 
 
@@ -149,8 +159,9 @@ def interrupt_mid_episode(world, log_dir, interrupt, **env_kwargs):
     """Run a task in two steps on a one-server pool, calling ``interrupt(server_process)`` between
     them; return the episode's score and the pool's stats."""
     root, solutions = world
-    env = AppWorldRolloutEnv(root=root, num_servers=1, python=str(appworld_python()), log_dir=str(log_dir),
-                             **env_kwargs)
+    env = AppWorldRolloutEnv(
+        root=root, num_servers=1, python=str(appworld_python()), log_dir=str(log_dir), **env_kwargs
+    )
     try:
         task = env.tasks("train")[0]
         episode = env.episode(task)
@@ -194,8 +205,14 @@ def test_hung_server_times_out_and_is_replaced(world, tmp_path):
 
 def test_code_that_runs_too_long_is_the_agents_problem_not_a_server_failure(world, tmp_path):
     root, _ = world
-    env = AppWorldRolloutEnv(root=root, num_servers=1, python=str(appworld_python()), log_dir=str(tmp_path),
-                             execution_timeout=2, request_timeout=30)
+    env = AppWorldRolloutEnv(
+        root=root,
+        num_servers=1,
+        python=str(appworld_python()),
+        log_dir=str(tmp_path),
+        execution_timeout=2,
+        request_timeout=30,
+    )
     try:
         episode = env.episode(env.tasks("train")[0])
         episode.start()
@@ -212,15 +229,27 @@ def appworld_evaluate(root, experiment, split):
     """What `appworld evaluate` reports: aggregate and per-difficulty TGC/SGC."""
     python = appworld_python()
     env = {**os.environ, "APPWORLD_ROOT": str(root)}
-    subprocess.run([str(python.parent / "appworld"), "evaluate", experiment, split], cwd=root, env=env,
-                   check=True, capture_output=True, timeout=600)
-    script = ("import json,sys; from appworld.evaluator import Metric; "
-              "d=json.load(open(sys.argv[1])); print(json.dumps(Metric.build_report(d)))")
+    subprocess.run(
+        [str(python.parent / "appworld"), "evaluate", experiment, split],
+        cwd=root,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    script = (
+        "import json,sys; from appworld.evaluator import Metric; "
+        "d=json.load(open(sys.argv[1])); print(json.dumps(Metric.build_report(d)))"
+    )
     path = root / "experiments" / "outputs" / experiment / "evaluations" / f"{split}.json"
     out = subprocess.run([str(python), "-c", script, str(path)], env=env, check=True, capture_output=True, text=True)
     table = json.loads(out.stdout)
-    return {kind: {"tgc": tgc, "sgc": sgc} for kind, tgc, sgc in
-            zip(table["type"], table["task_goal_completion"], table["scenario_goal_completion"], strict=True)}
+    return {
+        kind: {"tgc": tgc, "sgc": sgc}
+        for kind, tgc, sgc in zip(
+            table["type"], table["task_goal_completion"], table["scenario_goal_completion"], strict=True
+        )
+    }
 
 
 def test_loop_eval_goal_completion_equals_appworld_evaluate(world, qwen_tokenizer, tmp_path):
@@ -234,16 +263,28 @@ def test_loop_eval_goal_completion_equals_appworld_evaluate(world, qwen_tokenize
     scenarios = sorted(set(tasks["scenario_id"]))
     assert len(scenarios) >= 2
     # All of one scenario and one task of another: TGC and SGC then differ, and neither is 0 or 100.
-    solved = sorted([t for t in tasks["task_id"] if t.startswith(scenarios[0])] +
-                    [t for t in tasks["task_id"] if t.startswith(scenarios[1])][:1])
-    policy = Policy(qwen_tokenizer, tasks, lambda task_id, turn: code(
-        solutions[task_id]["solution_code"] if task_id in solved else "apis.supervisor.complete_task()"))
+    solved = sorted(
+        [t for t in tasks["task_id"] if t.startswith(scenarios[0])]
+        + [t for t in tasks["task_id"] if t.startswith(scenarios[1])][:1]
+    )
+    policy = Policy(
+        qwen_tokenizer,
+        tasks,
+        lambda task_id, turn: code(
+            solutions[task_id]["solution_code"] if task_id in solved else "apis.supervisor.complete_task()"
+        ),
+    )
     experiment = f"loop_eval_test_{os.getpid()}"
-    eval_args = EvalArguments(environment="appworld", split=split, output_dir=str(tmp_path / "eval"),
-                              experiment_name=experiment, max_turns=2)
+    eval_args = EvalArguments(
+        environment="appworld", split=split, output_dir=str(tmp_path / "eval"), experiment_name=experiment, max_turns=2
+    )
     try:
-        metrics = evaluate(eval_args, ModelConfig(model_name_or_path=str(model_dir)), env=env,
-                           generation_backend=AnyTemperature(policy.backend()))
+        metrics = evaluate(
+            eval_args,
+            ModelConfig(model_name_or_path=str(model_dir)),
+            env=env,
+            generation_backend=AnyTemperature(policy.backend()),
+        )
         # The env was ours: loop-eval left it open and put its experiment name back.
         assert env.experiment_name is None and env.pool.servers and env.tasks(split)
         episode = env.episode(tasks[0])
@@ -253,7 +294,10 @@ def test_loop_eval_goal_completion_equals_appworld_evaluate(world, qwen_tokenize
         env.close()
     ours = {"aggregate": {"tgc": metrics["tgc"], "sgc": metrics["sgc"]}}
     for level in (1, 2, 3):
-        ours[f"difficulty_{level}"] = {"tgc": metrics[f"tgc_difficulty_{level}"], "sgc": metrics[f"sgc_difficulty_{level}"]}
+        ours[f"difficulty_{level}"] = {
+            "tgc": metrics[f"tgc_difficulty_{level}"],
+            "sgc": metrics[f"sgc_difficulty_{level}"],
+        }
     assert ours == appworld_evaluate(root, experiment, split)
     assert 0 < ours["aggregate"]["sgc"] < ours["aggregate"]["tgc"] < 100
     rows = [json.loads(line) for line in (tmp_path / "eval" / "results.jsonl").read_text().splitlines()]
@@ -267,9 +311,26 @@ def test_loop_eval_cli_runs_a_real_model(world, qwen_tokenizer, tmp_path, capsys
     tiny_qwen(qwen_tokenizer).save_pretrained(model_dir)
     qwen_tokenizer.save_pretrained(model_dir)
     kwargs = json.dumps({"root": str(root), "num_servers": 2, "python": str(appworld_python())})
-    status = eval_cli(["--model_name_or_path", str(model_dir), "--split", "dev", "--environment_kwargs", kwargs,
-                       "--max_turns", "2", "--max_new_tokens_per_turn", "6", "--rollouts_per_task", "2",
-                       "--temperature", "1.0", "--output_dir", str(tmp_path / "eval")])
+    status = eval_cli(
+        [
+            "--model_name_or_path",
+            str(model_dir),
+            "--split",
+            "dev",
+            "--environment_kwargs",
+            kwargs,
+            "--max_turns",
+            "2",
+            "--max_new_tokens_per_turn",
+            "6",
+            "--rollouts_per_task",
+            "2",
+            "--temperature",
+            "1.0",
+            "--output_dir",
+            str(tmp_path / "eval"),
+        ]
+    )
     assert status == 0, capsys.readouterr().err
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     dev = [t for t in (root / "data" / "datasets" / "dev.txt").read_text().split() if t != "3ab5b8b_3"]
@@ -295,15 +356,35 @@ def short_prompts(directory: Path) -> Path:
 
 def test_two_loop_iterations_on_the_synthetic_world(world, qwen_tokenizer, tmp_path):
     root, solutions = world
-    env = AppWorldRolloutEnv(root=root, num_servers=2, python=str(appworld_python()), log_dir=str(tmp_path / "s"),
-                             prompt_dir=str(short_prompts(tmp_path / "prompts")))
+    env = AppWorldRolloutEnv(
+        root=root,
+        num_servers=2,
+        python=str(appworld_python()),
+        log_dir=str(tmp_path / "s"),
+        prompt_dir=str(short_prompts(tmp_path / "prompts")),
+    )
     rng = random.Random(0)
-    policy = Policy(qwen_tokenizer, env.tasks("train"), lambda task_id, turn: code(
-        solutions[task_id]["solution_code"] if rng.random() < 0.5 else "print('thinking')"))
-    args = LOOPConfig(output_dir=str(tmp_path / "run"), iterations=2, tasks_per_iteration=2, rollouts_per_task=3,
-                      minibatch_size=3, max_turns=2, max_new_tokens_per_turn=2000, max_trajectory_tokens=3000,
-                      per_device_train_batch_size=1, activation_checkpointing=False, disable_tqdm=True, seed=0,
-                      learning_rate=1e-3, report_to=[])
+    policy = Policy(
+        qwen_tokenizer,
+        env.tasks("train"),
+        lambda task_id, turn: code(solutions[task_id]["solution_code"] if rng.random() < 0.5 else "print('thinking')"),
+    )
+    args = LOOPConfig(
+        output_dir=str(tmp_path / "run"),
+        iterations=2,
+        tasks_per_iteration=2,
+        rollouts_per_task=3,
+        minibatch_size=3,
+        max_turns=2,
+        max_new_tokens_per_turn=2000,
+        max_trajectory_tokens=3000,
+        per_device_train_batch_size=1,
+        activation_checkpointing=False,
+        disable_tqdm=True,
+        seed=0,
+        learning_rate=1e-3,
+        report_to=[],
+    )
     model = tiny_qwen(qwen_tokenizer)
     trainer = LOOPTrainer(model, env, args, processing_class=qwen_tokenizer, generation_backend=policy.backend())
     try:
@@ -315,7 +396,10 @@ def test_two_loop_iterations_on_the_synthetic_world(world, qwen_tokenizer, tmp_p
     assert trainer.history[-1]["env_appworld_restarts"] == 0.0
     assert sum(h["optimizer_steps"] for h in trainer.history) > 0  # rewards differed, so LOOP updated
     assert all(h["tokens"] < 6 * 1000 for h in trainer.history)  # the short prompts were used
-    assert sorted(p.name for p in (tmp_path / "run" / "viewer").iterdir()) == ["iteration-00001.html", "iteration-00002.html"]
+    assert sorted(p.name for p in (tmp_path / "run" / "viewer").iterdir()) == [
+        "iteration-00001.html",
+        "iteration-00002.html",
+    ]
 
 
 def test_a_task_the_server_refuses_fails_that_rollout_without_restarts(env):
@@ -340,11 +424,13 @@ def test_unreachable_remote_servers_fail_at_prepare_with_one_line(world):
 
 def test_servers_do_not_outlive_a_killed_trainer(world, tmp_path):
     root, _ = world
-    script = (f"from loop_trainer.envs.appworld import AppWorldRolloutEnv\n"
-              f"env = AppWorldRolloutEnv(root={str(root)!r}, num_servers=2, python={str(appworld_python())!r})\n"
-              "env.prepare()\n"
-              "print('PIDS', *(s.process.pid for s in env.pool.servers), flush=True)\n"
-              "import time; time.sleep(600)\n")
+    script = (
+        f"from loop_trainer.envs.appworld import AppWorldRolloutEnv\n"
+        f"env = AppWorldRolloutEnv(root={str(root)!r}, num_servers=2, python={str(appworld_python())!r})\n"
+        "env.prepare()\n"
+        "print('PIDS', *(s.process.pid for s in env.pool.servers), flush=True)\n"
+        "import time; time.sleep(600)\n"
+    )
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     line = next(line for line in trainer.stdout if line.startswith("PIDS"))  # imports may print first
     pids = [int(p) for p in line.split()[1:]]
@@ -354,6 +440,9 @@ def test_servers_do_not_outlive_a_killed_trainer(world, tmp_path):
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
         time.sleep(0.2)
-    alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()
-             and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+    alive = [
+        pid
+        for pid in pids
+        if Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    ]
     assert not alive, alive

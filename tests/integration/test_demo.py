@@ -36,9 +36,25 @@ def demo_runs(tmp_path_factory) -> dict[int, Path]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     runs = {
         seed: subprocess.Popen(
-            [sys.executable, "-m", "loop_trainer.cli.train", "--config", str(RECIPE), "--output_dir", str(out),
-             "--seed", str(seed), "--iterations", str(ITERATIONS), "--disable_tqdm", "true"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "loop_trainer.cli.train",
+                "--config",
+                str(RECIPE),
+                "--output_dir",
+                str(out),
+                "--seed",
+                str(seed),
+                "--iterations",
+                str(ITERATIONS),
+                "--disable_tqdm",
+                "true",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for seed, out in outputs.items()
     }
@@ -78,9 +94,11 @@ def test_demo_numerics_match_the_recorded_run(demo_runs):
     float rounding."""
     path = RECORDS / f"{numerics_fingerprint()}.json"
     if not path.exists():
-        pytest.skip(f"no numerics record for this kind of machine ({path.name}; recorded: "
-                    f"{sorted(p.name for p in RECORDS.glob('*.json'))}): record one with "
-                    "`python tests/integration/test_demo.py --record` on the commit before a change")
+        pytest.skip(
+            f"no numerics record for this kind of machine ({path.name}; recorded: "
+            f"{sorted(p.name for p in RECORDS.glob('*.json'))}): record one with "
+            "`python tests/integration/test_demo.py --record` on the commit before a change"
+        )
     record = json.loads(path.read_text())
     assert record["seed"] == 0 and record["threads"] == 1 and record["fingerprint"] == numerics_fingerprint()
     got = read_metrics(demo_runs[0])[: len(record["records"])]
@@ -98,14 +116,40 @@ def record_this_machine() -> Path:
 
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        subprocess.run([sys.executable, "-m", "loop_trainer.cli.train", "--config", str(RECIPE), "--output_dir", out,
-                        "--seed", "0", "--iterations", str(RECORDED_ITERATIONS), "--disable_tqdm", "true"],
-                       env=env, check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "loop_trainer.cli.train",
+                "--config",
+                str(RECIPE),
+                "--output_dir",
+                out,
+                "--seed",
+                "0",
+                "--iterations",
+                str(RECORDED_ITERATIONS),
+                "--disable_tqdm",
+                "true",
+            ],
+            env=env,
+            check=True,
+        )
         keys = ("iteration", "reward_mean", "num_kept", "optimizer_steps", "loss", "kl", "grad_norm")
         records = [{key: r[key] for key in keys} for r in read_metrics(Path(out))]
     path = RECORDS / f"{numerics_fingerprint()}.json"
-    path.write_text(json.dumps({"recipe": "recipes/demo.yaml", "seed": 0, "threads": 1,
-                                "fingerprint": numerics_fingerprint(), "records": records}, indent=1))
+    path.write_text(
+        json.dumps(
+            {
+                "recipe": "recipes/demo.yaml",
+                "seed": 0,
+                "threads": 1,
+                "fingerprint": numerics_fingerprint(),
+                "records": records,
+            },
+            indent=1,
+        )
+    )
     return path
 
 

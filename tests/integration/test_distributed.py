@@ -33,7 +33,10 @@ CASES = {
     # The same split with activation checkpointing (DDP then has find_unused_parameters=False) and a
     # linear schedule (a scheduler stepped once per process would reach lr 0 early).
     "checkpointed_linear": {
-        "samples": 7, "minibatch_size": 3, "activation_checkpointing": True, "lr_scheduler_type": "linear",
+        "samples": 7,
+        "minibatch_size": 3,
+        "activation_checkpointing": True,
+        "lr_scheduler_type": "linear",
     },
     # A LoRA adapter (q/v projections) is what trains; the base weights must not move.
     "lora": {"peft": True, "samples": 7, "minibatch_size": 3, "per_device_train_batch_size": 2},
@@ -42,10 +45,21 @@ MAX_GRAD_NORM = 1e-3  # the driver's default: every step below clips
 
 
 def _run(output_dir: Path, processes: int) -> dict[str, tuple[dict, dict[str, torch.Tensor]]]:
-    launcher = PYTHON if processes == 1 else [
-        *PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-        "--master_addr", "127.0.0.1", "--master_port", str(free_local_port()),
-    ]
+    launcher = (
+        PYTHON
+        if processes == 1
+        else [
+            *PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(processes),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_local_port()),
+        ]
+    )
     return run_driver(launcher, output_dir, CASES, label=f"{processes} process(es)", timeout=TIMEOUT)
 
 
@@ -75,8 +89,17 @@ def test_two_processes_match_one(runs, case):
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-6), (k, one, two)
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5), (k, one, two)
         assert one["grad_norm"] > 10 * MAX_GRAD_NORM, (k, one)
-    for key in ("loss", "grad_norm", "kl", "clip_frac", "ratio_mean", "ratio_min", "ratio_max",
-                "sampler_logprob_diff", "sampler_logprob_diff_max"):
+    for key in (
+        "loss",
+        "grad_norm",
+        "kl",
+        "clip_frac",
+        "ratio_mean",
+        "ratio_min",
+        "ratio_max",
+        "sampler_logprob_diff",
+        "sampler_logprob_diff_max",
+    ):
         assert double[key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
     assert double["learning_rate_after"] == pytest.approx(single["learning_rate_after"])
 
@@ -99,10 +122,14 @@ def test_zero3_on_several_processes_refuses_to_sample_with_the_training_model():
 
     from loop_trainer.training.distribution import DistributedSetupError, check_sampling_with_training_model
 
-    accelerator = SimpleNamespace(num_processes=2, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))
+    accelerator = SimpleNamespace(
+        num_processes=2, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3))
+    )
     with pytest.raises(DistributedSetupError, match="set use_vllm: true"):
         check_sampling_with_training_model(accelerator)
     accelerator.state.deepspeed_plugin.zero_stage = 2
     check_sampling_with_training_model(accelerator)
-    accelerator = SimpleNamespace(num_processes=1, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))
+    accelerator = SimpleNamespace(
+        num_processes=1, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3))
+    )
     check_sampling_with_training_model(accelerator)

@@ -8,9 +8,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from support.helpers import tiny_qwen
-
 from loop_trainer import LOOPConfig
+from support.helpers import tiny_qwen
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

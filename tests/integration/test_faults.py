@@ -8,11 +8,11 @@ import threading
 
 import pytest
 
-from support.helpers import FaultyEnv
 from loop_trainer import LOOPConfig, LOOPTrainer
-from loop_trainer.rollout import RolloutFailureBudgetExceeded
 from loop_trainer.cli.train import cli
 from loop_trainer.models.tiny import build_tiny_for_environment
+from loop_trainer.rollout import RolloutFailureBudgetExceeded
+from support.helpers import FaultyEnv
 
 FAILING = {"raises", "hangs", "dies"}
 # The hung task never answers, so it times out whatever the timeout; every other environment call
@@ -45,11 +45,24 @@ def release_hung_steps():
 
 
 def fault_args(tmp_path, **overrides) -> LOOPConfig:
-    base = dict(output_dir=str(tmp_path / "run"), iterations=2, tasks_per_iteration=len(FaultyEnv.KINDS),
-                rollouts_per_task=2, minibatch_size=4, max_turns=3, max_new_tokens_per_turn=4,
-                max_trajectory_tokens=256, env_timeout=ENV_TIMEOUT, max_failed_fraction=0.5, learning_rate=1e-3,
-                activation_checkpointing=False, per_device_train_batch_size=4, disable_tqdm=True, seed=0,
-                report_to=[])
+    base = {
+        "output_dir": str(tmp_path / "run"),
+        "iterations": 2,
+        "tasks_per_iteration": len(FaultyEnv.KINDS),
+        "rollouts_per_task": 2,
+        "minibatch_size": 4,
+        "max_turns": 3,
+        "max_new_tokens_per_turn": 4,
+        "max_trajectory_tokens": 256,
+        "env_timeout": ENV_TIMEOUT,
+        "max_failed_fraction": 0.5,
+        "learning_rate": 1e-3,
+        "activation_checkpointing": False,
+        "per_device_train_batch_size": 4,
+        "disable_tqdm": True,
+        "seed": 0,
+        "report_to": [],
+    }
     base.update(overrides)
     return LOOPConfig(**base)
 
@@ -67,8 +80,11 @@ def test_each_fault_costs_only_its_rollout(tmp_path, caplog):
         assert record["repaired_messages"] == 4  # bytes and surrogates, 2 rollouts each
         assert record["cut_messages"] == 2 and record["ended_trajectory_budget"] == 2  # enormous, cut then ended
     failures = [record.getMessage() for record in caplog.records if "rollout of task" in record.getMessage()]
-    for kind, message in (("raises", "the tool crashed"), ("hangs", "TimeoutError"),
-                          ("dies", "environment server went away")):
+    for kind, message in (
+        ("raises", "the tool crashed"),
+        ("hangs", "TimeoutError"),
+        ("dies", "environment server went away"),
+    ):
         # Each failing task fails for its own reason (the hung one by its timeout), and only those fail.
         assert sum(f"rollout of task {kind}-" in line and message in line for line in failures) == 2 * 2
     assert len(failures) == 2 * 2 * len(FAILING)
@@ -78,16 +94,43 @@ def test_too_many_faults_stop_the_run_with_one_error(tmp_path):
     env = NeverAnsweringEnv()
     model, tokenizer = build_tiny_for_environment(env.vocabulary(), seed=0)
     trainer = LOOPTrainer(model, env, fault_args(tmp_path, max_failed_fraction=0.25), processing_class=tokenizer)
-    with pytest.raises(RolloutFailureBudgetExceeded, match=r"6 of 16 rollouts failed \(budget 25%\); most common error"):
+    with pytest.raises(
+        RolloutFailureBudgetExceeded, match=r"6 of 16 rollouts failed \(budget 25%\); most common error"
+    ):
         trainer.train()
 
 
 def test_the_cli_reports_a_failure_budget_stop_in_one_line(tmp_path, capsys):
-    status = cli(["--model_name_or_path", "tiny:faulty", "--environment", "test_faults:NeverAnsweringEnv",
-                  "--output_dir", str(tmp_path), "--iterations", "1", "--tasks_per_iteration", "8",
-                  "--rollouts_per_task", "2", "--max_turns", "2", "--max_new_tokens_per_turn", "3",
-                  "--env_timeout", str(ENV_TIMEOUT), "--max_failed_fraction", "0.1", "--activation_checkpointing", "false",
-                  "--report_to", "none", "--disable_tqdm", "true"])
+    status = cli(
+        [
+            "--model_name_or_path",
+            "tiny:faulty",
+            "--environment",
+            "test_faults:NeverAnsweringEnv",
+            "--output_dir",
+            str(tmp_path),
+            "--iterations",
+            "1",
+            "--tasks_per_iteration",
+            "8",
+            "--rollouts_per_task",
+            "2",
+            "--max_turns",
+            "2",
+            "--max_new_tokens_per_turn",
+            "3",
+            "--env_timeout",
+            str(ENV_TIMEOUT),
+            "--max_failed_fraction",
+            "0.1",
+            "--activation_checkpointing",
+            "false",
+            "--report_to",
+            "none",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 1 and len(err) == 1
     assert err[0].startswith("loop-train: error: 6 of 16 rollouts failed")

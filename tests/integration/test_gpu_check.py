@@ -19,8 +19,14 @@ sys.path.insert(0, str(ROOT))  # the repository root, for the benchmarks package
 def cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-check")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--out", str(out)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     return done, out
 
 
@@ -32,14 +38,19 @@ def test_without_cuda_the_battery_runs_every_section_in_cpu_mode_and_says_so(cpu
     results = json.loads((out / "gpu-check.json").read_text())
     assert results["mode"] == "cpu" and results["gpu_result"] is False and results["device"] == "cpu"
     assert (out / "gpu-check.md").read_text().startswith("# gpu-check: CPU MODE (no CUDA device): not a GPU result")
-    assert {name: record["status"] for name, record in results["sections"].items()} == \
-        {"memory": "ok", "update": "ok", "loop_bf16": "ok"}
+    assert {name: record["status"] for name, record in results["sections"].items()} == {
+        "memory": "ok",
+        "update": "ok",
+        "loop_bf16": "ok",
+    }
 
 
 @pytest.mark.slow
 def test_each_section_measured_what_it_claims(cpu_run):
     _, out = cpu_run
-    sections = {name: record["result"] for name, record in json.loads((out / "gpu-check.json").read_text())["sections"].items()}
+    sections = {
+        name: record["result"] for name, record in json.loads((out / "gpu-check.json").read_text())["sections"].items()
+    }
     memory = sections["memory"]
     assert [row["tokens"] for row in memory["memory"]] == [128, 256]
     assert all(row["plan_training_gib"] > 0 and "measured_gib" not in row for row in memory["memory"])  # no CUDA: none
@@ -57,14 +68,25 @@ def test_each_section_measured_what_it_claims(cpu_run):
 
 def test_update_flops_follow_the_formula_in_its_docstring():
     from benchmarks.gpu_battery.memory import update_flops
-
-    from loop_trainer.models.memory_plan import LinearLayer, ModelShape
+    from loop_trainer.models.model_shape import LinearLayer, ModelShape
 
     linears = (LinearLayer("q_proj", 8, 8), LinearLayer("down_proj", 16, 8))
-    shape = ModelShape(name="t", model_type="qwen2", hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1, vocab_size=100, head_dim=4,
-                       max_position_embeddings=None, num_params=0, embedding_params=0, layer_params=0,
-                       linear_layers=linears)
+    shape = ModelShape(
+        name="t",
+        model_type="qwen2",
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=100,
+        head_dim=4,
+        max_position_embeddings=None,
+        num_params=0,
+        embedding_params=0,
+        layer_params=0,
+        linear_layers=linears,
+    )
     p, lora, t, s = 8 * 8 + 16 * 8, 2 * (16 + 24), 10, 4  # weights, r=2 adapters, tokens, scored
     layers = 2 * t * (p + lora) + 2 * 1 * 8 * t * t
     head = 2 * s * 8 * 100

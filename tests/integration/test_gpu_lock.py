@@ -47,9 +47,17 @@ def target_environment() -> dict[str, str]:
     """The marker environment of the header's target (markers in pyproject are evaluated for it)."""
     python = re.search(r"CPython (3\.\d+)", lock_header())
     assert python, "requirements/gpu.lock: the header names no target CPython version"
-    return {"python_version": python[1], "python_full_version": f"{python[1]}.0", "sys_platform": "linux",
-            "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
-            "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+    return {
+        "python_version": python[1],
+        "python_full_version": f"{python[1]}.0",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "os_name": "posix",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "extra": "",
+    }
 
 
 def pyproject_requirements() -> list[tuple[str, Requirement]]:
@@ -72,8 +80,9 @@ def test_lock_pins_every_pyproject_requirement_at_an_allowed_version():
         if name not in pinned:
             problems.append(f"pyproject.toml {where} requires {requirement}, which requirements/gpu.lock lacks")
         elif not requirement.specifier.contains(pinned[name], prereleases=True):
-            problems.append(f"pyproject.toml {where} requires {requirement}, "
-                            f"but requirements/gpu.lock pins {name}=={pinned[name]}")
+            problems.append(
+                f"pyproject.toml {where} requires {requirement}, but requirements/gpu.lock pins {name}=={pinned[name]}"
+            )
     if problems:
         pytest.fail("; ".join(problems) + f"; {RELOCK}", pytrace=False)
 
@@ -100,8 +109,11 @@ def test_lock_holds_the_gpu_stack():
 
 def test_lock_header_names_the_platform_and_the_command():
     header = lock_header()
-    assert re.search(r"Target platform: Linux x86_64 \(manylinux_\d+_\d+, glibc >= \d+\.\d+\), CPython 3\.\d+, "
-                     r"NVIDIA CUDA \d+\.\d+", header), f"requirements/gpu.lock: the header names no target platform; {RELOCK}"
+    assert re.search(
+        r"Target platform: Linux x86_64 \(manylinux_\d+_\d+, glibc >= \d+\.\d+\), CPython 3\.\d+, "
+        r"NVIDIA CUDA \d+\.\d+",
+        header,
+    ), f"requirements/gpu.lock: the header names no target platform; {RELOCK}"
     assert "bash tools/lock_gpu.sh" in header, "requirements/gpu.lock: the header does not name tools/lock_gpu.sh"
     command = re.search(r"^#   uv pip compile (.+)$", header, re.M)
     assert command, "requirements/gpu.lock: the header does not give the uv command that produced it"

@@ -21,8 +21,19 @@ import loop_trainer
 
 REPO = Path(__file__).resolve().parents[2]
 # Nothing a wheel is built from: virtualenvs, outputs, caches, build leftovers.
-NOT_SOURCE = {".git", ".venv", ".vllm-venv", ".appworld-venv", ".compat-venv", "appworld-root", "outputs", "build", "dist",
-              "wandb", ".pytest_cache"}
+NOT_SOURCE = {
+    ".git",
+    ".venv",
+    ".vllm-venv",
+    ".appworld-venv",
+    ".compat-venv",
+    "appworld-root",
+    "outputs",
+    "build",
+    "dist",
+    "wandb",
+    ".pytest_cache",
+}
 
 
 def declared_entry_points() -> dict[str, dict[str, str]]:
@@ -81,16 +92,37 @@ def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
 def test_a_wheel_installed_outside_the_repository_trains(tmp_path):
     # Build from a copy of the source, so that the checkout gets no build/ or *.egg-info.
     source = tmp_path / "source"
-    shutil.copytree(REPO, source, symlinks=True,
-                    ignore=lambda directory, names: [n for n in names if n in NOT_SOURCE or n == "__pycache__"
-                                                     or n.endswith(".egg-info")])
-    run([sys.executable, "-m", "pip", "wheel", "-q", "--disable-pip-version-check", "--no-deps",
-         "--no-build-isolation", "-w", str(tmp_path / "wheels"), str(source)])
+    shutil.copytree(
+        REPO,
+        source,
+        symlinks=True,
+        ignore=lambda directory, names: [
+            n for n in names if n in NOT_SOURCE or n == "__pycache__" or n.endswith(".egg-info")
+        ],
+    )
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "wheels"),
+            str(source),
+        ]
+    )
     (wheel,) = (tmp_path / "wheels").glob("loop_trainer-*.whl")
     # Every file of the package is in the wheel: Python modules and package data alike.
     package = REPO / "src"
-    expected = {str(path.relative_to(package)) for path in (package / "loop_trainer").rglob("*")
-                if path.is_file() and "__pycache__" not in path.parts}
+    expected = {
+        str(path.relative_to(package))
+        for path in (package / "loop_trainer").rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts
+    }
     assert not expected - set(zipfile.ZipFile(wheel).namelist()), "missing from the wheel (package-data?)"
 
     # A fresh virtualenv that sees the dependencies (through a .pth: their directory's own .pth
@@ -102,8 +134,20 @@ def test_a_wheel_installed_outside_the_repository_trains(tmp_path):
     Path(site, "loop-trainer-dependencies.pth").write_text("\n".join(dependency_site_dirs()) + "\n")
     clean = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME")}
     clean["HF_HUB_OFFLINE"] = "1"
-    run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "--no-index",
-         str(wheel)], env=clean)
+    run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
+        env=clean,
+    )
 
     workdir = tmp_path / "elsewhere"
     workdir.mkdir()
@@ -112,7 +156,21 @@ def test_a_wheel_installed_outside_the_repository_trains(tmp_path):
     assert Path(imported.stdout.splitlines()[-1]).is_relative_to(site)  # the wheel, not the checkout
 
     shutil.copy(REPO / "recipes" / "demo.yaml", workdir / "demo.yaml")
-    run([str(environment / "bin" / "loop-train"), "--config", "demo.yaml", "--iterations", "2",
-         "--output_dir", "out", "--disable_tqdm", "true"], cwd=workdir, env=clean, timeout=900)
+    run(
+        [
+            str(environment / "bin" / "loop-train"),
+            "--config",
+            "demo.yaml",
+            "--iterations",
+            "2",
+            "--output_dir",
+            "out",
+            "--disable_tqdm",
+            "true",
+        ],
+        cwd=workdir,
+        env=clean,
+        timeout=900,
+    )
     rows = [json.loads(line) for line in (workdir / "out" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(rows) == 2 and all("reward_mean" in row for row in rows)

@@ -27,8 +27,10 @@ def test_the_bound_is_the_larger_of_generation_and_the_slowest_episodes_critical
     assert bound["bound_s"] == 6.0 and bound["limited_by"] == "slowest episode"
 
 
-@pytest.mark.parametrize("full, sleep, alone", [({}, 1.0, 1.0), ({"ours": 0.0}, 1.0, 1.0),
-                                                ({"ours": 1.0}, -1.0, 1.0), ({"ours": 1.0}, 1.0, 0.0)])
+@pytest.mark.parametrize(
+    "full, sleep, alone",
+    [({}, 1.0, 1.0), ({"ours": 0.0}, 1.0, 1.0), ({"ours": 1.0}, -1.0, 1.0), ({"ours": 1.0}, 1.0, 0.0)],
+)
 def test_the_bound_refuses_impossible_times(full, sleep, alone):
     with pytest.raises(ValueError):
         lower_bound(full, sleep, alone)
@@ -41,8 +43,11 @@ def test_every_run_gets_its_own_bound_from_the_fastest_measurements():
         {"side": "trl", "concurrency": 8, "seconds": 21.0, "env_sleep_max_episode_s": 6.0, "generation_seconds": 11.0},
         {"side": "ours", "concurrency": 64, "seconds": 60.0, "env_sleep_max_episode_s": 3.0},
     ]
-    lock_steps = {1: [{"seconds": 2.5}, {"seconds": 2.0}], 8: [{"seconds": 10.0}, {"seconds": 9.5}],
-                  64: [{"seconds": 50.0}]}
+    lock_steps = {
+        1: [{"seconds": 2.5}, {"seconds": 2.0}],
+        8: [{"seconds": 10.0}, {"seconds": 9.5}],
+        64: [{"seconds": 50.0}],
+    }
     attach_bounds(runs, lock_steps)
     # n = 8: TRL's fastest lock-step generation (9.0 s) beats our fastest (9.5 s); alone = 2.0 s.
     assert runs[0]["bound"]["bound_s"] == 9.0 and runs[0]["bound"]["fastest_decoder"] == "trl"

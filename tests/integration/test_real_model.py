@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.packaged import needs_packaged_model
 
 from loop_trainer.training.run_log import read_metrics
+from support.packaged import needs_packaged_model
 
 RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m-contacts.yaml")
 
@@ -20,9 +20,29 @@ def test_two_loop_iterations_on_smollm2_update_the_policy_and_keep_the_sampler_i
     from loop_trainer.cli.train import cli
 
     out = tmp_path / "run"
-    assert cli(["--config", RECIPE, "--output_dir", str(out), "--iterations", "2", "--tasks_per_iteration", "2",
-                "--max_turns", "3", "--max_new_tokens_per_turn", "16", "--disable_tqdm", "true",
-                "--save_strategy", "no"]) == 0
+    assert (
+        cli(
+            [
+                "--config",
+                RECIPE,
+                "--output_dir",
+                str(out),
+                "--iterations",
+                "2",
+                "--tasks_per_iteration",
+                "2",
+                "--max_turns",
+                "3",
+                "--max_new_tokens_per_turn",
+                "16",
+                "--disable_tqdm",
+                "true",
+                "--save_strategy",
+                "no",
+            ]
+        )
+        == 0
+    )
     records = read_metrics(out)
     assert [r["iteration"] for r in records] == [1, 2]
     assert sum(r["optimizer_steps"] for r in records) >= 1, "no update ran: no group had a reward spread"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-DRIVER = Path(__file__).resolve().parents[2] / "support" / "fault_driver.py"
+DRIVER = Path(__file__).resolve().parents[1] / "support" / "fault_driver.py"
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +32,13 @@ def instruct_model(tmp_path_factory):
 
 def drive(model: Path, output_dir: Path, *options: str) -> subprocess.CompletedProcess[str]:
     environment = {**os.environ, "PYTHONPATH": str(DRIVER.parent)}
-    return subprocess.run([sys.executable, str(DRIVER), str(model), str(output_dir), *options],
-                          capture_output=True, text=True, env=environment, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(DRIVER), str(model), str(output_dir), *options],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=600,
+    )
 
 
 def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
@@ -74,7 +79,11 @@ def test_a_killed_run_resumes_to_the_same_weights(instruct_model, uninterrupted,
     before, after = metrics(uninterrupted), metrics(tmp_path)
     assert [m["iteration"] for m in after] == [1, 2, 3, 4]  # continuous, nothing doubled
     for a, b in zip(before, after, strict=True):
-        assert (a["reward_mean"], a["num_kept"], a["optimizer_steps"]) == (b["reward_mean"], b["num_kept"], b["optimizer_steps"])
+        assert (a["reward_mean"], a["num_kept"], a["optimizer_steps"]) == (
+            b["reward_mean"],
+            b["num_kept"],
+            b["optimizer_steps"],
+        )
         assert (a.get("loss") is None) == (b.get("loss") is None)
         assert a.get("loss") is None or a["loss"] == pytest.approx(b["loss"], abs=1e-6)
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]  # pruned

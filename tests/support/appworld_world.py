@@ -15,6 +15,7 @@ fresh directory whose ``data`` is a symlink to ``<root>/data``.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -38,7 +39,9 @@ def repo_root() -> Path:
     """The source checkout these tests live in (tests/support/ -> the repository)."""
     root = Path(__file__).resolve().parents[2]
     if not (root / "tools" / "ensure_appworld_venv.sh").is_file():
-        raise RuntimeError(f"tools/ensure_appworld_venv.sh not found under {root}: run the tests from a source checkout")
+        raise RuntimeError(
+            f"tools/ensure_appworld_venv.sh not found under {root}: run the tests from a source checkout"
+        )
     return root
 
 
@@ -46,7 +49,9 @@ def _run(command: list[str], what: str, **kwargs) -> str:
     """Run ``command``; its stdout, or a RuntimeError with the end of its output."""
     result = subprocess.run(command, capture_output=True, text=True, **kwargs)
     if result.returncode != 0:
-        raise RuntimeError(f"{what} failed (exit {result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}")
+        raise RuntimeError(
+            f"{what} failed (exit {result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+        )
     return result.stdout
 
 
@@ -65,10 +70,8 @@ def appworld_python() -> Path:
 
 def _world_key() -> str:
     digest = hashlib.sha256(WORLDGEN.read_bytes())
-    try:
+    with contextlib.suppress(RuntimeError):
         digest.update((repo_root() / "requirements" / "appworld.lock").read_bytes())
-    except RuntimeError:
-        pass
     return digest.hexdigest()[:16]
 
 

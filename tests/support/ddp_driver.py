@@ -29,9 +29,9 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedType
 
 from loop_trainer import LOOPConfig, LOOPTrainer
-from loop_trainer.training.batching import TrainingSample
 from loop_trainer.envs import VaultEnv
 from loop_trainer.models.tiny import build_tiny_for_environment
+from loop_trainer.training.batching import TrainingSample
 
 
 def make_samples(tokenizer, count: int, seed: int = 1234) -> list[TrainingSample]:
@@ -53,13 +53,15 @@ def make_samples(tokenizer, count: int, seed: int = 1234) -> list[TrainingSample
         if not any(mask):
             mask[-1] = 1
         token_ids = [rng.choice(words) for _ in range(length)]
-        samples.append(TrainingSample(
-            token_ids=token_ids,
-            loss_mask=mask,
-            sampler_logprobs=[-rng.uniform(0.5, 5.0) if m else 0.0 for m in mask],
-            advantage=(-1.0) ** k * (0.25 + 0.5 * rng.random()),
-            truncated=False,
-        ))
+        samples.append(
+            TrainingSample(
+                token_ids=token_ids,
+                loss_mask=mask,
+                sampler_logprobs=[-rng.uniform(0.5, 5.0) if m else 0.0 for m in mask],
+                advantage=(-1.0) ** k * (0.25 + 0.5 * rng.random()),
+                truncated=False,
+            )
+        )
     return samples
 
 
@@ -121,8 +123,9 @@ def run_case(name: str, case: dict, output_dir: Path, state: PartialState, expec
     if case["peft"]:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
-                                 task_type="CAUSAL_LM")
+        peft_config = LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+        )
     args = LOOPConfig(
         output_dir=str(output_dir / name),
         iterations=1,
@@ -146,8 +149,9 @@ def run_case(name: str, case: dict, output_dir: Path, state: PartialState, expec
         viewer_rollouts_per_iteration=0,
         accelerator_config={"use_configured_state": True},
     )
-    trainer = LOOPTrainer(model, env, args, processing_class=tokenizer, generation_backend=object(),
-                          peft_config=peft_config)
+    trainer = LOOPTrainer(
+        model, env, args, processing_class=tokenizer, generation_backend=object(), peft_config=peft_config
+    )
     assert trainer.accelerator.num_processes == expected_world, trainer.accelerator.state
     with full_parameters(trainer.model.parameters()):  # the PEFT-wrapped model when peft; not partitioned yet
         initial = {name: p.detach().cpu().clone() for name, p in trainer.model.named_parameters()}
@@ -188,8 +192,9 @@ def run_case(name: str, case: dict, output_dir: Path, state: PartialState, expec
     assert weights.keys() == initial.keys(), (sorted(weights)[:3], sorted(initial)[:3])
     metrics["max_update"] = max(float((weights[k] - initial[k]).abs().max()) for k in weights)
     metrics["update_norm"] = math.sqrt(sum(float(((weights[k] - initial[k]).double() ** 2).sum()) for k in weights))
-    metrics["max_frozen_update"] = max((float((weights[k] - initial[k]).abs().max()) for k in weights
-                                        if k not in trainable), default=0.0)
+    metrics["max_frozen_update"] = max(
+        (float((weights[k] - initial[k]).abs().max()) for k in weights if k not in trainable), default=0.0
+    )
     metrics["num_trainable"] = len(trainable)
     if DEEPSPEED:
         facts["visible_numel_after"] = sum(p.numel() for p in unwrapped.parameters() if hasattr(p, "ds_id"))
@@ -224,7 +229,7 @@ def run_case(name: str, case: dict, output_dir: Path, state: PartialState, expec
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir")
-    parser.add_argument("cases", help='JSON object {name: {option: value}}; options as in CASE_DEFAULTS')
+    parser.add_argument("cases", help="JSON object {name: {option: value}}; options as in CASE_DEFAULTS")
     options = parser.parse_args()
 
     torch.use_deterministic_algorithms(True)

@@ -13,25 +13,43 @@ from pathlib import Path
 
 import torch
 
-
 ROOT = Path(__file__).resolve().parents[2]  # tests/support/ -> the repository
 DRIVER = ROOT / "tests" / "support" / "ddp_driver.py"
 PYTHON = [sys.executable]
 
 
-def run_driver(launcher: Sequence[str], output_dir: Path, cases: Mapping[str, dict], *, label: str,
-               timeout: float, env: Mapping[str, str] | None = None) -> dict[str, tuple[dict, dict[str, torch.Tensor]]]:
+def run_driver(
+    launcher: Sequence[str],
+    output_dir: Path,
+    cases: Mapping[str, dict],
+    *,
+    label: str,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, tuple[dict, dict[str, torch.Tensor]]]:
     """Run every case under ``launcher`` (e.g. ``[sys.executable]``); returns case -> (metrics, weights).
     Raises AssertionError with the driver's output if it fails or does not finish in ``timeout`` s."""
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-                   "WANDB_MODE": "offline"}
+    environment = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "offline",
+    }
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED"):
         environment.pop(name, None)
     environment.update(env or {})
     command = [*launcher, str(DRIVER), str(output_dir), json.dumps(dict(cases))]
     # Its own session, so that a hang (e.g. unmatched collectives) ends with all its processes.
-    process = subprocess.Popen(command, env=environment, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        env=environment,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -40,8 +58,9 @@ def run_driver(launcher: Sequence[str], output_dir: Path, cases: Mapping[str, di
         raise AssertionError(f"{label} did not finish in {timeout} s:\n{stdout[-4000:]}\n{stderr[-8000:]}") from None
     assert process.returncode == 0, f"{label} failed:\n{stdout[-4000:]}\n{stderr[-8000:]}"
     return {
-        name: (json.loads((output_dir / name / "result.json").read_text()),
-               torch.load(output_dir / name / "weights.pt", weights_only=True))
+        name: (
+            json.loads((output_dir / name / "result.json").read_text()),
+            torch.load(output_dir / name / "weights.pt", weights_only=True),
+        )
         for name in cases
     }
-

@@ -34,10 +34,24 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(options.model)
     tokenizer = load_tokenizer(options.model)
     args = LOOPConfig(
-        output_dir=options.output_dir, iterations=options.iterations, tasks_per_iteration=4, rollouts_per_task=4,
-        minibatch_size=8, max_turns=6, max_new_tokens_per_turn=4, max_trajectory_tokens=512, learning_rate=6e-4,
-        max_grad_norm=1.0, per_device_train_batch_size=8, activation_checkpointing=False, bf16=False, seed=0,
-        disable_tqdm=True, report_to=[], viewer_rollouts_per_iteration=0, plot_curves=False,
+        output_dir=options.output_dir,
+        iterations=options.iterations,
+        tasks_per_iteration=4,
+        rollouts_per_task=4,
+        minibatch_size=8,
+        max_turns=6,
+        max_new_tokens_per_turn=4,
+        max_trajectory_tokens=512,
+        learning_rate=6e-4,
+        max_grad_norm=1.0,
+        per_device_train_batch_size=8,
+        activation_checkpointing=False,
+        bf16=False,
+        seed=0,
+        disable_tqdm=True,
+        report_to=[],
+        viewer_rollouts_per_iteration=0,
+        plot_curves=False,
     )
     trainer = LOOPTrainer(model, env, args, processing_class=tokenizer)
     at_kill_iteration = lambda: trainer.state.global_step + 1 == options.kill_at  # noqa: E731

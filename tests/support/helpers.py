@@ -17,10 +17,19 @@ from loop_trainer.rollout.backend import Completion
 def tiny_qwen(tokenizer, seed=0) -> Qwen2ForCausalLM:
     """A one-layer Qwen2 with ``tokenizer``'s vocabulary (Qwen2.5's: tool-call templates), randomly initialised."""
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=1, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
-                         max_position_embeddings=32768, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                         pad_token_id=tokenizer.pad_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return Qwen2ForCausalLM(config)
 
 

@@ -59,8 +59,9 @@ class GuessEnvironment(Environment):
         self.seed = self.target = 0
         self.counted = False
 
-    def reset(self, seed: int | None = None, episode_id: str | None = None, target: int | None = None,
-              **kwargs: Any) -> GuessObservation:
+    def reset(
+        self, seed: int | None = None, episode_id: str | None = None, target: int | None = None, **kwargs: Any
+    ) -> GuessObservation:
         self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
         self.seed = seed or 0
         self.target = self.seed % 10 if target is None else target
@@ -105,8 +106,11 @@ class GuessClient(EnvClient[GuessAction, GuessObservation, State]):
         return action.model_dump(exclude={"metadata"})
 
     def _parse_result(self, payload: dict[str, Any]) -> StepResult[GuessObservation]:
-        observation = GuessObservation(feedback=payload.get("observation", {}).get("feedback", ""),
-                                       done=payload.get("done", False), reward=payload.get("reward"))
+        observation = GuessObservation(
+            feedback=payload.get("observation", {}).get("feedback", ""),
+            done=payload.get("done", False),
+            reward=payload.get("reward"),
+        )
         return StepResult(observation=observation, reward=payload.get("reward"), done=payload.get("done", False))
 
     def _parse_state(self, payload: dict[str, Any]) -> State:

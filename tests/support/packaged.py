@@ -23,5 +23,6 @@ def unavailable() -> str | None:
     return None
 
 
-needs_packaged_model = pytest.mark.skipif(unavailable() is not None,
-                                          reason=f"packaged model unavailable: {unavailable()}")
+needs_packaged_model = pytest.mark.skipif(
+    unavailable() is not None, reason=f"packaged model unavailable: {unavailable()}"
+)

@@ -51,13 +51,35 @@ PEOPLE = [
 ]
 TAGS = ["recipe", "travel", "work", "shopping", "ideas", "fitness"]
 WORDS = [
-    "lemon", "harbor", "quartz", "meadow", "orbit", "cedar", "falcon", "velvet", "summit",
-    "pepper", "canyon", "maple", "ember", "lagoon", "violet", "granite", "willow", "comet",
+    "lemon",
+    "harbor",
+    "quartz",
+    "meadow",
+    "orbit",
+    "cedar",
+    "falcon",
+    "velvet",
+    "summit",
+    "pepper",
+    "canyon",
+    "maple",
+    "ember",
+    "lagoon",
+    "violet",
+    "granite",
+    "willow",
+    "comet",
 ]
 MESSAGES = [
-    "Are we still on for Saturday?", "Running ten minutes late.", "Can you send me the photos?",
-    "Happy to help with the move.", "Did you see the game last night?", "Call me when free.",
-    "Lunch tomorrow at noon?", "Thanks for the book recommendation!", "The package arrived.",
+    "Are we still on for Saturday?",
+    "Running ten minutes late.",
+    "Can you send me the photos?",
+    "Happy to help with the move.",
+    "Did you see the game last night?",
+    "Call me when free.",
+    "Lunch tomorrow at noon?",
+    "Thanks for the book recommendation!",
+    "The package arrived.",
     "Let's plan the trip next week.",
 ]
 
@@ -73,7 +95,7 @@ SPLITS = {
 # Evaluation code (one per generator; per-task values live in public/private data). Each
 # requirement string appears verbatim in test_data.json.
 
-_HEADER = '''\
+_HEADER = """\
 import json
 
 
@@ -93,7 +115,7 @@ def _sent_texts(models, private_data):
         if record.sender_id == private_data.supervisor_phone_user_id
         and record.receiver_id == private_data.receiver_phone_user_id
     ]
-'''
+"""
 
 EVALUATIONS: dict[str, tuple[str, list[tuple[str, str]]]] = {}
 
@@ -217,8 +239,7 @@ profile = apis.supervisor.show_profile()
 phone_token = apis.phone.login(username=profile["phone_number"], password=passwords["phone"])["access_token"]
 """
 _LOGIN_BOTH = _LOGIN_NOTES + (
-    'phone_token = apis.phone.login(username=profile["phone_number"], '
-    'password=passwords["phone"])["access_token"]\n'
+    'phone_token = apis.phone.login(username=profile["phone_number"], password=passwords["phone"])["access_token"]\n'
 )
 
 
@@ -290,13 +311,22 @@ def scenario_specs() -> list[dict]:
     for n, (tag, count, tagged) in enumerate([("recipe", 7, 3), ("travel", 6, 2), ("work", 9, 4)], 1):
         rng = random.Random(f"a1c4e02_{n}")
         notes = _make_notes(rng, count, tag, tagged)
-        solution = _LOGIN_NOTES + _all_pages(
-            f'apis.simple_note.search_notes(access_token=note_token, tags=["{tag}"], page_index=PAGE)'
-        ) + "apis.supervisor.complete_task(answer=len(items))\n"
+        solution = (
+            _LOGIN_NOTES
+            + _all_pages(f'apis.simple_note.search_notes(access_token=note_token, tags=["{tag}"], page_index=PAGE)')
+            + "apis.supervisor.complete_task(answer=len(items))\n"
+        )
         add(
-            f"a1c4e02_{n}", generator="count_tagged_notes", difficulty=1, apps=["simple_note"],
+            f"a1c4e02_{n}",
+            generator="count_tagged_notes",
+            difficulty=1,
+            apps=["simple_note"],
             instruction=f"How many notes tagged '{tag}' do I have in Simple Note?",
-            notes=notes, texts=[], answer=tagged, public_data={"tag": tag}, private_data={},
+            notes=notes,
+            texts=[],
+            answer=tagged,
+            public_data={"tag": tag},
+            private_data={},
             solution=solution,
         )
 
@@ -309,19 +339,24 @@ def scenario_specs() -> list[dict]:
         full_name = f"{person['first_name']} {person['last_name']}"
         solution = _LOGIN_BOTH + dedent(
             f"""\
-            notes = apis.simple_note.search_notes(access_token=note_token, query={chosen['title']!r}, page_limit=20)
-            note = [n for n in notes if n["title"] == {chosen['title']!r}][0]
+            notes = apis.simple_note.search_notes(access_token=note_token, query={chosen["title"]!r}, page_limit=20)
+            note = [n for n in notes if n["title"] == {chosen["title"]!r}][0]
             content = apis.simple_note.show_note(access_token=note_token, note_id=note["note_id"])["content"]
             contacts = apis.phone.search_contacts(access_token=phone_token, query={full_name!r})
-            contact = [c for c in contacts if c["first_name"] == {person['first_name']!r} and c["last_name"] == {person['last_name']!r}][0]
+            contact = [c for c in contacts if c["first_name"] == {person["first_name"]!r} and c["last_name"] == {person["last_name"]!r}][0]
             apis.phone.send_text_message(access_token=phone_token, phone_number=contact["phone_number"], message=content)
             apis.supervisor.complete_task()
-            """
+            """  # noqa: E501 - generated solution code, kept verbatim (the synthetic world's data)
         )
         add(
-            f"9f04a7b_{n}", generator="text_note_content", difficulty=2, apps=["simple_note", "phone"],
+            f"9f04a7b_{n}",
+            generator="text_note_content",
+            difficulty=2,
+            apps=["simple_note", "phone"],
             instruction=f"Text {full_name} the content of my Simple Note note titled '{chosen['title']}'.",
-            notes=notes, texts=[], answer=None,
+            notes=notes,
+            texts=[],
+            answer=None,
             public_data={"note_title": chosen["title"], "receiver_name": full_name},
             private_data={"note_content": chosen["content"], "receiver_index": person_index},
             solution=solution,
@@ -333,22 +368,29 @@ def scenario_specs() -> list[dict]:
         notes = _make_notes(rng, count, tag, tagged)
         new_title = f"{tag.title()} index"
         expected = sorted(note["title"] for note in notes if tag in note["tags"])
-        solution = _LOGIN_NOTES + _all_pages(
-            f'apis.simple_note.search_notes(access_token=note_token, tags=["{tag}"], page_index=PAGE)'
-        ) + dedent(
-            f"""\
+        solution = (
+            _LOGIN_NOTES
+            + _all_pages(f'apis.simple_note.search_notes(access_token=note_token, tags=["{tag}"], page_index=PAGE)')
+            + dedent(
+                f"""\
             titles = sorted(item["title"] for item in items)
             apis.simple_note.create_note(access_token=note_token, title={new_title!r}, content="\\n".join(titles))
             apis.supervisor.complete_task()
             """
+            )
         )
         add(
-            f"3ab5b8b_{n}", generator="index_note", difficulty=3, apps=["simple_note"],
+            f"3ab5b8b_{n}",
+            generator="index_note",
+            difficulty=3,
+            apps=["simple_note"],
             instruction=(
                 f"Create a new Simple Note note titled '{new_title}' whose content lists the titles of "
                 f"all my notes tagged '{tag}', sorted alphabetically, one per line."
             ),
-            notes=notes, texts=[], answer=None,
+            notes=notes,
+            texts=[],
+            answer=None,
             public_data={"tag": tag, "new_title": new_title},
             private_data={"expected_lines": expected},
             solution=solution,
@@ -361,19 +403,23 @@ def scenario_specs() -> list[dict]:
         message = rng.choice(MESSAGES)
         solution = _LOGIN_PHONE + dedent(
             f"""\
-            contacts = apis.phone.search_contacts(access_token=phone_token, relationship={person['relationship']!r}, page_limit=20)
-            contact = [c for c in contacts if c["first_name"] == {person['first_name']!r}][0]
+            contacts = apis.phone.search_contacts(access_token=phone_token, relationship={person["relationship"]!r}, page_limit=20)
+            contact = [c for c in contacts if c["first_name"] == {person["first_name"]!r}][0]
             apis.phone.send_text_message(access_token=phone_token, phone_number=contact["phone_number"], message={message!r})
             apis.supervisor.complete_task()
-            """
+            """  # noqa: E501 - generated solution code, kept verbatim (the synthetic world's data)
         )
         add(
-            f"5c1e9d2_{n}", generator="send_text", difficulty=1, apps=["phone"],
+            f"5c1e9d2_{n}",
+            generator="send_text",
+            difficulty=1,
+            apps=["phone"],
             instruction=(
-                f"Send a text message saying \"{message}\" to my {person['relationship']} "
-                f"{person['first_name']}."
+                f'Send a text message saying "{message}" to my {person["relationship"]} {person["first_name"]}.'
             ),
-            notes=[], texts=[], answer=None,
+            notes=[],
+            texts=[],
+            answer=None,
             public_data={"receiver_first_name": person["first_name"]},
             private_data={"message": message, "receiver_index": person_index},
             solution=solution,
@@ -398,24 +444,35 @@ def scenario_specs() -> list[dict]:
                 }
             )
         full_name = f"{person['first_name']} {person['last_name']}"
-        solution = _LOGIN_PHONE + dedent(
-            f"""\
+        solution = (
+            _LOGIN_PHONE
+            + dedent(
+                f"""\
             contacts = apis.phone.search_contacts(access_token=phone_token, query={full_name!r})
-            number = [c for c in contacts if c["first_name"] == {person['first_name']!r}][0]["phone_number"]
+            number = [c for c in contacts if c["first_name"] == {person["first_name"]!r}][0]["phone_number"]
             """
-        ) + _all_pages(
-            "apis.phone.search_text_messages(access_token=phone_token, phone_number=number, page_index=PAGE)"
-        ) + dedent(
-            """\
+            )
+            + _all_pages(
+                "apis.phone.search_text_messages(access_token=phone_token, phone_number=number, page_index=PAGE)"
+            )
+            + dedent(
+                """\
             received = [m for m in items if m["sender"]["phone_number"] == number]
             apis.supervisor.complete_task(answer=len(received))
             """
+            )
         )
         add(
-            f"e27d0f6_{n}", generator="count_received_texts", difficulty=2, apps=["phone"],
+            f"e27d0f6_{n}",
+            generator="count_received_texts",
+            difficulty=2,
+            apps=["phone"],
             instruction=f"How many text messages have I received from {full_name} on my phone?",
-            notes=[], texts=texts, answer=received,
-            public_data={"sender_name": full_name}, private_data={"sender_index": person_index},
+            notes=[],
+            texts=texts,
+            answer=received,
+            public_data={"sender_name": full_name},
+            private_data={"sender_index": person_index},
             solution=solution,
         )
     return specs
@@ -448,36 +505,28 @@ def build(root: str) -> None:
 
     # 1. API docs: data/api_docs/{standard,function_calling,openapi}/<app>.json.
     api_docs = ApiDocCollection.build(load_apps=tuple(get_all_apps(skip_admin=True)))
-    doc_rows = [
-        (app_name, dict(doc)) for app_name, docs in api_docs.items() for doc in docs.values()
-    ]
+    doc_rows = [(app_name, dict(doc)) for app_name, docs in api_docs.items() for doc in docs.values()]
     # ApiDocCollection.save also writes the openapi format, which needs openapi_spec_validator
     # (not an appworld dependency): write the standard and function_calling formats as it does.
     for format_ in ("standard", "function_calling"):
         os.makedirs(os.path.join(data, "api_docs", format_))
-    for app_name in api_docs.keys():
+    for app_name in api_docs:
         function_calling = api_docs.copy().keep_apps([app_name]).function_calling()
         for doc in function_calling:
             doc["canary_string"] = CANARY_STRING
         write_json(
-            function_calling,
-            os.path.join(data, "api_docs", "function_calling", app_name + ".json"),
-            silent=True,
+            function_calling, os.path.join(data, "api_docs", "function_calling", app_name + ".json"), silent=True
         )
         for doc in api_docs[app_name].values():
             doc["canary_string"] = CANARY_STRING
         write_json(
-            dict(api_docs[app_name]),
-            os.path.join(data, "api_docs", "standard", app_name + ".json"),
-            silent=True,
+            dict(api_docs[app_name]), os.path.join(data, "api_docs", "standard", app_name + ".json"), silent=True
         )
 
     # 2. Base databases: every app's schema, the api docs, people and app accounts.
     base = os.path.join(data, "base_dbs")
     os.makedirs(base)
-    models = ModelCollection.load(
-        to_db_home_path=base, from_db_home_path=base, load_apps=all_apps, create_db=True
-    )
+    models = ModelCollection.load(to_db_home_path=base, from_db_home_path=base, load_apps=all_apps, create_db=True)
     ApiDoc = models.api_docs.ApiDoc
     ApiDoc.save_all(
         [
@@ -499,8 +548,11 @@ def build(root: str) -> None:
         [MainUser.create(**SUPERVISOR)]
         + [
             MainUser.create(
-                first_name=p["first_name"], last_name=p["last_name"], email=p["email"],
-                phone_number=p["phone_number"], birthday=f"19{80 + i}-0{1 + i}-1{i}",
+                first_name=p["first_name"],
+                last_name=p["last_name"],
+                email=p["email"],
+                phone_number=p["phone_number"],
+                birthday=f"19{80 + i}-0{1 + i}-1{i}",
             )
             for i, p in enumerate(people)
         ]
@@ -508,16 +560,24 @@ def build(root: str) -> None:
     created = TASK_DATETIME - timedelta(days=400)
     NoteUser = models.simple_note.User
     NoteUser.create(
-        first_name=SUPERVISOR["first_name"], last_name=SUPERVISOR["last_name"],
-        email=SUPERVISOR["email"], password=PASSWORDS["simple_note"], verified=True,
-        created_at=created, last_logged_in=created,
+        first_name=SUPERVISOR["first_name"],
+        last_name=SUPERVISOR["last_name"],
+        email=SUPERVISOR["email"],
+        password=PASSWORDS["simple_note"],
+        verified=True,
+        created_at=created,
+        last_logged_in=created,
     ).save()
     PhoneUser = models.phone.User
     PhoneUser.save_all(
         [
             PhoneUser.create(
-                first_name=u["first_name"], last_name=u["last_name"], phone_number=u["phone_number"],
-                password=f"pw-{u['phone_number']}", created_at=created, last_logged_in=created,
+                first_name=u["first_name"],
+                last_name=u["last_name"],
+                phone_number=u["phone_number"],
+                password=f"pw-{u['phone_number']}",
+                created_at=created,
+                last_logged_in=created,
             )
             for u in [SUPERVISOR, *people]
         ]
@@ -529,16 +589,19 @@ def build(root: str) -> None:
     Contact.save_all(
         [
             Contact.create(
-                user_id=supervisor_phone.id, first_name=p["first_name"], last_name=p["last_name"],
-                email=p["email"], phone_number=p["phone_number"], relationships=[p["relationship"]],
+                user_id=supervisor_phone.id,
+                first_name=p["first_name"],
+                last_name=p["last_name"],
+                email=p["email"],
+                phone_number=p["phone_number"],
+                relationships=[p["relationship"]],
                 created_at=created,
             )
             for p in people
         ]
     )
     phone_user_ids = {
-        p["phone_number"]: PhoneUser.find_one(phone_number=p["phone_number"]).id
-        for p in [SUPERVISOR, *people]
+        p["phone_number"]: PhoneUser.find_one(phone_number=p["phone_number"]).id for p in [SUPERVISOR, *people]
     }
     note_user_id = NoteUser.find_one(email=SUPERVISOR["email"]).id
     models.close()
@@ -551,9 +614,7 @@ def build(root: str) -> None:
         task_id = spec["task_id"]
         task_dir = os.path.join(data, "tasks", task_id)
         memory_home = f":memory:worldgen-{task_id}"
-        models = ModelCollection.load(
-            to_db_home_path=memory_home, from_db_home_path=base, load_apps=all_apps
-        )
+        models = ModelCollection.load(to_db_home_path=memory_home, from_db_home_path=base, load_apps=all_apps)
         Supervisor = models.supervisor.Supervisor
         supervisor = Supervisor.create(**SUPERVISOR)
         supervisor.save()
@@ -568,8 +629,12 @@ def build(root: str) -> None:
         Note = models.simple_note.Note
         for note in spec["notes"]:
             Note.create(
-                user_id=note_user_id, title=note["title"], content=note["content"],
-                tags=note["tags"], pinned=False, created_at=note["created_at"],
+                user_id=note_user_id,
+                title=note["title"],
+                content=note["content"],
+                tags=note["tags"],
+                pinned=False,
+                created_at=note["created_at"],
                 updated_at=note["created_at"],
             ).save()
         GlobalText = models.phone.GlobalTextMessage
@@ -579,17 +644,16 @@ def build(root: str) -> None:
             other = phone_user_ids[people[text["other"]]["phone_number"]]
             sender, receiver = (other, me) if text["incoming"] else (me, other)
             message = GlobalText.create(
-                sender_id=sender, receiver_id=receiver, message=text["message"],
-                created_at=text["created_at"],
+                sender_id=sender, receiver_id=receiver, message=text["message"], created_at=text["created_at"]
             )
             message.save()
             for owner in (sender, receiver):
-                UserText.create(
-                    global_text_message_id=message.id, user_id=owner, created_at=text["created_at"]
-                ).save()
+                UserText.create(global_text_message_id=message.id, user_id=owner, created_at=text["created_at"]).save()
         models.save(
-            db_home_path=os.path.join(task_dir, "dbs"), format="changes",
-            app_names=list(all_apps), save_model_hashes=True,
+            db_home_path=os.path.join(task_dir, "dbs"),
+            format="changes",
+            app_names=list(all_apps),
+            save_model_hashes=True,
         )
         models.close()
 
@@ -615,9 +679,7 @@ def build(root: str) -> None:
         _write_json(os.path.join(gt, "public_data.json"), spec["public_data"])
         _write_json(os.path.join(gt, "private_data.json"), private_data)
         _write_text(os.path.join(gt, "answer.json"), json.dumps(spec["answer"]))
-        _write_text(
-            os.path.join(gt, "evaluation.py"), f"# Canary String: {CANARY_STRING}\n" + evaluation_code
-        )
+        _write_text(os.path.join(gt, "evaluation.py"), f"# Canary String: {CANARY_STRING}\n" + evaluation_code)
         _write_json(
             os.path.join(gt, "test_data.json"),
             [{"requirement": requirement, "label": label} for requirement, label in tests],

@@ -11,21 +11,23 @@ import sys
 import pytest
 from trl import ModelConfig
 
-from support.helpers import AnyTemperature, ScriptedBackend
 from loop_trainer import LOOPConfig
 from loop_trainer.chat import ChatFormatter
 from loop_trainer.cli import evaluate as loop_eval
 from loop_trainer.cli.evaluate import EvalArguments, evaluate
 from loop_trainer.cli.recipe import RecipeError
-from loop_trainer.envs import BUILTIN, ENTRY_POINT_GROUP, VaultEnv, make_environment
 from loop_trainer.config import EpisodeSettings
+from loop_trainer.envs import BUILTIN, ENTRY_POINT_GROUP, VaultEnv, make_environment
 from loop_trainer.evaluation import Evaluator
 from loop_trainer.models.tiny import build_word_tokenizer
+from support.helpers import AnyTemperature, ScriptedBackend
 
 
 def test_importing_the_core_does_not_import_appworld():
-    script = ("import sys, loop_trainer, loop_trainer.cli.train, loop_trainer.cli.evaluate, loop_trainer.evaluation\n"
-              "print(sorted(m for m in sys.modules if m.startswith('loop_trainer.envs.appworld')))")
+    script = (
+        "import sys, loop_trainer, loop_trainer.cli.train, loop_trainer.cli.evaluate, loop_trainer.evaluation\n"
+        "print(sorted(m for m in sys.modules if m.startswith('loop_trainer.envs.appworld')))"
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"  # after anything the imports print
 
@@ -80,36 +82,60 @@ class RecordingVault(VaultEnv):
 def test_vault_summary_counts_failures_and_reports_no_goal_completion():
     env = RecordingVault()
     tokenizer = build_word_tokenizer(env.vocabulary())
-    evaluator = Evaluator(env, ScriptedBackend(tokenizer, VaultAgent(tokenizer)), ChatFormatter(tokenizer),
-                          EpisodeSettings(max_turns=4, max_new_tokens_per_turn=4, max_trajectory_tokens=256))
+    evaluator = Evaluator(
+        env,
+        ScriptedBackend(tokenizer, VaultAgent(tokenizer)),
+        ChatFormatter(tokenizer),
+        EpisodeSettings(max_turns=4, max_new_tokens_per_turn=4, max_trajectory_tokens=256),
+    )
     result = evaluator.run("test", rollouts_per_task=2, seed=0)
     evaluator.close()
     assert env.closed == 0
     assert [(row["rollout"], row["task_id"]) for row in result.rows] == [
-        (k, f"test-{i:04d}") for k in range(2) for i in range(6)]
+        (k, f"test-{i:04d}") for k in range(2) for i in range(6)
+    ]
     assert [row["status"] for row in result.rows].count("failed") == 2
     assert result.metrics == {
-        "success_rate": 10 / 12, "reward_mean": 10 / 12, "passed_used_directory": 10 / 12,
-        "passed_found_person": 10 / 12, "passed_opened_account": 10 / 12, "passed_submitted_code": 10 / 12,
-        "num_rollouts": 12.0, "num_failed_to_run": 2.0,
+        "success_rate": 10 / 12,
+        "reward_mean": 10 / 12,
+        "passed_used_directory": 10 / 12,
+        "passed_found_person": 10 / 12,
+        "passed_opened_account": 10 / 12,
+        "passed_submitted_code": 10 / 12,
+        "num_rollouts": 12.0,
+        "num_failed_to_run": 2.0,
     }
     assert all("token_ids" not in row and isinstance(row["success"], bool) for row in result.rows)
 
 
 def test_loop_eval_defaults_are_the_trainers():
     for setting in dataclasses.fields(EpisodeSettings):
-        assert getattr(EvalArguments(), setting.name) == getattr(LOOPConfig(output_dir="x"), setting.name) \
-            == setting.default, setting.name
+        assert (
+            getattr(EvalArguments(), setting.name)
+            == getattr(LOOPConfig(output_dir="x"), setting.name)
+            == setting.default
+        ), setting.name
 
 
 def test_loop_eval_leaves_a_given_env_open_and_as_it_was(tmp_path):
     env = RecordingVault()
     tokenizer = build_word_tokenizer(env.vocabulary())
     tokenizer.save_pretrained(tmp_path / "tokenizer-only")
-    eval_args = EvalArguments(environment="vault", split="test", rollouts_per_task=2, output_dir=str(tmp_path / "eval"),
-                              experiment_name="exp", max_turns=4, max_new_tokens_per_turn=4)
-    metrics = evaluate(eval_args, ModelConfig(model_name_or_path=str(tmp_path / "tokenizer-only")), env=env,
-                       generation_backend=AnyTemperature(ScriptedBackend(tokenizer, VaultAgent(tokenizer))))
+    eval_args = EvalArguments(
+        environment="vault",
+        split="test",
+        rollouts_per_task=2,
+        output_dir=str(tmp_path / "eval"),
+        experiment_name="exp",
+        max_turns=4,
+        max_new_tokens_per_turn=4,
+    )
+    metrics = evaluate(
+        eval_args,
+        ModelConfig(model_name_or_path=str(tmp_path / "tokenizer-only")),
+        env=env,
+        generation_backend=AnyTemperature(ScriptedBackend(tokenizer, VaultAgent(tokenizer))),
+    )
     assert env.closed == 0 and env.experiment_name == "the caller's"
     assert env.experiments_seen == ["exp"] * 6 + ["exp_rollout1"] * 6  # rollout k under its own experiment
     assert metrics["success_rate"] == 10 / 12 and metrics["num_failed_to_run"] == 2
@@ -128,8 +154,12 @@ def test_loop_eval_with_a_generation_backend_loads_no_model(tmp_path, monkeypatc
     env = VaultEnv(num_tasks=3)
     tokenizer = build_word_tokenizer(env.vocabulary())
     eval_args = EvalArguments(environment="vault", split="test", output_dir=str(tmp_path), max_turns=4)
-    metrics = evaluate(eval_args, ModelConfig(model_name_or_path="tiny:vault"), env=env,
-                       generation_backend=AnyTemperature(ScriptedBackend(tokenizer, VaultAgent(tokenizer))))
+    metrics = evaluate(
+        eval_args,
+        ModelConfig(model_name_or_path="tiny:vault"),
+        env=env,
+        generation_backend=AnyTemperature(ScriptedBackend(tokenizer, VaultAgent(tokenizer))),
+    )
     assert metrics["success_rate"] == 1.0 and metrics["num_rollouts"] == 3
 
 
@@ -138,5 +168,9 @@ def test_loop_eval_refuses_a_temperature_a_given_backend_cannot_honour(tmp_path)
     tokenizer = build_word_tokenizer(env.vocabulary())
     eval_args = EvalArguments(environment="vault", split="test", output_dir=str(tmp_path), max_turns=4, temperature=0.7)
     with pytest.raises(RecipeError, match="temperature cannot be honoured"):
-        evaluate(eval_args, ModelConfig(model_name_or_path="tiny:vault"), env=env,
-                 generation_backend=ScriptedBackend(tokenizer, VaultAgent(tokenizer)))
+        evaluate(
+            eval_args,
+            ModelConfig(model_name_or_path="tiny:vault"),
+            env=env,
+            generation_backend=ScriptedBackend(tokenizer, VaultAgent(tokenizer)),
+        )

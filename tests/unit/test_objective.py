@@ -14,14 +14,14 @@ from loop_trainer.objective import STD_EPS, advantage_keep_mask, leave_one_out_a
 
 def brute_force_loo(rewards: list[float], groups: list[int], std_normalize: bool = False) -> list[float]:
     out = []
-    for i, (r_i, g_i) in enumerate(zip(rewards, groups)):
-        others = [r for j, (r, g) in enumerate(zip(rewards, groups)) if g == g_i and j != i]
+    for i, (r_i, g_i) in enumerate(zip(rewards, groups, strict=True)):
+        others = [r for j, (r, g) in enumerate(zip(rewards, groups, strict=True)) if g == g_i and j != i]
         if not others:
             out.append(0.0)
             continue
         a = r_i - sum(others) / len(others)
         if std_normalize:
-            members = [r for r, g in zip(rewards, groups) if g == g_i]
+            members = [r for r, g in zip(rewards, groups, strict=True) if g == g_i]
             mean = sum(members) / len(members)
             std = math.sqrt(sum((r - mean) ** 2 for r in members) / (len(members) - 1))
             a /= std + STD_EPS
@@ -147,10 +147,19 @@ def test_one_std_eps_for_both_advantage_estimators():
 def test_module_docstring_and_all_name_every_public_function():
     from loop_trainer import objective
 
-    functions = {name for name, value in vars(objective).items()
-                 if inspect.isfunction(value) and value.__module__ == objective.__name__ and not name.startswith("_")}
-    assert functions == {"leave_one_out_advantages", "group_mean_advantages", "advantages_for", "advantage_keep_mask",
-                         "loop_policy_loss", "reference_kl_penalty"}
+    functions = {
+        name
+        for name, value in vars(objective).items()
+        if inspect.isfunction(value) and value.__module__ == objective.__name__ and not name.startswith("_")
+    }
+    assert functions == {
+        "leave_one_out_advantages",
+        "group_mean_advantages",
+        "advantages_for",
+        "advantage_keep_mask",
+        "loop_policy_loss",
+        "reference_kl_penalty",
+    }
     assert functions <= set(objective.__all__)
     assert all(hasattr(objective, name) for name in objective.__all__)
     public = {name for name in vars(objective) if not name.startswith("_") and name.isupper()}
@@ -158,5 +167,8 @@ def test_module_docstring_and_all_name_every_public_function():
     doc = objective.__doc__
     assert "Six functions" in doc
     assert all(f":func:`{name}`" in doc for name in functions)
-    assert "trl" not in {line.split()[1].split(".")[0] for line in inspect.getsource(objective).splitlines()
-                         if line.startswith(("import ", "from "))}
+    assert "trl" not in {
+        line.split()[1].split(".")[0]
+        for line in inspect.getsource(objective).splitlines()
+        if line.startswith(("import ", "from "))
+    }

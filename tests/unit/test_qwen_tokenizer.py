@@ -86,8 +86,7 @@ def test_digits_are_split_one_by_one(tokenizer: PreTrainedTokenizerFast) -> None
 
 
 @pytest.mark.parametrize(
-    "text",
-    ["a\n\nb", "a\n\n b", "x  \n\n\n  y", "line1\r\nline2", "don't stop 42!!\n", "  lead  trail  "],
+    "text", ["a\n\nb", "a\n\n b", "x  \n\n\n  y", "line1\r\nline2", "don't stop 42!!\n", "  lead  trail  "]
 )
 def test_pretokenisation_follows_qwen2_regex(tokenizer: PreTrainedTokenizerFast, text: str) -> None:
     pieces = [piece for piece, _ in tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)]
@@ -119,7 +118,7 @@ def test_chat_template_uses_given_system_prompt(tokenizer: PreTrainedTokenizerFa
 
 def test_cached_copy_matches_fresh_build(tokenizer: PreTrainedTokenizerFast) -> None:
     fresh = build_qwen25_tokenizer()
-    text = "<|im_start|>user\nRésumé: 3.14 — 你好 <tool_call>{\"a\": 1}</tool_call><|im_end|>\n\n"
+    text = '<|im_start|>user\nRésumé: 3.14 — 你好 <tool_call>{"a": 1}</tool_call><|im_end|>\n\n'
     assert fresh.encode(text) == tokenizer.encode(text)
     assert fresh.get_vocab() == tokenizer.get_vocab()
     assert fresh.chat_template == tokenizer.chat_template

@@ -154,8 +154,15 @@ def test_random_cases_cover_what_they_claim():
                 kinds.add("one turn")
             if not mask[i, -1]:
                 kinds.add("padding")
-    assert kinds == {"single-token turn", "longer turn", "clipped above", "clipped below", "unclipped",
-                     "one turn", "padding"}
+    assert kinds == {
+        "single-token turn",
+        "longer turn",
+        "clipped above",
+        "clipped below",
+        "unclipped",
+        "one turn",
+        "padding",
+    }
 
 
 @pytest.mark.parametrize("level", ALL_LEVELS)
@@ -178,8 +185,10 @@ def test_gradcheck_at_every_level(level):
 
 def test_turn_and_trajectory_levels_differ_from_each_other_and_from_token():
     logp, old, adv, mask, turns = random_case(3)
-    losses = {level: loop_policy_loss(logp, old, adv, mask, ratio_level=level, turn_ids=turns).loss.item()
-              for level in ("turn", "trajectory")}
+    losses = {
+        level: loop_policy_loss(logp, old, adv, mask, ratio_level=level, turn_ids=turns).loss.item()
+        for level in ("turn", "trajectory")
+    }
     old_token = torch.where(mask.bool(), old, torch.zeros(()))
     logp_token = torch.where(mask.bool(), logp, torch.zeros(()))
     losses["token"] = loop_policy_loss(logp_token, old_token, adv, mask).loss.item()
@@ -226,8 +235,9 @@ def test_sequence_level_statistics():
 def test_empty_batch_has_a_zero_loss_that_still_backpropagates(level):
     logp = torch.zeros(2, 3, requires_grad=True)
     mask = torch.zeros(2, 3, dtype=torch.long)
-    out = loop_policy_loss(logp, torch.full((2, 3), float("nan")), torch.ones(2), mask, ratio_level=level,
-                           turn_ids=torch.full((2, 3), -1))
+    out = loop_policy_loss(
+        logp, torch.full((2, 3), float("nan")), torch.ones(2), mask, ratio_level=level, turn_ids=torch.full((2, 3), -1)
+    )
     assert out.loss.item() == 0.0 and out.num_tokens.item() == 0 and out.ratio_min.item() == 1.0
     out.loss.backward()  # a stand-in micro-batch: zero gradient, but a graph to the model
     assert torch.equal(logp.grad, torch.zeros(2, 3))
@@ -271,8 +281,9 @@ def test_large_but_guarded_log_ratio_is_exact_with_negative_advantage():
     n = 1500
     old = torch.full((1, n), -3.0)
     logp = (old + 0.01).requires_grad_(True)
-    out = loop_policy_loss(logp, old, torch.tensor([-0.5]), torch.ones(1, n, dtype=torch.long),
-                           ratio_level="trajectory", divisor=1)
+    out = loop_policy_loss(
+        logp, old, torch.tensor([-0.5]), torch.ones(1, n, dtype=torch.long), ratio_level="trajectory", divisor=1
+    )
     rho = math.exp(sum((logp.detach() - old)[0].tolist()))  # the sum in float64
     # (the float32 sum of 1500 log-ratios is good to about 1e-4 absolute, so rho to about 1e-4 relative)
     assert out.loss.item() == pytest.approx(0.5 * rho, rel=1e-3)
@@ -287,8 +298,9 @@ def test_non_finite_garbage_in_padding_never_reaches_loss_or_gradient():
     mask = torch.tensor([[1, 0, 1, 0]])
     for level in ALL_LEVELS:
         logp.grad = None
-        out = loop_policy_loss(logp, old, torch.tensor([1.0]), mask, ratio_level=level,
-                               turn_ids=torch.tensor([[0, -1, 1, -1]]))
+        out = loop_policy_loss(
+            logp, old, torch.tensor([1.0]), mask, ratio_level=level, turn_ids=torch.tensor([[0, -1, 1, -1]])
+        )
         out.loss.backward()
         assert torch.isfinite(out.loss) and torch.isfinite(logp.grad).all()
         assert logp.grad[0, 1].item() == 0.0 and logp.grad[0, 3].item() == 0.0
@@ -334,10 +346,13 @@ def reference_token_loss(logprobs, old_logprobs, advantages, loss_mask, *, epsil
         selected = ratio[mask.bool()]
         empty = selected.numel() == 0
         return PolicyLossOutput(
-            loss=loss, clip_frac=took_clipped.sum() / denom, kl=(-log_ratio * mask).sum() / denom,
+            loss=loss,
+            clip_frac=took_clipped.sum() / denom,
+            kl=(-log_ratio * mask).sum() / denom,
             ratio_mean=(ratio * mask).sum() / denom,
             ratio_min=selected.min() if not empty else ratio.new_tensor(1.0),
-            ratio_max=selected.max() if not empty else ratio.new_tensor(1.0), num_tokens=num_tokens,
+            ratio_max=selected.max() if not empty else ratio.new_tensor(1.0),
+            num_tokens=num_tokens,
         )
 
 
@@ -361,14 +376,13 @@ def test_token_level_is_the_old_loss_bit_for_bit(seed, dtype):
         out.loss.backward()
         grads.append(x.grad)
         outs.append(out)
-    for out, grad in zip(outs[1:], grads[1:]):
+    for out, grad in zip(outs[1:], grads[1:], strict=True):
         assert torch.equal(grad, grads[0])
         for field in ("loss", "clip_frac", "kl", "ratio_mean", "ratio_min", "ratio_max", "num_tokens"):
             assert torch.equal(getattr(out, field), getattr(outs[0], field)), field
 
 
-def reference_sequence_loss(logprobs, old_logprobs, advantages, loss_mask, *, epsilon, divisor, ratio_level,
-                            turn_ids):
+def reference_sequence_loss(logprobs, old_logprobs, advantages, loss_mask, *, epsilon, divisor, ratio_level, turn_ids):
     """The per-turn / per-trajectory loss as it was, a second implementation beside the token
     level's, before one path served all three levels (copied verbatim, argument checks left out)."""
     batch_size = logprobs.shape[0]
@@ -393,7 +407,8 @@ def reference_sequence_loss(logprobs, old_logprobs, advantages, loss_mask, *, ep
     clipped = torch.clamp(ratio, 1.0 / (1.0 + epsilon), 1.0 + epsilon) * adv
     objective = torch.minimum(unclipped, clipped)
     tokens_per_trajectory = torch.zeros(batch_size, dtype=dtype, device=logprobs.device).index_add_(
-        0, row, torch.ones_like(log_ratio.detach()))
+        0, row, torch.ones_like(log_ratio.detach())
+    )
     loss = -(objective / tokens_per_trajectory[row]).sum() / divisor
     with torch.no_grad():
         num_tokens = sampled.sum().to(torch.float32)
@@ -442,8 +457,8 @@ def test_turn_and_trajectory_levels_are_the_old_loss_to_float_rounding(level, sp
 
 def brute_force_group_mean(rewards, groups, std_normalize=False, eps=1e-4):
     out = []
-    for r_i, g_i in zip(rewards, groups):
-        members = [r for r, g in zip(rewards, groups) if g == g_i]
+    for r_i, g_i in zip(rewards, groups, strict=True):
+        members = [r for r, g in zip(rewards, groups, strict=True) if g == g_i]
         mean = sum(members) / len(members)
         a = r_i - mean
         if std_normalize:
@@ -464,10 +479,12 @@ def test_group_mean_advantages_match_brute_force(seed):
     assert got.dtype == torch.float32
     assert got.tolist() == pytest.approx(brute_force_group_mean(rewards, groups), abs=1e-6)
     for std_eps in (1e-4, 1e-2):
-        normed = group_mean_advantages(torch.tensor(rewards), [f"task-{g}" for g in groups], std_normalize=True,
-                                       std_eps=std_eps)
-        assert normed.tolist() == pytest.approx(brute_force_group_mean(rewards, groups, True, std_eps),
-                                                rel=1e-4, abs=1e-4)
+        normed = group_mean_advantages(
+            torch.tensor(rewards), [f"task-{g}" for g in groups], std_normalize=True, std_eps=std_eps
+        )
+        assert normed.tolist() == pytest.approx(
+            brute_force_group_mean(rewards, groups, True, std_eps), rel=1e-4, abs=1e-4
+        )
 
 
 def test_group_mean_advantages_special_groups():
@@ -478,8 +495,9 @@ def test_group_mean_advantages_special_groups():
     assert adv[3:].tolist() == [0.0, 0.0, 0.0, 0.0]  # all equal; a group of one
     normed = group_mean_advantages(rewards, groups, std_normalize=True)
     std = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)
-    assert normed[:3].tolist() == pytest.approx([(2 / 3) / (std + 1e-4), (-1 / 3) / (std + 1e-4),
-                                                 (-1 / 3) / (std + 1e-4)], rel=1e-6)
+    assert normed[:3].tolist() == pytest.approx(
+        [(2 / 3) / (std + 1e-4), (-1 / 3) / (std + 1e-4), (-1 / 3) / (std + 1e-4)], rel=1e-6
+    )
     assert torch.isfinite(normed).all() and normed[3:].tolist() == [0.0, 0.0, 0.0, 0.0]
     # the leave-one-out advantage is the group-mean one times n / (n - 1)
     from loop_trainer.objective import leave_one_out_advantages
@@ -539,10 +557,15 @@ def test_reference_kl_penalty_is_k3_token_mean_per_trajectory_over_the_divisor()
     penalty, mean = reference_kl_penalty(logprobs, reference, mask, divisor=4.0)
     expected, tokens, total = 0.0, 0, 0.0
     for i in range(3):
-        k3 = [float(torch.exp(reference[i, t] - logprobs[i, t]) - (reference[i, t] - logprobs[i, t]) - 1)
-              for t in range(7) if mask[i, t]]
+        k3 = [
+            float(torch.exp(reference[i, t] - logprobs[i, t]) - (reference[i, t] - logprobs[i, t]) - 1)
+            for t in range(7)
+            if mask[i, t]
+        ]
         expected += sum(k3) / max(len(k3), 1)
         tokens, total = tokens + len(k3), total + sum(k3)
-    assert penalty.item() == pytest.approx(expected / 4.0, rel=1e-5) and mean.item() == pytest.approx(total / tokens, rel=1e-5)
+    assert penalty.item() == pytest.approx(expected / 4.0, rel=1e-5) and mean.item() == pytest.approx(
+        total / tokens, rel=1e-5
+    )
     same, zero = reference_kl_penalty(logprobs, logprobs.clone(), mask)
     assert same.item() == 0.0 and zero.item() == 0.0

@@ -7,16 +7,44 @@ import json
 from loop_trainer.viewer import render_viewer, write_viewer
 
 ROWS = [
-    {"task_id": "a_1", "rollout": 0, "reward": 1.0, "success": True, "status": "completed", "num_turns": 1,
-     "ending": "done", "advantage": 0.25, "num_opening_messages": 2,
-     "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "the task"},
-                  {"role": "assistant", "content": "Here:\n```python\nprint('<b>')\n```\n<script>alert(1)</script>"}],
-     "info": {"passes": ["t1"], "failures": []}},
-    {"task_id": 'b_1" onmouseover="alert(2)', "reward": 0.5, "success": False, "status": "completed", "num_turns": 0,
-     "ending": "turn_limit", "messages": [],
-     "info": json.dumps({"passes": ["t1"], "failures": [{"requirement": "t2 <img src=x>", "trace": "AssertionError"}]})},
-    {"task_id": "c_1", "reward": 0.0, "success": None, "status": "failed", "error": "AppWorldServerError: <boom>",
-     "messages": [], "info": {}},
+    {
+        "task_id": "a_1",
+        "rollout": 0,
+        "reward": 1.0,
+        "success": True,
+        "status": "completed",
+        "num_turns": 1,
+        "ending": "done",
+        "advantage": 0.25,
+        "num_opening_messages": 2,
+        "messages": [
+            {"role": "system", "content": "sys"},
+            {"role": "user", "content": "the task"},
+            {"role": "assistant", "content": "Here:\n```python\nprint('<b>')\n```\n<script>alert(1)</script>"},
+        ],
+        "info": {"passes": ["t1"], "failures": []},
+    },
+    {
+        "task_id": 'b_1" onmouseover="alert(2)',
+        "reward": 0.5,
+        "success": False,
+        "status": "completed",
+        "num_turns": 0,
+        "ending": "turn_limit",
+        "messages": [],
+        "info": json.dumps(
+            {"passes": ["t1"], "failures": [{"requirement": "t2 <img src=x>", "trace": "AssertionError"}]}
+        ),
+    },
+    {
+        "task_id": "c_1",
+        "reward": 0.0,
+        "success": None,
+        "status": "failed",
+        "error": "AppWorldServerError: <boom>",
+        "messages": [],
+        "info": {},
+    },
 ]
 
 

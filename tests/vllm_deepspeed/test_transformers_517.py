@@ -16,15 +16,31 @@ from loop_trainer.training.activation_checkpointing import is_checkpointing
 def _trainer(tmp_path, peft_config=None, **overrides):
     env = VaultEnv(num_tasks=4)
     model, tokenizer = build_tiny_for_environment(env.vocabulary(), seed=0)
-    args = LOOPConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, iterations=1, tasks_per_iteration=1,
-                      rollouts_per_task=2, minibatch_size=2, max_turns=1, max_new_tokens_per_turn=2,
-                      max_trajectory_tokens=256, report_to="none", save_strategy="no", memory_stress_test=False,
-                      disable_tqdm=True, plot_curves=False, **overrides)
+    args = LOOPConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        iterations=1,
+        tasks_per_iteration=1,
+        rollouts_per_task=2,
+        minibatch_size=2,
+        max_turns=1,
+        max_new_tokens_per_turn=2,
+        max_trajectory_tokens=256,
+        report_to="none",
+        save_strategy="no",
+        memory_stress_test=False,
+        disable_tqdm=True,
+        plot_curves=False,
+        **overrides,
+    )
     return LOOPTrainer(model, env, args, processing_class=tokenizer, peft_config=peft_config)
 
 
 def test_this_venv_runs_transformers_5_17():
-    assert "activation_checkpointing" not in transformers.TrainingArguments.__dataclass_fields__, transformers.__version__
+    assert "activation_checkpointing" not in transformers.TrainingArguments.__dataclass_fields__, (
+        transformers.__version__
+    )
 
 
 def test_activation_checkpointing_reaches_the_trainer_and_the_model(tmp_path):

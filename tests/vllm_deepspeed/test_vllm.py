@@ -25,29 +25,39 @@ from loop_trainer.rollout import TransformersBackend
 from loop_trainer.rollout.vllm_backend import VLLMBackend, build_colocated_llm
 from loop_trainer.rollout.weight_sync import WeightSync, WeightSyncError, probe_token_ids
 
-LORA = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                       "up_proj", "down_proj"], lora_dropout=0.0)
+LORA = LoraConfig(
+    r=8,
+    lora_alpha=16,
+    target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    lora_dropout=0.0,
+)
 
 
 @pytest.fixture(scope="module")
 def llm(vault):
     _, _, _, path = vault
-    return build_colocated_llm(path, dtype="float32", max_model_len=512, max_num_seqs=16,
-                               gpu_memory_utilization=0.5, lora_rank=8)
-
-
+    return build_colocated_llm(
+        path, dtype="float32", max_model_len=512, max_num_seqs=16, gpu_memory_utilization=0.5, lora_rank=8
+    )
 
 
 def test_multi_turn_episodes_are_token_exact_with_the_transformers_backend(vault, llm):
     env, model, tokenizer, _ = vault
     tasks = list(env.tasks("train"))[:6]
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
-    hf = collect(env, TransformersBackend(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id,
-                                           temperature=0.0), tokenizer, tasks)
+    hf = collect(
+        env,
+        TransformersBackend(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id, temperature=0.0),
+        tokenizer,
+        tasks,
+    )
     backend = VLLMBackend(llm, stop_token_ids=stop, temperature=0.0)
     ours = collect(env, backend, tokenizer, tasks)
     assert not hf.failed and not ours.failed
-    key = lambda t: (t.task_id, t.rollout)
+
+    def key(t):
+        return t.task_id, t.rollout
+
     pairs = list(zip(sorted(hf.trajectories, key=key), sorted(ours.trajectories, key=key), strict=True))
     assert len(pairs) == 12 and sum(len(t.messages) for _, t in pairs) > 12 * 3  # really multi-turn
     for expected, got in pairs:
@@ -127,7 +137,7 @@ class _FrozenGenerator:
 def _perturbed(model, seed):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.requires_grad:
                 param.add_(torch.randn(param.shape, generator=generator) * 0.05)
 
@@ -140,15 +150,22 @@ def test_full_weights_sync_layer_by_layer_including_the_tied_lm_head(vault, llm,
     trained.float().eval()
     backend = VLLMBackend(llm, stop_token_ids=[tokenizer.eos_token_id])
     probe = probe_token_ids(len(tokenizer), 48)
-    sync = WeightSync(trained, backend, lambda ids: logprobs_of(trained, ids), probe, tolerance=1e-3,
-                      workdir=str(tmp_path))
+    sync = WeightSync(
+        trained, backend, lambda ids: logprobs_of(trained, ids), probe, tolerance=1e-3, workdir=str(tmp_path)
+    )
     assert sync.compare()[0] < 1e-4  # same weights to start with
 
     _perturbed(trained, seed=1)
     before = sync.compare()[0]
     assert before > 1e-2  # the check can fail: stale weights are visible
-    stale = WeightSync(trained, _FrozenGenerator(backend), lambda ids: logprobs_of(trained, ids), probe,
-                       tolerance=1e-3, workdir=str(tmp_path / "stale"))
+    stale = WeightSync(
+        trained,
+        _FrozenGenerator(backend),
+        lambda ids: logprobs_of(trained, ids),
+        probe,
+        tolerance=1e-3,
+        workdir=str(tmp_path / "stale"),
+    )
     with pytest.raises(WeightSyncError, match="not sampling from the trained policy"):
         stale(1)
 
@@ -160,8 +177,9 @@ def test_full_weights_sync_layer_by_layer_including_the_tied_lm_head(vault, llm,
     assert sync.compare()[0] > 1e-2
     assert sync(2).logprob_diff_max <= 1e-3
     # Back to the saved weights: the module's engine serves the next tests.
-    restore = WeightSync(model, backend, lambda ids: logprobs_of(model, ids), probe, tolerance=1e-3,
-                         workdir=str(tmp_path / "restore"))
+    restore = WeightSync(
+        model, backend, lambda ids: logprobs_of(model, ids), probe, tolerance=1e-3, workdir=str(tmp_path / "restore")
+    )
     assert restore(3).logprob_diff_max <= 1e-3
 
 
@@ -172,8 +190,9 @@ def test_lora_adapter_hot_swap_matches_the_peft_model(vault, llm, tmp_path):
     peft_model = get_peft_model(base.float(), LORA).eval()
     backend = VLLMBackend(llm, stop_token_ids=[tokenizer.eos_token_id])
     probe = probe_token_ids(len(tokenizer), 48)
-    sync = WeightSync(peft_model, backend, lambda ids: logprobs_of(peft_model, ids), probe, tolerance=1e-3,
-                      workdir=str(tmp_path))
+    sync = WeightSync(
+        peft_model, backend, lambda ids: logprobs_of(peft_model, ids), probe, tolerance=1e-3, workdir=str(tmp_path)
+    )
     for version in (0, 1, 2):
         if version:
             _perturbed(peft_model, seed=version)  # only the adapter is trainable
@@ -190,13 +209,31 @@ def test_lora_adapter_hot_swap_matches_the_peft_model(vault, llm, tmp_path):
 
 
 def _run_config(tmp_path, **overrides):
-    base = dict(
-        output_dir=str(tmp_path), iterations=2, tasks_per_iteration=4, rollouts_per_task=3, minibatch_size=4,
-        ppo_epochs=1, max_turns=4, max_new_tokens_per_turn=12, max_trajectory_tokens=400, learning_rate=3e-3,
-        advantage_threshold=0.0, use_vllm=True, vllm_gpu_memory_utilization=0.5, bf16=False, report_to=[],
-        logging_steps=1, save_strategy="no", plot_curves=False, viewer_rollouts_per_iteration=0,
-        memory_stress_test=False, disable_tqdm=True, max_concurrent_episodes=16, seed=3,
-    )
+    base = {
+        "output_dir": str(tmp_path),
+        "iterations": 2,
+        "tasks_per_iteration": 4,
+        "rollouts_per_task": 3,
+        "minibatch_size": 4,
+        "ppo_epochs": 1,
+        "max_turns": 4,
+        "max_new_tokens_per_turn": 12,
+        "max_trajectory_tokens": 400,
+        "learning_rate": 3e-3,
+        "advantage_threshold": 0.0,
+        "use_vllm": True,
+        "vllm_gpu_memory_utilization": 0.5,
+        "bf16": False,
+        "report_to": [],
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "plot_curves": False,
+        "viewer_rollouts_per_iteration": 0,
+        "memory_stress_test": False,
+        "disable_tqdm": True,
+        "max_concurrent_episodes": 16,
+        "seed": 3,
+    }
     base.update(overrides)
     return LOOPConfig(**base)
 
@@ -207,8 +244,9 @@ def _run_config(tmp_path, **overrides):
 def test_two_iteration_loop_run_on_vllm(vault, tmp_path, lora):
     env, model, tokenizer, path = vault
     policy = type(model).from_pretrained(path).float()
-    trainer = LOOPTrainer(policy, env, _run_config(tmp_path), processing_class=tokenizer,
-                          peft_config=LORA if lora else None)
+    trainer = LOOPTrainer(
+        policy, env, _run_config(tmp_path), processing_class=tokenizer, peft_config=LORA if lora else None
+    )
     backend = trainer.generator.backend
     assert isinstance(backend, VLLMBackend)
     # CPU has no sleep mode; record what the trainer asks for as if it had one.

@@ -35,10 +35,29 @@ def server(vault, tmp_path_factory):
     env = {**os.environ, **SERVER_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine core as usual
     # `vllm serve` is this module under vllm-cpu (its CLI looks for a package named vllm).
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
-               "--enable-lora", "--max-lora-rank", "8", "--logprobs-mode", "processed_logprobs",
-               "--generation-config", "vllm"]
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        path,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "512",
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--generation-config",
+        "vllm",
+    ]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -64,26 +83,39 @@ def server(vault, tmp_path_factory):
             process.kill()
 
 
-
-
 def test_server_episodes_are_token_exact_and_log_probs_are_the_trainers(vault, server, tmp_path):
     env, model, tokenizer, _ = vault
     tasks = list(env.tasks("train"))[:4]
     stop = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
-    hf = collect(env, TransformersBackend(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id,
-                                           temperature=0.0), tokenizer, tasks)
+    hf = collect(
+        env,
+        TransformersBackend(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id, temperature=0.0),
+        tokenizer,
+        tasks,
+    )
     backend = VLLMServerBackend(server, stop_token_ids=stop, sync_dir=str(tmp_path), temperature=1.0)
     ours = collect(env, backend.with_temperature(0.0), tokenizer, tasks)
-    key = lambda t: (t.task_id, t.rollout)
+
+    def key(t):
+        return t.task_id, t.rollout
+
     for expected, got in zip(sorted(hf.trajectories, key=key), sorted(ours.trajectories, key=key), strict=True):
         assert (got.token_ids, got.loss_mask, got.messages, got.reward) == (
-            expected.token_ids, expected.loss_mask, expected.messages, expected.reward)
+            expected.token_ids,
+            expected.loss_mask,
+            expected.messages,
+            expected.reward,
+        )
     sampled = collect(env, backend, tokenizer, tasks, rollouts=2, seed=5)
     assert not sampled.failed
     for trajectory in sampled.trajectories:
         mask = torch.tensor(trajectory.loss_mask[1:], dtype=torch.bool)
-        torch.testing.assert_close(torch.tensor(trajectory.sampler_logprobs[1:])[mask],
-                                   logprobs_of(model, trajectory.token_ids)[mask], atol=1e-3, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(trajectory.sampler_logprobs[1:])[mask],
+            logprobs_of(model, trajectory.token_ids)[mask],
+            atol=1e-3,
+            rtol=0,
+        )
     backend.close()
 
 
@@ -111,8 +143,9 @@ def test_server_weight_sync_lora_hot_swap_and_full_reload(vault, server, tmp_pat
     with torch.no_grad():
         for param in trained.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    full_backend = VLLMServerBackend(server, stop_token_ids=[tokenizer.eos_token_id], sync_dir=str(tmp_path / "full"),
-                                     shard_bytes=64 << 10)  # several shards even for a tiny model
+    full_backend = VLLMServerBackend(
+        server, stop_token_ids=[tokenizer.eos_token_id], sync_dir=str(tmp_path / "full"), shard_bytes=64 << 10
+    )  # several shards even for a tiny model
     full = WeightSync(trained, full_backend, lambda ids: logprobs_of(trained, ids), probe, tolerance=1e-3)
     assert full.compare()[0] > 1e-2
     assert full(2).logprob_diff_max <= 1e-3
@@ -127,11 +160,29 @@ def test_two_iteration_loop_run_in_server_mode(vault, server, tmp_path):
     env, _, tokenizer, path = vault
     policy = type(vault[1]).from_pretrained(path).float()
     args = LOOPConfig(
-        output_dir=str(tmp_path), iterations=2, tasks_per_iteration=4, rollouts_per_task=3, minibatch_size=4,
-        ppo_epochs=1, max_turns=4, max_new_tokens_per_turn=12, max_trajectory_tokens=400, learning_rate=3e-3,
-        advantage_threshold=0.0, use_vllm=True, vllm_mode="server", vllm_server_base_url=server, bf16=False,
-        report_to=[], save_strategy="no", plot_curves=False, viewer_rollouts_per_iteration=0,
-        memory_stress_test=False, disable_tqdm=True, max_concurrent_episodes=16, seed=4,
+        output_dir=str(tmp_path),
+        iterations=2,
+        tasks_per_iteration=4,
+        rollouts_per_task=3,
+        minibatch_size=4,
+        ppo_epochs=1,
+        max_turns=4,
+        max_new_tokens_per_turn=12,
+        max_trajectory_tokens=400,
+        learning_rate=3e-3,
+        advantage_threshold=0.0,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=server,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        plot_curves=False,
+        viewer_rollouts_per_iteration=0,
+        memory_stress_test=False,
+        disable_tqdm=True,
+        max_concurrent_episodes=16,
+        seed=4,
     )
     trainer = LOOPTrainer(policy, env, args, processing_class=tokenizer, peft_config=LORA)
     backend = trainer.generator.backend

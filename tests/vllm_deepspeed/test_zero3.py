@@ -46,11 +46,21 @@ CASES = {
     # 7 trajectories, minibatches of 3 -> 3, 3, 1 per epoch: shares 2+1 (rank 1 pads with a
     # stand-in micro-batch), then 1+0 (rank 1 only stands in); old log-probs of 6 vs 3 trajectories
     # (rank 1 pads with dropped forwards); activation checkpointing; a linear schedule.
-    "uneven_and_empty": {"samples": 7, "minibatch_size": 3, "ppo_epochs": 2, "activation_checkpointing": True,
-                         "lr_scheduler_type": "linear"},
+    "uneven_and_empty": {
+        "samples": 7,
+        "minibatch_size": 3,
+        "ppo_epochs": 2,
+        "activation_checkpointing": True,
+        "lr_scheduler_type": "linear",
+    },
     # LoRA on q/v: only the adapter trains; uneven split with per-device batches of 2; checkpointing.
-    "lora": {"peft": True, "samples": 7, "minibatch_size": 3, "per_device_train_batch_size": 2,
-             "activation_checkpointing": True},
+    "lora": {
+        "peft": True,
+        "samples": 7,
+        "minibatch_size": 3,
+        "per_device_train_batch_size": 2,
+        "activation_checkpointing": True,
+    },
     # Sample 0 has a NaN advantage: the first minibatch ([4, 0, 7, 3]) is skipped, the second steps
     # (from unchanged weights: KL 0), the third is over the KL threshold: skipped, update aborted.
     "skips": {"nan_advantage": 0, "ppo_epochs": 2, "kl_abort_threshold": KL_ABORT},
@@ -62,12 +72,26 @@ CASES = {
 def _run(output_dir: Path, zero3: bool) -> dict[str, tuple[dict, dict[str, torch.Tensor]]]:
     cache = Path(os.environ.get("LOOP_CACHE_DIR", Path.home() / ".cache" / "loop_trainer"))
     env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache / "torch-extensions"))}
-    launcher = [
-        *PYTHON, "-m", "accelerate.commands.launch", "--config_file", str(ZERO3_CONFIG),
-        "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_local_port()),
-    ] if zero3 else PYTHON
-    return run_driver(launcher, output_dir, CASES, label="ZeRO-3 on 2 processes" if zero3 else "1 process",
-                      timeout=TIMEOUT, env=env)
+    launcher = (
+        [
+            *PYTHON,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(ZERO3_CONFIG),
+            "--num_processes",
+            "2",
+            "--mixed_precision",
+            "no",
+            "--main_process_port",
+            str(free_local_port()),
+        ]
+        if zero3
+        else PYTHON
+    )
+    return run_driver(
+        launcher, output_dir, CASES, label="ZeRO-3 on 2 processes" if zero3 else "1 process", timeout=TIMEOUT, env=env
+    )
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +137,17 @@ def test_zero3_on_two_processes_matches_one_process(runs, case):
             assert one["grad_norm"] > 10 * MAX_GRAD_NORM, (k, one)
         else:
             assert math.isnan(one["grad_norm"]) and math.isnan(two["grad_norm"])
-    for key in ("loss", "grad_norm", "kl", "clip_frac", "ratio_mean", "ratio_min", "ratio_max",
-                "sampler_logprob_diff", "sampler_logprob_diff_max"):
+    for key in (
+        "loss",
+        "grad_norm",
+        "kl",
+        "clip_frac",
+        "ratio_mean",
+        "ratio_min",
+        "ratio_max",
+        "sampler_logprob_diff",
+        "sampler_logprob_diff_max",
+    ):
         assert double[key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
     assert double["learning_rate_after"] == pytest.approx(single["learning_rate_after"], rel=1e-6)
 
@@ -124,8 +157,9 @@ def test_zero3_on_two_processes_matches_one_process(runs, case):
     # Adam's lr * g / (|g| + eps).
     assert single_weights.keys() == double_weights.keys()
     assert min(single["max_update"], double["max_update"]) > 1e-3
-    difference = math.sqrt(sum(float(((single_weights[k] - double_weights[k]).double() ** 2).sum())
-                               for k in single_weights))
+    difference = math.sqrt(
+        sum(float(((single_weights[k] - double_weights[k]).double() ** 2).sum()) for k in single_weights)
+    )
     assert difference < 1e-5 * single["update_norm"], (difference, single["update_norm"])
     assert double["update_norm"] == pytest.approx(single["update_norm"], rel=1e-5)
     for k in single_weights:

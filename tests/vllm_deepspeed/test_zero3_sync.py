@@ -32,8 +32,9 @@ def engine(vault):
     # One engine for the module: building another re-creates vLLM's process groups, and a second
     # DeepSpeed engine in the process would then broadcast over a stale group.
     _, _, _, path = vault
-    return build_colocated_llm(path, dtype="float32", max_model_len=256, max_num_seqs=4,
-                               gpu_memory_utilization=0.5, lora_rank=8)
+    return build_colocated_llm(
+        path, dtype="float32", max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.5, lora_rank=8
+    )
 
 
 @pytest.fixture()
@@ -76,26 +77,33 @@ def test_full_weights_stream_one_layer_at_a_time_from_zero3(vault, engine, gathe
     largest_layer = sum(p.numel() for p in trained.model.layers[0].parameters())
     _, logprobs = _zero3(trained)
     backend = VLLMBackend(engine, stop_token_ids=[tokenizer.eos_token_id])
-    sync = WeightSync(trained, backend, logprobs, probe_token_ids(len(tokenizer), 48), tolerance=1e-3,
-                      workdir=str(tmp_path))
+    sync = WeightSync(
+        trained, backend, logprobs, probe_token_ids(len(tokenizer), 48), tolerance=1e-3, workdir=str(tmp_path)
+    )
     assert sync.compare()[0] > 1e-2
     gathers.clear()
     assert sync(1).logprob_diff_max <= 1e-3
     assert max(gathers) <= largest_layer < total / 2  # never more than one layer materialised
     assert sum(gathers) == total + trained.get_input_embeddings().weight.numel()  # + the tied lm_head
     # Put the engine's base weights back for the LoRA test.
-    restore = WeightSync(model, backend, lambda ids: logprobs_of(model, ids), probe_token_ids(len(tokenizer), 48),
-                         tolerance=1e-3, workdir=str(tmp_path / "restore"))
+    restore = WeightSync(
+        model,
+        backend,
+        lambda ids: logprobs_of(model, ids),
+        probe_token_ids(len(tokenizer), 48),
+        tolerance=1e-3,
+        workdir=str(tmp_path / "restore"),
+    )
     assert restore(2).logprob_diff_max <= 1e-3
-
 
 
 def test_lora_sync_gathers_only_the_adapter_from_zero3(vault, engine, gathers, tmp_path):
     _, model, tokenizer, _ = vault
     base = type(model)(model.config)
     base.load_state_dict(model.state_dict())
-    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"],
-                                                 lora_dropout=0.0))
+    peft_model = get_peft_model(
+        base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    )
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -104,8 +112,9 @@ def test_lora_sync_gathers_only_the_adapter_from_zero3(vault, engine, gathers, t
     adapter = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
     _, logprobs = _zero3(peft_model)
     backend = VLLMBackend(engine, stop_token_ids=[tokenizer.eos_token_id])
-    sync = WeightSync(peft_model, backend, logprobs, probe_token_ids(len(tokenizer), 48), tolerance=1e-3,
-                      workdir=str(tmp_path))
+    sync = WeightSync(
+        peft_model, backend, logprobs, probe_token_ids(len(tokenizer), 48), tolerance=1e-3, workdir=str(tmp_path)
+    )
     assert sync.compare()[0] > 1e-2  # the engine still serves the base model
     gathers.clear()
     assert sync(1).logprob_diff_max <= 1e-3

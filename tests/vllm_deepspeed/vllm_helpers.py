@@ -11,8 +11,15 @@ LIMITS = EpisodeLimits(max_turns=4, max_new_tokens_per_turn=12, max_trajectory_t
 
 
 def collect(env, backend, tokenizer, tasks, rollouts=2, seed=7):
-    engine = RolloutEngine(env, backend, ChatFormatter(tokenizer), LIMITS, env_timeout=10.0,
-                           max_concurrent_episodes=16, show_progress=False)
+    engine = RolloutEngine(
+        env,
+        backend,
+        ChatFormatter(tokenizer),
+        LIMITS,
+        env_timeout=10.0,
+        max_concurrent_episodes=16,
+        show_progress=False,
+    )
     return engine.collect(tasks, rollouts, seed=seed)
 
 

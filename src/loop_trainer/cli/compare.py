@@ -26,9 +26,8 @@ from typing import Any
 from trl import ModelConfig
 
 from ..chat import stop_token_ids
-from ..config import LOOPConfig
+from ..config import EpisodeSettings, LOOPConfig, mapping_setting
 from ..envs import EnvironmentSetupError, make_environment
-from ..config import EpisodeSettings
 from ..rollout import TransformersBackend
 from .evaluate import EvalArguments, evaluate, load_policy
 from .recipe import RecipeError, ScriptArguments, parse_recipe
@@ -44,11 +43,14 @@ class CompareArguments:
     max_tasks: int | None = field(default=None, metadata={"help": "Evaluate only the first N tasks of the split."})
     sampled_rollouts_per_task: int = field(default=4, metadata={"help": "Rollouts per task in the sampled evaluation."})
     sampled_temperature: float | None = field(
-        default=None, metadata={"help": "Temperature of the sampled evaluation (default: the recipe's temperature)."})
+        default=None, metadata={"help": "Temperature of the sampled evaluation (default: the recipe's temperature)."}
+    )
     trained: str | None = field(
-        default=None, metadata={"help": "The trained model or adapter directory (default: the recipe's output_dir)."})
+        default=None, metadata={"help": "The trained model or adapter directory (default: the recipe's output_dir)."}
+    )
     example_trajectories: int = field(
-        default=3, metadata={"help": "Tasks shown side by side in compare/trajectories.md (greedy, start vs trained)."})
+        default=3, metadata={"help": "Tasks shown side by side in compare/trajectories.md (greedy, start vs trained)."}
+    )
 
 
 def trained_policy(model_args: ModelConfig, directory: str) -> tuple[ModelConfig, str | None]:
@@ -59,38 +61,67 @@ def trained_policy(model_args: ModelConfig, directory: str) -> tuple[ModelConfig
         return model_args, directory
     if (path / "config.json").is_file():
         return dataclasses.replace(model_args, model_name_or_path=directory), None
-    raise RecipeError(f"{directory} holds no trained model or adapter: run loop-train with this recipe first "
-                      "(or point --trained at the run's output_dir)")
+    raise RecipeError(
+        f"{directory} holds no trained model or adapter: run loop-train with this recipe first "
+        "(or point --trained at the run's output_dir)"
+    )
 
 
-def compare(script: ScriptArguments, training: LOOPConfig, model_args: ModelConfig,
-            options: CompareArguments) -> list[dict[str, Any]]:
+def compare(
+    script: ScriptArguments, training: LOOPConfig, model_args: ModelConfig, options: CompareArguments
+) -> list[dict[str, Any]]:
     """Evaluate the starting and the trained policy, greedy and sampled; one row per evaluation."""
     trained_dir = options.trained or training.output_dir
-    policies = {"start": (copy.deepcopy(model_args), None), "trained": trained_policy(copy.deepcopy(model_args), trained_dir)}
+    assert trained_dir is not None  # TrainingArguments.__post_init__ gives output_dir a default
+    policies = {
+        "start": (copy.deepcopy(model_args), None),
+        "trained": trained_policy(copy.deepcopy(model_args), trained_dir),
+    }
     temperature = training.temperature if options.sampled_temperature is None else options.sampled_temperature
     decodings = {"greedy": (0.0, 1), f"T={temperature:g}": (temperature, options.sampled_rollouts_per_task)}
     episode = {f.name: getattr(training, f.name) for f in dataclasses.fields(EpisodeSettings)}
     try:
-        env = make_environment(script.environment, **(script.environment_kwargs or {}))
+        env = make_environment(script.environment, **mapping_setting(script.environment_kwargs, "environment_kwargs"))
     except (ValueError, EnvironmentSetupError) as error:
         raise RecipeError(str(error)) from None
     rows = []
     try:
         for policy, (policy_args, adapter) in policies.items():
-            base = EvalArguments(environment=script.environment, environment_kwargs=script.environment_kwargs,
-                                 split=options.split, adapter=adapter, max_tasks=options.max_tasks, seed=training.seed,
-                                 output_dir=str(Path(trained_dir) / "compare" / policy), **episode)
+            base = EvalArguments(
+                environment=script.environment,
+                environment_kwargs=script.environment_kwargs,
+                split=options.split,
+                adapter=adapter,
+                max_tasks=options.max_tasks,
+                seed=training.seed,
+                output_dir=str(Path(trained_dir) / "compare" / policy),
+                **episode,
+            )
             model, tokenizer = load_policy(policy_args, base, env)
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-            backend = TransformersBackend(model, stop_token_ids=stop_token_ids(model, tokenizer), pad_token_id=pad,
-                                          max_batch_size=training.generation_batch_limit)
+            backend = TransformersBackend(
+                model,
+                stop_token_ids=stop_token_ids(model, tokenizer),
+                pad_token_id=pad,
+                max_batch_size=training.generation_batch_limit,
+            )
             for decoding, (temp, rollouts) in decodings.items():
-                args = dataclasses.replace(base, temperature=temp, rollouts_per_task=rollouts,
-                                           output_dir=f"{base.output_dir}-{decoding.replace('=', '')}")
+                args = dataclasses.replace(
+                    base,
+                    temperature=temp,
+                    rollouts_per_task=rollouts,
+                    output_dir=f"{base.output_dir}-{decoding.replace('=', '')}",
+                )
                 metrics = evaluate(args, policy_args, env=env, generation_backend=backend)
-                rows.append({"policy": policy, "decoding": decoding, "rollouts_per_task": rollouts,
-                             **{k: v for k, v in metrics.items() if isinstance(v, float)}, "output_dir": args.output_dir})
+                rows.append(
+                    {
+                        "policy": policy,
+                        "decoding": decoding,
+                        "rollouts_per_task": rollouts,
+                        **{k: v for k, v in metrics.items() if isinstance(v, float)},
+                        "output_dir": args.output_dir,
+                    }
+                )
             del model, backend
     finally:
         env.close()
@@ -99,12 +130,17 @@ def compare(script: ScriptArguments, training: LOOPConfig, model_args: ModelConf
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """A markdown table: one line per (decoding, policy), every metric of the environment's summary
-as a column (the rollout counts as one column)."""
+    as a column (the rollout counts as one column)."""
     keys = [k for k in rows[0] if isinstance(rows[0][k], float) and not k.startswith("num_") and k != "temperature"]
-    lines = ["| decoding | policy | rollouts | " + " | ".join(keys) + " |", "| --- | --- | --- |" + " --- |" * len(keys)]
+    lines = [
+        "| decoding | policy | rollouts | " + " | ".join(keys) + " |",
+        "| --- | --- | --- |" + " --- |" * len(keys),
+    ]
     for row in sorted(rows, key=lambda r: (r["decoding"] != "greedy", r["policy"] != "start")):
         rollouts = f"{row.get('num_rollouts', float('nan')):.0f}"
-        lines.append(f"| {row['decoding']} | {row['policy']} | {rollouts} | " + " | ".join(f"{row[k]:.3f}" for k in keys) + " |")
+        lines.append(
+            f"| {row['decoding']} | {row['policy']} | {rollouts} | " + " | ".join(f"{row[k]:.3f}" for k in keys) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -124,8 +160,12 @@ def contrasting_trajectories(rows: Sequence[dict[str, Any]], count: int) -> str:
             result = results[policy][task]
             messages = result["messages"]
             opening = result.get("num_opening_messages", 0)
-            sections.append(f"**{policy}** (reward {result['reward']:.2f}, {result['ending']}); the last opening "
-                            f"message: {messages[opening - 1]['content']!r}\n" if opening else f"**{policy}**\n")
+            sections.append(
+                f"**{policy}** (reward {result['reward']:.2f}, {result['ending']}); the last opening "
+                f"message: {messages[opening - 1]['content']!r}\n"
+                if opening
+                else f"**{policy}**\n"
+            )
             sections += [f"- {m['role']}: `{m['content']}`" for m in messages[opening:]]
             sections.append("")
     return "\n".join(sections)
@@ -138,8 +178,9 @@ def _read_results(directory: str) -> list[dict[str, Any]]:
 def cli(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        script, training, model_args, options = parse_recipe(argv, (ScriptArguments, LOOPConfig, ModelConfig,
-                                                                    CompareArguments))
+        script, training, model_args, options = parse_recipe(
+            argv, (ScriptArguments, LOOPConfig, ModelConfig, CompareArguments)
+        )
         rows = compare(script, training, model_args, options)
     except (RecipeError, EnvironmentSetupError) as error:
         print(f"loop-compare: error: {error}", file=sys.stderr)

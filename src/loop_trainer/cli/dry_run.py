@@ -17,15 +17,24 @@ from trl import ModelConfig
 
 from ..config import LOOPConfig
 from ..envs import available_environments
-from ..rollout.generator import COLOCATED_TP_ONLY
-from ..models.memory_plan import MemoryPlan, ModelShape, load_model_shape, plan_memory
-from .recipe import RecipeError, ScriptArguments
+from ..models.memory_plan import MemoryPlan, plan_memory
+from ..models.model_shape import ModelShape, load_model_shape
 from ..models.packaged import resolve_model_path
 from ..models.tiny import is_tiny_spec, tiny_config
+from ..rollout.generator import COLOCATED_TP_ONLY
+from .recipe import RecipeError, ScriptArguments
 
 EXIT_DOES_NOT_FIT = 3
-MODEL_KEYS = ("model_name_or_path", "dtype", "attn_implementation", "use_peft", "lora_r", "lora_alpha",
-              "lora_dropout", "lora_target_modules")
+MODEL_KEYS = (
+    "model_name_or_path",
+    "dtype",
+    "attn_implementation",
+    "use_peft",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+)
 # plan_memory's advice names its own parameters; a recipe sets them through these keys (see plan_for).
 RECIPE_KEY_OF_PLAN_PARAMETER = {
     "vllm_sleep_mode": "vllm_enable_sleep_mode",
@@ -33,8 +42,14 @@ RECIPE_KEY_OF_PLAN_PARAMETER = {
     "world_size": "plan_gpus",
     "lora": "use_peft: true",
 }
-GENERATION_KEYS = ("use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
-                   "vllm_enable_sleep_mode", "generation_batch_limit")
+GENERATION_KEYS = (
+    "use_vllm",
+    "vllm_mode",
+    "vllm_gpu_memory_utilization",
+    "vllm_tensor_parallel_size",
+    "vllm_enable_sleep_mode",
+    "generation_batch_limit",
+)
 
 
 def model_shape(model_args: ModelConfig) -> ModelShape:
@@ -61,25 +76,37 @@ def plan_for(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCo
     world = script_args.plan_gpus or int(os.environ.get("WORLD_SIZE", 8))
     lora = None
     if model_args.use_peft:
-        lora = {"r": model_args.lora_r, "alpha": model_args.lora_alpha,
-                "target_modules": model_args.lora_target_modules or "all-linear", "dropout": model_args.lora_dropout}
+        lora = {
+            "r": model_args.lora_r,
+            "alpha": model_args.lora_alpha,
+            "target_modules": model_args.lora_target_modules or "all-linear",
+            "dropout": model_args.lora_dropout,
+        }
     # A vLLM server generates on GPUs of its own: only a colocated engine shares the trainer's.
     colocated = args.use_vllm and args.vllm_mode == "colocate"
     if colocated and args.vllm_tensor_parallel_size != 1:
         raise RecipeError(COLOCATED_TP_ONLY)
     # Episodes a process runs at once bound the transformers backend's generation batch.
     episodes = -(-args.tasks_per_iteration * args.rollouts_per_task // world)
+    assert args.max_training_tokens is not None  # LOOPConfig.__post_init__ sets it
     try:
         plan = plan_memory(
-            model_shape(model_args), world_size=world, gpu_memory_gib=script_args.plan_gpu_memory_gib,
+            model_shape(model_args),
+            world_size=world,
+            gpu_memory_gib=script_args.plan_gpu_memory_gib,
             zero_stage=planned_zero_stage(world),
-            lora=lora, bf16=model_args.dtype in (None, "auto", "bfloat16", "float16"),
-            activation_checkpointing=bool(args.activation_checkpointing), max_training_tokens=args.max_training_tokens,
-            per_device_train_batch_size=args.per_device_train_batch_size, use_vllm=colocated,
+            lora=lora,
+            bf16=model_args.dtype in (None, "auto", "bfloat16", "float16"),
+            activation_checkpointing=bool(args.activation_checkpointing),
+            max_training_tokens=args.max_training_tokens,
+            per_device_train_batch_size=args.per_device_train_batch_size,
+            use_vllm=colocated,
             vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            vllm_tensor_parallel_size=args.vllm_tensor_parallel_size, vllm_sleep_mode=args.vllm_enable_sleep_mode,
+            vllm_tensor_parallel_size=args.vllm_tensor_parallel_size,
+            vllm_sleep_mode=args.vllm_enable_sleep_mode,
             generation_batch=min(args.generation_batch_limit, args.max_concurrent_episodes, episodes),
-            max_trajectory_tokens=args.max_trajectory_tokens, vllm_server=args.use_vllm and args.vllm_mode == "server",
+            max_trajectory_tokens=args.max_trajectory_tokens,
+            vllm_server=args.use_vllm and args.vllm_mode == "server",
         )
     except ValueError as error:
         raise RecipeError(in_recipe_keys(str(error))) from None
@@ -97,9 +124,25 @@ def in_recipe_keys(advice: str) -> str:
 def effective_configuration(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelConfig) -> str:
     inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
     loop_keys = [f.name for f in dataclasses.fields(LOOPConfig) if f.init and f.name not in inherited]
-    training_keys = ("learning_rate", "lr_scheduler_type", "weight_decay", "max_grad_norm", "epsilon", "temperature",
-                     "per_device_train_batch_size", "activation_checkpointing", "bf16", "seed", "output_dir",
-                     "save_strategy", "save_steps", "save_total_limit", "report_to", "push_to_hub", "hub_model_id")
+    training_keys = (
+        "learning_rate",
+        "lr_scheduler_type",
+        "weight_decay",
+        "max_grad_norm",
+        "epsilon",
+        "temperature",
+        "per_device_train_batch_size",
+        "activation_checkpointing",
+        "bf16",
+        "seed",
+        "output_dir",
+        "save_strategy",
+        "save_steps",
+        "save_total_limit",
+        "report_to",
+        "push_to_hub",
+        "hub_model_id",
+    )
     sections: list[tuple[str, list[tuple[str, Any]]]] = [
         ("environment", [(k, getattr(script_args, k)) for k in ("environment", "environment_kwargs")]),
         ("model", [(k, getattr(model_args, k)) for k in MODEL_KEYS]),
@@ -121,8 +164,10 @@ def dry_run(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCon
     plan, world = plan_for(script_args, args, model_args)
     print(effective_configuration(script_args, args, model_args))
     stage = planned_zero_stage(world)
-    print(f"\nMemory plan per GPU: {world} GPUs x {script_args.plan_gpu_memory_gib:g} GiB, "
-          f"{f'ZeRO-{stage}' if stage else 'no DeepSpeed'} (estimates; see docs/recipes.md)")
+    print(
+        f"\nMemory plan per GPU: {world} GPUs x {script_args.plan_gpu_memory_gib:g} GiB, "
+        f"{f'ZeRO-{stage}' if stage else 'no DeepSpeed'} (estimates; see docs/recipes.md)"
+    )
     if args.use_vllm and args.vllm_mode == "server":
         plan.notes.append("generation runs on the vLLM server's own GPUs (vllm_mode: server), not planned here")
     print(plan.format())

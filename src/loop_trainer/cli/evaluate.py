@@ -24,17 +24,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from trl import ModelConfig
 
 from ..chat import ChatFormatter, stop_token_ids
-from ..config import EpisodeSettings, LOOPConfig, output_dir_problem, range_of
+from ..config import EpisodeSettings, LOOPConfig, mapping_setting, output_dir_problem, range_of
 from ..config.ranges import setting
 from ..envs import Environment, EnvironmentSetupError, make_environment
 from ..evaluation import Evaluator, format_metrics, write_evaluation_viewer
-from ..rollout import GenerationBackend, TransformersBackend
 from ..models.packaged import PackagedModelError, resolve_model_path
 from ..models.tiny import build_tiny_from_spec, build_word_tokenizer, is_tiny_spec, load_tokenizer
+from ..rollout import GenerationBackend, TransformersBackend
 from .recipe import RecipeError, ScriptArguments, parse_recipe
 
 __all__ = ["EvalArguments", "cli", "evaluate"]
@@ -50,11 +50,13 @@ class EvalArguments(ScriptArguments, EpisodeSettings):
     split: str = field(default="dev", metadata={"help": "Split to evaluate (AppWorld: dev, test_normal, ...)."})
     adapter: str | None = field(default=None, metadata={"help": "A PEFT adapter directory to load on the model."})
     # loop-eval's ranges are training's: those of LOOPConfig's evaluation keys (and the episode settings').
-    rollouts_per_task: int = setting(1, "Independent rollouts of every task.",
-                                     range_of(LOOPConfig, "eval_rollouts_per_task"))
+    rollouts_per_task: int = setting(
+        1, "Independent rollouts of every task.", range_of(LOOPConfig, "eval_rollouts_per_task")
+    )
     temperature: float = setting(0.0, "Sampling temperature; 0 is greedy.", range_of(LOOPConfig, "eval_temperature"))
-    max_tasks: int | None = setting(None, "Evaluate only the first N tasks of the split.",
-                                    range_of(LOOPConfig, "eval_max_tasks"))
+    max_tasks: int | None = setting(
+        None, "Evaluate only the first N tasks of the split.", range_of(LOOPConfig, "eval_max_tasks")
+    )
     output_dir: str = field(default="eval", metadata={"help": "Where results, metrics and the viewer go."})
     experiment_name: str | None = field(
         default=None, metadata={"help": "AppWorld experiment name for the saved outputs (default: output_dir's name)."}
@@ -67,27 +69,33 @@ class EvalArguments(ScriptArguments, EpisodeSettings):
             raise RecipeError(problem)
 
 
-def _resolve(model_args: ModelConfig) -> str:
-    """A ``packaged:<model>`` spec's directory (converted on first use), or the name itself."""
+def _resolve(model_args: ModelConfig, name: str) -> str:
+    """A ``packaged:<model>`` spec's directory (converted on first use), or the name itself; also
+    ``model_args.model_name_or_path`` from now on (``name`` is its value)."""
     try:
-        model_args.model_name_or_path = resolve_model_path(model_args.model_name_or_path)
+        model_args.model_name_or_path = resolved = resolve_model_path(name)
     except PackagedModelError as error:
         raise RecipeError(str(error)) from None
-    return model_args.model_name_or_path
+    return resolved
 
 
 def load_policy(model_args: ModelConfig, eval_args: EvalArguments, env: Environment) -> tuple[Any, Any]:
     name = model_args.model_name_or_path
     if not name:
         raise RecipeError("model_name_or_path is not set (a model id or a local directory)")
+    model: Any  # a PreTrainedModel, or the PeftModel around it
+    tokenizer: PreTrainedTokenizerBase
     if is_tiny_spec(name):
         try:
             model, tokenizer = build_tiny_from_spec(name, env, seed=eval_args.seed, env_timeout=eval_args.env_timeout)
         except ValueError as error:
             raise RecipeError(str(error)) from None
     else:
-        name = _resolve(model_args)
-        kwargs: dict[str, Any] = {"revision": model_args.model_revision, "trust_remote_code": getattr(model_args, "trust_remote_code", False)}
+        name = _resolve(model_args, name)
+        kwargs: dict[str, Any] = {
+            "revision": model_args.model_revision,
+            "trust_remote_code": getattr(model_args, "trust_remote_code", False),
+        }
         try:
             tokenizer = load_tokenizer(eval_args.adapter or name, **kwargs)
         except (OSError, ValueError):
@@ -108,8 +116,9 @@ def load_policy(model_args: ModelConfig, eval_args: EvalArguments, env: Environm
         except (OSError, ValueError, RuntimeError, KeyError) as error:
             lines = [line.strip() for line in str(error).splitlines() if line.strip()]
             reason = next((line for line in lines if "size mismatch" in line), lines[0] if lines else repr(error))
-            raise RecipeError(f"cannot load adapter '{eval_args.adapter}' on '{name}' (is it this model's "
-                              f"adapter?): {reason}") from None
+            raise RecipeError(
+                f"cannot load adapter '{eval_args.adapter}' on '{name}' (is it this model's adapter?): {reason}"
+            ) from None
     model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
     return model, tokenizer
 
@@ -122,10 +131,15 @@ def load_tokenizer_only(model_args: ModelConfig, eval_args: EvalArguments, env: 
     if is_tiny_spec(name):
         label = name.split(":", 1)[1]
         if label != env.name or not hasattr(env, "vocabulary"):
-            raise RecipeError(f"'{name}' is a tiny model for the '{label}' environment; the environment is '{env.name}'")
+            raise RecipeError(
+                f"'{name}' is a tiny model for the '{label}' environment; the environment is '{env.name}'"
+            )
         return build_word_tokenizer(env.vocabulary())
-    name = _resolve(model_args)
-    kwargs: dict[str, Any] = {"revision": model_args.model_revision, "trust_remote_code": getattr(model_args, "trust_remote_code", False)}
+    name = _resolve(model_args, name)
+    kwargs: dict[str, Any] = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": getattr(model_args, "trust_remote_code", False),
+    }
     for source in dict.fromkeys(filter(None, (eval_args.adapter, name))):
         try:
             return load_tokenizer(source, **kwargs)
@@ -169,7 +183,9 @@ def evaluate(
     owns_env = env is None
     if env is None:
         try:
-            env = make_environment(eval_args.environment, **(eval_args.environment_kwargs or {}))
+            env = make_environment(
+                eval_args.environment, **mapping_setting(eval_args.environment_kwargs, "environment_kwargs")
+            )
         except (ValueError, EnvironmentSetupError) as error:
             raise RecipeError(str(error)) from None
     try:
@@ -177,15 +193,20 @@ def evaluate(
             model, tokenizer = load_policy(model_args, eval_args, env)
             pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
             generation_backend = TransformersBackend(
-                model, stop_token_ids=stop_token_ids(model, tokenizer), pad_token_id=pad_token_id,
-                temperature=eval_args.temperature, max_batch_size=eval_args.generation_batch_limit,
+                model,
+                stop_token_ids=stop_token_ids(model, tokenizer),
+                pad_token_id=pad_token_id,
+                temperature=eval_args.temperature,
+                max_batch_size=eval_args.generation_batch_limit,
             )
         else:
             tokenizer = load_tokenizer_only(model_args, eval_args, env)
             # The temperature is honoured (the backend samples at it) or refused, never recorded but ignored.
             if not hasattr(generation_backend, "with_temperature"):
-                raise RecipeError(f"generation_backend {type(generation_backend).__name__} has no "
-                                  "with_temperature(temperature) method, so temperature cannot be honoured")
+                raise RecipeError(
+                    f"generation_backend {type(generation_backend).__name__} has no "
+                    "with_temperature(temperature) method, so temperature cannot be honoured"
+                )
             generation_backend = generation_backend.with_temperature(eval_args.temperature)
         if owns_env:
             env.set_tokenizer(tokenizer)
@@ -196,15 +217,25 @@ def evaluate(
         evaluator = Evaluator(env, generation_backend, ChatFormatter(tokenizer), eval_args, show_progress=True)
         try:
             with experiment_per_rollout(env, experiment) as before_rollout:
-                result = evaluator.run(eval_args.split, rollouts_per_task=eval_args.rollouts_per_task,
-                                       seed=eval_args.seed, max_tasks=eval_args.max_tasks, before_rollout=before_rollout)
+                result = evaluator.run(
+                    eval_args.split,
+                    rollouts_per_task=eval_args.rollouts_per_task,
+                    seed=eval_args.seed,
+                    max_tasks=eval_args.max_tasks,
+                    before_rollout=before_rollout,
+                )
         finally:
             evaluator.close()
     finally:
         if owns_env:
             env.close()
-    metrics: dict[str, Any] = {**result.metrics, "split": eval_args.split, "model": model_args.model_name_or_path,
-                               "adapter": eval_args.adapter, "temperature": eval_args.temperature}
+    metrics: dict[str, Any] = {
+        **result.metrics,
+        "split": eval_args.split,
+        "model": model_args.model_name_or_path,
+        "adapter": eval_args.adapter,
+        "temperature": eval_args.temperature,
+    }
     if hasattr(env, "experiment_name"):  # where each rollout's saved world states are
         metrics["experiment_name"] = experiment
         for row in result.rows:
@@ -213,8 +244,11 @@ def evaluate(
         for row in result.rows:
             handle.write(json.dumps(row, default=str) + "\n")
     (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    write_evaluation_viewer(result.rows, output_dir / "viewer.html",
-                            title=f"{env.name} · {eval_args.split} · {model_args.model_name_or_path}")
+    write_evaluation_viewer(
+        result.rows,
+        output_dir / "viewer.html",
+        title=f"{env.name} · {eval_args.split} · {model_args.model_name_or_path}",
+    )
     return metrics
 
 

@@ -15,10 +15,11 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 from transformers import TrainingArguments
+from transformers.hf_argparser import DataClassType
 from trl import GRPOConfig, ModelConfig, TrlParser
 
 from ..config import LOOP_EQUIVALENTS, LOOPConfig, check_ranges, unknown_key_message
@@ -34,22 +35,26 @@ class ScriptArguments:
     """What to train on (the rest of a recipe is LOOPConfig and TRL's ModelConfig)."""
 
     environment: str = field(
-        default="vault",
-        metadata={"help": "Environment: a built-in name, an entry point, or 'package.module:Class'."},
+        default="vault", metadata={"help": "Environment: a built-in name, an entry point, or 'package.module:Class'."}
     )
     environment_kwargs: dict | str | None = field(
         default=None, metadata={"help": "Keyword arguments for the environment (a mapping, or JSON on the CLI)."}
     )
     dry_run: bool = field(
         default=False,
-        metadata={"help": "Check the recipe and print the effective configuration and a per-GPU memory plan; "
-                  "train nothing (no GPU needed). Exit status 3 if the plan does not fit."},
+        metadata={
+            "help": "Check the recipe and print the effective configuration and a per-GPU memory plan; "
+            "train nothing (no GPU needed). Exit status 3 if the plan does not fit."
+        },
     )
     plan_gpus: int | None = setting(
-        None, "GPUs the memory plan assumes (default: $WORLD_SIZE, else 8).",
-        at_least(1, "GPUs the dry run's memory plan assumes; None: $WORLD_SIZE, else 8", none=True))
-    plan_gpu_memory_gib: float = setting(80.0, "Memory of one GPU for the memory plan.",
-                                         above(0, "the memory of one GPU in the dry run's memory plan"))
+        None,
+        "GPUs the memory plan assumes (default: $WORLD_SIZE, else 8).",
+        at_least(1, "GPUs the dry run's memory plan assumes; None: $WORLD_SIZE, else 8", none=True),
+    )
+    plan_gpu_memory_gib: float = setting(
+        80.0, "Memory of one GPU for the memory plan.", above(0, "the memory of one GPU in the dry run's memory plan")
+    )
 
     def __post_init__(self) -> None:
         try:
@@ -70,7 +75,7 @@ OWN_OPTIONS = ("config", "help")
 
 
 class _Parser(TrlParser):
-    def error(self, message: str) -> None:  # argparse would print usage and exit
+    def error(self, message: str) -> NoReturn:  # argparse would print usage and exit
         raise RecipeError(message.replace("the following arguments are required", "missing required arguments"))
 
 
@@ -78,15 +83,15 @@ DATACLASSES = (ScriptArguments, LOOPConfig, ModelConfig)
 
 
 # TRL ModelConfig keys loop-train and loop-eval do not honour: key -> why (one line if set).
-REFUSED_MODEL_KEYS: dict[str, str] = {
-    key: "quantised (bitsandbytes) loading is not supported by LOOP; train a LoRA adapter on bf16 weights "
-         "(use_peft: true, dtype: bfloat16)"
-    for key in ("load_in_8bit", "load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage")
-}
+REFUSED_MODEL_KEYS: dict[str, str] = dict.fromkeys(
+    ("load_in_8bit", "load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage"),
+    "quantised (bitsandbytes) loading is not supported by LOOP; train a LoRA adapter on bf16 weights "
+    "(use_peft: true, dtype: bfloat16)",
+)
 
 
 def make_parser(classes: Sequence[type] = DATACLASSES) -> TrlParser:
-    parser = _Parser(tuple(classes))
+    parser = _Parser(tuple(DataClassType(c) for c in classes))
     # --help lists every field of the dataclasses; say which ModelConfig ones LOOP refuses rather than advertise them.
     for action in parser._actions:
         if action.dest in REFUSED_MODEL_KEYS and ModelConfig in classes:
@@ -108,8 +113,9 @@ def _known_keys(classes: Sequence[type]) -> set[str]:
 
 
 # Settings of other trainers: a recipe naming one gets LOOP's equivalent, not a spelling suggestion.
-OTHER_TRAINERS_KEYS = frozenset(LOOP_EQUIVALENTS) | {f.name for cls in (TrainingArguments, GRPOConfig)
-                                                     for f in dataclasses.fields(cls)}
+OTHER_TRAINERS_KEYS = frozenset(LOOP_EQUIVALENTS) | {
+    f.name for cls in (TrainingArguments, GRPOConfig) for f in dataclasses.fields(cls)
+}
 
 
 def _did_you_mean(key: str, classes: Sequence[type], prefix: str = "") -> str:
@@ -202,7 +208,9 @@ def parse_recipe(argv: Sequence[str] | None = None, classes: Sequence[type] = DA
             refuse_unused_model_keys(obj)
             loop_config = next((o for o in parsed if isinstance(o, LOOPConfig)), None)
             if loop_config is not None and loop_config.beta > 0 and not obj.use_peft:
-                raise RecipeError(f"beta={loop_config.beta} needs use_peft: true: LOOP's KL reference is the base model "
-                                  "with the LoRA adapter disabled, never a second copy of the model")
+                raise RecipeError(
+                    f"beta={loop_config.beta} needs use_peft: true: LOOP's KL reference is the base model "
+                    "with the LoRA adapter disabled, never a second copy of the model"
+                )
     parsed[0].effective_recipe = effective
     return parsed

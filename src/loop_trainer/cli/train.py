@@ -18,19 +18,19 @@ from collections.abc import Sequence
 
 from trl import ModelConfig, get_peft_config
 
-from ..training.checkpoints import CheckpointError, check_fresh_output_dir, is_fresh, last_complete_checkpoint
-from ..config import LOOPConfig
+from ..config import LOOPConfig, mapping_setting
 from ..envs import Environment, EnvironmentSetupError, make_environment
-from .recipe import RecipeError, ScriptArguments, make_parser, parse_recipe
 from ..models.packaged import PackagedModelError, resolve_model_path
 from ..models.tiny import build_tiny_from_spec, is_tiny_spec, load_tokenizer
 from ..rollout import RolloutFailureBudgetExceeded
-from ..training.stress import MemoryStressTestFailed
-from ..training.distribution import DistributedSetupError
 from ..rollout.generator import GeneratorConfigError, VLLMNotInstalledError
 from ..rollout.weight_sync import WeightSyncError
+from ..training.checkpoints import CheckpointError, check_fresh_output_dir, is_fresh, last_complete_checkpoint
+from ..training.distribution import DistributedSetupError
+from ..training.stress import MemoryStressTestFailed
 from ..training.trainer import LOOPTrainer
 from .dry_run import dry_run
+from .recipe import RecipeError, ScriptArguments, make_parser, parse_recipe
 
 __all__ = ["main", "make_parser", "cli"]
 logger = logging.getLogger("loop_trainer")
@@ -41,8 +41,10 @@ def load_model_and_tokenizer(model_args: ModelConfig, training_args: LOOPConfig,
     ``tiny-instruct:<env>`` spec (see :mod:`loop_trainer.models.tiny`)."""
     name = model_args.model_name_or_path
     if not name:
-        raise RecipeError("model_name_or_path is not set (a model id, a local directory, 'tiny:<env>' or "
-                          "'packaged:smollm2-135m-instruct')")
+        raise RecipeError(
+            "model_name_or_path is not set (a model id, a local directory, 'tiny:<env>' or "
+            "'packaged:smollm2-135m-instruct')"
+        )
     if is_tiny_spec(name):
         try:
             return build_tiny_from_spec(name, env, seed=training_args.seed, env_timeout=training_args.env_timeout)
@@ -52,13 +54,15 @@ def load_model_and_tokenizer(model_args: ModelConfig, training_args: LOOPConfig,
         name = model_args.model_name_or_path = resolve_model_path(name)
     except PackagedModelError as error:
         raise RecipeError(str(error)) from None
-    kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code)
+    kwargs = {"revision": model_args.model_revision, "trust_remote_code": training_args.trust_remote_code}
     try:
         tokenizer = load_tokenizer(name, padding_side="left", **kwargs)
     except (OSError, ValueError) as error:
         where = "local directory" if os.path.isdir(name) else "model id (no local directory of that name)"
-        raise RecipeError(f"cannot load model_name_or_path '{name}' as a {where}: {str(error).splitlines()[0]}") from None
-    init = dict(training_args.model_init_kwargs or {})
+        raise RecipeError(
+            f"cannot load model_name_or_path '{name}' as a {where}: {str(error).splitlines()[0]}"
+        ) from None
+    init = mapping_setting(training_args.model_init_kwargs, "model_init_kwargs")
     init.update(kwargs, attn_implementation=model_args.attn_implementation)
     if model_args.dtype not in (None, "auto"):
         init["dtype"] = model_args.dtype
@@ -70,6 +74,7 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
     if script_args.dry_run:  # cli() turns the plan's verdict into the exit status
         dry_run(script_args, training_args, model_args)
         return None
+    assert training_args.output_dir is not None  # TrainingArguments.__post_init__ gives it a default
     if is_fresh(training_args.resume_from_checkpoint):  # LOOPTrainer.train() checks it too; here before any loading
         try:
             check_fresh_output_dir(training_args.output_dir, training_args.overwrite_output_dir)
@@ -78,28 +83,49 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
     try:  # e.g. a read-only file system, which os.access cannot see for root
         os.makedirs(training_args.output_dir, exist_ok=True)
     except OSError as error:
-        raise RecipeError(f"output_dir {training_args.output_dir!r} cannot be created: {error.strerror or error}") from None
+        raise RecipeError(
+            f"output_dir {training_args.output_dir!r} cannot be created: {error.strerror or error}"
+        ) from None
     try:
-        env = make_environment(script_args.environment, **(script_args.environment_kwargs or {}))
+        env = make_environment(
+            script_args.environment, **mapping_setting(script_args.environment_kwargs, "environment_kwargs")
+        )
     except (ValueError, EnvironmentSetupError) as error:
         raise RecipeError(str(error)) from None
     try:  # loop-train created the environment, so it closes it, on every path
         model, tokenizer = load_model_and_tokenizer(model_args, training_args, env)
         try:
-            trainer = LOOPTrainer(model=model, env=env, args=training_args, processing_class=tokenizer,
-                                  peft_config=get_peft_config(model_args))
-        except (VLLMNotInstalledError, GeneratorConfigError, WeightSyncError, DistributedSetupError,
-                EnvironmentSetupError) as error:
+            trainer = LOOPTrainer(
+                model=model,
+                env=env,
+                args=training_args,
+                processing_class=tokenizer,
+                peft_config=get_peft_config(model_args),
+            )
+        except (
+            VLLMNotInstalledError,
+            GeneratorConfigError,
+            WeightSyncError,
+            DistributedSetupError,
+            EnvironmentSetupError,
+        ) as error:
             raise RecipeError(str(error)) from None
         trainer.recipe_path = getattr(script_args, "effective_recipe", None)
         # Recorded in each checkpoint and compared on resume, like LOOPConfig's settings.
-        trainer.run_settings = {"environment": script_args.environment,
-                                "environment_kwargs": script_args.environment_kwargs or {}}
+        trainer.run_settings = {
+            "environment": script_args.environment,
+            "environment_kwargs": script_args.environment_kwargs or {},
+        }
         with trainer:
             try:
                 trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-            except (EnvironmentSetupError, CheckpointError, WeightSyncError, DistributedSetupError,
-                    GeneratorConfigError) as error:
+            except (
+                EnvironmentSetupError,
+                CheckpointError,
+                WeightSyncError,
+                DistributedSetupError,
+                GeneratorConfigError,
+            ) as error:
                 raise RecipeError(str(error)) from None
             trainer.save_model(training_args.output_dir, _internal_call=True)  # the push is the next line's
             if training_args.push_to_hub:
@@ -118,8 +144,11 @@ def close_environment(env: Environment) -> None:
         env.close()
     except Exception as error:  # noqa: BLE001 - any failure of a plugin's close() is reported the same way
         detail = str(error).splitlines()[0] if str(error) else ""
-        print(f"loop-train: warning: closing the environment '{getattr(env, 'name', type(env).__name__)}' failed "
-              f"({type(error).__name__}{': ' + detail if detail else ''})", file=sys.stderr)
+        print(
+            f"loop-train: warning: closing the environment '{getattr(env, 'name', type(env).__name__)}' failed "
+            f"({type(error).__name__}{': ' + detail if detail else ''})",
+            file=sys.stderr,
+        )
 
 
 def summary(trainer: LOOPTrainer, window: int = 5) -> str:
@@ -136,12 +165,18 @@ def summary(trainer: LOOPTrainer, window: int = 5) -> str:
     lines = [f"LOOP: {len(history)} iterations on '{trainer.env.name}'."]
     for key, label in (("reward_mean", "mean reward"), ("success_rate", "success rate")):
         if (values := moved(key)) is not None:
-            lines.append(f"  {label + ',':14} first {k} iterations: {values[0]:.3f}   last {k} iterations: "
-                         f"{values[1]:.3f}   ({values[1] - values[0]:+.3f})")
-    return "\n".join([*lines,
-                      f"  metrics:        {trainer.metrics_path}",
-                      f"  learning curve: {trainer.curve_path}",
-                      f"  model:          {trainer.args.output_dir}"])
+            lines.append(
+                f"  {label + ',':14} first {k} iterations: {values[0]:.3f}   last {k} iterations: "
+                f"{values[1]:.3f}   ({values[1] - values[0]:+.3f})"
+            )
+    return "\n".join(
+        [
+            *lines,
+            f"  metrics:        {trainer.metrics_path}",
+            f"  learning curve: {trainer.curve_path}",
+            f"  model:          {trainer.args.output_dir}",
+        ]
+    )
 
 
 def resume_advice(output_dir: str | None) -> str:
@@ -176,8 +211,11 @@ def cli(argv: Sequence[str] | None = None) -> int:
             print("loop-train: interrupted before the first checkpoint; nothing to resume", file=sys.stderr)
         else:
             iteration = checkpoint.name.rsplit("-", 1)[1]
-            print(f"loop-train: interrupted; the newest checkpoint is from iteration {iteration}: resume with "
-                  "--resume_from_checkpoint last (later iterations are redone)", file=sys.stderr)
+            print(
+                f"loop-train: interrupted; the newest checkpoint is from iteration {iteration}: resume with "
+                "--resume_from_checkpoint last (later iterations are redone)",
+                file=sys.stderr,
+            )
         return 130
     return 0
 

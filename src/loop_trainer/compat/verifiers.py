@@ -9,8 +9,8 @@ endpoint, so LOOP could not append the sampled tokens exactly.
 
 How: each episode runs ``vf_env.rollout(row, client, ...)`` as an asyncio task whose ``client`` is a
 bridge: when verifiers asks for a completion, the prompt goes to LOOP's rollout engine, the policy
-samples, and the reply goes back as a ``vf.Response`` (tool calls parsed from the sampled ids as
-TRL parses them, :mod:`.tool_calls`). verifiers keeps its own turn loop, stop conditions, tools
+samples, and the reply goes back as a ``vf.Response`` (:mod:`.verifiers_messages`: tool calls parsed
+from the sampled ids as TRL parses them). verifiers keeps its own turn loop, stop conditions, tools
 and state; LOOP keeps the tokens. When the rollout ends, ``rubric.score_rollout(state)`` gives the
 reward (any real number) and ``Score.info`` gets ``metrics``, ``stop_condition`` and the completion.
 
@@ -36,19 +36,27 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-import json
 import logging
 import math
-import re
-import time
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 from datasets import Dataset
 
-from ..envs.base import Environment, EnvironmentSetupError, Episode, EpisodeContractError, Message, Reply, Score, Step, UnknownSplitError
-from .trl.tool_calls import parse_reply, prepare_tokenizer, unparsed_call
+from ..envs.base import (
+    Environment,
+    EnvironmentSetupError,
+    Episode,
+    EpisodeContractError,
+    Message,
+    Reply,
+    Score,
+    Step,
+    UnknownSplitError,
+)
+from .trl.tool_calls import prepare_tokenizer
+from .verifiers_messages import plain_messages, vf_response
 
 __all__ = ["VerifiersEnvironment", "VerifiersEpisode", "from_verifiers"]
 
@@ -74,8 +82,10 @@ def _verifiers() -> Any:
     except ImportError as error:
         raise EnvironmentSetupError(f"the verifiers adapter needs verifiers 0.3.x ({error}): {INSTALL}") from None
     if not str(vf.__version__).startswith("0.3."):
-        raise EnvironmentSetupError(f"verifiers {vf.__version__} is installed; LOOP's adapter runs the 0.3.x API "
-                                    f"(MultiTurnEnv, ToolEnv, Rubric), which 0.4.0 removed: {INSTALL}")
+        raise EnvironmentSetupError(
+            f"verifiers {vf.__version__} is installed; LOOP's adapter runs the 0.3.x API "
+            f"(MultiTurnEnv, ToolEnv, Rubric), which 0.4.0 removed: {INSTALL}"
+        )
     rubrics = logging.getLogger("verifiers.legacy.rubrics")
     if not any(isinstance(handler, _RewardErrors) for handler in rubrics.handlers):
         rubrics.addHandler(_RewardErrors())
@@ -94,7 +104,9 @@ def _bridge_client() -> type:
         vf.Client.__init__(self, None)
         self.episode = episode
 
-    async def get_response(self: Any, prompt: Any, model: str, sampling_args: Any, tools: Any = None, **kwargs: Any) -> Any:
+    async def get_response(
+        self: Any, prompt: Any, model: str, sampling_args: Any, tools: Any = None, **kwargs: Any
+    ) -> Any:
         return await self.episode.ask(prompt, tools)
 
     async def close(self: Any) -> None:
@@ -103,54 +115,21 @@ def _bridge_client() -> type:
     def unused(self: Any, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("LOOP's bridge client answers in get_response")
 
-    methods = {**dict.fromkeys(vf.Client.__abstractmethods__, unused), "__init__": __init__, "get_response": get_response,
-               "close": close}
+    methods = {
+        **dict.fromkeys(vf.Client.__abstractmethods__, unused),
+        "__init__": __init__,
+        "get_response": get_response,
+        "close": close,
+    }
     return type("LOOPBridgeClient", (vf.Client,), methods)
 
 
-def _text(content: Any, where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = [p if isinstance(p, Mapping) else p.model_dump() for p in content]
-    if kinds := {p.get("type") for p in parts} - {"text"}:
-        raise EpisodeContractError(f"{where} has {', '.join(map(str, kinds))} content; LOOP's verifiers adapter takes text")
-    return "".join(p["text"] for p in parts)
-
-
-def _arguments(arguments: str) -> Any:
-    try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments  # a malformed call, kept as the model wrote it
-
-
 def _chain(error: BaseException | None) -> str:
-    parts = []
+    parts: list[str] = []
     while error is not None and len(parts) < 4:  # the explicit chain (raise ... from), as verifiers shows it
         parts.append(f"{type(error).__name__}: {error}" if str(error) else type(error).__name__)
         error = error.__cause__
     return " <- ".join(parts)
-
-
-def plain_messages(messages: Any, source: str = "verifiers") -> list[Message]:
-    """verifiers messages (pydantic or dicts) as the chat template renders them: text content,
-    assistant ``tool_calls`` in HF form (arguments a dict), tool messages with their call id."""
-    out = []
-    for index, message in enumerate(messages):
-        m = message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(message)
-        role = m.get("role")
-        if role == "text":
-            raise EpisodeContractError(f"{source} message {index} is a completion-style 'text' message; LOOP runs chat")
-        plain: dict[str, Any] = {"role": role, "content": _text(m.get("content"), f"{source} message {index}")}
-        if m.get("reasoning_content"):
-            plain["reasoning_content"] = m["reasoning_content"]
-        if role == "assistant" and m.get("tool_calls"):
-            plain["tool_calls"] = [{"type": "function", "id": call.get("id"), "function": {
-                "name": call["name"], "arguments": _arguments(call["arguments"])}} for call in m["tool_calls"]]
-        if role == "tool" and m.get("tool_call_id") is not None:
-            plain["tool_call_id"] = m["tool_call_id"]
-        out.append(plain)
-    return out
 
 
 class VerifiersEnvironment(Environment):
@@ -160,8 +139,14 @@ class VerifiersEnvironment(Environment):
     name = "verifiers"
     reward_range = (-math.inf, math.inf)
 
-    def __init__(self, vf_env: Any, env_args: Mapping[str, Any] | None = None, *, fail_on_reward_error: bool = False,
-                 allow_group_rewards: bool = False):
+    def __init__(
+        self,
+        vf_env: Any,
+        env_args: Mapping[str, Any] | None = None,
+        *,
+        fail_on_reward_error: bool = False,
+        allow_group_rewards: bool = False,
+    ):
         vf = _verifiers()
         if isinstance(vf_env, str):  # a packaged environment (Environments Hub): a module with load_environment()
             try:
@@ -169,26 +154,39 @@ class VerifiersEnvironment(Environment):
             except (ValueError, RuntimeError) as error:
                 raise EnvironmentSetupError(str(error).splitlines()[0]) from None
         elif env_args is not None:
-            raise ValueError("env_args are for loading an environment by id (from_verifiers('my-env', env_args=...)); "
-                             "this one is already built")
+            raise ValueError(
+                "env_args are for loading an environment by id (from_verifiers('my-env', env_args=...)); "
+                "this one is already built"
+            )
         if not isinstance(vf_env, vf.Environment):
-            raise ValueError(f"from_verifiers takes a verifiers 0.3.x vf.Environment (MultiTurnEnv, ToolEnv, ...), "
-                             f"got {type(vf_env).__name__}")
+            raise ValueError(
+                f"from_verifiers takes a verifiers 0.3.x vf.Environment (MultiTurnEnv, ToolEnv, ...), "
+                f"got {type(vf_env).__name__}"
+            )
         rubric = vf_env.rubric
         if not any(weight for weight in rubric._get_reward_weights()):
-            raise EnvironmentSetupError(f"{type(vf_env).__name__}'s rubric has no reward function with a weight (only "
-                                        "metrics): pass rubric=vf.Rubric(funcs=[...]) to the environment")
+            raise EnvironmentSetupError(
+                f"{type(vf_env).__name__}'s rubric has no reward function with a weight (only "
+                "metrics): pass rubric=vf.Rubric(funcs=[...]) to the environment"
+            )
         if rubric.has_group_rewards and not allow_group_rewards:
-            raise EnvironmentSetupError("the rubric has group reward functions (plural parameters such as completions/"
-                                        "states): LOOP scores each rollout as it ends, so they would see a group of one; "
-                                        "pass allow_group_rewards=True if each rollout's score depends on it alone")
+            raise EnvironmentSetupError(
+                "the rubric has group reward functions (plural parameters such as completions/"
+                "states): LOOP scores each rollout as it ends, so they would see a group of one; "
+                "pass allow_group_rewards=True if each rollout's score depends on it alone"
+            )
         # LOOP's sampler draws every reply (at LOOPConfig's temperature); verifiers' default {n: 1, extra_body: {}}
         # asks for nothing else
-        unused = {k: v for k, v in (getattr(vf_env, "sampling_args", None) or {}).items()
-                  if (k, v) not in (("n", 1), ("extra_body", {}))}
+        unused = {
+            k: v
+            for k, v in (getattr(vf_env, "sampling_args", None) or {}).items()
+            if (k, v) not in (("n", 1), ("extra_body", {}))
+        }
         if unused:
-            logger.warning("the verifiers environment's sampling_args %s are not used: LOOP samples at LOOPConfig's "
-                           "temperature", unused)
+            logger.warning(
+                "the verifiers environment's sampling_args %s are not used: LOOP samples at LOOPConfig's temperature",
+                unused,
+            )
         self.vf_env, self.vf = vf_env, vf
         self.name = f"verifiers:{getattr(vf_env, 'env_id', None) or type(vf_env).__name__}"
         self.fail_on_reward_error = fail_on_reward_error
@@ -199,14 +197,18 @@ class VerifiersEnvironment(Environment):
 
     def _splits(self) -> dict[str, Any]:
         env = self.vf_env
-        return {"train": (env.dataset is not None or env.dataset_source is not None) and env.get_dataset,
-                "eval": (env.eval_dataset is not None or env.eval_dataset_source is not None) and env.get_eval_dataset}
+        return {
+            "train": (env.dataset is not None or env.dataset_source is not None) and env.get_dataset,
+            "eval": (env.eval_dataset is not None or env.eval_dataset_source is not None) and env.get_eval_dataset,
+        }
 
     def tasks(self, split: str = "train") -> Dataset:
         loaders = {name: load for name, load in self._splits().items() if load}
         if split not in loaders:
-            raise UnknownSplitError(f"this verifiers environment's splits are {', '.join(map(repr, loaders)) or 'none'} "
-                                    "(its dataset and eval_dataset); set train_split / eval_split to one of them")
+            raise UnknownSplitError(
+                f"this verifiers environment's splits are {', '.join(map(repr, loaders)) or 'none'} "
+                "(its dataset and eval_dataset); set train_split / eval_split to one of them"
+            )
         if split not in self.datasets:
             dataset = loaders[split]()
             if "task_id" not in dataset.column_names:  # verifiers' example_id names a row, if distinct
@@ -257,6 +259,7 @@ class VerifiersEpisode(Episode):
         """The next prompt verifiers sends, or None once the rollout has ended."""
         event = await self.events.get()
         if event is None:
+            assert self.rollout is not None  # its end is what put the None
             self.state = self.rollout.result()  # re-raises what the environment raised
             error = self.state.get("error")
             if error is not None:
@@ -265,11 +268,15 @@ class VerifiersEpisode(Episode):
             return None
         prompt, tools, self.pending = event
         # vf.Tool as the JSON schema chat templates and TRL's parser take
-        tool_defs = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                       "parameters": t.parameters}} for t in tools or ()] or None
+        tool_defs = [
+            {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+            for t in tools or ()
+        ] or None
         if self.turn and tool_defs != self.tool_defs:
-            raise EpisodeContractError(f"the verifiers environment changed its tools at turn {self.turn}; the chat "
-                                       "template shows tools once, in the opening")
+            raise EpisodeContractError(
+                f"the verifiers environment changed its tools at turn {self.turn}; the chat "
+                "template shows tools once, in the opening"
+            )
         self.tool_defs = tool_defs
         return plain_messages(prompt), tools
 
@@ -280,43 +287,19 @@ class VerifiersEpisode(Episode):
         self.rollout.add_done_callback(lambda _: self.events.put_nowait(None))
         event = await self._next()
         if event is None:
-            raise EpisodeContractError(f"the verifiers rollout ended before asking the model anything (stop "
-                                       f"condition {self.state.get('stop_condition')!r})")
+            raise EpisodeContractError(
+                f"the verifiers rollout ended before asking the model anything (stop "
+                f"condition {self.state.get('stop_condition')!r})"
+            )
         self.known = event[0]
         self.tools = self.tool_defs
         return list(self.known)
 
-    def _response(self, reply: Reply) -> Any:
-        types = self.env.vf.types
-        parsed: dict[str, Any] = {"role": "assistant", "content": str(reply)}
-        if self.tool_defs:
-            if self.env.tokenizer is None:
-                raise EnvironmentSetupError("call set_tokenizer() before running verifiers tool episodes")
-            parsed = parse_reply(self.env.tokenizer, reply, self.tool_defs)
-        calls = [types.ToolCall(id=f"call_{self.turn}_{i}", name=call["function"]["name"],
-                                arguments=json.dumps(call["function"].get("arguments") or {}))
-                 for i, call in enumerate(parsed.get("tool_calls") or [])]
-        content = parsed.get("content") or ""
-        unparsed = unparsed_call(self.env.tokenizer, parsed) if not calls and self.tool_defs else None
-        if unparsed is not None:
-            # hand verifiers the unparsed call, so the environment reports the error in its own words
-            content, body = unparsed[0], unparsed[1].strip()
-            name = re.search(r'"name"\s*:\s*"([^"]*)"', body)
-            calls = [types.ToolCall(id=f"call_{self.turn}_0", name=name.group(1) if name else "", arguments=body)]
-        message = types.ResponseMessage(content=content, reasoning_content=parsed.get("reasoning_content"),
-                                        tool_calls=calls or None, finish_reason="tool_calls" if calls else "stop",
-                                        is_truncated=False)
-        # usage lets max_total_completion_tokens and verifiers' token metrics work
-        prompt_tokens, completion_tokens = len(reply.prompt_ids), len(reply.token_ids)
-        usage = types.Usage(prompt_tokens=prompt_tokens, reasoning_tokens=0, completion_tokens=completion_tokens,
-                            total_tokens=prompt_tokens + completion_tokens)
-        return types.Response(id=f"loop-{self.turn}", created=int(time.time()), model="loop-policy", usage=usage,
-                              message=message)
-
     async def step(self, reply: Reply) -> Step:
         self.turn += 1
-        response = self._response(reply)
+        response = vf_response(self.env.vf.types, reply, self.env.tokenizer, self.tool_defs, self.turn)
         self.known = self.known + plain_messages([response.message])  # what verifiers records of the reply
+        assert self.pending is not None  # the prompt this replies to came with it
         if not self.pending.done():  # not when verifiers' own timeout_seconds cancelled the wait
             self.pending.set_result(response)
         event = await self._next()
@@ -324,17 +307,19 @@ class VerifiersEpisode(Episode):
             return Step(done=True)
         prompt = event[0]
         if prompt[: len(self.known)] != self.known:
-            index = next((i for i, (a, b) in enumerate(zip(prompt, self.known)) if a != b), len(prompt))
+            index = next((i for i, (a, b) in enumerate(zip(prompt, self.known, strict=False)) if a != b), len(prompt))
             raise EpisodeContractError(
                 f"the verifiers environment rewrote the conversation at turn {self.turn} (message {index} differs from "
-                "what the model saw); LOOP appends tokens and cannot re-render earlier turns")
-        new, self.known = prompt[len(self.known):], prompt
+                "what the model saw); LOOP appends tokens and cannot re-render earlier turns"
+            )
+        new, self.known = prompt[len(self.known) :], prompt
         return Step(messages=new)
 
     async def score(self) -> Score:
         if self.state is None:
             # LOOP's turn or token limit ended the episode while verifiers waits for a reply: end the
             # rollout the way verifiers ends one whose context is full, so that it cleans up and renders
+            assert self.pending is not None  # the rollout runs on: it asked for a reply
             if not self.pending.done():
                 self.pending.set_exception(self.env.vf.OverlongPromptError("LOOP's max_turns or max_trajectory_tokens"))
             if await self._next() is not None:
@@ -352,10 +337,12 @@ class VerifiersEpisode(Episode):
             if self.env.fail_on_reward_error:
                 raise RuntimeError(f"{errors[0]} (fail_on_reward_error=True; verifiers would score it 0.0)")
             logger.warning("a verifiers reward function raised and was scored 0.0: %s", errors[0])
-        info: dict[str, Any] = {"metrics": {k: float(v) for k, v in (state.get("metrics") or {}).items()},
-                                "stop_condition": state.get("stop_condition"),
-                                "is_truncated": bool(state.get("is_truncated")),
-                                "completion": plain_messages(state.get("completion") or [])}
+        info: dict[str, Any] = {
+            "metrics": {k: float(v) for k, v in (state.get("metrics") or {}).items()},
+            "stop_condition": state.get("stop_condition"),
+            "is_truncated": bool(state.get("is_truncated")),
+            "completion": plain_messages(state.get("completion") or []),
+        }
         if errors:
             info["reward_errors"] = errors
         return Score(reward=state["reward"], info=info)
@@ -369,9 +356,15 @@ class VerifiersEpisode(Episode):
             await asyncio.gather(self.rollout, return_exceptions=True)
 
 
-def from_verifiers(vf_env: Any, *, env_args: Mapping[str, Any] | None = None, fail_on_reward_error: bool = False,
-                   allow_group_rewards: bool = False) -> VerifiersEnvironment:
+def from_verifiers(
+    vf_env: Any,
+    *,
+    env_args: Mapping[str, Any] | None = None,
+    fail_on_reward_error: bool = False,
+    allow_group_rewards: bool = False,
+) -> VerifiersEnvironment:
     """``vf_env`` (a verifiers 0.3.x environment, or an id ``vf.load_environment`` knows) as a LOOP
     environment for ``LOOPTrainer`` or ``loop-eval``."""
-    return VerifiersEnvironment(vf_env, env_args, fail_on_reward_error=fail_on_reward_error,
-                                allow_group_rewards=allow_group_rewards)
+    return VerifiersEnvironment(
+        vf_env, env_args, fail_on_reward_error=fail_on_reward_error, allow_group_rewards=allow_group_rewards
+    )

@@ -4,8 +4,20 @@
 from .episode import EpisodeSettings
 from .keys import HONOURED_TRAINING_ARGUMENTS, LOOP_EQUIVALENTS, unknown_key_message
 from .loop_config import LOOP_OWN_KEYS, LOOPConfig
+from .mappings import mapping_setting
 from .output_dir import output_dir_problem
 from .ranges import Range, check_ranges, range_of
 
-__all__ = ["HONOURED_TRAINING_ARGUMENTS", "LOOP_EQUIVALENTS", "LOOP_OWN_KEYS", "EpisodeSettings", "LOOPConfig",
-           "Range", "check_ranges", "output_dir_problem", "range_of", "unknown_key_message"]
+__all__ = [
+    "HONOURED_TRAINING_ARGUMENTS",
+    "LOOP_EQUIVALENTS",
+    "LOOP_OWN_KEYS",
+    "EpisodeSettings",
+    "LOOPConfig",
+    "Range",
+    "check_ranges",
+    "mapping_setting",
+    "output_dir_problem",
+    "range_of",
+    "unknown_key_message",
+]

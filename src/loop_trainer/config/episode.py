@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..rollout.engine import EpisodeLimits
+from ..rollout.records import EpisodeLimits
 from .ranges import above, at_least, setting
 
 
@@ -14,25 +14,38 @@ class EpisodeSettings:
     """Limits and concurrency of episodes (the paper's values are the defaults)."""
 
     max_turns: int = setting(40, "Model replies per episode.", at_least(1, "model replies per episode"))
-    max_new_tokens_per_turn: int = setting(1500, "Token limit of one reply.", at_least(1, "the token limit of one reply"))
+    max_new_tokens_per_turn: int = setting(
+        1500, "Token limit of one reply.", at_least(1, "the token limit of one reply")
+    )
     max_trajectory_tokens: int = setting(
-        32000, "Whole-conversation budget; the episode ends when it is used up.",
-        at_least(1, "the whole conversation's token budget"))
+        32000,
+        "Whole-conversation budget; the episode ends when it is used up.",
+        at_least(1, "the whole conversation's token budget"),
+    )
     max_completion_tokens: int | None = setting(
-        None, "Budget of everything after the opening prompt (replies and environment messages), as GRPOTrainer's "
+        None,
+        "Budget of everything after the opening prompt (replies and environment messages), as GRPOTrainer's "
         "max_completion_length; none: max_trajectory_tokens only.",
-        at_least(1, "the token budget after the opening prompt; None: no budget but max_trajectory_tokens", none=True))
-    max_concurrent_episodes: int = setting(256, "Episodes in flight at once.", at_least(1, "episodes in flight at once"))
+        at_least(1, "the token budget after the opening prompt; None: no budget but max_trajectory_tokens", none=True),
+    )
+    max_concurrent_episodes: int = setting(
+        256, "Episodes in flight at once.", at_least(1, "episodes in flight at once")
+    )
     env_timeout: float = setting(
-        300.0, "Seconds one environment call may take.",
-        above(0, "seconds one environment call may take; 0 would fail every call as timed out"))
+        300.0,
+        "Seconds one environment call may take.",
+        above(0, "seconds one environment call may take; 0 would fail every call as timed out"),
+    )
     generation_batch_limit: int = setting(
-        64, "Most sequences the transformers backend samples in one batch.",
-        at_least(1, "the most sequences the transformers backend samples in one batch"))
+        64,
+        "Most sequences the transformers backend samples in one batch.",
+        at_least(1, "the most sequences the transformers backend samples in one batch"),
+    )
 
     def episode_limits(self) -> EpisodeLimits:
-        return EpisodeLimits(self.max_turns, self.max_new_tokens_per_turn, self.max_trajectory_tokens,
-                             self.max_completion_tokens)
+        return EpisodeLimits(
+            self.max_turns, self.max_new_tokens_per_turn, self.max_trajectory_tokens, self.max_completion_tokens
+        )
 
     def concurrency_for(self, env_limit: int | None) -> int:
         """Episodes in flight at once, bounded by what the environment can run."""

@@ -11,9 +11,7 @@ construction.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from transformers import TrainingArguments
@@ -21,26 +19,13 @@ from transformers.trainer_utils import SaveStrategy
 
 from ..objective import ADVANTAGE_ESTIMATORS, RATIO_LEVELS
 from .episode import EpisodeSettings
-from .keys import HONOURED_TRAINING_ARGUMENTS, unknown_key_message
+from .keys import only_the_training_arguments_loop_honours, refusing_unknown_keys
 from .output_dir import output_dir_problem
 from .ranges import above, any_number, at_least, between, check_ranges, setting, steps_or_fraction
 
 
-def _only_the_training_arguments_loop_honours(cls: type) -> type:
-    """Turn every ``TrainingArguments`` field LOOP does not honour into a non-init field with its default:
-    the Trainer still reads it, but no constructor, recipe or flag can set it (nor does ``--help`` list it)."""
-    annotations = cls.__dict__["__annotations__"]  # the class's own (the body declares fields)
-    for spec in dataclasses.fields(TrainingArguments):
-        if spec.name in HONOURED_TRAINING_ARGUMENTS or spec.name in annotations or not spec.init:
-            continue
-        annotations[spec.name] = spec.type
-        setattr(cls, spec.name, dataclasses.field(default=spec.default, default_factory=spec.default_factory,
-                                                  init=False, repr=False, metadata=spec.metadata))
-    return cls
-
-
 @dataclass
-@_only_the_training_arguments_loop_honours
+@only_the_training_arguments_loop_honours
 class LOOPConfig(TrainingArguments, EpisodeSettings):
     r"""Configuration of :class:`~loop_trainer.LOOPTrainer`.
 
@@ -61,188 +46,309 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
     _VALID_DICT_FIELDS = [*TrainingArguments._VALID_DICT_FIELDS, "model_init_kwargs", "chat_template_kwargs"]
 
     # --- the iteration -------------------------------------------------------------------------
-    iterations: int = setting(200, "LOOP iterations (collect, then update).",
-                              at_least(1, "LOOP iterations (collect, then update)"))
+    iterations: int = setting(
+        200, "LOOP iterations (collect, then update).", at_least(1, "LOOP iterations (collect, then update)")
+    )
     tasks_per_iteration: int = setting(40, "Tasks sampled per iteration.", at_least(1, "tasks sampled per iteration"))
     rollouts_per_task: int = setting(
-        6, "Rollouts per task: the leave-one-out group.",
-        at_least(2, "the leave-one-out group: each rollout's baseline is the others' mean"))
+        6,
+        "Rollouts per task: the leave-one-out group.",
+        at_least(2, "the leave-one-out group: each rollout's baseline is the others' mean"),
+    )
     train_split: str = setting("train", "Environment split to sample tasks from.")
 
     # --- advantages and filtering --------------------------------------------------------------
     advantage_threshold: float = setting(
-        0.01, "Drop rollouts with |advantage| below this (0 keeps all).",
-        at_least(0, "rollouts with |advantage| below it are dropped; 0 keeps all"))
+        0.01,
+        "Drop rollouts with |advantage| below this (0 keeps all).",
+        at_least(0, "rollouts with |advantage| below it are dropped; 0 keeps all"),
+    )
     std_normalize_advantages: bool = setting(False, "Divide advantages by the group's reward std (ablation only).")
     advantage_estimator: str = setting(
-        "leave_one_out", "leave_one_out (LOOP: r_i minus the mean of the group's other rewards) or group_mean (GRPO: "
-        "r_i minus the group mean; with std_normalize_advantages, GRPO's advantage).")
+        "leave_one_out",
+        "leave_one_out (LOOP: r_i minus the mean of the group's other rewards) or group_mean (GRPO: "
+        "r_i minus the group mean; with std_normalize_advantages, GRPO's advantage).",
+    )
     ratio_level: str = setting(
-        "token", "Where the PPO ratio is taken: token (LOOP), turn (one ratio per assistant turn) or trajectory (one "
-        "per trajectory); the paper's Table 1 compares the three.")
+        "token",
+        "Where the PPO ratio is taken: token (LOOP), turn (one ratio per assistant turn) or trajectory (one "
+        "per trajectory); the paper's Table 1 compares the three.",
+    )
 
     # --- the update ----------------------------------------------------------------------------
-    minibatch_size: int = setting(32, "Trajectories per optimizer step; also the loss's constant divisor.",
-                                  at_least(1, "trajectories per optimizer step"))
-    ppo_epochs: int = setting(2, "Passes over the kept rollouts, each freshly shuffled.",
-                              at_least(1, "passes over each iteration's kept rollouts"))
+    minibatch_size: int = setting(
+        32,
+        "Trajectories per optimizer step; also the loss's constant divisor.",
+        at_least(1, "trajectories per optimizer step"),
+    )
+    ppo_epochs: int = setting(
+        2,
+        "Passes over the kept rollouts, each freshly shuffled.",
+        at_least(1, "passes over each iteration's kept rollouts"),
+    )
     max_training_tokens: int | None = setting(
-        None, "Trajectories longer than this are trained on their prefix (counted); None = max_trajectory_tokens.",
-        at_least(1, "longer trajectories are trained on their prefix; None: max_trajectory_tokens", none=True))
-    epsilon: float = setting(0.1, "PPO clip: ratio kept in [1/(1+eps), 1+eps].",
-                             above(0, "the PPO clip range is [1/(1+epsilon), 1+epsilon]; 0 would freeze the policy"))
+        None,
+        "Trajectories longer than this are trained on their prefix (counted); None = max_trajectory_tokens.",
+        at_least(1, "longer trajectories are trained on their prefix; None: max_trajectory_tokens", none=True),
+    )
+    epsilon: float = setting(
+        0.1,
+        "PPO clip: ratio kept in [1/(1+eps), 1+eps].",
+        above(0, "the PPO clip range is [1/(1+epsilon), 1+epsilon]; 0 would freeze the policy"),
+    )
     beta: float = setting(
-        0.0, "KL penalty to the base model (the adapter disabled; LoRA only). 0: none, the paper's LOOP.",
-        at_least(0, "the coefficient of the KL penalty to the base model (0: none, the paper's LOOP)"))
+        0.0,
+        "KL penalty to the base model (the adapter disabled; LoRA only). 0: none, the paper's LOOP.",
+        at_least(0, "the coefficient of the KL penalty to the base model (0: none, the paper's LOOP)"),
+    )
     kl_abort_threshold: float = setting(
-        20.0, "Abort the iteration's remaining updates if |KL estimate| exceeds this.",
-        above(0, "an iteration's updates stop once |KL estimate| exceeds it; inf: never; 0 or less would skip nearly "
-              "every optimizer step", inf=True))
+        20.0,
+        "Abort the iteration's remaining updates if |KL estimate| exceeds this.",
+        above(
+            0,
+            "an iteration's updates stop once |KL estimate| exceeds it; inf: never; 0 or less would skip nearly "
+            "every optimizer step",
+            inf=True,
+        ),
+    )
 
     # --- episodes ------------------------------------------------------------------------------
     temperature: float = setting(
-        1.0, "Sampling temperature (no top-p/top-k).",
-        above(0, "LOOP samples; greedy decoding is for evaluation (eval_temperature, loop-eval)"))
+        1.0,
+        "Sampling temperature (no top-p/top-k).",
+        above(0, "LOOP samples; greedy decoding is for evaluation (eval_temperature, loop-eval)"),
+    )
     early_stop_done_fraction: float = setting(
-        1.0, "Stop collecting once this fraction of rollouts finished (paper: 0.9)...",
-        between(0, 1, "collection stops once this fraction of rollouts finished"))
+        1.0,
+        "Stop collecting once this fraction of rollouts finished (paper: 0.9)...",
+        between(0, 1, "collection stops once this fraction of rollouts finished"),
+    )
     early_stop_task_fraction: float = setting(
-        1.0, "...and every task has this fraction of its rollouts finished (paper: 0.75).",
-        between(0, 1, "...and every task has this fraction of its rollouts finished"))
+        1.0,
+        "...and every task has this fraction of its rollouts finished (paper: 0.75).",
+        between(0, 1, "...and every task has this fraction of its rollouts finished"),
+    )
     max_failed_fraction: float = setting(
-        0.25, "Stop the run if more than this fraction of an iteration's rollouts fail.",
-        between(0, 1, "the run stops if more than this fraction of an iteration's rollouts fail"))
+        0.25,
+        "Stop the run if more than this fraction of an iteration's rollouts fail.",
+        between(0, 1, "the run stops if more than this fraction of an iteration's rollouts fail"),
+    )
     chat_template_kwargs: dict | str | None = setting(
-        None, "Keyword arguments for the tokenizer's chat template (e.g. {\"enable_thinking\": false}).")
+        None, 'Keyword arguments for the tokenizer\'s chat template (e.g. {"enable_thinking": false}).'
+    )
 
     # --- evaluation ----------------------------------------------------------------------------
     eval_split: str | None = setting(None, "Split evaluated during training (AppWorld: dev); none to skip.")
-    eval_every: int = setting(0, "Evaluate on eval_split every N iterations (0: never).",
-                              at_least(0, "evaluate on eval_split every N iterations; 0: never"))
-    eval_rollouts_per_task: int = setting(1, "Rollouts per task in each evaluation.",
-                                          at_least(1, "rollouts of every evaluation task"))
-    eval_temperature: float = setting(0.0, "Evaluation sampling temperature; 0 is greedy.",
-                                      at_least(0, "the evaluation sampling temperature; 0 is greedy"))
+    eval_every: int = setting(
+        0,
+        "Evaluate on eval_split every N iterations (0: never).",
+        at_least(0, "evaluate on eval_split every N iterations; 0: never"),
+    )
+    eval_rollouts_per_task: int = setting(
+        1, "Rollouts per task in each evaluation.", at_least(1, "rollouts of every evaluation task")
+    )
+    eval_temperature: float = setting(
+        0.0,
+        "Evaluation sampling temperature; 0 is greedy.",
+        at_least(0, "the evaluation sampling temperature; 0 is greedy"),
+    )
     eval_max_tasks: int | None = setting(
-        None, "Evaluate only the first N tasks of eval_split.",
-        at_least(1, "evaluate only the first N tasks of eval_split; None: all of them", none=True))
+        None,
+        "Evaluate only the first N tasks of eval_split.",
+        at_least(1, "evaluate only the first N tasks of eval_split; None: all of them", none=True),
+    )
     memory_stress_test: bool = setting(
-        True, "Before iteration 1, forward+backward the longest allowed trajectory so an out-of-memory error shows "
-        "at start-up.")
+        True,
+        "Before iteration 1, forward+backward the longest allowed trajectory so an out-of-memory error shows "
+        "at start-up.",
+    )
 
     # --- the model -----------------------------------------------------------------------------
     model_init_kwargs: dict | str | None = setting(
-        None, "Keyword arguments for from_pretrained when the trainer is given a model id (dtype, "
-        "attn_implementation, revision, ...).")
+        None,
+        "Keyword arguments for from_pretrained when the trainer is given a model id (dtype, "
+        "attn_implementation, revision, ...).",
+    )
     trust_remote_code: bool = setting(False, "Allow a model id's own modelling code when loading it.")
     disable_dropout: bool = setting(False, "Turn off the model's dropout (the ratio then compares equal forwards).")
 
     # --- GRPOTrainer's agent arguments (reward_funcs, train_dataset, tools, environment_factory) -
     reward_weights: list[float] | None = setting(
-        None, "Weights of reward_funcs in the episode reward (GRPOTrainer's agent arguments only).")
+        None, "Weights of reward_funcs in the episode reward (GRPOTrainer's agent arguments only)."
+    )
     max_tool_calling_iterations: int | None = setting(
-        None, "Rounds of tool calls per episode (GRPOTrainer's agent arguments only).",
-        at_least(1, "rounds of tool calls per episode (GRPOTrainer's agent arguments); None: no limit but max_turns",
-                 none=True))
+        None,
+        "Rounds of tool calls per episode (GRPOTrainer's agent arguments only).",
+        at_least(
+            1,
+            "rounds of tool calls per episode (GRPOTrainer's agent arguments); None: no limit but max_turns",
+            none=True,
+        ),
+    )
     malformed_tool_call: str = setting(
-        "end_episode", "A reply opening a tool call that does not parse (GRPOTrainer's agent arguments only): "
+        "end_episode",
+        "A reply opening a tool call that does not parse (GRPOTrainer's agent arguments only): "
         "end_episode (GRPOTrainer's behaviour: the reply is plain text and the rollout ends) or answer (the model gets "
-        "a tool message saying the call did not parse, and the episode goes on: one typo costs a turn).")
+        "a tool message saying the call did not parse, and the episode goes on: one typo costs a turn).",
+    )
 
     # --- generation with vLLM ------------------------------------------------------------------
     use_vllm: bool = setting(False, "Sample rollouts with vLLM (vllm_mode: colocate or server).")
     vllm_mode: str = setting("colocate", "colocate: an engine in each training process; server: `trl vllm-serve`.")
     vllm_gpu_memory_utilization: float = setting(
-        0.3, "Colocated engine: the fraction of each GPU's memory it takes.",
-        between(0, 1, "the fraction of each GPU's memory a colocated vLLM engine takes", low_open=True))
-    vllm_tensor_parallel_size: int = setting(1, "Colocated engine: GPUs it spans.",
-                                             at_least(1, "GPUs one vLLM engine spans"))
+        0.3,
+        "Colocated engine: the fraction of each GPU's memory it takes.",
+        between(0, 1, "the fraction of each GPU's memory a colocated vLLM engine takes", low_open=True),
+    )
+    vllm_tensor_parallel_size: int = setting(
+        1, "Colocated engine: GPUs it spans.", at_least(1, "GPUs one vLLM engine spans")
+    )
     vllm_enable_sleep_mode: bool = setting(False, "Colocated engine: release its memory during the update.")
     vllm_max_model_length: int | None = setting(
-        None, "The engine's context length; None: max_trajectory_tokens.",
-        at_least(1, "the vLLM engine's context length; None: max_trajectory_tokens", none=True))
+        None,
+        "The engine's context length; None: max_trajectory_tokens.",
+        at_least(1, "the vLLM engine's context length; None: max_trajectory_tokens", none=True),
+    )
     vllm_server_base_url: str | None = setting(None, "Server mode: the server's URL (else host and port).")
     vllm_server_host: str = setting("0.0.0.0", "Server mode: the server's host.")
-    vllm_server_port: int = setting(8000, "Server mode: the server's port.",
-                                    between(1, 65535, "the vLLM server's TCP port"))
+    vllm_server_port: int = setting(
+        8000, "Server mode: the server's port.", between(1, 65535, "the vLLM server's TCP port")
+    )
     vllm_server_timeout: float = setting(
-        240.0, "Server mode: seconds to wait for the server at start-up.",
-        above(0, "server mode: seconds to wait for the vLLM server at start-up"))
+        240.0,
+        "Server mode: seconds to wait for the server at start-up.",
+        above(0, "server mode: seconds to wait for the vLLM server at start-up"),
+    )
     vllm_sync_tolerance: float | None = setting(
-        None, "After each weight sync, stop if vLLM's and the trainer's log-probs on the probe sequence differ by "
+        None,
+        "After each weight sync, stop if vLLM's and the trainer's log-probs on the probe sequence differ by "
         "more than this (default: 1e-3 in fp32, 0.25 in bf16; negative: never stop).",
-        any_number("the largest log-prob difference after a weight sync; negative: never stop; None: 1e-3 in fp32, "
-                   "0.25 in bf16", none=True))
+        any_number(
+            "the largest log-prob difference after a weight sync; negative: never stop; None: 1e-3 in fp32, "
+            "0.25 in bf16",
+            none=True,
+        ),
+    )
     vllm_sync_dir: str | None = setting(
-        None, "Server mode: a directory the vLLM server can read, where adapters and weight shards are written for "
-        "it (default: output_dir/weight-sync).")
+        None,
+        "Server mode: a directory the vLLM server can read, where adapters and weight shards are written for "
+        "it (default: output_dir/weight-sync).",
+    )
     vllm_probe_tokens: int = setting(
-        64, "Length of the fixed probe sequence scored after each weight sync.",
-        at_least(2, "the probe sequence's length; its log-probs need at least 2 tokens"))
+        64,
+        "Length of the fixed probe sequence scored after each weight sync.",
+        at_least(2, "the probe sequence's length; its log-probs need at least 2 tokens"),
+    )
 
     # --- outputs -------------------------------------------------------------------------------
     overwrite_output_dir: bool = setting(
-        False, "A fresh run (no resume_from_checkpoint) into an output_dir holding another run's checkpoints is "
+        False,
+        "A fresh run (no resume_from_checkpoint) into an output_dir holding another run's checkpoints is "
         "refused; true deletes that run first: its checkpoint-N directories, metrics.jsonl, learning_curve.png, "
         "viewer/, rollouts/ and .staging-checkpoint/ (the model files at the top are replaced when the new run "
-        "saves). A resumed run deletes nothing.")
+        "saves). A resumed run deletes nothing.",
+    )
     resume_with_changed_settings: bool = setting(
-        False, "Resume even though settings an exact resume depends on (seed, tasks_per_iteration, learning_rate, "
+        False,
+        "Resume even though settings an exact resume depends on (seed, tasks_per_iteration, learning_rate, "
         "environment_kwargs, ...) differ from the checkpoint's; the new values are applied from the next iteration "
-        "and recorded in loop_state.json, recipe.yaml and the log.")
+        "and recorded in loop_state.json, recipe.yaml and the log.",
+    )
     save_rollouts: bool = setting(False, "Write each iteration's trajectories to output_dir/rollouts/ (datasets).")
     plot_curves: bool = setting(True, "Write learning_curve.png to output_dir.")
     viewer_rollouts_per_iteration: int = setting(
-        4, "Rollouts per iteration shown in output_dir/viewer/iteration-N.html (the best, the worst and any that "
+        4,
+        "Rollouts per iteration shown in output_dir/viewer/iteration-N.html (the best, the worst and any that "
         "failed to run); 0 writes none.",
-        at_least(0, "rollouts shown in each iteration's viewer page; 0 writes none"))
+        at_least(0, "rollouts shown in each iteration's viewer page; 0 writes none"),
+    )
 
     # --- TrainingArguments fields with LOOP's defaults or ranges ---------------------------------
-    learning_rate: float = setting(5e-5, "AdamW learning rate (constant).",
-                                   above(0, "the optimizer's step size; 0 would never change the weights"))
+    learning_rate: float = setting(
+        5e-5, "AdamW learning rate (constant).", above(0, "the optimizer's step size; 0 would never change the weights")
+    )
     lr_scheduler_type: str = setting("constant", "Learning-rate schedule.")
     weight_decay: float = setting(0.01, "AdamW weight decay.", at_least(0, "AdamW's decoupled weight decay"))
-    adam_beta1: float = setting(0.9, "AdamW's first-moment decay.",
-                                between(0, 1, "AdamW's first-moment decay", high_open=True))
-    adam_beta2: float = setting(0.999, "AdamW's second-moment decay.",
-                                between(0, 1, "AdamW's second-moment decay", high_open=True))
-    adam_epsilon: float = setting(1e-8, "AdamW's denominator term.",
-                                  above(0, "AdamW's denominator term; 0 divides by zero where a gradient is zero"))
+    adam_beta1: float = setting(
+        0.9, "AdamW's first-moment decay.", between(0, 1, "AdamW's first-moment decay", high_open=True)
+    )
+    adam_beta2: float = setting(
+        0.999, "AdamW's second-moment decay.", between(0, 1, "AdamW's second-moment decay", high_open=True)
+    )
+    adam_epsilon: float = setting(
+        1e-8,
+        "AdamW's denominator term.",
+        above(0, "AdamW's denominator term; 0 divides by zero where a gradient is zero"),
+    )
     warmup_steps: float = setting(
-        0, "Optimizer steps of linear warm-up; below 1, a fraction of all optimizer steps.",
-        at_least(0, "optimizer steps of linear warm-up; below 1, a fraction of all optimizer steps"))
+        0,
+        "Optimizer steps of linear warm-up; below 1, a fraction of all optimizer steps.",
+        at_least(0, "optimizer steps of linear warm-up; below 1, a fraction of all optimizer steps"),
+    )
     max_grad_norm: float = setting(
-        0.1, "Gradient-norm clip (global norm over ranks).",
-        above(0, "the global gradient-norm clip; inf: no clipping; 0 would zero every gradient, a negative value "
-              "flips it", inf=True))
-    seed: int = setting(42, "Seeds Python, NumPy and torch, the task order and the sampling.",
-                        between(0, 4294967295, "seeds Python, NumPy and torch; NumPy takes 32-bit seeds"))
+        0.1,
+        "Gradient-norm clip (global norm over ranks).",
+        above(
+            0,
+            "the global gradient-norm clip; inf: no clipping; 0 would zero every gradient, a negative value flips it",
+            inf=True,
+        ),
+    )
+    seed: int = setting(
+        42,
+        "Seeds Python, NumPy and torch, the task order and the sampling.",
+        between(0, 4294967295, "seeds Python, NumPy and torch; NumPy takes 32-bit seeds"),
+    )
     per_device_train_batch_size: int = setting(
-        1, "Trajectories per forward/backward pass (gradient accumulation inside a minibatch).",
-        at_least(1, "trajectories per forward/backward pass"))
+        1,
+        "Trajectories per forward/backward pass (gradient accumulation inside a minibatch).",
+        at_least(1, "trajectories per forward/backward pass"),
+    )
     activation_checkpointing: bool | None = setting(
-        True, "Recompute activations in the backward pass (long trajectories need it).")
-    gradient_checkpointing: bool | None = setting(None, "Deprecated alias of activation_checkpointing (transformers 5).")
-    ddp_timeout: int = setting(1800, "Seconds a collective operation may wait for the other processes.",
-                               at_least(1, "seconds a collective operation may wait for the other processes"))
+        True, "Recompute activations in the backward pass (long trajectories need it)."
+    )
+    gradient_checkpointing: bool | None = setting(
+        None, "Deprecated alias of activation_checkpointing (transformers 5)."
+    )
+    ddp_timeout: int = setting(
+        1800,
+        "Seconds a collective operation may wait for the other processes.",
+        at_least(1, "seconds a collective operation may wait for the other processes"),
+    )
     ddp_bucket_cap_mb: int | None = setting(
-        None, "DDP's gradient bucket size in MB.",
-        at_least(1, "DDP's gradient bucket size in MB; None: torch's default", none=True))
-    local_rank: int = setting(-1, "Set by the launcher.", unranged="set by the launcher (torchrun, accelerate, "
-                              "deepspeed); -1 when not distributed")
-    bf16: bool | None = setting(None, "bf16 mixed precision; None: on where the GPU supports it.")
+        None,
+        "DDP's gradient bucket size in MB.",
+        at_least(1, "DDP's gradient bucket size in MB; None: torch's default", none=True),
+    )
+    local_rank: int = setting(
+        -1,
+        "Set by the launcher.",
+        unranged="set by the launcher (torchrun, accelerate, deepspeed); -1 when not distributed",
+    )
+    # None ("where the GPU supports it") widens TrainingArguments' bool; __post_init__ resolves it to one
+    bf16: bool | None = setting(None, "bf16 mixed precision; None: on where the GPU supports it.")  # type: ignore[assignment]
     logging_steps: float = setting(
-        1, "Log every N iterations.",
-        steps_or_fraction("iterations between logs; below 1, a fraction of iterations", when=("logging_strategy", "steps")))
+        1,
+        "Log every N iterations.",
+        steps_or_fraction(
+            "iterations between logs; below 1, a fraction of iterations", when=("logging_strategy", "steps")
+        ),
+    )
     report_to: None | str | list[str] = setting("none", "Trackers: 'wandb', 'trackio', 'tensorboard', 'none'.")
     save_strategy: SaveStrategy | str = setting(
-        "steps", "'steps': a checkpoint every save_steps iterations (resumable); 'no': none.")
+        "steps", "'steps': a checkpoint every save_steps iterations (resumable); 'no': none."
+    )
     save_steps: float = setting(
-        1, "Iterations between checkpoints.",
-        steps_or_fraction("iterations between checkpoints; below 1, a fraction of iterations; save_strategy: no saves "
-                          "none", when=("save_strategy", "steps")))
-    save_total_limit: int | None = setting(2, "Checkpoints kept (older ones are deleted).",
-                                           at_least(1, "checkpoints kept; None keeps all", none=True))
+        1,
+        "Iterations between checkpoints.",
+        steps_or_fraction(
+            "iterations between checkpoints; below 1, a fraction of iterations; save_strategy: no saves none",
+            when=("save_strategy", "steps"),
+        ),
+    )
+    save_total_limit: int | None = setting(
+        2, "Checkpoints kept (older ones are deleted).", at_least(1, "checkpoints kept; None keeps all", none=True)
+    )
 
     def __post_init__(self) -> None:
         try:
@@ -251,10 +357,14 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
             raise ValueError(f"LOOPConfig: {error}") from None
         if self.output_dir is not None and (problem := output_dir_problem(self.output_dir)):
             raise ValueError(f"LOOPConfig: {problem}")
-        for name, choices in (("save_strategy", ("steps", "no")), ("logging_strategy", ("steps", "no")),
-                              ("advantage_estimator", ADVANTAGE_ESTIMATORS), ("ratio_level", RATIO_LEVELS),
-                              ("vllm_mode", ("colocate", "server")),
-                              ("malformed_tool_call", ("end_episode", "answer"))):
+        for name, choices in (
+            ("save_strategy", ("steps", "no")),
+            ("logging_strategy", ("steps", "no")),
+            ("advantage_estimator", ADVANTAGE_ESTIMATORS),
+            ("ratio_level", RATIO_LEVELS),
+            ("vllm_mode", ("colocate", "server")),
+            ("malformed_tool_call", ("end_episode", "answer")),
+        ):
             value = getattr(self, name)
             if getattr(value, "value", value) not in choices:  # LOOP's loop has iterations, no epochs or eval loss
                 raise ValueError(f"LOOPConfig: {name} must be one of {', '.join(choices)}, got {value!r}")
@@ -270,23 +380,11 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
             self.max_training_tokens = self.max_trajectory_tokens
 
 
-def _refuse_keys_loop_does_not_have(init: Any) -> Any:
-    init_keys = frozenset(f.name for f in dataclasses.fields(LOOPConfig) if f.init)
-
-    @functools.wraps(init)
-    def __init__(self: LOOPConfig, *args: Any, **kwargs: Any) -> None:
-        for key in kwargs:
-            if key not in init_keys and type(self) is LOOPConfig:
-                raise TypeError(unknown_key_message(key))
-        init(self, *args, **kwargs)
-
-    return __init__
-
-
 # A GRPOConfig or TrainingArguments key given to LOOPConfig names LOOP's equivalent, not just "unexpected keyword".
-LOOPConfig.__init__ = _refuse_keys_loop_does_not_have(LOOPConfig.__init__)  # type: ignore[method-assign]
+LOOPConfig.__init__ = refusing_unknown_keys(LOOPConfig, LOOPConfig.__init__)  # type: ignore[method-assign]
 
 # LOOP's own keys: those LOOPConfig declares itself (TrainingArguments' included where it changes their default or
 # range) and those of the EpisodeSettings it shares with loop-eval.
 LOOP_OWN_KEYS = frozenset(LOOPConfig.__annotations__) - frozenset(
-    f.name for f in dataclasses.fields(LOOPConfig) if not f.init) | {f.name for f in dataclasses.fields(EpisodeSettings)}
+    f.name for f in dataclasses.fields(LOOPConfig) if not f.init
+) | {f.name for f in dataclasses.fields(EpisodeSettings)}

@@ -13,8 +13,19 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Interval", "Range", "SettingField", "above", "any_number", "at_least", "between", "check_ranges", "range_of", "setting",
-           "steps_or_fraction"]
+__all__ = [
+    "Interval",
+    "Range",
+    "SettingField",
+    "above",
+    "any_number",
+    "at_least",
+    "between",
+    "check_ranges",
+    "range_of",
+    "setting",
+    "steps_or_fraction",
+]
 
 
 def _is_number(value: Any) -> bool:
@@ -50,8 +61,10 @@ class Interval:
         elif self.low == -math.inf:
             text = f"{'<' if self.high_open else '<='} {_shown(self.high)}"
         else:
-            text = (f"in {'(' if self.low_open else '['}{_shown(self.low)}, {_shown(self.high)}"
-                    f"{')' if self.high_open else ']'}")
+            text = (
+                f"in {'(' if self.low_open else '['}{_shown(self.low)}, {_shown(self.high)}"
+                f"{')' if self.high_open else ']'}"
+            )
         return f"a whole number {text}" if self.whole else text
 
 
@@ -70,7 +83,9 @@ class Range:
     @property
     def allowed(self) -> str:
         """The allowed values as one phrase, e.g. ``>= 1 or None``."""
-        return " or ".join([*map(str, self.intervals), *(["None"] if self.none else []), *(["inf"] if self.inf else [])])
+        return " or ".join(
+            [*map(str, self.intervals), *(["None"] if self.none else []), *(["inf"] if self.inf else [])]
+        )
 
     def allows(self, value: Any) -> bool:
         if value is None:
@@ -100,8 +115,9 @@ def above(low: float, meaning: str, **options: Any) -> Range:
     return Range((Interval(low, low_open=True),), meaning, **options)
 
 
-def between(low: float, high: float, meaning: str, *, low_open: bool = False, high_open: bool = False,
-            **options: Any) -> Range:
+def between(
+    low: float, high: float, meaning: str, *, low_open: bool = False, high_open: bool = False, **options: Any
+) -> Range:
     return Range((Interval(low, high, low_open=low_open, high_open=high_open),), meaning, **options)
 
 
@@ -114,7 +130,7 @@ def steps_or_fraction(meaning: str, *, when: tuple[str, str]) -> Range:
     return Range((Interval(1, whole=True), Interval(0, 1, low_open=True, high_open=True)), meaning, when=when)
 
 
-class SettingField(dataclasses.Field):  # type: ignore[type-arg]
+class SettingField(dataclasses.Field):
     """A dataclass field that also holds its :class:`Range` (``range``), or why it has none (``unranged``).
     The range lives on the field, not in its ``metadata``: transformers' argument parser hands every
     metadata entry to argparse."""
@@ -123,8 +139,14 @@ class SettingField(dataclasses.Field):  # type: ignore[type-arg]
     unranged: str | None
 
 
-def setting(default: Any = dataclasses.MISSING, help: str = "", range: Range | None = None, *,
-            default_factory: Any = dataclasses.MISSING, unranged: str | None = None) -> Any:
+def setting(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    range: Range | None = None,
+    *,
+    default_factory: Any = dataclasses.MISSING,
+    unranged: str | None = None,
+) -> Any:
     """A dataclass field with its help text and, for a number, its :class:`Range` (or, in ``unranged``,
     why it has none)."""
     plain = dataclasses.field(default=default, default_factory=default_factory, metadata={"help": help})

@@ -22,6 +22,9 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
+from ..compat.openenv import OpenEnvEnvironment, from_openenv  # imports openenv only when used
+from ..compat.trl import TRLAgentEnvironment
+from ..compat.verifiers import VerifiersEnvironment, from_verifiers  # imports verifiers only when used
 from .base import (
     Environment,
     EnvironmentSetupError,
@@ -39,10 +42,7 @@ from .base import (
     success_and_reward,
 )
 from .contacts import ContactsEnv
-from ..compat.openenv import OpenEnvEnvironment, from_openenv  # imports openenv only when used
-from ..compat.trl import TRLAgentEnvironment
 from .vault import VaultEnv
-from ..compat.verifiers import VerifiersEnvironment, from_verifiers  # imports verifiers only when used
 
 __all__ = [
     "Environment",

@@ -186,8 +186,9 @@ def check_pass_rates(rows: Sequence[Mapping[str, Any]], checks: Sequence[str]) -
     rollouts passed none; NaN when there are no rows."""
     rates = {}
     for check in checks:
-        passed = sum(bool((row.get("info") or {}).get("checks", {}).get(check)) for row in rows
-                     if row["status"] == "completed")
+        passed = sum(
+            bool((row.get("info") or {}).get("checks", {}).get(check)) for row in rows if row["status"] == "completed"
+        )
         rates[f"passed_{check}"] = passed / len(rows) if rows else float("nan")
     return rates
 
@@ -200,12 +201,12 @@ def check_tasks(tasks: Any, *, environment: str, split: str) -> Dataset:
     where = f"environment {environment!r}, split {split!r}"
     if not isinstance(tasks, Dataset):
         hint = " (wrap rows with datasets.Dataset.from_list(rows))" if isinstance(tasks, (list, tuple)) else ""
-        raise EnvironmentSetupError(
-            f"{where}: tasks() returned a {type(tasks).__name__}, not a datasets.Dataset{hint}")
+        raise EnvironmentSetupError(f"{where}: tasks() returned a {type(tasks).__name__}, not a datasets.Dataset{hint}")
     if len(tasks) == 0:
         raise EnvironmentSetupError(
             f"{where}: the split has no tasks (check the environment's data, or the environment_kwargs "
-            "that set its size)")
+            "that set its size)"
+        )
     if "task_id" not in tasks.column_names:
         columns = ", ".join(tasks.column_names) or "none"
         raise EnvironmentSetupError(f"{where}: the tasks have no 'task_id' column (columns: {columns})")
@@ -218,7 +219,9 @@ def check_tasks(tasks: Any, *, environment: str, split: str) -> Dataset:
         examples = ", ".join(f"{task_id!r} ({n}x)" for task_id, n in repeated[:3])
         more = f" and {len(repeated) - 3} more" if len(repeated) > 3 else ""
         raise EnvironmentSetupError(
-            f"{where}: {len(repeated)} task ids occur more than once: {examples}{more}; every task needs its own task_id")
+            f"{where}: {len(repeated)} task ids occur more than once: {examples}{more}; "
+            "every task needs its own task_id"
+        )
     return tasks
 
 
@@ -239,7 +242,9 @@ def load_tasks(env: Environment, split: str) -> Dataset:
         raise
     except (KeyError, ValueError) as error:
         detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise EnvironmentSetupError(f"environment {env.name!r} cannot list the tasks of split {split!r}: {detail}") from None
+        raise EnvironmentSetupError(
+            f"environment {env.name!r} cannot list the tasks of split {split!r}: {detail}"
+        ) from None
     return check_tasks(tasks, environment=env.name, split=split)
 
 
@@ -254,17 +259,21 @@ def check_messages(messages: Any, *, source: str) -> list[Message]:
     the method that returned them (``"Episode.start()"``). Otherwise :class:`EpisodeContractError`
     naming the bad message."""
     if not isinstance(messages, (list, tuple)):
-        raise EpisodeContractError(f"{source} must return a list of messages, got {type(messages).__name__}: "
-                                   f"{_short(messages)}")
+        raise EpisodeContractError(
+            f"{source} must return a list of messages, got {type(messages).__name__}: {_short(messages)}"
+        )
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise EpisodeContractError(f"{source} message {index} is a {type(message).__name__}, not a dict "
-                                       f"with 'role' and 'content': {_short(message)}")
+            raise EpisodeContractError(
+                f"{source} message {index} is a {type(message).__name__}, not a dict "
+                f"with 'role' and 'content': {_short(message)}"
+            )
         role = message.get("role")
         if role not in ROLES:
             problem = "has no 'role'" if role is None else f"has the unknown role {_short(role, 30)}"
-            raise EpisodeContractError(f"{source} message {index} {problem} (roles: {', '.join(ROLES)}): "
-                                       f"{_short(dict(message))}")
+            raise EpisodeContractError(
+                f"{source} message {index} {problem} (roles: {', '.join(ROLES)}): {_short(dict(message))}"
+            )
     return list(messages)
 
 
@@ -286,11 +295,14 @@ def as_score(value: float | Score, reward_range: tuple[float, float] = (0.0, 1.0
     elif _is_number(value):
         score = Score(reward=value)
     else:
-        raise EpisodeContractError(f"Episode.score() must return a number in {where} or a Score, got "
-                                   f"{type(value).__name__}: {_short(value)}")
+        raise EpisodeContractError(
+            f"Episode.score() must return a number in {where} or a Score, got {type(value).__name__}: {_short(value)}"
+        )
     if not _is_number(score.reward):
-        raise EpisodeContractError(f"Score.reward must be a number in {where} (int or float), got "
-                                   f"{type(score.reward).__name__}: {_short(score.reward)}")
+        raise EpisodeContractError(
+            f"Score.reward must be a number in {where} (int or float), got "
+            f"{type(score.reward).__name__}: {_short(score.reward)}"
+        )
     reward = float(score.reward)
     if not low <= reward <= high or not math.isfinite(reward):
         raise EpisodeContractError(f"episode reward must be a finite number in {where}, got {score.reward!r}")

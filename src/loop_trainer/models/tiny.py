@@ -57,9 +57,11 @@ def replay_demonstrations(env: Any, num_conversations: int, seed: int, timeout: 
     worker.start()
     worker.join(timeout)
     if worker.is_alive():
-        raise ValueError(f"the warm-up of '{INSTRUCT_PREFIX}{env.name}' replays {num_conversations} of the environment's "
-                         f"episodes and got no answer within env_timeout={timeout:g}s: its step() may hang (raise "
-                         "env_timeout if the environment is just slow)")
+        raise ValueError(
+            f"the warm-up of '{INSTRUCT_PREFIX}{env.name}' replays {num_conversations} of the environment's "
+            f"episodes and got no answer within env_timeout={timeout:g}s: its step() may hang (raise "
+            "env_timeout if the environment is just slow)"
+        )
     if "error" in result:
         raise result["error"]
     return result["conversations"]
@@ -72,7 +74,10 @@ def build_word_tokenizer(words: Iterable[str]) -> PreTrainedTokenizerFast:
         vocabulary.setdefault(token, len(vocabulary))
     backend = Tokenizer(models.WordLevel(vocab=vocabulary, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(r"\n"), behavior="isolated"), pre_tokenizers.Split(Regex(r" +"), behavior="removed")]
+        [
+            pre_tokenizers.Split(Regex(r"\n"), behavior="isolated"),
+            pre_tokenizers.Split(Regex(r" +"), behavior="removed"),
+        ]
     )
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -120,8 +125,14 @@ def build_tiny_model(
     pad_token_id: int | None = None,
 ) -> Qwen2ForCausalLM:
     """A small Qwen2 decoder (head_dim 32, as vLLM's CPU attention needs), randomly initialised."""
-    config = tiny_config(vocab_size, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-                         eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    config = tiny_config(
+        vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
@@ -168,7 +179,7 @@ def warm_start(
         for row, i in enumerate(picked):
             ids, mask = rows[i]
             input_ids[row, : len(ids)] = torch.tensor(ids)
-            labels[row, : len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask)])
+            labels[row, : len(ids)] = torch.tensor([t if m else -100 for t, m in zip(ids, mask, strict=True)])
             attention[row, : len(ids)] = 1
         loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         loss.backward()
@@ -178,7 +189,9 @@ def warm_start(
     return model
 
 
-def _assistant_masked_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+def _assistant_masked_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]
+) -> tuple[list[int], list[int]]:
     """Token ids of a conversation and a mask of the tokens to train on: each assistant reply and
     the end-of-turn token after it, not the reply's header (``<|im_start|>assistant\n``: 3 tokens in
     the tiny models' vocabulary, 4 in SmolLM2's) nor what the template adds after the end-of-turn."""
@@ -201,8 +214,9 @@ def is_tiny_spec(name: str) -> bool:
     return name.startswith((RANDOM_PREFIX, INSTRUCT_PREFIX))
 
 
-def build_tiny_from_spec(name: str, env, seed: int = 0,
-                         env_timeout: float = 300.0) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
+def build_tiny_from_spec(
+    name: str, env, seed: int = 0, env_timeout: float = 300.0
+) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
     """Build the model a ``tiny:<env>`` / ``tiny-instruct:<env>`` spec names, for ``env``; the warm-up's
     replay of the environment's episodes gets ``env_timeout`` seconds in all."""
     label = name.split(":", 1)[1]
@@ -214,8 +228,12 @@ def build_tiny_from_spec(name: str, env, seed: int = 0,
     if name.startswith(INSTRUCT_PREFIX):
         if not hasattr(env, "demonstrations"):
             raise ValueError(f"'{name}' needs an environment with demonstrations(); '{env.name}' has none")
-        logger.info("%s: replaying %d of the environment's episodes for the warm-up (at most %gs)", name,
-                    WARM_UP_CONVERSATIONS, env_timeout)
+        logger.info(
+            "%s: replaying %d of the environment's episodes for the warm-up (at most %gs)",
+            name,
+            WARM_UP_CONVERSATIONS,
+            env_timeout,
+        )
         warm_start(model, tokenizer, replay_demonstrations(env, WARM_UP_CONVERSATIONS, seed, env_timeout), seed=seed)
     return model, tokenizer
 

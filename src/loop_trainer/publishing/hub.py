@@ -36,8 +36,15 @@ from huggingface_hub.utils import filter_repo_objects
 
 from .model_card import CURVE_FILE, LOOP_CITATION, METRICS_FILE, README, RECIPE_FILE, write_model_card
 
-__all__ = ["LOOP_CITATION", "copy_model_files", "merge_adapter_weights", "upload_checkpoint", "upload_file_set",
-           "upload_folder_contents", "write_model_card"]
+__all__ = [
+    "LOOP_CITATION",
+    "copy_model_files",
+    "merge_adapter_weights",
+    "upload_checkpoint",
+    "upload_file_set",
+    "upload_folder_contents",
+    "write_model_card",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +116,13 @@ def upload_file_set(folder: str | os.PathLike[str]) -> list[str]:
     curve. Sorted."""
     folder = Path(folder)
     weights = ADAPTER_PATTERNS if is_adapter_folder(folder) else FULL_WEIGHT_PATTERNS
-    return sorted(filter_repo_objects(_candidate_files(folder), allow_patterns=[*weights, *TOKENIZER_PATTERNS, *EXTRA_FILES],
-                                      ignore_patterns=list(EXCLUDE_PATTERNS)))
+    return sorted(
+        filter_repo_objects(
+            _candidate_files(folder),
+            allow_patterns=[*weights, *TOKENIZER_PATTERNS, *EXTRA_FILES],
+            ignore_patterns=list(EXCLUDE_PATTERNS),
+        )
+    )
 
 
 def copy_model_files(checkpoint_dir: str | os.PathLike[str], output_dir: str | os.PathLike[str]) -> list[str]:
@@ -195,7 +207,9 @@ def upload_folder_contents(
     folder = Path(output_dir)
     if merge_adapter:
         if not is_adapter_folder(folder):
-            raise ValueError("merge_adapter=True, but output_dir holds no LoRA adapter (full weights are uploaded as they are)")
+            raise ValueError(
+                "merge_adapter=True, but output_dir holds no LoRA adapter (full weights are uploaded as they are)"
+            )
         folder = merge_adapter_weights(folder, merged_dir, base_model=base_model)
         if card_kwargs is not None:
             write_model_card(folder, **{**card_kwargs, "merged": True, "recipe_path": None})
@@ -265,11 +279,18 @@ def upload_checkpoint(
     prefix = path_in_repo.strip("/")
     operations = [
         CommitOperationAdd(path_in_repo=f"{prefix}/{path.relative_to(folder).as_posix()}", path_or_fileobj=str(path))
-        for path in sorted(folder.rglob("*")) if path.is_file()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
     ]
     if not operations:
         raise FileNotFoundError(f"nothing to upload in {folder}")
     # create_commit, not upload_folder: with hf_xet installed, huggingface_hub 2.x's upload_folder
     # may split a folder into several commits.
-    return api.create_commit(repo_id=repo_id, operations=operations, commit_message=commit_message,
-                             token=token, revision=revision, run_as_future=run_as_future)
+    return api.create_commit(
+        repo_id=repo_id,
+        operations=operations,
+        commit_message=commit_message,
+        token=token,
+        revision=revision,
+        run_as_future=run_as_future,
+    )

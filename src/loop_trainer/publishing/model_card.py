@@ -8,6 +8,7 @@ next to the paper's, and the citations.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import math
@@ -34,7 +35,7 @@ LOOP_CITATION = """\
     author  = {Kevin Chen and Marco Cusumano-Towner and Brody Huval and Aleksei Petrenko and Jackson Hamburger and Vladlen Koltun and Philipp Kr{\\"a}henb{\\"u}hl},
     year    = 2025,
     eprint  = {arXiv:2502.01600}
-}"""
+}"""  # noqa: E501 - the BibTeX entry verbatim
 
 TRL_CITATION = """\
 @software{vonwerra2020trl,
@@ -43,35 +44,79 @@ TRL_CITATION = """\
     license = {Apache-2.0},
     url     = {https://github.com/huggingface/trl},
     year    = {2020}
-}"""
+}"""  # noqa: E501 - the BibTeX entry verbatim
 
 # The settings Chen et al. (2025) report for their AppWorld runs (docs/recipes.md, "paper" column):
 # the card shows them next to the run's own values. Only what the paper states is here.
 PAPER_VALUES: dict[str, Any] = {
-    "iterations": 200, "tasks_per_iteration": 40, "rollouts_per_task": 6, "advantage_threshold": 0.01,
-    "std_normalize_advantages": False, "minibatch_size": 32, "ppo_epochs": 2, "max_training_tokens": 32000,
-    "kl_abort_threshold": 20.0, "early_stop_done_fraction": 0.9, "early_stop_task_fraction": 0.75,
-    "learning_rate": 5e-5, "lr_scheduler_type": "constant", "weight_decay": 0.01, "max_grad_norm": 0.1,
-    "epsilon": 0.1, "temperature": 1.0, "max_turns": 40, "max_new_tokens_per_turn": 1500,
+    "iterations": 200,
+    "tasks_per_iteration": 40,
+    "rollouts_per_task": 6,
+    "advantage_threshold": 0.01,
+    "std_normalize_advantages": False,
+    "minibatch_size": 32,
+    "ppo_epochs": 2,
+    "max_training_tokens": 32000,
+    "kl_abort_threshold": 20.0,
+    "early_stop_done_fraction": 0.9,
+    "early_stop_task_fraction": 0.75,
+    "learning_rate": 5e-5,
+    "lr_scheduler_type": "constant",
+    "weight_decay": 0.01,
+    "max_grad_norm": 0.1,
+    "epsilon": 0.1,
+    "temperature": 1.0,
+    "max_turns": 40,
+    "max_new_tokens_per_turn": 1500,
     "max_trajectory_tokens": 32768,
 }
 # Trainer settings that shape a LOOP update, listed with LOOP's own keys (the other TrainingArguments
 # fields are left out of the card).
-TRAINER_FIELDS = ("learning_rate", "lr_scheduler_type", "weight_decay", "max_grad_norm", "epsilon", "temperature", "seed")
+TRAINER_FIELDS = (
+    "learning_rate",
+    "lr_scheduler_type",
+    "weight_decay",
+    "max_grad_norm",
+    "epsilon",
+    "temperature",
+    "seed",
+)
 # LOOPConfig keys that set up the machinery (model loading, vLLM, GRPOTrainer's agent arguments), not the
 # algorithm: left out of the card's hyperparameters.
-MACHINERY_FIELDS = frozenset({
-    "model_init_kwargs", "trust_remote_code", "disable_dropout", "chat_template_kwargs", "reward_weights",
-    "max_tool_calling_iterations", "malformed_tool_call", "beta", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization",
-    "vllm_tensor_parallel_size", "vllm_enable_sleep_mode", "vllm_max_model_length", "vllm_server_base_url",
-    "vllm_server_host", "vllm_server_port", "vllm_server_timeout"})
+MACHINERY_FIELDS = frozenset(
+    {
+        "model_init_kwargs",
+        "trust_remote_code",
+        "disable_dropout",
+        "chat_template_kwargs",
+        "reward_weights",
+        "max_tool_calling_iterations",
+        "malformed_tool_call",
+        "beta",
+        "use_vllm",
+        "vllm_mode",
+        "vllm_gpu_memory_utilization",
+        "vllm_tensor_parallel_size",
+        "vllm_enable_sleep_mode",
+        "vllm_max_model_length",
+        "vllm_server_base_url",
+        "vllm_server_host",
+        "vllm_server_port",
+        "vllm_server_timeout",
+    }
+)
 LORA_FIELDS = ("r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora", "modules_to_save")
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # Markdown, so no HTML escaping; a variable the template names but the code forgot is an error.
-_CARDS = jinja2.Environment(loader=jinja2.PackageLoader("loop_trainer", "templates"), autoescape=False,
-                            trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
-                            undefined=jinja2.StrictUndefined)
+_CARDS = jinja2.Environment(
+    loader=jinja2.PackageLoader("loop_trainer", "templates"),
+    autoescape=False,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    keep_trailing_newline=True,
+    undefined=jinja2.StrictUndefined,
+)
 
 
 def format_value(value: Any) -> str:
@@ -122,8 +167,9 @@ def hyperparameter_rows(args: Any) -> list[tuple[str, str, str]]:
     episode = [f.name for f in dataclasses.fields(EpisodeSettings)]
     own = [f.name for f in dataclasses.fields(args) if f.init and f.name not in left_out and f.name not in episode]
     names = [n for n in (*own, *TRAINER_FIELDS, *episode) if hasattr(args, n) and not n.endswith("_dir")]
-    return [(n, format_value(getattr(args, n)), format_value(PAPER_VALUES[n]) if n in PAPER_VALUES else "")
-            for n in names]
+    return [
+        (n, format_value(getattr(args, n)), format_value(PAPER_VALUES[n]) if n in PAPER_VALUES else "") for n in names
+    ]
 
 
 def evaluation_summary(eval_metrics: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -132,20 +178,29 @@ def evaluation_summary(eval_metrics: Mapping[str, Any] | None) -> dict[str, Any]
     if eval_metrics is None:
         return None
     if not isinstance(eval_metrics.get("metrics"), Mapping) or "split" not in eval_metrics:
-        raise ValueError("eval_metrics must be {'split': str, 'iteration': int, 'metrics': {name: float}}; "
-                         f"got keys {sorted(eval_metrics)}")
-    return {"split": eval_metrics["split"], "iteration": eval_metrics.get("iteration"),
-            "metrics": [(str(name), format_value(value)) for name, value in eval_metrics["metrics"].items()]}
+        raise ValueError(
+            "eval_metrics must be {'split': str, 'iteration': int, 'metrics': {name: float}}; "
+            f"got keys {sorted(eval_metrics)}"
+        )
+    return {
+        "split": eval_metrics["split"],
+        "iteration": eval_metrics.get("iteration"),
+        "metrics": [(str(name), format_value(value)) for name, value in eval_metrics["metrics"].items()],
+    }
 
 
 def _versions() -> list[tuple[str, str]]:
     found = []
-    for name, dist in (("loop_trainer", "loop-trainer"), ("TRL", "trl"), ("Transformers", "transformers"),
-                       ("PEFT", "peft"), ("PyTorch", "torch"), ("huggingface_hub", "huggingface_hub")):
-        try:
+    for name, dist in (
+        ("loop_trainer", "loop-trainer"),
+        ("TRL", "trl"),
+        ("Transformers", "transformers"),
+        ("PEFT", "peft"),
+        ("PyTorch", "torch"),
+        ("huggingface_hub", "huggingface_hub"),
+    ):
+        with contextlib.suppress(PackageNotFoundError):
             found.append((name, version(dist)))
-        except PackageNotFoundError:
-            pass
     return found
 
 
@@ -216,12 +271,19 @@ def write_model_card(
         tags=card_tags,
     )
 
-    rewards = [(h.get("iteration", i + 1), h["reward_mean"]) for i, h in enumerate(history or ())
-               if isinstance(h.get("reward_mean"), (int, float))]
+    rewards = [
+        (h.get("iteration", i + 1), h["reward_mean"])
+        for i, h in enumerate(history or ())
+        if isinstance(h.get("reward_mean"), (int, float))
+    ]
     reward = None
     if rewards:
-        reward = {"first_iteration": rewards[0][0], "first": f"{rewards[0][1]:.3f}",
-                  "last_iteration": rewards[-1][0], "last": f"{rewards[-1][1]:.3f}"}
+        reward = {
+            "first_iteration": rewards[0][0],
+            "first": f"{rewards[0][1]:.3f}",
+            "last_iteration": rewards[-1][0],
+            "last": f"{rewards[-1][1]:.3f}",
+        }
     text = _CARDS.get_template("model_card.md.j2").render(
         card_data=card_data.to_yaml(),
         model_name=model_name,
@@ -241,8 +303,10 @@ def write_model_card(
         has_metrics=(output_dir / METRICS_FILE).is_file(),
         has_recipe=(output_dir / RECIPE_FILE).is_file(),
         hyperparameters=hyperparameter_rows(args),
-        setting_changes=[(c["setting"], format_value(c["old"]), format_value(c["new"]), c["from_iteration"])
-                         for c in setting_changes or ()],
+        setting_changes=[
+            (c["setting"], format_value(c["old"]), format_value(c["new"]), c["from_iteration"])
+            for c in setting_changes or ()
+        ],
         lora=[(name, format_value(lora[name])) for name in LORA_FIELDS if lora and lora.get(name) not in (None, False)],
         max_turns=getattr(args, "max_turns", PAPER_VALUES["max_turns"]),
         max_new_tokens_per_turn=getattr(args, "max_new_tokens_per_turn", PAPER_VALUES["max_new_tokens_per_turn"]),

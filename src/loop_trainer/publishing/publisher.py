@@ -51,18 +51,38 @@ class HubPublisher:
         card.update({k: v for k, v in overrides.items() if k in ("model_name", "tags", "license")})
         hub.write_model_card(output_dir, **card)
 
-    def upload_run(self, *, repo_id: str, token: str | None, revision: str | None, commit_message: str,
-                   merge_adapter: bool, blocking: bool, **card_overrides: Any) -> Any:
+    def upload_run(
+        self,
+        *,
+        repo_id: str,
+        token: str | None,
+        revision: str | None,
+        commit_message: str,
+        merge_adapter: bool,
+        blocking: bool,
+        **card_overrides: Any,
+    ) -> Any:
         """The end-of-training (or on-demand) upload of ``output_dir``'s model files."""
         self.write_card(self.args.output_dir, **card_overrides)
-        card = {**self.card_context(),
-                **{k: v for k, v in card_overrides.items() if k in ("model_name", "tags", "license")}}
+        card = {
+            **self.card_context(),
+            **{k: v for k, v in card_overrides.items() if k in ("model_name", "tags", "license")},
+        }
         return hub.upload_folder_contents(
-            self.args.output_dir, repo_id=repo_id, commit_message=commit_message, token=token, revision=revision,
-            create_repo=False, merge_adapter=merge_adapter, card_kwargs=card, run_as_future=not blocking)
+            self.args.output_dir,
+            repo_id=repo_id,
+            commit_message=commit_message,
+            token=token,
+            revision=revision,
+            create_repo=False,
+            merge_adapter=merge_adapter,
+            card_kwargs=card,
+            run_as_future=not blocking,
+        )
 
-    def upload_checkpoint_model(self, staging_folder: str, *, repo_id: str, iteration: int,
-                                tokenizer: Any | None) -> Any | None:
+    def upload_checkpoint_model(
+        self, staging_folder: str, *, repo_id: str, iteration: int, tokenizer: Any | None
+    ) -> Any | None:
         """While a checkpoint is written (from the staging folder): upload its model files now; the
         whole checkpoint follows once published (:meth:`upload_published_checkpoint`)."""
         args = self.args
@@ -74,9 +94,14 @@ class HubPublisher:
             tokenizer.save_pretrained(args.output_dir)
         self._checkpoint_pending = args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS)
         return hub.upload_folder_contents(
-            args.output_dir, repo_id=repo_id, token=args.hub_token,
-            commit_message=f"Training in progress, iteration {iteration}", revision=args.hub_revision,
-            create_repo=False, run_as_future=True)
+            args.output_dir,
+            repo_id=repo_id,
+            token=args.hub_token,
+            commit_message=f"Training in progress, iteration {iteration}",
+            revision=args.hub_revision,
+            create_repo=False,
+            run_as_future=True,
+        )
 
     def upload_published_checkpoint(self, checkpoint: Path, *, repo_id: str, iteration: int) -> Any | None:
         if not self._checkpoint_pending:
@@ -84,6 +109,11 @@ class HubPublisher:
         self._checkpoint_pending = False
         path_in_repo = "last-checkpoint" if self.args.hub_strategy == HubStrategy.CHECKPOINT else checkpoint.name
         return hub.upload_checkpoint(
-            checkpoint, repo_id=repo_id, path_in_repo=path_in_repo, token=self.args.hub_token,
-            revision=self.args.hub_revision, run_as_future=True,
-            commit_message=f"Training in progress, iteration {iteration}, checkpoint")
+            checkpoint,
+            repo_id=repo_id,
+            path_in_repo=path_in_repo,
+            token=self.args.hub_token,
+            revision=self.args.hub_revision,
+            run_as_future=True,
+            commit_message=f"Training in progress, iteration {iteration}, checkpoint",
+        )

@@ -1,7 +1,8 @@
 """Multi-turn rollouts: generation backends and the concurrent episode engine."""
 
 from .backend import Completion, GenerationBackend, TransformersBackend
-from .engine import RolloutEngine, run_coroutine
+from .collection import run_coroutine
+from .engine import RolloutEngine
 from .records import EpisodeLimits, GenerationError, RolloutBatch, RolloutFailureBudgetExceeded, mix_seed
 
 __all__ = [

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -47,10 +47,8 @@ class TemperatureView:
 
 def _deliver_to(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Completion]) -> Callable[[Any], None]:
     def deliver(result: Completion | BaseException) -> None:
-        try:
+        with suppress(RuntimeError):  # RuntimeError: the loop has closed, nobody waits for this reply
             loop.call_soon_threadsafe(settle, future, result)
-        except RuntimeError:  # the loop has closed: nobody waits for this reply
-            pass
 
     return deliver
 
@@ -111,8 +109,13 @@ class TransformersBackend:
     def with_temperature(self, temperature: float) -> TransformersBackend:
         """The same model sampling at another temperature (evaluation: 0 is greedy). The weights are
         shared, not copied; the decode loop and its counters are the new backend's own."""
-        return TransformersBackend(self.model, stop_token_ids=self.stop_token_ids.tolist(), pad_token_id=self.pad_token_id,
-                                   temperature=temperature, max_batch_size=self.max_batch_size)
+        return TransformersBackend(
+            self.model,
+            stop_token_ids=self.stop_token_ids.tolist(),
+            pad_token_id=self.pad_token_id,
+            temperature=temperature,
+            max_batch_size=self.max_batch_size,
+        )
 
     async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
         if max_new_tokens < 1:
@@ -125,8 +128,15 @@ class TransformersBackend:
             self._worker = loop.create_task(self._serve(prefixes), name="transformers-backend")
         future: asyncio.Future[Completion] = loop.create_future()
         with self._pending_lock:
-            self._pending.append(Request(list(prompt_ids), max_new_tokens, seed, _deliver_to(loop, future),
-                                         lambda: future.done() or loop.is_closed()))
+            self._pending.append(
+                Request(
+                    list(prompt_ids),
+                    max_new_tokens,
+                    seed,
+                    _deliver_to(loop, future),
+                    lambda: future.done() or loop.is_closed(),
+                )
+            )
         assert self._wakeup is not None
         self._wakeup.set()
         return await future
@@ -155,8 +165,9 @@ class TransformersBackend:
                 for request in self._take(len(self._pending)):
                     request.deliver(error)
 
-    def sample(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
-               seeds: Sequence[int | None] | None = None) -> list[Completion]:
+    def sample(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], seeds: Sequence[int | None] | None = None
+    ) -> list[Completion]:
         """Sample a batch synchronously (left-padded prompts, KV cache, per-request limits). A row
         with a seed draws from its own generator, so its reply does not depend on its batch."""
         if any(limit < 1 for limit in max_new_tokens):
@@ -166,8 +177,12 @@ class TransformersBackend:
         def deliver_to(index: int) -> Callable[[Completion | BaseException], None]:
             return lambda result: results.__setitem__(index, result)
 
-        queue = [Request(list(prompt), limit, seed, deliver_to(index)) for index, (prompt, limit, seed)
-                 in enumerate(zip(prompts, max_new_tokens, seeds or [None] * len(prompts), strict=True))]
+        queue = [
+            Request(list(prompt), limit, seed, deliver_to(index))
+            for index, (prompt, limit, seed) in enumerate(
+                zip(prompts, max_new_tokens, seeds or [None] * len(prompts), strict=True)
+            )
+        ]
 
         def take(most: int) -> list[Request]:
             taken, queue[:] = queue[:most], queue[most:]
@@ -194,8 +209,11 @@ class TransformersBackend:
             device = next(model.parameters()).device
             threads = torch.get_num_threads() if device.type == "cpu" else 1
             try:
-                with (ThreadPoolExecutor(threads, thread_name_prefix="transformers-sampler") if threads > 1
-                      else nullcontext()) as pool:
+                with (
+                    ThreadPoolExecutor(threads, thread_name_prefix="transformers-sampler")
+                    if threads > 1
+                    else nullcontext()
+                ) as pool:
                     batch = DecodeBatch(self, device, pool, prefixes)
                     while True:
                         joining = take(self.max_batch_size - len(batch.rows)) if batch.can_join() else []
@@ -204,7 +222,9 @@ class TransformersBackend:
                         try:
                             batch.step(joining)
                         except Exception as error:  # noqa: BLE001 - surfaced to each waiting episode
-                            for request in {id(r): r for r in [*(row.request for row in batch.rows), *joining]}.values():
+                            for request in {
+                                id(r): r for r in [*(row.request for row in batch.rows), *joining]
+                            }.values():
                                 request.deliver(error)
                             batch = DecodeBatch(self, device, pool, prefixes)
             finally:

@@ -5,16 +5,17 @@ finished replies kept for their episode's next turn.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
 from .records import Completion
 
@@ -94,8 +95,13 @@ class DecodeBatch:
     r's ``rows[r].cache_length`` tokens (left padding, and holes where a cached prefix and its new
     tokens were padded separately, are zeros)."""
 
-    def __init__(self, backend: TransformersBackend, device: torch.device, pool: ThreadPoolExecutor | None,
-                 prefixes: PrefixCache | None):
+    def __init__(
+        self,
+        backend: TransformersBackend,
+        device: torch.device,
+        pool: ThreadPoolExecutor | None,
+        prefixes: PrefixCache | None,
+    ):
         self.backend, self.device, self.pool, self.prefixes = backend, device, pool, prefixes
         self.rows: list[Row] = []
         self.cache: DynamicCache | None = None
@@ -127,11 +133,21 @@ class DecodeBatch:
                 row.cache_length += 1
         # The joining rows: a prefill of their prompts, or of what a prompt adds to a cached prefix
         # (computed with these weights: they may have changed since the decode loop started).
-        if joining and self.prefixes is not None and self.prefixes.weights_version != (version := weights_version(model)):
+        if (
+            joining
+            and self.prefixes is not None
+            and self.prefixes.weights_version != (version := weights_version(model))
+        ):
             self.prefixes.clear(version)
-        cached = [] if self.prefixes is None or not self.mergeable else [(r, self.prefixes.pop(r.prompt_ids))
-                                                                       for r in joining]
-        groups = [[r for r, hit in cached if hit is None] if cached else joining, [(r, hit) for r, hit in cached if hit]]
+        cached = (
+            []
+            if self.prefixes is None or not self.mergeable
+            else [(r, self.prefixes.pop(r.prompt_ids)) for r in joining]
+        )
+        groups: list[list[Any]] = [  # the requests to prefill whole, then (request, cached prefix) pairs
+            [r for r, hit in cached if hit is None] if cached else joining,
+            [(r, hit) for r, hit in cached if hit],
+        ]
         for index, group in enumerate(groups):
             if not group:
                 continue
@@ -141,13 +157,21 @@ class DecodeBatch:
                 cache, mask, positions, input_ids = self._extensions(group)
                 backend.num_reused_tokens += sum(length for _, (length, _) in group)
                 group = [r for r, _ in group]
-            out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                        use_cache=True, logits_to_keep=1)
+            out = model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             logits.append(out.logits[:, -1, :])
             self._merge(cache, mask)
             greedy = backend.temperature == 0
-            rows += [Row(request, None if greedy else _generator(request.seed, device), len(request.prompt_ids))
-                     for request in group]
+            rows += [
+                Row(request, None if greedy else _generator(request.seed, device), len(request.prompt_ids))
+                for request in group
+            ]
             backend.num_batches += 1
             backend.num_sequences += len(group)
         self.rows += rows
@@ -167,8 +191,9 @@ class DecodeBatch:
         mask = mask.to(self.device)
         return mask, (mask.cumsum(-1) - 1).clamp(min=0), input_ids.to(self.device)
 
-    def _extensions(self, hits: list[tuple[Request, Any]]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor,
-                                                                      torch.Tensor]:
+    def _extensions(
+        self, hits: list[tuple[Request, Any]]
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
         """A cache of the cached prefixes (left-padded) and the mask, position ids and input ids of
         what each prompt adds to its prefix (left-padded after the prefixes)."""
         past = max(length for _, (length, _) in hits)
@@ -184,8 +209,11 @@ class DecodeBatch:
             positions[index, width - new :] = torch.arange(length, length + new)
         cache = DynamicCache()
         for layer in range(len(hits[0][1][1])):
-            cache.update(*(torch.stack([_left_pad(states[layer][kv], past - length) for _, (length, states) in hits])
-                           for kv in (0, 1)), layer)
+            keys, values = (
+                torch.stack([_left_pad(states[layer][kv], past - length) for _, (length, states) in hits])
+                for kv in (0, 1)
+            )
+            cache.update(keys, values, layer)
         return cache, mask.to(self.device), positions.to(self.device), input_ids.to(self.device)
 
     def _sample(self, logits: torch.Tensor) -> None:
@@ -228,8 +256,10 @@ class DecodeBatch:
         prefix cache."""
         assert self.cache is not None and self.mask is not None and self.prefixes is not None
         columns = self.mask[index].nonzero().squeeze(1)
-        layers = [(layer.keys[index].index_select(1, columns), layer.values[index].index_select(1, columns))
-                  for layer in self.cache.layers]
+        layers = [
+            (keys[index].index_select(1, columns), values[index].index_select(1, columns))
+            for keys, values in map(_states, _kv_layers(self.cache))
+        ]
         self.prefixes.put((*row.request.prompt_ids, *row.token_ids[:-1]), layers)
 
     def _merge(self, cache: DynamicCache, mask: torch.Tensor) -> None:
@@ -237,19 +267,21 @@ class DecodeBatch:
         whichever is shorter."""
         if self.cache is None:
             self.cache, self.mask = cache, mask
-            self.mergeable = all(type(layer) is DynamicLayer and (not layer.is_initialized or layer.keys.dim() == 4)
-                                 for layer in cache.layers)
-            if not all(layer.is_initialized for layer in cache.layers):  # layers sharing another's cache
+            self.mergeable = all(
+                type(layer) is DynamicLayer and (not layer.is_initialized or _states(layer)[0].dim() == 4)
+                for layer in _kv_layers(cache)
+            )
+            if not all(layer.is_initialized for layer in _kv_layers(cache)):  # layers sharing another's cache
                 self.prefixes = None
             return
         assert self.mask is not None
         old, new = self.mask.shape[1], mask.shape[1]
         width = max(old, new)
-        for running, joining in zip(self.cache.layers, cache.layers, strict=True):
+        for running, joining in zip(_kv_layers(self.cache), _kv_layers(cache), strict=True):
             if running.is_initialized:
-                running.keys = torch.cat([_left_pad(running.keys, width - old), _left_pad(joining.keys, width - new)])
-                running.values = torch.cat([_left_pad(running.values, width - old),
-                                            _left_pad(joining.values, width - new)])
+                (keys, values), (new_keys, new_values) = _states(running), _states(joining)
+                running.keys = torch.cat([_left_pad(keys, width - old), _left_pad(new_keys, width - new)])
+                running.values = torch.cat([_left_pad(values, width - old), _left_pad(new_values, width - new)])
         self.mask = torch.cat([F.pad(self.mask, (width - old, 0)), F.pad(mask, (width - new, 0))])
 
     def _select(self, keep: list[int]) -> None:
@@ -263,10 +295,23 @@ class DecodeBatch:
         self.mask = self.mask[index]
         unused = int(self.mask.any(0).int().argmax())  # leading columns no row uses
         self.mask = self.mask[:, unused:]
-        for layer in self.cache.layers:
+        for layer in _kv_layers(self.cache):
             if layer.is_initialized:
-                layer.keys = layer.keys[index, :, unused:]
-                layer.values = layer.values[index, :, unused:]
+                keys, values = _states(layer)
+                layer.keys = keys[index, :, unused:]
+                layer.values = values[index, :, unused:]
+
+
+def _kv_layers(cache: DynamicCache) -> list[CacheLayerMixin]:
+    """The cache's layers. transformers' annotation admits linear-attention layers too, which hold no
+    key/value states; the caches built here, by decoder-only attention models, have none of them."""
+    return cast("list[CacheLayerMixin]", cache.layers)
+
+
+def _states(layer: CacheLayerMixin) -> tuple[torch.Tensor, torch.Tensor]:
+    """An initialized layer's key and value states."""
+    assert layer.keys is not None and layer.values is not None, "the layer holds no states yet"
+    return layer.keys, layer.values
 
 
 def _left_pad(states: torch.Tensor, columns: int) -> torch.Tensor:
@@ -285,8 +330,9 @@ def _generator(seed: int | None, device: torch.device) -> torch.Generator:
     return torch.Generator(device).manual_seed(seed)
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator | None],
-          pool: ThreadPoolExecutor | None) -> torch.Tensor:
+def _draw(
+    probs: torch.Tensor, generators: list[torch.Generator | None], pool: ThreadPoolExecutor | None
+) -> torch.Tensor:
     """One token per row, row r drawn with ``generators[r]``: ``torch.multinomial`` per row, the
     rows split over ``pool``'s threads (the same draws, in the same order per generator)."""
 
@@ -298,5 +344,6 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None],
         return torch.cat(rows(range(count)))
     parts = torch.get_num_threads()  # the pool's size (backend._decode sizes it so); any split draws the same
     bounds = [count * part // parts for part in range(parts + 1)]
-    return torch.cat([token for chunk in pool.map(rows, [range(a, b) for a, b in zip(bounds, bounds[1:])])
-                      for token in chunk])
+    return torch.cat(
+        [token for chunk in pool.map(rows, [range(a, b) for a, b in itertools.pairwise(bounds)]) for token in chunk]
+    )

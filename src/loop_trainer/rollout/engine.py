@@ -15,35 +15,27 @@ thread, so a sync call that outlives ``env_timeout`` is abandoned: its rollout f
 call keeps its thread until it returns (if ever), it is counted (``abandoned_calls``), the
 episode's ``close`` waits for it (then runs in that thread, never beside it), and since the thread
 is a daemon it never holds up the process's exit.
+
+A batch's collection (early stop, cancelled stragglers, the failure budget) is :mod:`.collection`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
-import math
-import threading
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
-
-from tqdm.auto import tqdm
 
 from ..chat import ChatFormatter
 from ..envs.base import Environment, Episode, EpisodeContractError, Message, Reply, Step, as_score, check_messages
 from ..trajectory import Trajectory
 from .backend import Completion, GenerationBackend
+from .collection import collect_batch, run_coroutine
 from .env_threads import AbandonedCalls, EnvThreads, EpisodeCalls, deliver
-from .records import (
-    MAX_CHARS_PER_TOKEN,
-    EpisodeLimits,
-    GenerationError,
-    RolloutBatch,
-    RolloutFailureBudgetExceeded,
-    mix_seed,
-)
+from .records import MAX_CHARS_PER_TOKEN, EpisodeLimits, GenerationError, RolloutBatch, mix_seed
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -119,10 +111,9 @@ class RolloutEngine:
             except BaseException as raised:  # noqa: BLE001 - handed to the awaiting episode
                 error = raised
             late_close = calls.end()
-            try:
+            # RuntimeError: the collection's event loop is gone, nobody waits any more
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(deliver, answer, result, error)
-            except RuntimeError:  # the collection's event loop is gone: nobody waits any more
-                pass
             if late_close is not None:
                 late_close()
 
@@ -160,8 +151,9 @@ class RolloutEngine:
                     asyncio.run(_awaited(result))
                 logger.info("closed the episode of task %s once its abandoned call returned", task_id)
             except Exception as error:  # noqa: BLE001
-                logger.warning("closing the episode of task %s (once its abandoned call returned) failed: %s",
-                               task_id, error)
+                logger.warning(
+                    "closing the episode of task %s (once its abandoned call returned) failed: %s", task_id, error
+                )
 
         return close
 
@@ -189,11 +181,13 @@ class RolloutEngine:
                     trajectory.ending = "trajectory_budget"
                     break
                 completion = await self._generate(
-                    trajectory, min(self.limits.max_new_tokens_per_turn, room),
+                    trajectory,
+                    min(self.limits.max_new_tokens_per_turn, room),
                     None if seed is None else mix_seed(seed, turn),
                 )
-                reply = Reply(self.formatter.reply_text(completion.token_ids), completion.token_ids,
-                              trajectory.token_ids)
+                reply = Reply(
+                    self.formatter.reply_text(completion.token_ids), completion.token_ids, trajectory.token_ids
+                )
                 trajectory.append(completion.token_ids, sampled=True, logprobs=completion.logprobs, turn=turn)
                 trajectory.num_turns += 1
                 trajectory.truncated_turns += not completion.stopped
@@ -231,8 +225,12 @@ class RolloutEngine:
         runs in that call's thread once it returns (never beside it; never, if it never returns)."""
         waiting_for = calls.defer_close(self._close_later(calls.episode, task_id))
         if waiting_for is not None:
-            logger.warning("the episode of task %s is not closed yet: its abandoned %s is still running; "
-                           "close() runs when that returns", task_id, waiting_for)
+            logger.warning(
+                "the episode of task %s is not closed yet: its abandoned %s is still running; "
+                "close() runs when that returns",
+                task_id,
+                waiting_for,
+            )
             return
         try:
             await self._call(calls, "close")
@@ -252,7 +250,9 @@ class RolloutEngine:
                 content = bytes(content).decode("utf-8", errors="replace")
                 trajectory.repaired_messages += 1
             elif not isinstance(content, str):
-                raise EpisodeContractError(f"{source} message {index} content must be str, got {type(content).__name__}")
+                raise EpisodeContractError(
+                    f"{source} message {index} content must be str, got {type(content).__name__}"
+                )
             else:
                 repaired = content.encode("utf-8", errors="replace").decode("utf-8")
                 if repaired != content:
@@ -269,8 +269,9 @@ class RolloutEngine:
         try:
             return await self.backend.generate(trajectory.token_ids, max_new_tokens, seed=seed)
         except Exception as error:  # noqa: BLE001
-            logger.warning("generation for task %s failed (%s: %s); retrying once", trajectory.task_id,
-                           type(error).__name__, error)
+            logger.warning(
+                "generation for task %s failed (%s: %s); retrying once", trajectory.task_id, type(error).__name__, error
+            )
             self.generation_retries += 1
         try:
             return await self.backend.generate(trajectory.token_ids, max_new_tokens, seed=seed)
@@ -301,61 +302,19 @@ class RolloutEngine:
         """
         if self._closed:
             raise RuntimeError("this RolloutEngine was closed; create a new one to collect again")
-        group_ids = list(group_ids) if group_ids is not None else list(range(len(tasks)))
-        started = time.perf_counter()
-        total = len(tasks) * rollouts_per_task
-        need_total = math.ceil(done_fraction * total)
-        need_per_task = round(task_fraction * rollouts_per_task)
-        limiter = asyncio.Semaphore(self.max_concurrent_episodes)
-
-        async def limited(task: Mapping[str, Any], group: int, k: int) -> Trajectory:
-            async with limiter:
-                episode_seed = None if seed is None else mix_seed(seed, group_ids[group], k)
-                trajectory = await self.run_episode(task, group, episode_seed)
-                trajectory.rollout = k
-                return trajectory
-
-        running = {
-            asyncio.ensure_future(limited(task, group, k)): (group, k)
-            for group, task in enumerate(tasks)
-            for k in range(rollouts_per_task)
-        }
-        finished: dict[tuple[int, int], Trajectory] = {}
-        per_task = Counter[int]()
-        pending = set(running)
-        with tqdm(total=total, desc=description, disable=not self.show_progress, leave=False) as bar:
-            try:
-                while pending:
-                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                    for future in done:
-                        key = running[future]
-                        finished[key] = future.result()
-                        per_task[key[0]] += 1
-                    bar.update(len(done))
-                    if len(finished) >= need_total and all(
-                        per_task[g] >= need_per_task for g in range(len(tasks))
-                    ):
-                        break
-            finally:
-                for future in pending:
-                    future.cancel()
-                if pending:
-                    await asyncio.gather(*pending, return_exceptions=True)
-        ordered = [finished[key] for key in sorted(finished)]
-        batch = RolloutBatch(
-            trajectories=[t for t in ordered if t.status == "completed"],
-            failed=[t for t in ordered if t.status == "failed"],
-            num_cancelled=len(pending),
-            seconds=time.perf_counter() - started,
+        return await collect_batch(
+            self.run_episode,
+            tasks,
+            rollouts_per_task,
+            max_concurrent_episodes=self.max_concurrent_episodes,
+            show_progress=self.show_progress,
+            seed=seed,
+            group_ids=group_ids,
+            done_fraction=done_fraction,
+            task_fraction=task_fraction,
+            max_failed_fraction=max_failed_fraction,
+            description=description,
         )
-        num_run = len(ordered)
-        if batch.failed and len(batch.failed) > max_failed_fraction * num_run:
-            errors = Counter(t.error for t in batch.failed).most_common(1)[0]
-            raise RolloutFailureBudgetExceeded(
-                f"{len(batch.failed)} of {num_run} rollouts failed (budget {max_failed_fraction:.0%}); "
-                f"most common error ({errors[1]}x): {errors[0]}"
-            )
-        return batch
 
     def collect(self, tasks: Sequence[Mapping[str, Any]], rollouts_per_task: int, **kwargs: Any) -> RolloutBatch:
         """Synchronous :meth:`collect_async`."""
@@ -377,27 +336,3 @@ class RolloutEngine:
 
 async def _awaited(awaitable: Awaitable[T]) -> T:
     return await awaitable
-
-
-def run_coroutine(coroutine: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine to completion from sync code, even where an event loop is already running
-    (a notebook): then it runs on a fresh loop in a helper thread."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    result: list[T] = []
-    errors: list[BaseException] = []
-
-    def runner() -> None:
-        try:
-            result.append(asyncio.run(coroutine))
-        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
-            errors.append(error)
-
-    thread = threading.Thread(target=runner, name="loop-trainer-rollouts")
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
-    return result[0]

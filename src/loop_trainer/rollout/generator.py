@@ -17,7 +17,7 @@ import logging
 import os
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -25,6 +25,9 @@ from .backend import GenerationBackend, TransformersBackend
 from .vllm_backend import VLLMBackend, build_colocated_llm, sleep_mode_available
 from .vllm_server import GeneratorServerError, VLLMServerBackend
 from .weight_sync import WeightSync, default_tolerance, probe_token_ids
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +59,15 @@ def require_vllm() -> None:
 def _model_path(model: torch.nn.Module, scratch: str) -> str:
     """Where vLLM loads the (base) weights from: the model's directory or Hub id, or -- for a model
     built in memory, like the ``tiny:`` ones -- a copy saved to the directory ``scratch``."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_base_model = getattr(model, "get_base_model", None)  # a PEFT model's
+    base = get_base_model() if get_base_model is not None else model
     path = str(getattr(base, "name_or_path", "") or "")
     if os.path.isdir(path) or re.fullmatch(r"[\w.-]+/[\w.-]+", path):
         return path
     if any(hasattr(p, "ds_id") for p in base.parameters()):
-        raise GeneratorConfigError("use_vllm: vLLM loads the model from its path or Hub id; save the model and pass "
-                                   "its path")
+        raise GeneratorConfigError(
+            "use_vllm: vLLM loads the model from its path or Hub id; save the model and pass its path"
+        )
     target = scratch
     with _unmerged_base(model) as weights:
         weights.save_pretrained(target, safe_serialization=True)
@@ -73,9 +78,10 @@ def _model_path(model: torch.nn.Module, scratch: str) -> str:
 def _unmerged_base(model: torch.nn.Module):
     """The base model alone (a PEFT model's adapter layers hidden), to save for vLLM."""
     if hasattr(model, "disable_adapter") and hasattr(model, "get_base_model"):
-        base = model.get_base_model()
-        state = {name.replace(".base_layer", ""): tensor for name, tensor in base.state_dict().items()
-                 if "lora_" not in name}
+        base = cast("PeftModel", model).get_base_model()  # torch types a Module's attributes as Tensor | Module
+        state = {
+            name.replace(".base_layer", ""): tensor for name, tensor in base.state_dict().items() if "lora_" not in name
+        }
         clean = type(base)(base.config)
         clean.load_state_dict(state, strict=True)
         yield clean
@@ -95,8 +101,14 @@ class RolloutGenerator:
     policy into a separate engine when it is behind, :meth:`sleep` frees its memory for the update,
     :meth:`for_evaluation` samples the same policy at another temperature."""
 
-    def __init__(self, backend: GenerationBackend, *, weight_sync: WeightSync | None = None,
-                 transformers_settings: dict[str, Any] | None = None, owns_backend: bool = True):
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        *,
+        weight_sync: WeightSync | None = None,
+        transformers_settings: dict[str, Any] | None = None,
+        owns_backend: bool = True,
+    ):
         self.backend = backend
         self.owns_backend = owns_backend
         self.weight_sync = weight_sync
@@ -110,8 +122,12 @@ class RolloutGenerator:
             return {}
         report = self.weight_sync(version)
         self._version = version
-        logger.info("generator synced to iteration %d in %.2f s (probe log-prob diff max %.2e)",
-                    version, report.seconds, report.logprob_diff_max)
+        logger.info(
+            "generator synced to iteration %d in %.2f s (probe log-prob diff max %.2e)",
+            version,
+            report.seconds,
+            report.logprob_diff_max,
+        )
         return report.metrics()
 
     def sleep(self) -> None:
@@ -123,14 +139,20 @@ class RolloutGenerator:
         """The same policy sampled at ``temperature`` (0: greedy)."""
         if hasattr(self.backend, "with_temperature"):
             return self.backend.with_temperature(temperature)
-        if self._transformers_settings is not None or isinstance(self.backend, TransformersBackend):
-            settings = self._transformers_settings or {
-                "model": self.backend.model, "stop_token_ids": self.backend.stop_token_ids.tolist(),
-                "pad_token_id": self.backend.pad_token_id, "max_batch_size": self.backend.max_batch_size}
+        settings = self._transformers_settings
+        if settings is None and isinstance(self.backend, TransformersBackend):
+            settings = {
+                "model": self.backend.model,
+                "stop_token_ids": self.backend.stop_token_ids.tolist(),
+                "pad_token_id": self.backend.pad_token_id,
+                "max_batch_size": self.backend.max_batch_size,
+            }
+        if settings is not None:
             return TransformersBackend(**{**settings, "temperature": temperature})
         raise GeneratorConfigError(
             f"generation_backend {type(self.backend).__name__} has no with_temperature(temperature) method, so "
-            "eval_temperature cannot be honoured: add the method, or set eval_every: 0")
+            "eval_temperature cannot be honoured: add the method, or set eval_every: 0"
+        )
 
     def check_evaluation(self) -> None:
         """Refuse at start-up an evaluation this generator cannot run."""
@@ -138,31 +160,53 @@ class RolloutGenerator:
 
     def close(self) -> None:
         # A backend the user passed in is theirs to close.
-        closers = [getattr(self.weight_sync, "close", None), getattr(self.backend, "close", None) if self.owns_backend else None]
+        closers = [
+            getattr(self.weight_sync, "close", None),
+            getattr(self.backend, "close", None) if self.owns_backend else None,
+        ]
         for close in closers:
             if close is not None:
                 close()
 
 
-def build_generator(args: Any, model: torch.nn.Module, *, stop_token_ids: list[int], tokenizer: Any,
-                    process_index: int, is_main_process: bool, barrier: Callable[[], None],
-                    probe_scorer: ProbeScorer, custom_backend: GenerationBackend | None = None) -> RolloutGenerator:
+def build_generator(
+    args: Any,
+    model: torch.nn.Module,
+    *,
+    stop_token_ids: list[int],
+    tokenizer: Any,
+    process_index: int,
+    is_main_process: bool,
+    barrier: Callable[[], None],
+    probe_scorer: ProbeScorer,
+    custom_backend: GenerationBackend | None = None,
+) -> RolloutGenerator:
     """The run's generator: ``custom_backend`` if given, else vLLM (``use_vllm``), else the
     training model itself."""
     if custom_backend is not None:
         return RolloutGenerator(custom_backend, owns_backend=False)
     if not args.use_vllm:
-        settings = {"model": model, "stop_token_ids": stop_token_ids, "pad_token_id": tokenizer.pad_token_id,
-                    "max_batch_size": args.generation_batch_limit}
-        return RolloutGenerator(TransformersBackend(**settings, temperature=args.temperature), transformers_settings=settings)
+        settings = {
+            "model": model,
+            "stop_token_ids": stop_token_ids,
+            "pad_token_id": tokenizer.pad_token_id,
+            "max_batch_size": args.generation_batch_limit,
+        }
+        return RolloutGenerator(
+            TransformersBackend(**settings, temperature=args.temperature), transformers_settings=settings
+        )
     if args.vllm_mode == "server":
         url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         try:
-            backend = VLLMServerBackend(
-                url, stop_token_ids=stop_token_ids, temperature=args.temperature,
+            backend: VLLMServerBackend | VLLMBackend = VLLMServerBackend(
+                url,
+                stop_token_ids=stop_token_ids,
+                temperature=args.temperature,
                 sync_dir=args.vllm_sync_dir or os.path.join(args.output_dir, "weight-sync"),
-                max_concurrency=args.max_concurrent_episodes, connect_timeout=args.vllm_server_timeout,
-                is_main_process=is_main_process, barrier=barrier,
+                max_concurrency=args.max_concurrent_episodes,
+                connect_timeout=args.vllm_server_timeout,
+                is_main_process=is_main_process,
+                barrier=barrier,
             )
         except GeneratorServerError as error:
             raise GeneratorConfigError(str(error)) from None
@@ -176,10 +220,16 @@ def build_generator(args: Any, model: torch.nn.Module, *, stop_token_ids: list[i
             logger.warning("vllm_enable_sleep_mode: this platform has no vLLM sleep mode (CPU); the engine stays awake")
             sleep = False
         lora_rank = None
-        if hasattr(model, "peft_config"):
-            lora_rank = int(getattr(next(iter(model.peft_config.values())), "r", 0) or 0) or None
-        dtype_name = ("bfloat16" if args.bf16 else "float16" if args.fp16
-                      else str(next(model.parameters()).dtype).removeprefix("torch."))
+        peft_config = getattr(model, "peft_config", None)  # a PEFT model's adapters, by name
+        if peft_config is not None:
+            lora_rank = int(getattr(next(iter(peft_config.values())), "r", 0) or 0) or None
+        dtype_name = (
+            "bfloat16"
+            if args.bf16
+            else "float16"
+            if args.fp16
+            else str(next(model.parameters()).dtype).removeprefix("torch.")
+        )
         llm = build_colocated_llm(
             # Per process: a model built in memory is saved where only this process writes.
             _model_path(model, os.path.join(args.output_dir, f"generator-init-{process_index}")),

@@ -14,14 +14,30 @@ from accelerate.utils import gather_object
 from .engine import RolloutBatch, RolloutEngine
 
 
-def collect_across_processes(engine: RolloutEngine, tasks: Sequence[Mapping[str, Any]], rollouts_per_task: int, *,
-                             num_processes: int, process_index: int, seed: int | None, description: str,
-                             max_failed_fraction: float = 1.0, **early_stop: float) -> RolloutBatch:
+def collect_across_processes(
+    engine: RolloutEngine,
+    tasks: Sequence[Mapping[str, Any]],
+    rollouts_per_task: int,
+    *,
+    num_processes: int,
+    process_index: int,
+    seed: int | None,
+    description: str,
+    max_failed_fraction: float = 1.0,
+    **early_stop: float,
+) -> RolloutBatch:
     """Run ``rollouts_per_task`` episodes of this process's tasks; return everyone's, with each
     trajectory's ``group`` set to its task's index in ``tasks``."""
     mine = list(range(process_index, len(tasks), num_processes))
-    batch = engine.collect([tasks[i] for i in mine], rollouts_per_task, seed=seed, group_ids=mine,
-                           max_failed_fraction=max_failed_fraction, description=description, **early_stop)
+    batch = engine.collect(
+        [tasks[i] for i in mine],
+        rollouts_per_task,
+        seed=seed,
+        group_ids=mine,
+        max_failed_fraction=max_failed_fraction,
+        description=description,
+        **early_stop,
+    )
     for trajectory in (*batch.trajectories, *batch.failed):
         trajectory.group = mine[trajectory.group]
     if num_processes == 1:

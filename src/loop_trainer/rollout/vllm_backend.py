@@ -72,8 +72,7 @@ class VLLMBackend:
     stops it. The engine (``llm``) is the caller's.
     """
 
-    def __init__(self, llm: Any, *, stop_token_ids: Sequence[int], temperature: float = 1.0,
-                 sleep_mode: bool = False):
+    def __init__(self, llm: Any, *, stop_token_ids: Sequence[int], temperature: float = 1.0, sleep_mode: bool = False):
         if temperature < 0:
             raise ValueError("temperature must be >= 0 (0 = greedy, for evaluation only)")
         self.llm = llm
@@ -99,13 +98,15 @@ class VLLMBackend:
         """The same engine sampling at another temperature (evaluation: 0 is greedy)."""
         return TemperatureView(self, temperature)
 
-    async def _submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None,
-                      temperature: float) -> Completion:
+    async def _submit(
+        self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None, temperature: float
+    ) -> Completion:
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         loop = asyncio.get_running_loop()
-        submission = _Submission(f"loop-{next(self._ids)}", list(prompt_ids), max_new_tokens, seed, temperature,
-                                 loop, loop.create_future())
+        submission = _Submission(
+            f"loop-{next(self._ids)}", list(prompt_ids), max_new_tokens, seed, temperature, loop, loop.create_future()
+        )
         self._inbox.put(submission)
         self._ensure_driver()
         return await submission.future
@@ -147,17 +148,21 @@ class VLLMBackend:
                     waiting.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
-            if any(submission is None for submission in waiting):
-                self._stop_driving(running, [s for s in waiting if s is not None])
+            submissions = [s for s in waiting if s is not None]
+            if len(submissions) < len(waiting):  # a None: close() stops the driver
+                self._stop_driving(running, submissions)
                 return
             with self._engine_lock:
                 try:
-                    for submission in waiting:
+                    for submission in submissions:
                         if submission.future.done():  # cancelled before it started
                             continue
-                        self.engine.add_request(submission.request_id,
-                                                TokensPrompt(prompt_token_ids=submission.prompt_ids),
-                                                self._sampling_params(submission), lora_request=self.lora_request)
+                        self.engine.add_request(
+                            submission.request_id,
+                            TokensPrompt(prompt_token_ids=submission.prompt_ids),
+                            self._sampling_params(submission),
+                            lora_request=self.lora_request,
+                        )
                         running[submission.request_id] = submission
                     cancelled = [rid for rid, s in running.items() if s.future.done()]
                     if cancelled:  # an episode stopped early (or timed out): free its slot now
@@ -233,22 +238,23 @@ class VLLMBackend:
         # caller's stream is never materialised whole. The model's own load_weights is not used:
         # on CPU vLLM repacks weights after loading and a plain load leaves them stale.
         with self._engine_lock:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights),
-                                                              "is_checkpoint_format": True})
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True}
+            )
             self.engine.reset_prefix_cache()
 
     def probe_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(max_tokens=1, temperature=self.temperature or 1.0, prompt_logprobs=0,
-                                detokenize=False)
+        params = SamplingParams(max_tokens=1, temperature=self.temperature or 1.0, prompt_logprobs=0, detokenize=False)
         with self._engine_lock:
             if self.engine.has_unfinished_requests():
                 raise RuntimeError("the weight-sync probe runs between iterations, not while episodes are generating")
             rid = f"probe-{next(self._ids)}"
-            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(token_ids)), params,
-                                    lora_request=self.lora_request)
+            self.engine.add_request(
+                rid, TokensPrompt(prompt_token_ids=list(token_ids)), params, lora_request=self.lora_request
+            )
             result = None
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
@@ -286,10 +292,20 @@ def sleep_mode_available() -> bool:
     return bool(current_platform.is_sleep_mode_available())
 
 
-def build_colocated_llm(model_path: str, *, dtype: str, max_model_len: int, max_num_seqs: int,
-                        gpu_memory_utilization: float, tensor_parallel_size: int = 1, seed: int = 0,
-                        lora_rank: int | None = None, enable_sleep_mode: bool = False,
-                        enable_prefix_caching: bool = True, **engine_kwargs: Any) -> Any:
+def build_colocated_llm(
+    model_path: str,
+    *,
+    dtype: str,
+    max_model_len: int,
+    max_num_seqs: int,
+    gpu_memory_utilization: float,
+    tensor_parallel_size: int = 1,
+    seed: int = 0,
+    lora_rank: int | None = None,
+    enable_sleep_mode: bool = False,
+    enable_prefix_caching: bool = True,
+    **engine_kwargs: Any,
+) -> Any:
     """A ``vllm.LLM`` inside this process (TRL's colocate mode: ``external_launcher``)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # tensors must reach the engine in-process
     for name, default in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):

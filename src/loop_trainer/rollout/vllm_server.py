@@ -28,8 +28,9 @@ from requests.adapters import HTTPAdapter
 
 from .backend import Completion, TemperatureView
 
-SERVER_FLAGS = ("--enable-lora --max-lora-rank <r> (LoRA runs), --logprobs-mode processed_logprobs, "
-                "--generation-config vllm")
+SERVER_FLAGS = (
+    "--enable-lora --max-lora-rank <r> (LoRA runs), --logprobs-mode processed_logprobs, --generation-config vllm"
+)
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
@@ -54,10 +55,20 @@ class VLLMServerBackend:
     :meth:`close` or ``with VLLMServerBackend(...) as backend:``. The server itself is not ours.
     """
 
-    def __init__(self, base_url: str, *, stop_token_ids: Sequence[int], sync_dir: str, temperature: float = 1.0,
-                 max_concurrency: int = 64, timeout: float = 600.0, connect_timeout: float = 60.0,
-                 is_main_process: bool = True, barrier: Callable[[], None] = lambda: None,
-                 shard_bytes: int = 2 << 30):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        stop_token_ids: Sequence[int],
+        sync_dir: str,
+        temperature: float = 1.0,
+        max_concurrency: int = 64,
+        timeout: float = 600.0,
+        connect_timeout: float = 60.0,
+        is_main_process: bool = True,
+        barrier: Callable[[], None] = lambda: None,
+        shard_bytes: int = 2 << 30,
+    ):
         self.base_url = base_url.rstrip("/")
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.temperature = temperature
@@ -95,14 +106,16 @@ class VLLMServerBackend:
 
     def _request(self, method: str, path: str, payload: dict | None = None, timeout: float | None = None) -> dict:
         try:
-            response = self.session.request(method, self.base_url + path, json=payload,
-                                            timeout=timeout or self.timeout)
+            response = self.session.request(method, self.base_url + path, json=payload, timeout=timeout or self.timeout)
         except requests.RequestException as error:
             raise GeneratorServerError(f"vLLM server {self.base_url}{path}: {error}") from error
         if response.status_code != 200:
             raise GeneratorServerError(f"vLLM server {path} answered {response.status_code}: {response.text[:300]}")
-        return response.json() if response.content and response.headers.get("content-type", "").startswith(
-            "application/json") else {}
+        return (
+            response.json()
+            if response.content and response.headers.get("content-type", "").startswith("application/json")
+            else {}
+        )
 
     # -- generation ----------------------------------------------------------------------------
     async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
@@ -111,8 +124,9 @@ class VLLMServerBackend:
     def with_temperature(self, temperature: float) -> TemperatureView:
         return TemperatureView(self, temperature)
 
-    async def _submit(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None,
-                      temperature: float) -> Completion:
+    async def _submit(
+        self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None, temperature: float
+    ) -> Completion:
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         payload = {
@@ -196,10 +210,17 @@ class VLLMServerBackend:
         self.barrier()
 
     def probe_logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
-        body = self._request("POST", "/v1/completions", {
-            "model": self.model, "prompt": list(token_ids), "max_tokens": 1, "temperature": self.temperature or 1.0,
-            "prompt_logprobs": 0,
-        })
+        body = self._request(
+            "POST",
+            "/v1/completions",
+            {
+                "model": self.model,
+                "prompt": list(token_ids),
+                "max_tokens": 1,
+                "temperature": self.temperature or 1.0,
+                "prompt_logprobs": 0,
+            },
+        )
         steps = body["choices"][0]["prompt_logprobs"]
         return torch.tensor([steps[i][str(token)]["logprob"] for i, token in enumerate(token_ids) if i > 0])
 

@@ -17,14 +17,19 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from .vllm_backend import WeightLoadable
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 
@@ -33,7 +38,7 @@ class WeightSyncError(RuntimeError):
     """The generator's log-probs disagree with the trainer's after a sync."""
 
 
-def _gathered(params: list[nn.Parameter]) -> contextlib.AbstractContextManager:
+def _gathered(params: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager:
     """Materialise ZeRO-3-partitioned parameters (a collective: every rank must enter)."""
     if not any(hasattr(p, "ds_id") for p in params):
         return contextlib.nullcontext()
@@ -62,9 +67,16 @@ def layerwise_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     config = getattr(model, "config", None)
     names = {name for name, _ in model.named_parameters()}
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in names:
-        embedding = model.get_input_embeddings().weight
+        embedding = _input_embedding(model)
         with _gathered([embedding]):
             yield "lm_head.weight", embedding.data.clone() if partitioned else embedding.data
+
+
+def _input_embedding(model: nn.Module) -> torch.Tensor:
+    """A causal LM's input embedding matrix. The casts: torch types a Module's attributes as
+    ``Tensor | Module``, transformers the module ``get_input_embeddings()`` returns as any Module."""
+    embeddings = cast("PreTrainedModel", model).get_input_embeddings()
+    return cast(nn.Embedding, embeddings).weight
 
 
 def save_adapter(model: nn.Module, directory: Path, write: bool = True) -> Path:
@@ -73,7 +85,8 @@ def save_adapter(model: nn.Module, directory: Path, write: bool = True) -> Path:
     adapter = [p for name, p in model.named_parameters() if "lora_" in name or "modules_to_save" in name]
     with _gathered(adapter):
         if write:
-            model.save_pretrained(str(directory), safe_serialization=True)
+            # a PEFT model (torch types a Module's attributes as Tensor | Module)
+            cast("PeftModel", model).save_pretrained(str(directory), safe_serialization=True)
     return directory
 
 
@@ -88,8 +101,11 @@ class SyncReport:
     logprob_diff_mean: float
 
     def metrics(self) -> dict[str, float]:
-        return {"weight_sync_seconds": self.seconds, "weight_sync_logprob_diff_max": self.logprob_diff_max,
-                "weight_sync_logprob_diff_mean": self.logprob_diff_mean}
+        return {
+            "weight_sync_seconds": self.seconds,
+            "weight_sync_logprob_diff_max": self.logprob_diff_max,
+            "weight_sync_logprob_diff_mean": self.logprob_diff_mean,
+        }
 
 
 class WeightSync:
@@ -107,9 +123,15 @@ class WeightSync:
             ``workdir`` is the caller's and is left in place.
     """
 
-    def __init__(self, model: nn.Module, generator: WeightLoadable,
-                 trainer_logprobs: Callable[[list[int]], torch.Tensor], probe_ids: list[int],
-                 tolerance: float | None, workdir: str | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        generator: WeightLoadable,
+        trainer_logprobs: Callable[[list[int]], torch.Tensor],
+        probe_ids: list[int],
+        tolerance: float | None,
+        workdir: str | None = None,
+    ):
         self.model = model
         self.generator = generator
         self.trainer_logprobs = trainer_logprobs
@@ -185,5 +207,12 @@ def default_tolerance(dtype: torch.dtype) -> float:
     return 1e-3 if dtype == torch.float32 else 0.25
 
 
-__all__ = ["SyncReport", "WeightSync", "WeightSyncError", "default_tolerance", "layerwise_weights",
-           "probe_token_ids", "save_adapter"]
+__all__ = [
+    "SyncReport",
+    "WeightSync",
+    "WeightSyncError",
+    "default_tolerance",
+    "layerwise_weights",
+    "probe_token_ids",
+    "save_adapter",
+]

@@ -25,8 +25,10 @@ def enable_checkpointing(model: Any, kwargs: dict[str, Any] | None = None) -> No
     every_n_layers = kwargs.pop("every_n_layers", 1)
     offload = kwargs.pop("offload", False)
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None,
-                                              every_n_layers=every_n_layers, offload=offload)
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload
+        )
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None,
-                                            every_n_layers=every_n_layers, offload=offload)
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload
+        )

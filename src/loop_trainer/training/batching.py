@@ -3,6 +3,7 @@ forward passes over those tensors are :mod:`.logprobs`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -69,7 +70,9 @@ class Batch:
     """``[B, T]`` long: the assistant turn of each sampled token, -1 elsewhere (padding included)."""
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(**{name: None if value is None else value.to(device) for name, value in vars(self).items()})
+        return dataclasses.replace(
+            self, **{name: value.to(device) for name, value in vars(self).items() if value is not None}
+        )
 
 
 def collate(samples: Sequence[TrainingSample], pad_token_id: int) -> Batch:

@@ -22,8 +22,8 @@ import re
 import shutil
 import signal
 import threading
-from pathlib import Path
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -96,8 +96,11 @@ def checkpoint_dirs(output_dir: str | os.PathLike[str]) -> list[Path]:
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    found = [(int(match.group(1)), path) for path in root.iterdir()
-             if (match := _CHECKPOINT_NAME.match(path.name)) and path.is_dir()]
+    found = [
+        (int(match.group(1)), path)
+        for path in root.iterdir()
+        if (match := _CHECKPOINT_NAME.match(path.name)) and path.is_dir()
+    ]
     return [path for _, path in sorted(found)]
 
 
@@ -127,14 +130,20 @@ def resolve(resume_from_checkpoint: str | bool | None, output_dir: str) -> str |
             raise CheckpointError(f"resume_from_checkpoint: no {PREFIX_CHECKPOINT_DIR}-N directory in {output_dir}")
         last = last_complete_checkpoint(output_dir)
         if last is None:
-            raise CheckpointError(f"resume_from_checkpoint: no complete checkpoint in {output_dir} "
-                                  f"({', '.join(p.name for p in found)} {'has' if len(found) == 1 else 'have'} "
-                                  f"no {LOOP_STATE_FILE}): nothing to resume; start over with "
-                                  "--overwrite_output_dir true, or choose another output_dir")
+            raise CheckpointError(
+                f"resume_from_checkpoint: no complete checkpoint in {output_dir} "
+                f"({', '.join(p.name for p in found)} {'has' if len(found) == 1 else 'have'} "
+                f"no {LOOP_STATE_FILE}): nothing to resume; start over with "
+                "--overwrite_output_dir true, or choose another output_dir"
+            )
         incomplete = [path.name for path in found if _number(path) > _number(last)]
         if incomplete:
-            logger.warning("resume_from_checkpoint last: skipping %s (no %s: incomplete); resuming from %s",
-                           ", ".join(incomplete), LOOP_STATE_FILE, last.name)
+            logger.warning(
+                "resume_from_checkpoint last: skipping %s (no %s: incomplete); resuming from %s",
+                ", ".join(incomplete),
+                LOOP_STATE_FILE,
+                last.name,
+            )
         return str(last)
     path = str(resume_from_checkpoint)
     if not os.path.isdir(path):
@@ -144,7 +153,9 @@ def resolve(resume_from_checkpoint: str | bool | None, output_dir: str) -> str |
 
 
 def _number(checkpoint: Path) -> int:
-    return int(_CHECKPOINT_NAME.match(checkpoint.name).group(1))
+    match = _CHECKPOINT_NAME.match(checkpoint.name)
+    assert match is not None, f"{checkpoint} is no checkpoint directory"  # callers pass matched names only
+    return int(match.group(1))
 
 
 def check_fresh_output_dir(output_dir: str | os.PathLike[str], overwrite: bool) -> list[Path]:
@@ -161,23 +172,29 @@ def check_fresh_output_dir(output_dir: str | os.PathLike[str], overwrite: bool) 
         raise CheckpointError(
             f"output_dir {output_dir} already holds another run's checkpoints ({names}{more}): continue that run "
             "with --resume_from_checkpoint last, choose another output_dir, or pass --overwrite_output_dir true to "
-            f"delete it ({_what_overwrite_deletes()})")
+            f"delete it ({_what_overwrite_deletes()})"
+        )
     root = Path(output_dir)
     return checkpoints + [root / name for name in RUN_OUTPUTS if (root / name).exists()]
 
 
 def _what_overwrite_deletes() -> str:
-    return ("its checkpoint-N directories, " + ", ".join(f"{name}/" if "." not in name[1:] else name
-                                                         for name in RUN_OUTPUTS if name != STAGING_DIR)
-            + f" and {STAGING_DIR}/; the model files at the top are replaced when the new run saves")
+    return (
+        "its checkpoint-N directories, "
+        + ", ".join(f"{name}/" if "." not in name[1:] else name for name in RUN_OUTPUTS if name != STAGING_DIR)
+        + f" and {STAGING_DIR}/; the model files at the top are replaced when the new run saves"
+    )
 
 
 def clear_previous_run(output_dir: str | os.PathLike[str], paths: list[Path]) -> None:
     """Delete the previous run's outputs found by :func:`check_fresh_output_dir` (overwrite_output_dir)."""
     if not paths:
         return
-    logger.warning("overwrite_output_dir: deleting the previous run in %s: %s", output_dir,
-                   ", ".join(path.name + ("/" if path.is_dir() else "") for path in paths))
+    logger.warning(
+        "overwrite_output_dir: deleting the previous run in %s: %s",
+        output_dir,
+        ", ".join(path.name + ("/" if path.is_dir() else "") for path in paths),
+    )
     for path in paths:
         if path.is_dir():
             shutil.rmtree(path)
@@ -192,12 +209,19 @@ def rotate(output_dir: str | os.PathLike[str], save_total_limit: int | None, kee
     if save_total_limit is None or save_total_limit <= 0:
         return
     complete = [path for path in checkpoint_dirs(output_dir) if is_complete(path) and path != keep]
-    for path in complete[:max(0, len(complete) - (save_total_limit - 1))]:
+    for path in complete[: max(0, len(complete) - (save_total_limit - 1))]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-_SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-               "intermediate_size", "vocab_size")
+_SHAPE_KEYS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+)
 _ADAPTER_KEYS = ("peft_type", "r", "lora_alpha", "target_modules", "modules_to_save")
 
 
@@ -208,15 +232,19 @@ def check_matches(checkpoint: str, model: Any) -> None:
     peft_config = getattr(model, "peft_config", None)
     if adapter_file.is_file() != bool(peft_config):
         kind = "a LoRA adapter" if adapter_file.is_file() else "full weights"
-        raise CheckpointError(f"checkpoint {checkpoint} holds {kind}, but this run trains "
-                              f"{'an adapter' if peft_config else 'the full model'}")
+        raise CheckpointError(
+            f"checkpoint {checkpoint} holds {kind}, but this run trains "
+            f"{'an adapter' if peft_config else 'the full model'}"
+        )
     if peft_config:
         saved = json.loads(adapter_file.read_text())
         current = next(iter(peft_config.values())).to_dict()
         for key in _ADAPTER_KEYS:
             mine, theirs = _normalise(current.get(key)), _normalise(saved.get(key))
             if mine != theirs:
-                raise CheckpointError(f"checkpoint {checkpoint} has an adapter with {key}={theirs!r}, this run {key}={mine!r}")
+                raise CheckpointError(
+                    f"checkpoint {checkpoint} has an adapter with {key}={theirs!r}, this run {key}={mine!r}"
+                )
         return
     config_file = Path(checkpoint) / "config.json"
     if config_file.is_file():
@@ -224,8 +252,10 @@ def check_matches(checkpoint: str, model: Any) -> None:
         current = model.config.to_dict()
         for key in _SHAPE_KEYS:
             if key in saved and saved[key] != current.get(key):
-                raise CheckpointError(f"checkpoint {checkpoint} is of a model with {key}={saved[key]!r}, "
-                                      f"this run's model has {key}={current.get(key)!r}")
+                raise CheckpointError(
+                    f"checkpoint {checkpoint} is of a model with {key}={saved[key]!r}, "
+                    f"this run's model has {key}={current.get(key)!r}"
+                )
 
 
 def _normalise(value: Any) -> Any:
@@ -263,8 +293,13 @@ class CheckpointStager:
         """While a checkpoint is being written: where the Trainer must write it."""
 
     @contextlib.contextmanager
-    def staged(self, output_dir: str | os.PathLike[str], iteration: int, loop_state: Callable[[], dict[str, Any]],
-               on_published: Callable[[Path], None] = lambda _: None) -> Iterator[Path]:
+    def staged(
+        self,
+        output_dir: str | os.PathLike[str],
+        iteration: int,
+        loop_state: Callable[[], dict[str, Any]],
+        on_published: Callable[[Path], None] = lambda _: None,
+    ) -> Iterator[Path]:
         """Inside the block the Trainer writes ``checkpoint-<iteration>`` under the yielded staging
         root; on leaving it the checkpoint gets ``loop_state()`` and is published atomically."""
         final_root = Path(output_dir)

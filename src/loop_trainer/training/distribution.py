@@ -33,8 +33,9 @@ class DistributionStrategy:
     collectives the update's metrics need. ``optimizer`` and ``scheduler`` are the Trainer's
     (accelerate-wrapped) ones; ``model`` is the wrapped model."""
 
-    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, scheduler: Any,
-                 max_grad_norm: float):
+    def __init__(
+        self, accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, scheduler: Any, max_grad_norm: float
+    ):
         self.accelerator = accelerator
         self.model = model
         self.optimizer = optimizer

@@ -34,12 +34,22 @@ def token_logprobs(model: torch.nn.Module, batch: Batch) -> Tensor:
 
 
 @torch.no_grad()
-def sequence_logprobs(model: torch.nn.Module, token_ids: Sequence[int], pad_token_id: int, device: torch.device,
-                      autocast: Callable[[], contextlib.AbstractContextManager]) -> Tensor:
+def sequence_logprobs(
+    model: torch.nn.Module,
+    token_ids: Sequence[int],
+    pad_token_id: int,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+) -> Tensor:
     """Log-probs of ``token_ids[1:]`` given the tokens before each, in eval mode, on the CPU (the
     trainer's side of a weight-sync probe)."""
-    sample = TrainingSample(token_ids=list(token_ids), loss_mask=[0] + [1] * (len(token_ids) - 1),
-                            sampler_logprobs=[0.0] * len(token_ids), advantage=0.0, truncated=False)
+    sample = TrainingSample(
+        token_ids=list(token_ids),
+        loss_mask=[0] + [1] * (len(token_ids) - 1),
+        sampler_logprobs=[0.0] * len(token_ids),
+        advantage=0.0,
+        truncated=False,
+    )
     was_training = model.training
     model.eval()
     try:

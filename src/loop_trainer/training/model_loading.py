@@ -17,7 +17,7 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoProcessor, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 from trl.trainer import add_fused_lm_head
 
-from ..config import LOOPConfig
+from ..config import LOOPConfig, mapping_setting
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 def load_model(name: str, args: LOOPConfig, quantization_config: Any = None) -> PreTrainedModel:
     """``from_pretrained(name, **args.model_init_kwargs)``: float32 unless ``dtype`` says otherwise; on one
     device of this process (DDP and DeepSpeed place it themselves)."""
-    kwargs = dict(args.model_init_kwargs or {})
+    kwargs = mapping_setting(args.model_init_kwargs, "model_init_kwargs")
     dtype = kwargs.get("dtype", "float32")
     if isinstance(dtype, str) and dtype != "auto":
         if dtype not in DTYPES:
@@ -51,8 +51,9 @@ def load_tokenizer(model: PreTrainedModel, processing_class: Any = None) -> PreT
         processing_class = AutoProcessor.from_pretrained(model.config._name_or_path, padding_side="left")
     tokenizer = processing_class.tokenizer if isinstance(processing_class, ProcessorMixin) else processing_class
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
-        raise TypeError(f"processing_class must be a tokenizer (or a processor holding one), got "
-                        f"{type(processing_class).__name__}")
+        raise TypeError(
+            f"processing_class must be a tokenizer (or a processor holding one), got {type(processing_class).__name__}"
+        )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
@@ -61,28 +62,67 @@ def load_tokenizer(model: PreTrainedModel, processing_class: Any = None) -> PreT
     return tokenizer
 
 
+def load_policy(
+    model: str | PreTrainedModel,
+    args: LOOPConfig,
+    processing_class: Any = None,
+    quantization_config: Any = None,
+    peft_config: Any = None,
+) -> tuple[Any, PreTrainedTokenizerBase]:
+    """The model LOOPTrainer trains (loaded if ``model`` is an id, then :func:`wrap_for_training`) and its
+    tokenizer (:func:`load_tokenizer`)."""
+    if isinstance(model, str):
+        model = load_model(model, args, quantization_config)
+    elif quantization_config is not None:
+        raise ValueError(
+            "quantization_config applies when LOOPTrainer loads the model from an id; this model is already loaded"
+        )
+    tokenizer = load_tokenizer(model, processing_class)
+    policy = wrap_for_training(model, args, peft_config)
+    if args.beta > 0 and not hasattr(policy, "disable_adapter"):
+        raise ValueError(
+            f"LOOPConfig: beta={args.beta} needs a LoRA adapter (use_peft: true): LOOP's reference "
+            "policy is the base model with the adapter disabled, never a second copy of the model"
+        )
+    return policy, tokenizer
+
+
 def wrap_for_training(model: PreTrainedModel, args: LOOPConfig, peft_config: Any = None) -> Any:
     """Add the fused log-prob head (at the sampling temperature), then the LoRA adapter; switch dropout off
     if asked. ZeRO-3 with checkpointing and an adapter needs reentrant checkpointing (as in TRL)."""
     # Per-token log-probs without [tokens x vocab] logits: model(..., labels=..., fused_lm_head=True).
     add_fused_lm_head(model, temperature=args.temperature, outputs=("log_probs", "entropy"))
     zero3 = args.deepspeed_plugin is not None and args.deepspeed_plugin.zero_stage == 3
+    policy: Any = model  # the model, or the PeftModel around it
     if peft_config is not None:
         from peft import PeftConfig, get_peft_model
 
         if not isinstance(peft_config, PeftConfig):
-            raise TypeError(f"peft_config must be a peft.PeftConfig (e.g. peft.LoraConfig), got {type(peft_config).__name__}")
+            raise TypeError(
+                f"peft_config must be a peft.PeftConfig (e.g. peft.LoraConfig), got {type(peft_config).__name__}"
+            )
         if hasattr(model, "peft_config"):
-            raise ValueError("LOOPTrainer got a PeftModel and a peft_config: merge the existing adapter first, or give "
-                             "the base model with the peft_config")
+            raise ValueError(
+                "LOOPTrainer got a PeftModel and a peft_config: merge the existing adapter first, or give "
+                "the base model with the peft_config"
+            )
         quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
-        model = get_peft_model(model, peft_config, **({"autocast_adapter_dtype": False} if zero3 and not quantized else {}))
-    if hasattr(model, "peft_config") and args.activation_checkpointing:
+        if zero3 and not quantized:
+            policy = get_peft_model(model, peft_config, autocast_adapter_dtype=False)
+        else:
+            policy = get_peft_model(model, peft_config)
+    if hasattr(policy, "peft_config") and args.activation_checkpointing:
         if zero3:
-            args.activation_checkpointing_kwargs = {**(args.activation_checkpointing_kwargs or {}), "use_reentrant": True}
-        model.enable_input_require_grads()  # the frozen embeddings' outputs need grads for checkpointed layers
+            # transformers < 5.18 (the one vLLM accepts) names them gradient_checkpointing_kwargs
+            name = (
+                "activation_checkpointing_kwargs"
+                if hasattr(args, "activation_checkpointing_kwargs")
+                else "gradient_checkpointing_kwargs"
+            )
+            setattr(args, name, {**(getattr(args, name) or {}), "use_reentrant": True})
+        policy.enable_input_require_grads()  # the frozen embeddings' outputs need grads for checkpointed layers
     if args.disable_dropout:
-        for module in model.modules():
+        for module in policy.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
-    return model
+    return policy

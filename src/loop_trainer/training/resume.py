@@ -21,7 +21,14 @@ from typing import Any
 import torch
 import yaml
 
-from .checkpoints import CheckpointError, check_fresh_output_dir, check_matches, clear_previous_run, read_loop_state, resolve
+from .checkpoints import (
+    CheckpointError,
+    check_fresh_output_dir,
+    check_matches,
+    clear_previous_run,
+    read_loop_state,
+    resolve,
+)
 from .sampler import TaskSampler
 
 logger = logging.getLogger(__name__)
@@ -31,16 +38,47 @@ logger = logging.getLogger(__name__)
 # the Hub, ...) change nothing a resumed run computes up to the point it ends, so they may change freely.
 RESUME_SETTINGS = (
     # what is sampled: tasks, rollouts, episodes
-    "seed", "train_split", "tasks_per_iteration", "rollouts_per_task", "temperature", "max_turns",
-    "max_new_tokens_per_turn", "max_trajectory_tokens", "chat_template_kwargs", "early_stop_done_fraction",
-    "early_stop_task_fraction", "use_vllm", "max_completion_tokens", "max_tool_calling_iterations",
+    "seed",
+    "train_split",
+    "tasks_per_iteration",
+    "rollouts_per_task",
+    "temperature",
+    "max_turns",
+    "max_new_tokens_per_turn",
+    "max_trajectory_tokens",
+    "chat_template_kwargs",
+    "early_stop_done_fraction",
+    "early_stop_task_fraction",
+    "use_vllm",
+    "max_completion_tokens",
+    "max_tool_calling_iterations",
     "reward_weights",
     # advantages, filtering and the update
-    "advantage_threshold", "std_normalize_advantages", "advantage_estimator", "ratio_level", "beta", "minibatch_size", "ppo_epochs", "epsilon",
-    "max_training_tokens", "kl_abort_threshold", "per_device_train_batch_size", "max_grad_norm", "bf16", "fp16",
+    "advantage_threshold",
+    "std_normalize_advantages",
+    "advantage_estimator",
+    "ratio_level",
+    "beta",
+    "minibatch_size",
+    "ppo_epochs",
+    "epsilon",
+    "max_training_tokens",
+    "kl_abort_threshold",
+    "per_device_train_batch_size",
+    "max_grad_norm",
+    "bf16",
+    "fp16",
     # the optimizer and its schedule (their state is in the checkpoint)
-    "optim", "optim_args", "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps",
-    "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+    "optim",
+    "optim_args",
+    "learning_rate",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "warmup_steps",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
 )
 # Recorded besides LOOPConfig's keys: the environment (loop-train's ScriptArguments, handed to the trainer
 # as LOOPTrainer.run_settings), the size of the training split, the model and the adapter.
@@ -48,8 +86,16 @@ RUN_SETTINGS = ("environment", "environment_kwargs", "num_train_tasks", "model",
 # Settings a resume cannot apply: the checkpoint's optimizer state belongs to its optimizer.
 UNCHANGEABLE_SETTINGS = ("optim", "optim_args")
 # Applied by changing the restored optimizer and scheduler, not only by reading LOOPConfig.
-OPTIMIZER_SETTINGS = ("learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "weight_decay",
-                      "adam_beta1", "adam_beta2", "adam_epsilon")
+OPTIMIZER_SETTINGS = (
+    "learning_rate",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "warmup_steps",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+)
 
 
 def jsonable(value: Any) -> Any:
@@ -57,8 +103,9 @@ def jsonable(value: Any) -> Any:
     return json.loads(json.dumps(getattr(value, "value", value), default=lambda v: getattr(v, "value", str(v))))
 
 
-def compare_settings(checkpoint: str | os.PathLike[str], current: dict[str, Any], allow_changes: bool,
-                     ) -> list[tuple[str, Any, Any]]:
+def compare_settings(
+    checkpoint: str | os.PathLike[str], current: dict[str, Any], allow_changes: bool
+) -> list[tuple[str, Any, Any]]:
     """The settings that differ between ``checkpoint``'s record and ``current``, as (key, old, new).
     Raises :class:`CheckpointError` naming every change unless ``allow_changes``, and for a change no
     resume can apply (:data:`UNCHANGEABLE_SETTINGS`) even then. A checkpoint written before settings
@@ -67,24 +114,31 @@ def compare_settings(checkpoint: str | os.PathLike[str], current: dict[str, Any]
     state = read_loop_state(checkpoint)
     recorded = state.get("settings")
     if recorded is None:
-        logger.warning("resume_from_checkpoint: %s records no settings (written by an older loop_trainer), so this "
-                       "run's settings cannot be checked against it; resuming with this run's settings", checkpoint)
+        logger.warning(
+            "resume_from_checkpoint: %s records no settings (written by an older loop_trainer), so this "
+            "run's settings cannot be checked against it; resuming with this run's settings",
+            checkpoint,
+        )
         return []
     current = {key: jsonable(value) for key, value in current.items()}
-    changed = [(key, recorded[key], current[key]) for key in current
-               if key in recorded and recorded[key] != current[key]]
+    changed = [
+        (key, recorded[key], current[key]) for key in current if key in recorded and recorded[key] != current[key]
+    ]
     if not changed:
         return []
     listed = ", ".join(f"{key} {_show(old)} -> {_show(new)}" for key, old, new in changed)
     fixed = [key for key, _, _ in changed if key in UNCHANGEABLE_SETTINGS]
     if fixed:
-        raise CheckpointError(f"resume_from_checkpoint: {', '.join(fixed)} cannot change on resume (the optimizer state "
-                              f"in {checkpoint} belongs to the old optimizer); changed: {listed}")
+        raise CheckpointError(
+            f"resume_from_checkpoint: {', '.join(fixed)} cannot change on resume (the optimizer state "
+            f"in {checkpoint} belongs to the old optimizer); changed: {listed}"
+        )
     if not allow_changes:
         raise CheckpointError(
             f"resume_from_checkpoint: settings differ from {checkpoint}'s ({listed}); an exact resume needs the "
             "checkpoint's settings: drop the changes, or pass --resume_with_changed_settings true to apply them "
-            f"from iteration {int(state.get('iteration', 0)) + 1} on")
+            f"from iteration {int(state.get('iteration', 0)) + 1} on"
+        )
     return changed
 
 
@@ -93,13 +147,27 @@ def _show(value: Any) -> str:
 
 
 # The adapter settings recorded for resume (checkpoints.check_matches refuses a different shape outright).
-ADAPTER_SETTINGS = ("peft_type", "r", "lora_alpha", "lora_dropout", "target_modules", "use_rslora", "use_dora",
-                    "modules_to_save")
+ADAPTER_SETTINGS = (
+    "peft_type",
+    "r",
+    "lora_alpha",
+    "lora_dropout",
+    "target_modules",
+    "use_rslora",
+    "use_dora",
+    "modules_to_save",
+)
 CHANGED_MARK = "# LOOP resumed with a changed setting:"
 
 
-def resume_settings(args: Any, *, env_name: str, num_train_tasks: int, model: torch.nn.Module,
-                    run_settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def resume_settings(
+    args: Any,
+    *,
+    env_name: str,
+    num_train_tasks: int,
+    model: torch.nn.Module,
+    run_settings: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The settings an exact resume depends on: LOOPConfig's :data:`RESUME_SETTINGS`, the
     environment and the size of its training split, the model and the adapter, and
     ``run_settings`` (what ``loop-train`` knows beyond LOOPConfig: ``environment_kwargs``)."""
@@ -107,18 +175,30 @@ def resume_settings(args: Any, *, env_name: str, num_train_tasks: int, model: to
     adapter = None
     if peft_config:
         lora = next(iter(peft_config.values())).to_dict()
-        adapter = {key: sorted(map(str, value)) if isinstance(value, (list, set, tuple)) else value
-                   for key, value in lora.items() if key in ADAPTER_SETTINGS}
+        adapter = {
+            key: sorted(map(str, value)) if isinstance(value, (list, set, tuple)) else value
+            for key, value in lora.items()
+            if key in ADAPTER_SETTINGS
+        }
     settings = {key: getattr(args, key) for key in RESUME_SETTINGS}
-    settings.update(environment=env_name, num_train_tasks=num_train_tasks,
-                    model=getattr(model.config, "_name_or_path", None) or None, adapter=adapter)
+    settings.update(
+        environment=env_name,
+        num_train_tasks=num_train_tasks,
+        model=getattr(model.config, "_name_or_path", None) or None,
+        adapter=adapter,
+    )
     settings.update(run_settings or {})
     return {key: jsonable(value) for key, value in settings.items()}
 
 
-def record_setting_changes(checkpoint: str | os.PathLike[str], changes: Sequence[tuple[str, Any, Any]], *,
-                           recipe: str | Mapping[str, Any] | None, output_dir: str,
-                           write: bool) -> tuple[list[dict[str, Any]], str | Mapping[str, Any] | None]:
+def record_setting_changes(
+    checkpoint: str | os.PathLike[str],
+    changes: Sequence[tuple[str, Any, Any]],
+    *,
+    recipe: str | Mapping[str, Any] | None,
+    output_dir: str,
+    write: bool,
+) -> tuple[list[dict[str, Any]], str | Mapping[str, Any] | None]:
     """Every setting change so far (the checkpoint's and these), oldest first, as
     ``{"setting", "old", "new", "from_iteration"}``; each new one is logged, and with ``write``
     recipe.yaml in ``output_dir`` is rewritten with a comment line per change. Returns the changes
@@ -126,27 +206,47 @@ def record_setting_changes(checkpoint: str | os.PathLike[str], changes: Sequence
     state = read_loop_state(checkpoint)
     iteration = int(state.get("iteration", 0)) + 1
     recorded = list(state.get("setting_changes", [])) + [
-        {"setting": key, "old": old, "new": new, "from_iteration": iteration} for key, old, new in changes]
+        {"setting": key, "old": old, "new": new, "from_iteration": iteration} for key, old, new in changes
+    ]
     for key, old, new in changes:
-        logger.warning("resume_with_changed_settings: %s changed %s -> %s from iteration %d on (applied, and recorded "
-                       "in loop_state.json, recipe.yaml and the model card)", key, old, new, iteration)
+        logger.warning(
+            "resume_with_changed_settings: %s changed %s -> %s from iteration %d on (applied, and recorded "
+            "in loop_state.json, recipe.yaml and the model card)",
+            key,
+            old,
+            new,
+            iteration,
+        )
     if not recorded or recipe is None or not write:
         return recorded, recipe
-    text = (yaml.safe_dump(dict(recipe), sort_keys=False) if isinstance(recipe, Mapping)
-            else Path(recipe).read_text(encoding="utf-8"))
+    text = (
+        yaml.safe_dump(dict(recipe), sort_keys=False)
+        if isinstance(recipe, Mapping)
+        else Path(recipe).read_text(encoding="utf-8")
+    )
     text = "".join(line for line in text.splitlines(keepends=True) if not line.startswith(CHANGED_MARK))
-    notes = "".join(f"{CHANGED_MARK} {c['setting']} was {c['old']} before iteration {c['from_iteration']}, "
-                    f"{c['new']} from iteration {c['from_iteration']} on (resume_with_changed_settings)\n"
-                    for c in recorded)
+    notes = "".join(
+        f"{CHANGED_MARK} {c['setting']} was {c['old']} before iteration {c['from_iteration']}, "
+        f"{c['new']} from iteration {c['from_iteration']} on (resume_with_changed_settings)\n"
+        for c in recorded
+    )
     path = Path(output_dir) / "recipe.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(notes + text, encoding="utf-8")
     return recorded, str(path)
 
 
-def apply_setting_changes(changes: Sequence[tuple[str, Any, Any]], args: Any, optimizer: Any, lr_scheduler: Any,
-                          task_sampler: TaskSampler, *, decay_parameters: set[str],
-                          named_parameters: Mapping[str, torch.nn.Parameter], num_train_tasks: int) -> None:
+def apply_setting_changes(
+    changes: Sequence[tuple[str, Any, Any]],
+    args: Any,
+    optimizer: Any,
+    lr_scheduler: Any,
+    task_sampler: TaskSampler,
+    *,
+    decay_parameters: set[str],
+    named_parameters: Mapping[str, torch.nn.Parameter],
+    num_train_tasks: int,
+) -> None:
     """Make changed settings take effect where the checkpoint's state would restore the old ones:
     the optimizer's hyperparameters and the scheduler's base learning rates, and the task sampler's
     position when the seed or the training split's size changed. Everything else LOOP reads from
@@ -180,9 +280,16 @@ def apply_setting_changes(changes: Sequence[tuple[str, Any, Any]], args: Any, op
         task_sampler.epoch, task_sampler.position = task_sampler.epoch + 1, 0
 
 
-def plan_start(args: Any, resume_from_checkpoint: str | bool | None, model: torch.nn.Module,
-               current_settings: Callable[[], dict[str, Any]], *, recipe: str | Mapping[str, Any] | None,
-               is_main_process: bool, barrier: Callable[[], None]) -> tuple[str | None, list, list, Any]:
+def plan_start(
+    args: Any,
+    resume_from_checkpoint: str | bool | None,
+    model: torch.nn.Module,
+    current_settings: Callable[[], dict[str, Any]],
+    *,
+    recipe: str | Mapping[str, Any] | None,
+    is_main_process: bool,
+    barrier: Callable[[], None],
+) -> tuple[str | None, list, list, Any]:
     """Before a run starts: a fresh run refuses an ``output_dir`` holding another run's checkpoints
     unless ``overwrite_output_dir`` (then that run is deleted); a resume checks the checkpoint fits
     the model and compares settings. Returns (checkpoint or None, the changes to apply, every change
@@ -197,6 +304,7 @@ def plan_start(args: Any, resume_from_checkpoint: str | bool | None, model: torc
         return None, [], [], recipe
     check_matches(checkpoint, model)
     changes = compare_settings(checkpoint, current_settings(), args.resume_with_changed_settings)
-    recorded, recipe = record_setting_changes(checkpoint, changes, recipe=recipe, output_dir=args.output_dir,
-                                              write=is_main_process)
+    recorded, recipe = record_setting_changes(
+        checkpoint, changes, recipe=recipe, output_dir=args.output_dir, write=is_main_process
+    )
     return checkpoint, changes, recorded, recipe

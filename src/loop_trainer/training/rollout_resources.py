@@ -8,17 +8,26 @@ from collections.abc import Callable
 from typing import Any
 
 from ..chat import ChatFormatter
-from ..envs.base import Environment
 from ..config import EpisodeSettings
+from ..envs.base import Environment
 from ..evaluation import Evaluator
 from ..rollout import RolloutEngine
 from ..rollout.generator import RolloutGenerator
 
 
 class RolloutResources:
-    def __init__(self, env: Environment, formatter: ChatFormatter, settings: EpisodeSettings, *,
-                 open_generator: Callable[[], RolloutGenerator], eval_temperature: float, num_processes: int = 1,
-                 process_index: int = 0, show_progress: bool = False):
+    def __init__(
+        self,
+        env: Environment,
+        formatter: ChatFormatter,
+        settings: EpisodeSettings,
+        *,
+        open_generator: Callable[[], RolloutGenerator],
+        eval_temperature: float,
+        num_processes: int = 1,
+        process_index: int = 0,
+        show_progress: bool = False,
+    ):
         self.env, self.formatter, self.settings = env, formatter, settings
         self.open_generator = open_generator
         self.eval_temperature = eval_temperature
@@ -42,17 +51,28 @@ class RolloutResources:
         if self._engine is None:
             settings = self.settings
             self._engine = RolloutEngine(
-                self.env, self.generator.backend, self.formatter, settings.episode_limits(),
-                env_timeout=settings.env_timeout, show_progress=self.show_progress,
-                max_concurrent_episodes=settings.concurrency_for(self.env.max_concurrent_episodes))
+                self.env,
+                self.generator.backend,
+                self.formatter,
+                settings.episode_limits(),
+                env_timeout=settings.env_timeout,
+                show_progress=self.show_progress,
+                max_concurrent_episodes=settings.concurrency_for(self.env.max_concurrent_episodes),
+            )
         return self._engine
 
     @property
     def evaluator(self) -> Evaluator:
         if self._evaluator is None:
             self._evaluator = Evaluator(
-                self.env, self.generator.for_evaluation(self.eval_temperature), self.formatter, self.settings,
-                num_processes=self.num_processes, process_index=self.process_index, show_progress=self.show_progress)
+                self.env,
+                self.generator.for_evaluation(self.eval_temperature),
+                self.formatter,
+                self.settings,
+                num_processes=self.num_processes,
+                process_index=self.process_index,
+                show_progress=self.show_progress,
+            )
         return self._evaluator
 
     def close(self) -> None:

@@ -65,10 +65,21 @@ def plot_learning_curve(history: Sequence[Mapping[str, Any]], path: str | os.Pat
     reward, std = series("reward_mean"), series("reward_std")
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
     top.plot(iterations, reward, color="tab:blue", alpha=0.45, label="reward (iteration mean)")
-    top.fill_between(iterations, [r - s for r, s in zip(reward, std)], [r + s for r, s in zip(reward, std)],
-                     color="tab:blue", alpha=0.1, linewidth=0)
-    top.plot(iterations, _moving_average([0.0 if math.isnan(r) else r for r in reward], 5), color="tab:blue",
-             linewidth=2, label="reward (5-iteration average)")
+    top.fill_between(
+        iterations,
+        [r - s for r, s in zip(reward, std, strict=True)],
+        [r + s for r, s in zip(reward, std, strict=True)],
+        color="tab:blue",
+        alpha=0.1,
+        linewidth=0,
+    )
+    top.plot(
+        iterations,
+        _moving_average([0.0 if math.isnan(r) else r for r in reward], 5),
+        color="tab:blue",
+        linewidth=2,
+        label="reward (5-iteration average)",
+    )
     if any(not math.isnan(v) for v in series("success_rate")):
         top.plot(iterations, series("success_rate"), color="tab:green", alpha=0.7, label="success rate")
     top.set_ylim(-0.02, 1.02)
@@ -130,8 +141,16 @@ class RunLog:
     learning curve, the viewer pages of each iteration's rollouts and, if asked, the rollouts
     themselves. Only the main process writes; every process keeps the history."""
 
-    def __init__(self, output_dir: str | os.PathLike[str], *, writes: bool, env_name: str, plot_curves: bool = True,
-                 viewer_rollouts_per_iteration: int = 0, save_rollouts: bool = False):
+    def __init__(
+        self,
+        output_dir: str | os.PathLike[str],
+        *,
+        writes: bool,
+        env_name: str,
+        plot_curves: bool = True,
+        viewer_rollouts_per_iteration: int = 0,
+        save_rollouts: bool = False,
+    ):
         self.output_dir = Path(output_dir)
         self.writes = writes
         self.env_name = env_name
@@ -186,9 +205,11 @@ class RunLog:
                 chosen.append(ranked.pop())
                 if ranked and len(chosen) < count:
                     chosen.append(ranked.pop(0))
-            write_viewer([rollout_row(t, iteration, advantages) for t in chosen],
-                         self.output_dir / "viewer" / f"iteration-{iteration:05d}.html",
-                         title=f"{self.env_name}: iteration {iteration}")
+            write_viewer(
+                [rollout_row(t, iteration, advantages) for t in chosen],
+                self.output_dir / "viewer" / f"iteration-{iteration:05d}.html",
+                title=f"{self.env_name}: iteration {iteration}",
+            )
         if self.save_rollouts:
             rows = []
             for trajectory in (*batch.trajectories, *batch.failed):

@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import torch
 
-from .batching import TrainingSample, collate
-from .logprobs import token_logprobs
 from ..objective import loop_policy_loss
+from .batching import TrainingSample, collate
 from .distribution import DistributionStrategy
+from .logprobs import token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +47,17 @@ def advice(num_tokens: int, batch_size: int, device: str, error: BaseException) 
     )
 
 
-def run_memory_stress_test(strategy: DistributionStrategy, autocast: Callable[[], contextlib.AbstractContextManager],
-                           *, num_tokens: int, micro_batch_size: int, vocab_size: int, pad_token_id: int,
-                           epsilon: float, divisor: float) -> float:
+def run_memory_stress_test(
+    strategy: DistributionStrategy,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    *,
+    num_tokens: int,
+    micro_batch_size: int,
+    vocab_size: int,
+    pad_token_id: int,
+    epsilon: float,
+    divisor: float,
+) -> float:
     """Forward and backward the largest micro-batch the run allows (no optimizer step; the
     gradients are discarded). Raises :class:`MemoryStressTestFailed` with the knobs to turn if it
     does not fit; returns the seconds it took."""
@@ -63,8 +71,9 @@ def run_memory_stress_test(strategy: DistributionStrategy, autocast: Callable[[]
         with strategy.accumulating(last=strategy.deepspeed_engine is None):
             with autocast():
                 logprobs = token_logprobs(strategy.model, batch)
-            out = loop_policy_loss(logprobs, logprobs.detach(), batch.advantages, batch.loss_mask,
-                                   epsilon=epsilon, divisor=divisor)
+            out = loop_policy_loss(
+                logprobs, logprobs.detach(), batch.advantages, batch.loss_mask, epsilon=epsilon, divisor=divisor
+            )
             strategy.backward(out.loss)
     except Exception as error:
         if not is_out_of_memory(error):
@@ -75,6 +84,7 @@ def run_memory_stress_test(strategy: DistributionStrategy, autocast: Callable[[]
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     seconds = time.perf_counter() - started
-    logger.info("memory stress test passed: forward+backward of %d x %d tokens in %.1fs", len(samples), num_tokens,
-                seconds)
+    logger.info(
+        "memory stress test passed: forward+backward of %d x %d tokens in %.1fs", len(samples), num_tokens, seconds
+    )
     return seconds

@@ -9,7 +9,9 @@ The work is done by collaborators, each in its own module (see docs/architecture
 loader (:mod:`.model_loading`), the generator (:mod:`..rollout.generator`), the rollout engine
 (:mod:`..rollout.engine`), the policy update (:mod:`.update`) over a distribution strategy
 (:mod:`.distribution`), the evaluator (:mod:`..evaluation`), the checkpoint stager (:mod:`.checkpoints`),
-the Hub publisher (:mod:`..publishing.publisher`) and the run log (:mod:`.run_log`). transformers'
+the Hub publisher (:mod:`..publishing.publisher`) and the run log (:mod:`.run_log`); the trainer's base
+classes hold the ``Trainer`` overrides (:mod:`.trainer_hooks`) and the parts that sample, with
+evaluation (:mod:`.trainer_sampling`). transformers'
 ``Trainer`` keeps what users rely on: accelerate/DDP/DeepSpeed set-up, the optimizer and scheduler,
 callbacks and ``report_to``, ``save_model``, checkpoint saving and rotation, the Hub repository.
 
@@ -27,7 +29,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,36 +37,39 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallba
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import TrainOutput
 
-from ..chat import ChatFormatter, stop_token_ids
+from ..chat import ChatFormatter
 from ..compat.trl.arguments import environment_for, loop_config_for
-from ..config import LOOPConfig
+from ..compat.trl.environment import TRLAgentEnvironment
+from ..config import LOOPConfig, mapping_setting
 from ..envs.base import Environment, load_tasks
-from ..evaluation import Evaluator, write_evaluation_viewer
 from ..objective import advantage_keep_mask, advantages_for
 from ..publishing.publisher import HubPublisher
-from ..rollout import GenerationBackend, RolloutBatch, RolloutEngine, mix_seed
-from ..rollout.generator import RolloutGenerator, build_generator, require_vllm
-from ..rollout.sharding import collect_across_processes
-from .batching import TrainingSample
-from .logprobs import sequence_logprobs
+from ..rollout import GenerationBackend
+from ..rollout.generator import require_vllm
 from .activation_checkpointing import checkpointing_kwargs, enable_checkpointing, is_checkpointing
+from .batching import TrainingSample
 from .checkpoints import CheckpointStager, read_loop_state
 from .distribution import DistributionStrategy, check_launch, check_sampling_with_training_model
-from .model_loading import load_model, load_tokenizer, wrap_for_training
+from .model_loading import load_policy
 from .resume import apply_setting_changes, plan_start
+from .rollout_resources import RolloutResources
 from .run_log import LOOPPrinterCallback, LOOPProgressCallback, RunLog
 from .sampler import TaskSampler
-from .trainer_hooks import TrainerHooks
 from .stress import run_memory_stress_test
+from .trainer_sampling import TrainerSampling
 from .update import PolicyUpdate, UpdateSettings
-from .rollout_resources import RolloutResources
 
 logger = logging.getLogger(__name__)
 
 RewardFuncs = Callable | Sequence[Callable]
 
 
-class LOOPTrainer(TrainerHooks):
+def _rows_as_they_are(rows: list[Any]) -> Any:
+    """The data collator: LOOP's loop reads the tasks itself, the Trainer's data loader never collates."""
+    return rows
+
+
+class LOOPTrainer(TrainerSampling):
     """Trains a policy with LOOP on an :class:`~loop_trainer.envs.Environment`, or on what a TRL
     multi-turn script hands ``GRPOTrainer`` (same argument names, same order).
 
@@ -94,22 +98,41 @@ class LOOPTrainer(TrainerHooks):
     _name = "LOOP"
     _tag_names = ["trl", "loop"]  # the model is tagged with these (saved in its config)
 
-    def __init__(self, model: str | PreTrainedModel, env: Environment | RewardFuncs | None = None,
-                 args: LOOPConfig | None = None, train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None,
-                 processing_class: PreTrainedTokenizerBase | None = None, reward_processing_classes: Any = None,
-                 callbacks: list[TrainerCallback] | None = None,
-                 optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
-                 quantization_config: Any = None, peft_config: Any | None = None, tools: list[Callable] | None = None,
-                 rollout_func: Any = None, environment_factory: Callable | Mapping[str, Callable] | None = None, *,
-                 reward_funcs: RewardFuncs | None = None, generation_backend: GenerationBackend | None = None):
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        env: Environment | RewardFuncs | None = None,
+        args: LOOPConfig | None = None,
+        train_dataset: Dataset | None = None,
+        eval_dataset: Dataset | None = None,
+        processing_class: PreTrainedTokenizerBase | None = None,
+        reward_processing_classes: Any = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any | None = None,
+        tools: list[Callable] | None = None,
+        rollout_func: Any = None,
+        environment_factory: Callable | Mapping[str, Callable] | None = None,
+        *,
+        reward_funcs: RewardFuncs | None = None,
+        generation_backend: GenerationBackend | None = None,
+    ):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path or "model"
             args = LOOPConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-LOOP")
         args = loop_config_for(args, train_dataset)  # a GRPOConfig is translated (compat.trl)
         env, self.trl_route = environment_for(
-            env, args, reward_funcs=reward_funcs, train_dataset=train_dataset, eval_dataset=eval_dataset, tools=tools,
-            environment_factory=environment_factory, reward_processing_classes=reward_processing_classes,
-            rollout_func=rollout_func)
+            env,
+            args,
+            reward_funcs=reward_funcs,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            tools=tools,
+            environment_factory=environment_factory,
+            reward_processing_classes=reward_processing_classes,
+            rollout_func=rollout_func,
+        )
         use_vllm = args.use_vllm and generation_backend is None
         if use_vllm:
             require_vllm()
@@ -117,84 +140,72 @@ class LOOPTrainer(TrainerHooks):
         if args.eval_split and args.eval_every:
             load_tasks(env, args.eval_split)
         if args.tasks_per_iteration > len(tasks):
-            logger.warning("tasks_per_iteration (%d) exceeds the %d tasks of split %r: each iteration holds some tasks "
-                           "more than once (as separate leave-one-out groups)", args.tasks_per_iteration, len(tasks),
-                           args.train_split)
-        if isinstance(model, str):
-            model = load_model(model, args, quantization_config)
-        elif quantization_config is not None:
-            raise ValueError("quantization_config applies when LOOPTrainer loads the model from an id; this model is "
-                             "already loaded")
-        self.tokenizer = load_tokenizer(model, processing_class)
-        model = wrap_for_training(model, args, peft_config)
-        if args.beta > 0 and not hasattr(model, "disable_adapter"):
-            raise ValueError(f"LOOPConfig: beta={args.beta} needs a LoRA adapter (use_peft: true): LOOP's reference "
-                             "policy is the base model with the adapter disabled, never a second copy of the model")
-        super().__init__(model=model, args=args, data_collator=lambda rows: rows, train_dataset=tasks,
-                         processing_class=self.tokenizer, callbacks=callbacks, optimizers=optimizers)
-        if hasattr(self.model, "add_model_tags"):
-            self.model.add_model_tags(self._tag_names)  # saved in the model's config: what trained it
+            logger.warning(
+                "tasks_per_iteration (%d) exceeds the %d tasks of split %r: each iteration holds some tasks "
+                "more than once (as separate leave-one-out groups)",
+                args.tasks_per_iteration,
+                len(tasks),
+                args.train_split,
+            )
+        policy, self.tokenizer = load_policy(model, args, processing_class, quantization_config, peft_config)
+        super().__init__(
+            model=policy,
+            args=args,
+            data_collator=_rows_as_they_are,
+            train_dataset=tasks,
+            processing_class=self.tokenizer,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        add_model_tags = getattr(self.model, "add_model_tags", None)
+        if add_model_tags is not None:
+            add_model_tags(self._tag_names)  # saved in the model's config: what trained it
         for stock, ours in ((ProgressCallback, LOOPProgressCallback), (PrinterCallback, LOOPPrinterCallback)):
             if self.pop_callback(stock) is not None:
                 self.add_callback(ours)
         self.env = env
         env.set_tokenizer(self.tokenizer)
-        self.formatter = ChatFormatter(self.tokenizer, chat_template_kwargs=args.chat_template_kwargs)
+        self.formatter = ChatFormatter(
+            self.tokenizer, chat_template_kwargs=mapping_setting(args.chat_template_kwargs, "chat_template_kwargs")
+        )
         self._custom_backend = generation_backend
         if generation_backend is None and not use_vllm:
             check_sampling_with_training_model(self.accelerator)
         self.rollout_resources = RolloutResources(
-            env, self.formatter, args, open_generator=self._open_generator, eval_temperature=args.eval_temperature,
-            num_processes=self.accelerator.num_processes, process_index=self.accelerator.process_index,
-            show_progress=not args.disable_tqdm and self.accelerator.is_local_main_process)
-        self.rollout_resources.generator  # built now: a setting it cannot honour stops the run before training starts
+            env,
+            self.formatter,
+            args,
+            open_generator=self._open_generator,
+            eval_temperature=args.eval_temperature,
+            num_processes=self.accelerator.num_processes,
+            process_index=self.accelerator.process_index,
+            show_progress=not args.disable_tqdm and self.accelerator.is_local_main_process,
+        )
+        # Built now: a setting the generator cannot honour stops the run before training starts.
+        _ = self.rollout_resources.generator
         self.task_sampler = TaskSampler(len(tasks), seed=args.seed)
-        self.run_log = RunLog(args.output_dir, writes=self.is_world_process_zero(), env_name=env.name,
-                              plot_curves=args.plot_curves, viewer_rollouts_per_iteration=args.viewer_rollouts_per_iteration,
-                              save_rollouts=args.save_rollouts)
+        assert args.output_dir is not None  # TrainingArguments.__post_init__ gives it a default
+        self.run_log = RunLog(
+            args.output_dir,
+            writes=self.is_world_process_zero(),
+            env_name=env.name,
+            plot_curves=args.plot_curves,
+            viewer_rollouts_per_iteration=args.viewer_rollouts_per_iteration,
+            save_rollouts=args.save_rollouts,
+        )
         self.checkpoints = CheckpointStager(args.should_save, self.accelerator.wait_for_everyone, args.save_total_limit)
         self.publisher = HubPublisher(args, self._card_context)
         self.policy_update: PolicyUpdate | None = None
         self.latest_eval: dict[str, Any] | None = None
 
-    # --- The parts that sample, opened on demand (and released by close()) ---
-    def _open_generator(self) -> RolloutGenerator:
-        generator = build_generator(
-            self.args, self.model, stop_token_ids=stop_token_ids(self.model, self.tokenizer), tokenizer=self.tokenizer,
-            process_index=self.accelerator.process_index, is_main_process=self.accelerator.is_main_process,
-            barrier=self.accelerator.wait_for_everyone, custom_backend=self._custom_backend,
-            probe_scorer=lambda ids: sequence_logprobs(self.model_wrapped, ids, self.tokenizer.pad_token_id,
-                                                      self.accelerator.device, self.accelerator.autocast))
-        if self.args.eval_split and self.args.eval_every:
-            generator.check_evaluation()  # eval_temperature is honoured or refused now, not at iteration N
-        return generator
-
-    @property
-    def generator(self) -> RolloutGenerator:
-        return self.rollout_resources.generator
-
-    @property
-    def rollout_engine(self) -> RolloutEngine:
-        return self.rollout_resources.engine
-
-    @property
-    def evaluator(self) -> Evaluator:
-        return self.rollout_resources.evaluator
-
-    def close(self) -> None:
-        """Release what the trainer opened: rollout thread pools, the generator (a vLLM engine, its
-        temporary files). The environment is its creator's to close. Safe to call twice; anything
-        used afterwards is opened again."""
-        self.rollout_resources.close()
-
-    def __enter__(self) -> LOOPTrainer:
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        self.close()
-
     # --- The loop ---
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any) -> TrainOutput:
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> TrainOutput:
         """Train for ``args.iterations`` iterations. ``resume_from_checkpoint`` (a checkpoint
         directory, or True for the newest complete one in ``output_dir``) continues a run exactly:
         the same next tasks and samples, the optimizer's state, the metrics so far.
@@ -203,16 +214,26 @@ class LOOPTrainer(TrainerHooks):
         ``args.overwrite_output_dir`` (which deletes that run first). A resume refuses settings that
         differ from the checkpoint's (:meth:`resume_settings`) unless
         ``args.resume_with_changed_settings``, which applies and records them."""
-        plan = plan_start(self.args, resume_from_checkpoint, self.model, self.resume_settings, recipe=self.recipe_path,
-                          is_main_process=self.is_world_process_zero(), barrier=self.accelerator.wait_for_everyone)
+        plan = plan_start(
+            self.args,
+            resume_from_checkpoint,
+            self.model,
+            self.resume_settings,
+            recipe=self.recipe_path,
+            is_main_process=self.is_world_process_zero(),
+            barrier=self.accelerator.wait_for_everyone,
+        )
         checkpoint, self._resume_changes, self.setting_changes, self.recipe_path = plan
         try:
-            return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+            return super().train(
+                resume_from_checkpoint=checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+            )
         finally:
             self.close()
 
-    def _inner_training_loop(self, batch_size=None, args=None, resume_from_checkpoint=None, trial=None,
-                             ignore_keys_for_eval=None) -> TrainOutput:
+    def _inner_training_loop(
+        self, batch_size=None, args=None, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None
+    ) -> TrainOutput:
         args = self.args
         model = self.prepare_for_iterations(resume_from_checkpoint, trial)
         if args.memory_stress_test:
@@ -222,10 +243,16 @@ class LOOPTrainer(TrainerHooks):
             state = read_loop_state(resume_from_checkpoint)
             self.task_sampler.load_state_dict(state["task_sampler"])
             self.run_log.start(state["history"])
-            apply_setting_changes(self._resume_changes, self.args, self.optimizer, self.lr_scheduler, self.task_sampler,
-                                  decay_parameters=set(self.get_decay_parameter_names(self.model)),
-                                  named_parameters=dict(self.model.named_parameters()),
-                                  num_train_tasks=len(self.train_dataset))
+            apply_setting_changes(
+                self._resume_changes,
+                self.args,
+                self.optimizer,
+                self.lr_scheduler,
+                self.task_sampler,
+                decay_parameters=set(self.get_decay_parameter_names(self.model)),
+                named_parameters=dict(self.model.named_parameters()),
+                num_train_tasks=len(self.train_dataset),
+            )
         else:
             self.run_log.start()
         started = time.time()
@@ -269,23 +296,41 @@ class LOOPTrainer(TrainerHooks):
         self._init_training_state(args.iterations, args.iterations, 1, resume_from_checkpoint, trial)
         self._enable_activation_checkpointing()
         model, _ = self._prepare_for_training(max_optimizer_steps, None, resume_from_checkpoint)
-        strategy = DistributionStrategy(self.accelerator, self.model_wrapped, self.optimizer, self.lr_scheduler,
-                                        args.max_grad_norm)
+        strategy = DistributionStrategy(
+            self.accelerator, self.model_wrapped, self.optimizer, self.lr_scheduler, args.max_grad_norm
+        )
         reference = (lambda: self.accelerator.unwrap_model(self.model).disable_adapter()) if args.beta > 0 else None
-        self.policy_update = PolicyUpdate(UpdateSettings.from_args(args, self.tokenizer.pad_token_id), strategy,
-                                          self.accelerator.autocast, reference=reference)
+        self.policy_update = PolicyUpdate(
+            UpdateSettings.from_args(args, self.tokenizer.pad_token_id),
+            strategy,
+            self.accelerator.autocast,
+            reference=reference,
+        )
         return model
+
+    def _prepared_update(self) -> PolicyUpdate:
+        """The policy update, after :meth:`prepare_for_iterations` (run now if it has not been)."""
+        if self.policy_update is None:
+            self.prepare_for_iterations()
+        assert self.policy_update is not None  # prepare_for_iterations builds it
+        return self.policy_update
 
     def run_memory_stress_test(self) -> float:
         """Forward and backward the longest trajectory the run allows, before iteration 1, so an
         out-of-memory error shows at start-up with the knobs to turn (see :mod:`.stress`)."""
         args = self.args
-        if self.policy_update is None:
-            self.prepare_for_iterations()
+        policy_update = self._prepared_update()
+        assert args.max_training_tokens is not None  # LOOPConfig.__post_init__ sets it
         return run_memory_stress_test(
-            self.policy_update.strategy, self.accelerator.autocast, num_tokens=args.max_training_tokens,
-            micro_batch_size=args.per_device_train_batch_size, vocab_size=len(self.tokenizer),
-            pad_token_id=self.tokenizer.pad_token_id, epsilon=args.epsilon, divisor=args.minibatch_size)
+            policy_update.strategy,
+            self.accelerator.autocast,
+            num_tokens=args.max_training_tokens,
+            micro_batch_size=args.per_device_train_batch_size,
+            vocab_size=len(self.tokenizer),
+            pad_token_id=self.tokenizer.pad_token_id,
+            epsilon=args.epsilon,
+            divisor=args.minibatch_size,
+        )
 
     def _enable_activation_checkpointing(self) -> None:
         # Trainer.train() switches checkpointing on before _inner_training_loop; driving iterations
@@ -296,11 +341,10 @@ class LOOPTrainer(TrainerHooks):
     def run_iteration(self) -> dict[str, Any]:
         """One LOOP iteration: collect, advantages, filter, update. Returns its metrics."""
         args = self.args
-        if self.policy_update is None:
-            self.prepare_for_iterations()
+        policy_update = self._prepared_update()
         started = time.perf_counter()
         iteration = self.state.global_step  # 0-based: the iteration being trained
-        if self.trl_route:
+        if self.trl_route and isinstance(self.env, TRLAgentEnvironment):
             self.env.trainer_state = self.state  # TRL's reward functions get trainer_state
         synced = self.generator.sync(iteration)
         tasks = [self.train_dataset[i] for i in self.task_sampler.next(args.tasks_per_iteration)]
@@ -308,11 +352,19 @@ class LOOPTrainer(TrainerHooks):
         self.generator.sleep()
         trajectories = batch.trajectories
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-        advantages = advantages_for(args.advantage_estimator, rewards, [t.group for t in trajectories],
-                                    std_normalize=args.std_normalize_advantages)
+        advantages = advantages_for(
+            args.advantage_estimator,
+            rewards,
+            [t.group for t in trajectories],
+            std_normalize=args.std_normalize_advantages,
+        )
         keep = advantage_keep_mask(advantages, args.advantage_threshold)
-        samples = [TrainingSample.from_trajectory(t, float(a), args.max_training_tokens)
-                   for t, a, k in zip(trajectories, advantages.tolist(), keep.tolist(), strict=True) if k]
+        assert args.max_training_tokens is not None  # LOOPConfig.__post_init__ sets it
+        samples = [
+            TrainingSample.from_trajectory(t, float(a), args.max_training_tokens)
+            for t, a, k in zip(trajectories, advantages.tolist(), keep.tolist(), strict=True)
+            if k
+        ]
         record: dict[str, Any] = {
             **batch.stats(),
             **synced,
@@ -323,8 +375,9 @@ class LOOPTrainer(TrainerHooks):
             "trained_sampled_tokens": sum(sum(s.loss_mask) for s in samples),
         }
         update_started = time.perf_counter()
-        record.update(self.policy_update(samples, iteration) if samples else {"optimizer_steps": 0})
+        record.update(policy_update(samples, iteration) if samples else {"optimizer_steps": 0})
         record["update_seconds"] = time.perf_counter() - update_started
+        assert self.optimizer is not None  # prepare_for_iterations created it
         record["learning_rate"] = self.optimizer.param_groups[0]["lr"]
         record["seconds"] = time.perf_counter() - started
         record["generation_retries"] = float(self.rollout_engine.generation_retries)
@@ -334,44 +387,6 @@ class LOOPTrainer(TrainerHooks):
         self.run_log.rollouts(iteration + 1, batch, dict(zip(map(id, trajectories), advantages.tolist(), strict=True)))
         return record
 
-    def collect_rollouts(self, tasks: list[Mapping[str, Any]]) -> RolloutBatch:
-        """Every process runs the episodes of its share of the tasks; all then see all results."""
-        args = self.args
-        return collect_across_processes(
-            self.rollout_engine, tasks, args.rollouts_per_task, num_processes=self.accelerator.num_processes,
-            process_index=self.accelerator.process_index, seed=mix_seed(args.seed, self.state.global_step),
-            description=f"iteration {self.state.global_step + 1} rollouts", max_failed_fraction=args.max_failed_fraction,
-            done_fraction=args.early_stop_done_fraction, task_fraction=args.early_stop_task_fraction)
-
     def update_policy(self, samples: list[TrainingSample]) -> dict[str, float]:
         """The policy update of the current iteration on ``samples`` (see :class:`PolicyUpdate`)."""
-        if self.policy_update is None:
-            self.prepare_for_iterations()
-        return self.policy_update(samples, self.state.global_step)
-
-    # --- Evaluation ---
-    def evaluate_policy(self, split: str | None = None) -> dict[str, float]:
-        """Roll out every task of ``split`` (default ``args.eval_split``) ``eval_rollouts_per_task``
-        times at ``eval_temperature`` (0: greedy); returns the environment's summary as ``eval_*``
-        metrics (AppWorld: TGC and SGC overall and per difficulty). No update; the latest result
-        also goes into the model card."""
-        args, step = self.args, self.state.global_step
-        split = split or args.eval_split
-        synced = self.generator.sync(step)  # the generator samples the policy being evaluated
-        result = self.evaluator.run(split, rollouts_per_task=args.eval_rollouts_per_task,
-                                    seed=mix_seed(args.seed, 0xE7A1, step), max_tasks=args.eval_max_tasks)
-        self.generator.sleep()  # not awake through the checkpoint save that may follow
-        self.latest_eval = {"split": split, "iteration": step, "metrics": dict(result.metrics)}
-        if self.is_world_process_zero() and args.viewer_rollouts_per_iteration > 0:
-            write_evaluation_viewer(result.rows, Path(args.output_dir) / "viewer" / f"eval-{split}-iteration-{step:05d}.html",
-                                    title=f"{self.env.name}: {split} after iteration {step}")
-        return {**{f"eval_{key}": float(value) for key, value in result.metrics.items()}, **synced}
-
-    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Trainer's ``evaluate()``, LOOP's way: episodes on ``args.eval_split`` (:meth:`evaluate_policy`)."""
-        if eval_dataset is not None or metric_key_prefix != "eval" or not self.args.eval_split:
-            raise ValueError("LOOPTrainer.evaluate() runs episodes on args.eval_split (set eval_split); it takes no "
-                             "eval_dataset or metric_key_prefix: call evaluate_policy(split) for another split")
-        metrics = self.evaluate_policy()
-        self.log(metrics)
-        return metrics
+        return self._prepared_update()(samples, self.state.global_step)

@@ -2,7 +2,8 @@
 the Hub uploads of :class:`~loop_trainer.publishing.publisher.HubPublisher`, the run log's files.
 
 :class:`TrainerHooks` holds the ``Trainer`` methods LOOPTrainer overrides to delegate to its collaborators;
-:class:`~.trainer.LOOPTrainer` adds LOOP's loop. The private ``Trainer`` hooks overridden here
+:class:`~.trainer_sampling.TrainerSampling` adds the parts that sample (and ``evaluate()``),
+:class:`~.trainer.LOOPTrainer` LOOP's loop. The private ``Trainer`` hooks overridden here
 (``_save_checkpoint``, ``_get_output_dir``, ``_push_from_checkpoint``) are pinned by
 tests/unit/training/test_trainer_hooks.py.
 """
@@ -13,9 +14,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from transformers import Trainer
+import torch
+from datasets import Dataset
+from transformers import PreTrainedModel, Trainer
 from transformers.trainer_utils import HubStrategy
 
+from ..config import LOOPConfig
 from ..envs.base import Environment
 from ..publishing.publisher import HubPublisher
 from .checkpoints import CheckpointStager
@@ -27,6 +31,9 @@ from .sampler import TaskSampler
 class TrainerHooks(Trainer):
     """The ``Trainer`` methods a LOOP run overrides: each delegates to a collaborator the subclass builds."""
 
+    args: LOOPConfig  # LOOPTrainer translates any other arguments into one
+    model: PreTrainedModel | torch.nn.Module  # LOOPTrainer always has one
+    train_dataset: Dataset  # the training split's tasks: LOOPTrainer always passes them
     env: Environment
     checkpoints: CheckpointStager
     publisher: HubPublisher
@@ -47,17 +54,33 @@ class TrainerHooks(Trainer):
     # --- Checkpoints ---
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         self.create_model_card()  # the card travels with every checkpoint (and its periodic push)
-        loop_state = lambda: {"iteration": self.state.global_step, "task_sampler": self.task_sampler.state_dict(),  # noqa: E731
-                              "history": self.history, "settings": self.resume_settings(),
-                              "setting_changes": self.setting_changes}
-        with self.checkpoints.staged(super()._get_output_dir(trial), self.state.global_step, loop_state,
-                                     on_published=self._push_published_checkpoint):
+
+        def loop_state() -> dict[str, Any]:
+            return {
+                "iteration": self.state.global_step,
+                "task_sampler": self.task_sampler.state_dict(),
+                "history": self.history,
+                "settings": self.resume_settings(),
+                "setting_changes": self.setting_changes,
+            }
+
+        with self.checkpoints.staged(
+            super()._get_output_dir(trial),
+            self.state.global_step,
+            loop_state,
+            on_published=self._push_published_checkpoint,
+        ):
             super()._save_checkpoint(model, trial)
 
     def resume_settings(self) -> dict[str, Any]:
         """The settings an exact resume depends on, as recorded in every checkpoint (:mod:`.resume`)."""
-        return resume_settings(self.args, env_name=self.env.name, num_train_tasks=len(self.train_dataset),
-                               model=self.accelerator.unwrap_model(self.model), run_settings=self.run_settings)
+        return resume_settings(
+            self.args,
+            env_name=self.env.name,
+            num_train_tasks=len(self.train_dataset),
+            model=self.accelerator.unwrap_model(self.model),
+            run_settings=self.run_settings,
+        )
 
     def _get_output_dir(self, trial: Any) -> str:
         staging = self.checkpoints.staging_root
@@ -65,21 +88,42 @@ class TrainerHooks(Trainer):
 
     def _card_context(self) -> dict[str, Any]:
         model = self.accelerator.unwrap_model(self.model)
-        return dict(base_model=getattr(model.config, "_name_or_path", None) or None,
-                    hub_model_id=self.hub_model_id or self.args.hub_model_id, args=self.args,
-                    peft_config=getattr(model, "peft_config", None), environment=self.env.name,
-                    iterations_done=self.state.global_step, history=self.history, eval_metrics=self.latest_eval,
-                    recipe_path=self.recipe_path, setting_changes=self.setting_changes)
+        return {
+            "base_model": getattr(model.config, "_name_or_path", None) or None,
+            "hub_model_id": self.hub_model_id or self.args.hub_model_id,
+            "args": self.args,
+            "peft_config": getattr(model, "peft_config", None),
+            "environment": self.env.name,
+            "iterations_done": self.state.global_step,
+            "history": self.history,
+            "eval_metrics": self.latest_eval,
+            "recipe_path": self.recipe_path,
+            "setting_changes": self.setting_changes,
+        }
 
-    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
-                          tags: list[str] | None = None, license: str | None = None, **_: Any) -> None:
+    def create_model_card(  # type: ignore[override]  # TRL's signature (GRPOTrainer's), not Trainer's
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: list[str] | None = None,
+        license: str | None = None,
+        **_: Any,
+    ) -> None:
         """Write LOOP's model card (README.md) to ``output_dir`` (before every checkpoint, and by push_to_hub)."""
         if self.is_world_process_zero():
+            assert self.args.output_dir is not None  # TrainingArguments.__post_init__ gives it a default
             self.publisher.write_card(self.args.output_dir, model_name=model_name, tags=tags, license=license)
 
-    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True,
-                    token: str | None = None, revision: str | None = None, private: bool | None = None,
-                    merge_adapter: bool = False, **kwargs: Any):
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        merge_adapter: bool = False,
+        **kwargs: Any,
+    ):
         """Upload the adapter (merged weights only with ``merge_adapter=True``), the tokenizer and
         its chat template, the recipe, the metrics and the model card."""
         self.callback_handler.on_push_begin(self.args, self.state, self.control)
@@ -89,10 +133,17 @@ class TrainerHooks(Trainer):
         self.save_model(_internal_call=True)
         if not self.is_world_process_zero():
             return None
+        assert self.hub_model_id is not None  # init_hf_repo set it on the main process
         self.publisher.wait()  # periodic pushes first, so the final one lands last
         return self.publisher.upload_run(
-            repo_id=self.hub_model_id, token=token, revision=revision if revision is not None else self.args.hub_revision,
-            commit_message=commit_message or "End of training", merge_adapter=merge_adapter, blocking=blocking, **kwargs)
+            repo_id=self.hub_model_id,
+            token=token,
+            revision=revision if revision is not None else self.args.hub_revision,
+            commit_message=commit_message or "End of training",
+            merge_adapter=merge_adapter,
+            blocking=blocking,
+            **kwargs,
+        )
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         # Called inside Trainer._save_checkpoint with the *staging* folder.
@@ -101,12 +152,24 @@ class TrainerHooks(Trainer):
         if not self.args.hub_always_push and self.publisher.busy():
             return  # as Trainer: skip this push while the last one runs, unless hub_always_push
         self.callback_handler.on_push_begin(self.args, self.state, self.control)
-        self.publisher.track(self.publisher.upload_checkpoint_model(
-            checkpoint_folder, repo_id=self.hub_model_id, iteration=self.state.global_step, tokenizer=self.processing_class))
+        assert self.hub_model_id is not None  # push_to_hub: Trainer.__init__ created the repository (main process)
+        self.publisher.track(
+            self.publisher.upload_checkpoint_model(
+                checkpoint_folder,
+                repo_id=self.hub_model_id,
+                iteration=self.state.global_step,
+                tokenizer=self.processing_class,
+            )
+        )
 
     def _push_published_checkpoint(self, checkpoint: Path) -> None:
-        self.publisher.track(self.publisher.upload_published_checkpoint(
-            checkpoint, repo_id=self.hub_model_id, iteration=self.state.global_step))
+        if self.hub_model_id is None:  # no repository: no upload of this checkpoint is pending
+            return
+        self.publisher.track(
+            self.publisher.upload_published_checkpoint(
+                checkpoint, repo_id=self.hub_model_id, iteration=self.state.global_step
+            )
+        )
 
     # --- The run log ---
     @property

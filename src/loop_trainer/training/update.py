@@ -20,15 +20,15 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from ..objective import loop_policy_loss, reference_kl_penalty
-from .batching import TrainingSample, chunks, collate, minibatch_indices
-from .logprobs import token_logprobs
+from ..objective import RatioLevel, loop_policy_loss, reference_kl_penalty
 from ..rollout.records import stream_seed
+from .batching import TrainingSample, chunks, collate, minibatch_indices
 from .distribution import DistributionStrategy
+from .logprobs import token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +52,22 @@ class UpdateSettings:
     kl_abort_threshold: float
     seed: int
     pad_token_id: int
-    ratio_level: str = "token"
+    ratio_level: RatioLevel = "token"
     beta: float = 0.0
 
     @classmethod
     def from_args(cls, args: Any, pad_token_id: int) -> UpdateSettings:
-        return cls(epsilon=args.epsilon, minibatch_size=args.minibatch_size, ppo_epochs=args.ppo_epochs,
-                   micro_batch_size=args.per_device_train_batch_size, kl_abort_threshold=args.kl_abort_threshold,
-                   seed=args.seed, pad_token_id=pad_token_id, ratio_level=args.ratio_level, beta=args.beta)
+        return cls(
+            epsilon=args.epsilon,
+            minibatch_size=args.minibatch_size,
+            ppo_epochs=args.ppo_epochs,
+            micro_batch_size=args.per_device_train_batch_size,
+            kl_abort_threshold=args.kl_abort_threshold,
+            seed=args.seed,
+            pad_token_id=pad_token_id,
+            ratio_level=cast(RatioLevel, args.ratio_level),  # LOOPConfig checked it is one
+            beta=args.beta,
+        )
 
 
 @dataclass
@@ -84,9 +92,13 @@ class StepResult:
 class PolicyUpdate:
     """Runs :meth:`__call__` once per iteration on the kept trajectories."""
 
-    def __init__(self, settings: UpdateSettings, strategy: DistributionStrategy,
-                 autocast: Callable[[], contextlib.AbstractContextManager],
-                 reference: Callable[[], contextlib.AbstractContextManager] | None = None):
+    def __init__(
+        self,
+        settings: UpdateSettings,
+        strategy: DistributionStrategy,
+        autocast: Callable[[], contextlib.AbstractContextManager],
+        reference: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ):
         """``reference``: a context in which the model is the reference policy of the KL penalty
         (the base model: the LoRA adapter disabled); needed when ``settings.beta > 0``."""
         if settings.beta > 0 and reference is None:
@@ -119,16 +131,25 @@ class PolicyUpdate:
                 continue
             steps.append(step)
             if step.kl_exceeded:
-                logger.warning("iteration %d: KL estimate %.3g exceeds %.3g; step skipped, remaining updates aborted",
-                               iteration + 1, step.kl, s.kl_abort_threshold)
+                logger.warning(
+                    "iteration %d: KL estimate %.3g exceeds %.3g; step skipped, remaining updates aborted",
+                    iteration + 1,
+                    step.kl,
+                    s.kl_abort_threshold,
+                )
                 aborted_on_kl = True
                 break
-        return {**summarize_steps(steps), "skipped_nonfinite_steps": skipped_nonfinite,
-                "aborted_on_kl": int(aborted_on_kl), **sampler_diff}
+        return {
+            **summarize_steps(steps),
+            "skipped_nonfinite_steps": skipped_nonfinite,
+            "aborted_on_kl": int(aborted_on_kl),
+            **sampler_diff,
+        }
 
     @torch.no_grad()
-    def fixed_logprobs(self, samples: list[TrainingSample], indices: list[int] | None = None,
-                       counted: set[int] | None = None) -> tuple[FixedLogprobs, dict[str, float]]:
+    def fixed_logprobs(
+        self, samples: list[TrainingSample], indices: list[int] | None = None, counted: set[int] | None = None
+    ) -> tuple[FixedLogprobs, dict[str, float]]:
         """Log-probs of ``samples[i]`` for ``i`` in ``indices`` (default: all) under the current
         policy, in eval mode (and, when ``beta > 0``, under the reference policy), and how far the
         sampler's log-probs were from the current policy's over ``counted`` (default: all of
@@ -142,7 +163,9 @@ class PolicyUpdate:
         was_training = model.training
         model.eval()
         old: dict[int, torch.Tensor] = {}
-        reference: dict[int, torch.Tensor] | None = {} if self.settings.beta > 0 else None
+        # beta > 0: the reference policy exists (__init__ refused it missing)
+        reference_policy = self.reference if self.settings.beta > 0 else None
+        reference: dict[int, torch.Tensor] | None = {} if reference_policy is not None else None
         abs_diff_sum, abs_diff_max, count = 0.0, 0.0, 0
         work = list(chunks(indices, self.settings.micro_batch_size))
         real = len(work)
@@ -153,8 +176,8 @@ class PolicyUpdate:
                 batch = collate([samples[i] for i in chunk], self.settings.pad_token_id).to(strategy.device)
                 with self.autocast():
                     logprobs = token_logprobs(model, batch).float()
-                    if reference is not None:
-                        with self.reference():
+                    if reference_policy is not None:
+                        with reference_policy():
                             reference_logprobs = token_logprobs(model, batch).float()
                 if k >= real:
                     continue
@@ -171,20 +194,24 @@ class PolicyUpdate:
                     old[i] = logprobs[row, : len(samples[i].token_ids)].cpu()
         finally:
             model.train(was_training)
-        abs_diff_sum, count = strategy.sum([abs_diff_sum, float(count)])
+        total_diff, total_count = strategy.sum([abs_diff_sum, float(count)])
         _, abs_diff_max = strategy.min_max(0.0, abs_diff_max)
-        diff = {"sampler_logprob_diff": abs_diff_sum / count if count else float("nan"),
-                "sampler_logprob_diff_max": abs_diff_max}
-        return FixedLogprobs(old, reference), diff
+        metrics = {
+            "sampler_logprob_diff": total_diff / total_count if total_count else float("nan"),
+            "sampler_logprob_diff_max": abs_diff_max,
+        }
+        return FixedLogprobs(old, reference), metrics
 
-    def minibatch_step(self, samples: list[TrainingSample], fixed: FixedLogprobs,
-                       minibatch: list[int]) -> StepResult | None:
+    def minibatch_step(
+        self, samples: list[TrainingSample], fixed: FixedLogprobs, minibatch: list[int]
+    ) -> StepResult | None:
         """Accumulate this process's share of one minibatch, then one optimizer step. Returns None
         if the loss or the gradient norm was not finite (the step is skipped), and a result with
         ``kl_exceeded=True`` (``stepped=False``) if the KL estimate is over the abort threshold
         (gradients discarded; the caller ends the iteration's updates)."""
         s, strategy = self.settings, self.strategy
-        if s.beta > 0 and fixed.reference is None:
+        fixed_reference = fixed.reference if s.beta > 0 else None
+        if s.beta > 0 and fixed_reference is None:
             raise ValueError("beta > 0 needs the reference policy's log-probs (FixedLogprobs.reference)")
         share = strategy.share(minibatch)
         micro_batches = [(indices, False) for indices in chunks(share, s.micro_batch_size)]
@@ -206,11 +233,19 @@ class PolicyUpdate:
             with strategy.accumulating(last=i == len(micro_batches) - 1):
                 with self.autocast():
                     logprobs = token_logprobs(strategy.model, batch)
-                out = loop_policy_loss(logprobs, old, batch.advantages, batch.loss_mask, epsilon=s.epsilon,
-                                       divisor=divisor, ratio_level=s.ratio_level, turn_ids=batch.turn_ids)
+                out = loop_policy_loss(
+                    logprobs,
+                    old,
+                    batch.advantages,
+                    batch.loss_mask,
+                    epsilon=s.epsilon,
+                    divisor=divisor,
+                    ratio_level=s.ratio_level,
+                    turn_ids=batch.turn_ids,
+                )
                 loss = out.loss
-                if s.beta > 0:
-                    reference = _padded(fixed.reference, indices, like=batch.sampler_logprobs)
+                if fixed_reference is not None:  # beta > 0
+                    reference = _padded(fixed_reference, indices, like=batch.sampler_logprobs)
                     penalty, kl_ref = reference_kl_penalty(logprobs, reference, batch.loss_mask, divisor=divisor)
                     loss = loss + s.beta * penalty
                     totals["kl_ref"] += float(kl_ref) * float(out.num_tokens)
@@ -226,10 +261,16 @@ class PolicyUpdate:
         totals = dict(zip(totals, strategy.sum(list(totals.values())), strict=True))
         ratio_min, ratio_max = strategy.min_max(ratio_min, ratio_max)
         tokens = totals["tokens"] or 1.0
-        step = StepResult(loss=totals["loss"] / strategy.num_processes, clip_frac=totals["clip"] / tokens,
-                          kl=totals["kl"] / tokens, ratio_mean=totals["ratio"] / tokens, ratio_min=ratio_min,
-                          ratio_max=ratio_max, num_tokens=totals["tokens"],
-                          kl_ref=totals["kl_ref"] / tokens if "kl_ref" in totals else math.nan)
+        step = StepResult(
+            loss=totals["loss"] / strategy.num_processes,
+            clip_frac=totals["clip"] / tokens,
+            kl=totals["kl"] / tokens,
+            ratio_mean=totals["ratio"] / tokens,
+            ratio_min=ratio_min,
+            ratio_max=ratio_max,
+            num_tokens=totals["tokens"],
+            kl_ref=totals["kl_ref"] / tokens if "kl_ref" in totals else math.nan,
+        )
         if not math.isfinite(step.loss):
             strategy.discard_gradients()
             return None

@@ -22,7 +22,9 @@ def write(tmp_path: Path, text: str) -> str:
 
 
 def test_yaml_sets_defaults_and_flags_override(tmp_path):
-    recipe = write(tmp_path, """
+    recipe = write(
+        tmp_path,
+        """
         model_name_or_path: tiny:vault
         environment: vault
         environment_kwargs: {num_tasks: 8}
@@ -33,7 +35,8 @@ def test_yaml_sets_defaults_and_flags_override(tmp_path):
         max_training_tokens: null
         env:
           LOOP_TEST_EXPORTED: "yes"
-    """)
+    """,
+    )
     script, args, model = parse_recipe(["--config", recipe, "--iterations", "3"])
     assert (args.learning_rate, args.iterations) == (0.001, 3)
     assert script.environment_kwargs == {"num_tasks": 8}
@@ -49,11 +52,22 @@ def test_yaml_sets_defaults_and_flags_override(tmp_path):
         ("lerning_rate: 0.1\n", [], "unknown key 'lerning_rate' in .* \\(did you mean 'learning_rate'\\?\\)"),
         ("learning_rate: fast\n", [], "learning_rate.*invalid float value: 'fast'"),
         ("iterations: 0\n", [], "iterations must be >= 1"),
-        ("sync_ref_model: true\n", [], "unknown key 'sync_ref_model' in .*: LOOPConfig has no setting 'sync_ref_model'; "
-                                        "LOOP's equivalent is beta"),
+        (
+            "sync_ref_model: true\n",
+            [],
+            "unknown key 'sync_ref_model' in .*: LOOPConfig has no setting 'sync_ref_model'; LOOP's equivalent is beta",
+        ),
         ("beta: -0.1\n", [], "beta must be >= 0"),
-        ("", ["--rollouts_per_tsk", "4"], "^unknown option '--rollouts_per_tsk' \\(did you mean '--rollouts_per_task'\\?\\)$"),
-        ("", ["--rollouts_per_tsk=4"], "^unknown option '--rollouts_per_tsk' \\(did you mean '--rollouts_per_task'\\?\\)$"),
+        (
+            "",
+            ["--rollouts_per_tsk", "4"],
+            "^unknown option '--rollouts_per_tsk' \\(did you mean '--rollouts_per_task'\\?\\)$",
+        ),
+        (
+            "",
+            ["--rollouts_per_tsk=4"],
+            "^unknown option '--rollouts_per_tsk' \\(did you mean '--rollouts_per_task'\\?\\)$",
+        ),
         ("- a list\n", [], "must contain a YAML mapping"),
         ("environment_kwargs: '{bad json'\n", [], "environment_kwargs is not valid JSON"),
     ],
@@ -83,7 +97,10 @@ def test_missing_recipe_file():
     [
         (["--model_name_or_path", "/no/such/model"], "cannot load model_name_or_path '/no/such/model'"),
         (["--model_name_or_path", "tiny:vault", "--environment", "appwrld"], "unknown environment 'appwrld'"),
-        (["--model_name_or_path", "tiny:vault", "--environment_kwargs", '{"num_tsks": 3}'], "bad arguments for environment 'vault'"),
+        (
+            ["--model_name_or_path", "tiny:vault", "--environment_kwargs", '{"num_tsks": 3}'],
+            "bad arguments for environment 'vault'",
+        ),
         ([], "model_name_or_path is not set"),
     ],
 )
@@ -99,8 +116,12 @@ def test_console_script_prints_no_traceback(tmp_path):
     bin_dir = Path(sys.executable).parent
     exe = bin_dir / "loop-train"
     command = [str(exe)] if exe.exists() else [sys.executable, "-m", "loop_trainer.cli.train"]
-    result = subprocess.run([*command, "--config", write(tmp_path, "output_dir: o\nlerning_rate: 1\n")],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [*command, "--config", write(tmp_path, "output_dir: o\nlerning_rate: 1\n")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
@@ -109,10 +130,12 @@ def test_console_script_prints_no_traceback(tmp_path):
 
 
 def test_cli_trains_from_a_recipe(tmp_path, capsys):
-    recipe = write(tmp_path, f"""
+    recipe = write(
+        tmp_path,
+        f"""
         model_name_or_path: tiny:vault
         environment: vault
-        output_dir: {tmp_path / 'run'}
+        output_dir: {tmp_path / "run"}
         iterations: 2
         tasks_per_iteration: 2
         rollouts_per_task: 3
@@ -121,7 +144,8 @@ def test_cli_trains_from_a_recipe(tmp_path, capsys):
         max_trajectory_tokens: 256
         activation_checkpointing: false
         disable_tqdm: true
-    """)
+    """,
+    )
     assert cli(["--config", recipe]) == 0
     out = capsys.readouterr().out
     assert "LOOP: 2 iterations on 'vault'" in out and "metrics.jsonl" in out
@@ -139,9 +163,26 @@ def test_appworld_without_data_is_one_line(tmp_path, capsys, monkeypatch):
     assert err.startswith(f"loop-train: error: no AppWorld data under {tmp_path / 'nowhere'}") and "\n" not in err
 
 
-TINY_RUN = ["--model_name_or_path", "tiny:vault", "--iterations", "1", "--tasks_per_iteration", "2",
-            "--rollouts_per_task", "2", "--max_turns", "2", "--max_new_tokens_per_turn", "3",
-            "--activation_checkpointing", "false", "--disable_tqdm", "true", "--plot_curves", "false"]
+TINY_RUN = [
+    "--model_name_or_path",
+    "tiny:vault",
+    "--iterations",
+    "1",
+    "--tasks_per_iteration",
+    "2",
+    "--rollouts_per_task",
+    "2",
+    "--max_turns",
+    "2",
+    "--max_new_tokens_per_turn",
+    "3",
+    "--activation_checkpointing",
+    "false",
+    "--disable_tqdm",
+    "true",
+    "--plot_curves",
+    "false",
+]
 
 
 def test_resuming_a_checkpoint_that_does_not_fit_is_one_line(tmp_path, capsys):
@@ -150,10 +191,18 @@ def test_resuming_a_checkpoint_that_does_not_fit_is_one_line(tmp_path, capsys):
     assert (checkpoint / "loop_state.json").is_file()
     capsys.readouterr()
     cases = [
-        (["--use_peft", "true", "--resume_from_checkpoint", str(checkpoint)],
-         f"checkpoint {checkpoint} holds full weights, but this run trains an adapter"),
-        (["--resume_from_checkpoint", str(tmp_path / "nope")], f"resume_from_checkpoint: {tmp_path / 'nope'} is not a directory"),
-        (["--resume_from_checkpoint", "last"], f"resume_from_checkpoint: no checkpoint-N directory in {tmp_path / 'empty'}"),
+        (
+            ["--use_peft", "true", "--resume_from_checkpoint", str(checkpoint)],
+            f"checkpoint {checkpoint} holds full weights, but this run trains an adapter",
+        ),
+        (
+            ["--resume_from_checkpoint", str(tmp_path / "nope")],
+            f"resume_from_checkpoint: {tmp_path / 'nope'} is not a directory",
+        ),
+        (
+            ["--resume_from_checkpoint", "last"],
+            f"resume_from_checkpoint: no checkpoint-N directory in {tmp_path / 'empty'}",
+        ),
     ]
     for flags, message in cases:
         assert cli(["--output_dir", str(tmp_path / "empty"), *TINY_RUN, *flags]) == 2
@@ -165,19 +214,39 @@ def test_loop_eval_refuses_an_adapter_of_another_model(tmp_path, capsys, qwen_to
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from loop_trainer.envs import VaultEnv
     from loop_trainer.cli.evaluate import cli as eval_cli
+    from loop_trainer.envs import VaultEnv
     from loop_trainer.models.tiny import build_tiny_for_environment
 
     vault_model, _ = build_tiny_for_environment(VaultEnv().vocabulary(), seed=0)
-    get_peft_model(vault_model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(tmp_path / "adapter")
-    other = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(qwen_tokenizer), hidden_size=64, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                         head_dim=32))
+    get_peft_model(vault_model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(
+        tmp_path / "adapter"
+    )
+    other = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=len(qwen_tokenizer),
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=32,
+        )
+    )
     other.save_pretrained(tmp_path / "other")
     qwen_tokenizer.save_pretrained(tmp_path / "other")
-    status = eval_cli(["--model_name_or_path", str(tmp_path / "other"), "--adapter", str(tmp_path / "adapter"),
-                       "--environment", "vault", "--output_dir", str(tmp_path / "eval")])
+    status = eval_cli(
+        [
+            "--model_name_or_path",
+            str(tmp_path / "other"),
+            "--adapter",
+            str(tmp_path / "adapter"),
+            "--environment",
+            "vault",
+            "--output_dir",
+            str(tmp_path / "eval"),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the loading progress bars
     assert status == 2 and "size mismatch" in err
     assert err.startswith(f"loop-eval: error: cannot load adapter '{tmp_path / 'adapter'}' on '{tmp_path / 'other'}'")
@@ -196,16 +265,48 @@ def test_shipped_recipes_plan_to_fit(recipe, capsys):
         assert "vLLM reservation" not in out and "vLLM server's own GPUs" in out
 
 
-@pytest.mark.parametrize(("flags", "knob"), [
-    (["--config", "recipes/appworld/qwen2.5-32b-instruct.yaml", "--use_peft", "false", "--plan_gpus", "1",
-      "--vllm_tensor_parallel_size", "1"],
-     "train a LoRA adapter"),
-    (["--config", "recipes/appworld/qwen2.5-7b-instruct.yaml", "--max_training_tokens", "131072",
-      "--activation_checkpointing", "false"], "activation_checkpointing: true"),
-    (["--config", "recipes/appworld/qwen2.5-32b-instruct.yaml", "--vllm_mode", "colocate",
-      "--vllm_gpu_memory_utilization", "0.5", "--vllm_enable_sleep_mode", "true"],
-     "generate on a vLLM server of its own (vllm_mode: server)"),
-])
+@pytest.mark.parametrize(
+    ("flags", "knob"),
+    [
+        (
+            [
+                "--config",
+                "recipes/appworld/qwen2.5-32b-instruct.yaml",
+                "--use_peft",
+                "false",
+                "--plan_gpus",
+                "1",
+                "--vllm_tensor_parallel_size",
+                "1",
+            ],
+            "train a LoRA adapter",
+        ),
+        (
+            [
+                "--config",
+                "recipes/appworld/qwen2.5-7b-instruct.yaml",
+                "--max_training_tokens",
+                "131072",
+                "--activation_checkpointing",
+                "false",
+            ],
+            "activation_checkpointing: true",
+        ),
+        (
+            [
+                "--config",
+                "recipes/appworld/qwen2.5-32b-instruct.yaml",
+                "--vllm_mode",
+                "colocate",
+                "--vllm_gpu_memory_utilization",
+                "0.5",
+                "--vllm_enable_sleep_mode",
+                "true",
+            ],
+            "generate on a vLLM server of its own (vllm_mode: server)",
+        ),
+    ],
+)
 def test_an_oversized_setting_is_refused_with_the_knob_to_turn(flags, knob, capsys):
     assert cli([*flags, "--dry-run"]) == 3
     out = capsys.readouterr().out
@@ -213,8 +314,15 @@ def test_an_oversized_setting_is_refused_with_the_knob_to_turn(flags, knob, caps
 
 
 def test_a_tensor_parallel_colocated_engine_is_refused_with_the_alternative(capsys):
-    flags = ["--config", "recipes/appworld/qwen2.5-32b-instruct.yaml", "--vllm_mode", "colocate",
-             "--vllm_tensor_parallel_size", "4", "--dry-run"]
+    flags = [
+        "--config",
+        "recipes/appworld/qwen2.5-32b-instruct.yaml",
+        "--vllm_mode",
+        "colocate",
+        "--vllm_tensor_parallel_size",
+        "4",
+        "--dry-run",
+    ]
     assert cli(flags) == 2
     err = capsys.readouterr().err
     assert "vllm_tensor_parallel_size must be 1 with vllm_mode: colocate" in err and "vllm_mode: server" in err

@@ -17,8 +17,25 @@ RECIPE = str(Path(__file__).resolve().parents[3] / "recipes" / "demo.yaml")
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("demo")
-    assert train_cli(["--config", RECIPE, "--output_dir", str(out), "--iterations", "2", "--tasks_per_iteration", "4",
-                      "--disable_tqdm", "true", "--save_strategy", "no"]) == 0
+    assert (
+        train_cli(
+            [
+                "--config",
+                RECIPE,
+                "--output_dir",
+                str(out),
+                "--iterations",
+                "2",
+                "--tasks_per_iteration",
+                "4",
+                "--disable_tqdm",
+                "true",
+                "--save_strategy",
+                "no",
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -28,7 +45,11 @@ def test_both_policies_are_evaluated_greedy_and_sampled_on_the_held_out_split(tr
     printed = capsys.readouterr().out
     rows = json.loads((trained / "compare" / "compare.json").read_text())
     assert [(r["policy"], r["decoding"]) for r in rows] == [
-        ("start", "greedy"), ("start", "T=1"), ("trained", "greedy"), ("trained", "T=1")]
+        ("start", "greedy"),
+        ("start", "T=1"),
+        ("trained", "greedy"),
+        ("trained", "T=1"),
+    ]
     for row in rows:
         results = [json.loads(line) for line in (Path(row["output_dir"]) / "results.jsonl").read_text().splitlines()]
         assert len(results) == 6 * row["rollouts_per_task"] and {r["task_id"][:5] for r in results} == {"test-"}
@@ -53,10 +74,21 @@ def test_a_run_that_never_trained_is_one_line(tmp_path, capsys):
 
 def _results(directory: Path, rewards: dict[str, float]) -> str:
     directory.mkdir()
-    lines = [json.dumps({"task_id": task, "reward": reward, "ending": "done", "num_opening_messages": 1,
-                         "messages": [{"role": "user", "content": f"question {task}"},
-                                      {"role": "assistant", "content": f"reply {task} {reward}"}]})
-             for task, reward in rewards.items()]
+    lines = [
+        json.dumps(
+            {
+                "task_id": task,
+                "reward": reward,
+                "ending": "done",
+                "num_opening_messages": 1,
+                "messages": [
+                    {"role": "user", "content": f"question {task}"},
+                    {"role": "assistant", "content": f"reply {task} {reward}"},
+                ],
+            }
+        )
+        for task, reward in rewards.items()
+    ]
     (directory / "results.jsonl").write_text("\n".join(lines) + "\n")
     return str(directory)
 
@@ -64,9 +96,11 @@ def _results(directory: Path, rewards: dict[str, float]) -> str:
 def test_trajectories_show_the_tasks_where_the_policies_differ_most(tmp_path):
     start = _results(tmp_path / "start", {"a": 0.0, "b": 0.5, "c": 0.25, "d": 1.0})
     trained = _results(tmp_path / "trained", {"a": 1.0, "b": 0.5, "c": 0.75, "d": 0.75})
-    rows = [{"policy": "start", "decoding": "greedy", "output_dir": start},
-            {"policy": "trained", "decoding": "greedy", "output_dir": trained},
-            {"policy": "trained", "decoding": "T=1", "output_dir": str(tmp_path / "unread")}]
+    rows = [
+        {"policy": "start", "decoding": "greedy", "output_dir": start},
+        {"policy": "trained", "decoding": "greedy", "output_dir": trained},
+        {"policy": "trained", "decoding": "T=1", "output_dir": str(tmp_path / "unread")},
+    ]
     text = contrasting_trajectories(rows, 2)
     assert [line for line in text.splitlines() if line.startswith("## ")] == ["## a", "## c"]
     assert "- assistant: `reply a 0.0`" in text and "- assistant: `reply a 1.0`" in text

@@ -11,13 +11,33 @@ from datasets import Dataset
 from loop_trainer.cli.train import cli
 from loop_trainer.envs import EnvironmentSetupError, VaultEnv, load_tasks
 
-TINY = ["--model_name_or_path", "tiny:vault", "--environment_kwargs", '{"num_tasks": 8}', "--iterations", "1",
-        "--tasks_per_iteration", "2", "--rollouts_per_task", "2", "--minibatch_size", "4", "--max_turns", "3",
-        "--max_new_tokens_per_turn", "4", "--max_trajectory_tokens", "200", "--disable_tqdm", "true"]
+TINY = [
+    "--model_name_or_path",
+    "tiny:vault",
+    "--environment_kwargs",
+    '{"num_tasks": 8}',
+    "--iterations",
+    "1",
+    "--tasks_per_iteration",
+    "2",
+    "--rollouts_per_task",
+    "2",
+    "--minibatch_size",
+    "4",
+    "--max_turns",
+    "3",
+    "--max_new_tokens_per_turn",
+    "4",
+    "--max_trajectory_tokens",
+    "200",
+    "--disable_tqdm",
+    "true",
+]
 
 
-@pytest.mark.parametrize("flags", [["--load_in_4bit", "true"], ["--load_in_8bit", "true"],
-                                   ["--bnb_4bit_quant_type", "fp4"]])
+@pytest.mark.parametrize(
+    "flags", [["--load_in_4bit", "true"], ["--load_in_8bit", "true"], ["--bnb_4bit_quant_type", "fp4"]]
+)
 def test_quantisation_keys_of_trls_model_config_are_refused_not_ignored(tmp_path, capsys, flags):
     for extra in ([], ["--dry-run"]):
         assert cli([*TINY, "--output_dir", str(tmp_path / "q"), *flags, *extra]) == 2
@@ -56,7 +76,9 @@ class SplitByKeyEnv(VaultEnv):
 def test_an_environments_own_error_for_an_unknown_split_is_one_line():
     env = SplitByKeyEnv(num_tasks=4)
     assert len(load_tasks(env, "train")) == 4
-    with pytest.raises(EnvironmentSetupError, match=r"^environment 'vault' cannot list the tasks of split 'nope': 'nope'$"):
+    with pytest.raises(
+        EnvironmentSetupError, match=r"^environment 'vault' cannot list the tasks of split 'nope': 'nope'$"
+    ):
         load_tasks(env, "nope")
 
 
@@ -64,10 +86,21 @@ def test_trainer_evaluate_runs_episodes_on_the_eval_split(tmp_path, vault_tiny):
     from loop_trainer import LOOPConfig, LOOPTrainer
 
     env, model, tok = vault_tiny
-    args = LOOPConfig(output_dir=str(tmp_path / "run"), iterations=1, tasks_per_iteration=2, rollouts_per_task=2,
-                      minibatch_size=4, max_turns=3, max_new_tokens_per_turn=4, max_trajectory_tokens=200,
-                      activation_checkpointing=False, disable_tqdm=True, eval_split="test", eval_max_tasks=2,
-                      report_to=[])
+    args = LOOPConfig(
+        output_dir=str(tmp_path / "run"),
+        iterations=1,
+        tasks_per_iteration=2,
+        rollouts_per_task=2,
+        minibatch_size=4,
+        max_turns=3,
+        max_new_tokens_per_turn=4,
+        max_trajectory_tokens=200,
+        activation_checkpointing=False,
+        disable_tqdm=True,
+        eval_split="test",
+        eval_max_tasks=2,
+        report_to=[],
+    )
     with LOOPTrainer(model, env, args, processing_class=tok) as trainer:
         metrics = trainer.evaluate()
         assert metrics["eval_num_rollouts"] == 2 and "eval_success_rate" in metrics
@@ -79,8 +112,15 @@ def test_more_tasks_per_iteration_than_the_split_has_is_said(tmp_path, vault_tin
     from loop_trainer import LOOPConfig, LOOPTrainer
 
     env, model, tok = vault_tiny  # 16 tasks
-    args = LOOPConfig(output_dir=str(tmp_path / "run"), iterations=1, tasks_per_iteration=20, rollouts_per_task=2,
-                      activation_checkpointing=False, disable_tqdm=True, report_to=[])
+    args = LOOPConfig(
+        output_dir=str(tmp_path / "run"),
+        iterations=1,
+        tasks_per_iteration=20,
+        rollouts_per_task=2,
+        activation_checkpointing=False,
+        disable_tqdm=True,
+        report_to=[],
+    )
     with caplog.at_level("WARNING"):
         LOOPTrainer(model, env, args, processing_class=tok).close()
     assert "tasks_per_iteration (20) exceeds the 16 tasks of split 'train'" in caplog.text

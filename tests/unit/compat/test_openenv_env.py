@@ -10,16 +10,16 @@ import sys
 import threading
 
 import pytest
-from support.helpers import ScriptedBackend, tiny_qwen
 from openenv.core import GenericEnvClient  # the project's venv has OpenEnv (requirements/integrations*.lock)
 from openenv.core.mcp_client import MCPToolClient
-from support.openenv_guess import GuessAction, GuessClient, GuessEnvironment, calculator_app, guess_app, serve
 
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.chat import ChatFormatter
-from loop_trainer.envs import EnvironmentSetupError
 from loop_trainer.compat.openenv.environment import from_openenv
+from loop_trainer.envs import EnvironmentSetupError
 from loop_trainer.rollout import EpisodeLimits, RolloutEngine
+from support.helpers import ScriptedBackend, tiny_qwen
+from support.openenv_guess import GuessAction, GuessClient, GuessEnvironment, calculator_app, guess_app, serve
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +60,16 @@ def collect(tokenizer, env, script, k=1, max_turns=10):
     return sorted(batch.trajectories + batch.failed, key=lambda t: order[t.task_id])
 
 
-GAME_13 = [call("guess", '{"number": 2, "comment": "low"}'), call("guess", '{"numbr": 4}'),
-           call("guess", '{"number": 4,, }'), call("guess", '{"number": 12}'), call("nope", "{}"),
-           call("guess", '{"number": 5}'), call("guess", '{"number": 3}'), "unreachable"]
+GAME_13 = [
+    call("guess", '{"number": 2, "comment": "low"}'),
+    call("guess", '{"numbr": 4}'),
+    call("guess", '{"number": 4,, }'),
+    call("guess", '{"number": 12}'),
+    call("nope", "{}"),
+    call("guess", '{"number": 5}'),
+    call("guess", '{"number": 3}'),
+    "unreachable",
+]
 
 
 def test_tool_calls_reach_the_server_and_its_rewards_score_the_episode(qwen_tokenizer, guess_server):
@@ -78,8 +85,9 @@ def test_tool_calls_reach_the_server_and_its_rewards_score_the_episode(qwen_toke
     assert "Find my number.\n\nI am thinking of a number from 0 to 9 (game 13).<|im_end|>" in opening
     tool_messages = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
     assert tool_messages[0] == "higher"
-    assert tool_messages[1] == ("{'error': 'invalid arguments for guess: number: Field required; "
-                                "numbr: Extra inputs are not permitted'}")
+    assert tool_messages[1] == (
+        "{'error': 'invalid arguments for guess: number: Field required; numbr: Extra inputs are not permitted'}"
+    )
     assert tool_messages[2].startswith("{'error': 'malformed tool call: its JSON does not parse")
     assert tool_messages[3:] == ["{'error': '12 is not between 0 and 9'}", "{'error': 'Tool nope not found.'}", "lower"]
     # the server's done ended the episode at the right guess; its rewards summed: -0.25 - 0.25 + 1
@@ -116,8 +124,11 @@ def test_a_full_server_says_how_to_fix_it(guess_server):
             first, second = env.episode(env.tasks()[0]), env.episode(env.tasks()[1])
             await first.start()
             try:
-                with pytest.raises(RuntimeError, match=r"refused a session \(Server at capacity: 1/1 sessions"
-                                                       r".*max_concurrent_envs.*max_concurrent_episodes=1\)"):
+                with pytest.raises(
+                    RuntimeError,
+                    match=r"refused a session \(Server at capacity: 1/1 sessions"
+                    r".*max_concurrent_envs.*max_concurrent_episodes=1\)",
+                ):
                     await second.start()
             finally:
                 await first.close()
@@ -139,12 +150,30 @@ def test_two_loop_iterations_against_the_live_server(qwen_tokenizer, guess_serve
     env = from_openenv(GuessClient, base_url=guess_server, tasks=4, max_concurrent_episodes=4)
     # one task of three rollouts per iteration: the smallest run whose groups differ (the 151k-token vocabulary
     # makes every trained token cost)
-    args = LOOPConfig(output_dir=str(tmp_path / "run"), iterations=2, tasks_per_iteration=1, rollouts_per_task=3,
-                      minibatch_size=3, max_turns=3, max_new_tokens_per_turn=64, max_trajectory_tokens=800,
-                      per_device_train_batch_size=3, activation_checkpointing=False, disable_tqdm=True, seed=0,
-                      learning_rate=1e-3, report_to=[], memory_stress_test=False)
-    trainer = LOOPTrainer(tiny_qwen(qwen_tokenizer), env, args, processing_class=qwen_tokenizer,
-                          generation_backend=ScriptedBackend(qwen_tokenizer, policy))
+    args = LOOPConfig(
+        output_dir=str(tmp_path / "run"),
+        iterations=2,
+        tasks_per_iteration=1,
+        rollouts_per_task=3,
+        minibatch_size=3,
+        max_turns=3,
+        max_new_tokens_per_turn=64,
+        max_trajectory_tokens=800,
+        per_device_train_batch_size=3,
+        activation_checkpointing=False,
+        disable_tqdm=True,
+        seed=0,
+        learning_rate=1e-3,
+        report_to=[],
+        memory_stress_test=False,
+    )
+    trainer = LOOPTrainer(
+        tiny_qwen(qwen_tokenizer),
+        env,
+        args,
+        processing_class=qwen_tokenizer,
+        generation_backend=ScriptedBackend(qwen_tokenizer, policy),
+    )
     trainer.train()
     assert len(trainer.history) == 2
     assert all(h["num_failed"] == 0 and h["num_rollouts"] == 3 for h in trainer.history)
@@ -161,14 +190,21 @@ def test_two_loop_iterations_against_the_live_server(qwen_tokenizer, guess_serve
 
 def test_text_mode_turns_each_reply_into_an_action(qwen_tokenizer, guess_server):
     replies = {0: "five", 1: "2", 2: "3"}
-    env = from_openenv(GuessClient, base_url=guess_server, tasks=[{"seed": 3, "prompt": "Reply with a digit."}],
-                       action_from_text=lambda text: GuessAction(number=int(text.strip())), system_prompt="Be brief.")
+    env = from_openenv(
+        GuessClient,
+        base_url=guess_server,
+        tasks=[{"seed": 3, "prompt": "Reply with a digit."}],
+        action_from_text=lambda text: GuessAction(number=int(text.strip())),
+        system_prompt="Be brief.",
+    )
     [trajectory] = collect(qwen_tokenizer, env, by_game(lambda turn, game: replies[turn]))
     assert trajectory.status == "completed", trajectory.error
     assert [m["role"] for m in trajectory.messages] == ["system", "user"] + ["assistant", "user"] * 2 + ["assistant"]
     assert trajectory.messages[1]["content"] == "Reply with a digit.\n\nI am thinking of a number from 0 to 9 (game 3)."
     assert [m["content"] for m in trajectory.messages[3::2]] == [
-        "{'error': \"no action in this reply: invalid literal for int() with base 10: 'five'\"}", "higher"]
+        "{'error': \"no action in this reply: invalid literal for int() with base 10: 'five'\"}",
+        "higher",
+    ]
     assert GuessEnvironment.actions == [(3, 2, ""), (3, 3, "")]
     assert trajectory.reward == 0.75 and trajectory.ending == "done"
     opening = qwen_tokenizer.decode(trajectory.token_ids[: trajectory.prompt_length])

@@ -10,15 +10,15 @@ import sys
 import pytest
 import verifiers as vf
 from datasets import Dataset
-from support.helpers import ScriptedBackend
 
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.chat import ChatFormatter
-from loop_trainer.envs import EnvironmentSetupError, UnknownSplitError
 from loop_trainer.compat import verifiers as verifiers_env
 from loop_trainer.compat.verifiers import from_verifiers
-from loop_trainer.rollout import EpisodeLimits, RolloutEngine
+from loop_trainer.envs import EnvironmentSetupError, UnknownSplitError
 from loop_trainer.models.tiny import build_tiny_model, build_word_tokenizer
+from loop_trainer.rollout import EpisodeLimits, RolloutEngine
+from support.helpers import ScriptedBackend
 
 
 def call(name: str, arguments: str) -> str:
@@ -40,8 +40,13 @@ class Recording(ScriptedBackend):
 
 def collect(tokenizer, env, backend, *, max_turns=8, k=1, rows=None):
     env.set_tokenizer(tokenizer)
-    with RolloutEngine(env, backend, ChatFormatter(tokenizer), EpisodeLimits(max_turns=max_turns, max_new_tokens_per_turn=64),
-                       show_progress=False) as engine:
+    with RolloutEngine(
+        env,
+        backend,
+        ChatFormatter(tokenizer),
+        EpisodeLimits(max_turns=max_turns, max_new_tokens_per_turn=64),
+        show_progress=False,
+    ) as engine:
         return engine.collect(env.tasks() if rows is None else rows, rollouts_per_task=k)
 
 
@@ -64,8 +69,13 @@ def adder_env(calls, **kwargs):
         return 1.0 if str(answer) in str(completion[-1].content) else 0.0
 
     dataset = Dataset.from_dict({"question": ["What is 2+3?"], "answer": ["5"]})
-    return vf.ToolEnv(tools=[add], dataset=dataset, rubric=vf.Rubric(funcs=[correct], weights=[2.0]),
-                      system_prompt="Use the tools.", **kwargs)
+    return vf.ToolEnv(
+        tools=[add],
+        dataset=dataset,
+        rubric=vf.Rubric(funcs=[correct], weights=[2.0]),
+        system_prompt="Use the tools.",
+        **kwargs,
+    )
 
 
 TOOL_SCRIPT = [call("add", '{"a": 2, "b": "3"}'), call("add", '{"a": 2,, }'), call("nope", "{}"), "It is 5."]
@@ -96,8 +106,16 @@ def test_a_tool_env_runs_token_exact_with_the_rubrics_reward(qwen_tokenizer):
     fmt = ChatFormatter(tok)
     opening = t.messages[: t.num_opening_messages]
     assert [m["role"] for m in opening] == ["system", "user"] and opening[0]["content"] == "Use the tools."
-    tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers.",
-                                               "parameters": env.vf_env.tool_defs[0].parameters}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "description": "Add two integers.",
+                "parameters": env.vf_env.tool_defs[0].parameters,
+            },
+        }
+    ]
     expected = fmt.opening_ids(opening, tools=tools)
     appended = [m for m in t.info["completion"] if m["role"] == "tool"]
     for sampled, message in zip(backend.sampled, [*appended, None], strict=True):
@@ -108,7 +126,7 @@ def test_a_tool_env_runs_token_exact_with_the_rubrics_reward(qwen_tokenizer):
     assert '"name": "add"' in tok.decode(t.token_ids[: t.prompt_length])
     # only the sampled tokens are trained on: no tool response, no prompt
     assert [i for i, m in zip(t.token_ids, t.loss_mask, strict=True) if m] == sum(backend.sampled, [])
-    assert "<tool_response>" not in tok.decode([i for i, m in zip(t.token_ids, t.loss_mask) if m])
+    assert "<tool_response>" not in tok.decode([i for i, m in zip(t.token_ids, t.loss_mask, strict=True) if m])
 
 
 class Guess(vf.MultiTurnEnv):
@@ -122,8 +140,9 @@ class Guess(vf.MultiTurnEnv):
             Guess.scored.append(reward)
             return reward
 
-        dataset = Dataset.from_dict({"question": [f"Guess my number ({i}), 1 to 4." for i in range(len(answers))],
-                                     "answer": answers})
+        dataset = Dataset.from_dict(
+            {"question": [f"Guess my number ({i}), 1 to 4." for i in range(len(answers))], "answer": answers}
+        )
         super().__init__(dataset=dataset, rubric=vf.Rubric(funcs=[solved]), max_turns=3, **kwargs)
 
     async def env_response(self, messages, state, **kwargs):
@@ -143,13 +162,34 @@ def test_two_loop_iterations_on_a_verifiers_game(qwen_tokenizer, tmp_path):
     tok, rng = qwen_tokenizer, random.Random(0)
     Guess.scored = []
     env = from_verifiers(Guess(["1", "2", "3", "4"]))
-    model = build_tiny_model(len(tok), hidden_size=64, num_layers=1, num_heads=2, seed=0,
-                             eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id)
+    model = build_tiny_model(
+        len(tok),
+        hidden_size=64,
+        num_layers=1,
+        num_heads=2,
+        seed=0,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.pad_token_id,
+    )
     before = [p.detach().clone() for p in model.parameters()]
-    args = LOOPConfig(output_dir=str(tmp_path / "run"), iterations=2, tasks_per_iteration=2, rollouts_per_task=3,
-                      minibatch_size=6, ppo_epochs=1, max_turns=4, max_new_tokens_per_turn=8, max_trajectory_tokens=400,
-                      per_device_train_batch_size=6, memory_stress_test=False, activation_checkpointing=False,
-                      disable_tqdm=True, seed=0, learning_rate=1e-3, report_to=[])
+    args = LOOPConfig(
+        output_dir=str(tmp_path / "run"),
+        iterations=2,
+        tasks_per_iteration=2,
+        rollouts_per_task=3,
+        minibatch_size=6,
+        ppo_epochs=1,
+        max_turns=4,
+        max_new_tokens_per_turn=8,
+        max_trajectory_tokens=400,
+        per_device_train_batch_size=6,
+        memory_stress_test=False,
+        activation_checkpointing=False,
+        disable_tqdm=True,
+        seed=0,
+        learning_rate=1e-3,
+        report_to=[],
+    )
     backend = ScriptedBackend(tok, lambda prompt: str(rng.randint(1, 4)))
     trainer = LOOPTrainer(model, env, args, processing_class=tok, generation_backend=backend)
     trainer.train()
@@ -158,9 +198,10 @@ def test_two_loop_iterations_on_a_verifiers_game(qwen_tokenizer, tmp_path):
     # the rewards LOOP trained on are the ones the rubric computed, iteration by iteration
     assert len(Guess.scored) == 12 and len(set(Guess.scored)) > 1
     for i, h in enumerate(trainer.history):
-        assert h["reward_mean"] == pytest.approx(sum(Guess.scored[6 * i: 6 * i + 6]) / 6)
-    stops = sum(h.get("env_stop_has_final_env_response", 0) + h.get("env_stop_max_turns_reached", 0)
-                for h in trainer.history)
+        assert h["reward_mean"] == pytest.approx(sum(Guess.scored[6 * i : 6 * i + 6]) / 6)
+    stops = sum(
+        h.get("env_stop_has_final_env_response", 0) + h.get("env_stop_max_turns_reached", 0) for h in trainer.history
+    )
     assert stops == 12
     assert sum(h["optimizer_steps"] for h in trainer.history) > 0
     assert any(not p.equal(b) for p, b in zip(model.parameters(), before, strict=True))
@@ -173,8 +214,10 @@ def test_a_failing_environment_fails_only_its_rollouts(qwen_tokenizer):
     assert [t.task_id for t in batch.trajectories] == ["0", "0"]
     errors = sorted({t.error for t in batch.failed})
     assert [t.task_id for t in batch.failed] == ["1", "1", "2", "2"]
-    assert errors == ["RuntimeError: the verifiers rollout stopped on an error: ToolCallError: the referee is gone",
-                      "ValueError: the game crashed"]
+    assert errors == [
+        "RuntimeError: the verifiers rollout stopped on an error: ToolCallError: the referee is gone",
+        "ValueError: the game crashed",
+    ]
 
 
 def test_loops_turn_limit_ends_the_rollout_and_it_is_still_scored(qwen_tokenizer):
@@ -217,8 +260,10 @@ def test_an_environment_that_rewrites_history_fails_with_one_line(qwen_tokenizer
     tok = qwen_tokenizer
     batch = collect(tok, from_verifiers(Forgetful(["3"])), ScriptedBackend(tok, lambda prompt: "1"))
     [failed] = batch.failed
-    assert failed.error.startswith("EpisodeContractError: the verifiers environment rewrote the conversation at turn 1 "
-                                   "(message 1 differs from what the model saw)")
+    assert failed.error.startswith(
+        "EpisodeContractError: the verifiers environment rewrote the conversation at turn 1 "
+        "(message 1 differs from what the model saw)"
+    )
 
 
 def test_a_raising_reward_function_is_counted_or_fails_the_rollout(qwen_tokenizer):
@@ -236,8 +281,10 @@ def test_a_raising_reward_function_is_counted_or_fails_the_rollout(qwen_tokenize
     assert t.info["reward_errors"] == ["Error calling reward function broken: oops"]
     assert env.metrics() == {"reward_function_errors": 1.0, "stop_max_turns_reached": 1.0}
     [failed] = collect(tok, make(fail_on_reward_error=True), ScriptedBackend(tok, lambda prompt: "hi")).failed
-    assert failed.error == ("RuntimeError: Error calling reward function broken: oops (fail_on_reward_error=True; "
-                            "verifiers would score it 0.0)")
+    assert failed.error == (
+        "RuntimeError: Error calling reward function broken: oops (fail_on_reward_error=True; "
+        "verifiers would score it 0.0)"
+    )
 
 
 def test_splits_and_setup_errors():
@@ -246,8 +293,11 @@ def test_splits_and_setup_errors():
     assert env.tasks("train")["task_id"] == ["0", "1"] and "prompt" in env.tasks().column_names
     with pytest.raises(UnknownSplitError, match="splits are 'train'"):
         env.tasks("eval")
-    both = from_verifiers(vf.SingleTurnEnv(dataset=train, eval_dataset=train.select([1]),
-                                           rubric=vf.Rubric(funcs=[lambda completion: 1.0])))
+    both = from_verifiers(
+        vf.SingleTurnEnv(
+            dataset=train, eval_dataset=train.select([1]), rubric=vf.Rubric(funcs=[lambda completion: 1.0])
+        )
+    )
     assert both.tasks("eval")["question"] == ["b"]
     with pytest.raises(EnvironmentSetupError, match="rubric has no reward function with a weight"):
         from_verifiers(vf.SingleTurnEnv(dataset=train))
@@ -268,7 +318,8 @@ def test_a_packaged_environment_loads_by_id(tmp_path, monkeypatch):
         "import verifiers as vf\nfrom datasets import Dataset\n\n"
         "def load_environment(answer='1'):\n"
         "    dataset = Dataset.from_dict({'question': ['Say it.'], 'answer': [answer]})\n"
-        "    return vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[lambda completion: 1.0]))\n")
+        "    return vf.SingleTurnEnv(dataset=dataset, rubric=vf.Rubric(funcs=[lambda completion: 1.0]))\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     env = verifiers_env.VerifiersEnvironment("vf-tiny-game", {"answer": "7"})  # as loop-train builds it
     assert env.name == "verifiers:vf-tiny-game" and env.tasks()["answer"] == ["7"]

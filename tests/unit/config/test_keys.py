@@ -18,8 +18,13 @@ from trl import ModelConfig
 
 from loop_trainer.cli.recipe import ScriptArguments
 from loop_trainer.cli.train import cli
-from loop_trainer.config import HONOURED_TRAINING_ARGUMENTS, LOOP_EQUIVALENTS, LOOP_OWN_KEYS, LOOPConfig
-from loop_trainer.config import unknown_key_message
+from loop_trainer.config import (
+    HONOURED_TRAINING_ARGUMENTS,
+    LOOP_EQUIVALENTS,
+    LOOP_OWN_KEYS,
+    LOOPConfig,
+    unknown_key_message,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 INIT_KEYS = {f.name for f in dataclasses.fields(LOOPConfig) if f.init}
@@ -50,8 +55,10 @@ NAMED_KEYS = {
 def test_loop_config_takes_loops_keys_and_the_training_arguments_it_honours():
     assert INIT_KEYS == LOOP_OWN_KEYS | (HONOURED_TRAINING_ARGUMENTS & TRAINING_ARGUMENTS)
     assert HONOURED_TRAINING_ARGUMENTS <= TRAINING_ARGUMENTS, "no longer TrainingArguments fields: " + str(
-        sorted(HONOURED_TRAINING_ARGUMENTS - TRAINING_ARGUMENTS))
-    # every other TrainingArguments field (a new transformers' too) keeps its default for the Trainer, but is no argument
+        sorted(HONOURED_TRAINING_ARGUMENTS - TRAINING_ARGUMENTS)
+    )
+    # every other TrainingArguments field (a new transformers' too) keeps its default for the Trainer,
+    # but is no argument
     hidden = TRAINING_ARGUMENTS - INIT_KEYS
     assert {"eval_steps", "max_steps", "gradient_accumulation_steps", "fsdp", "torch_compile"} <= hidden
     args = LOOPConfig(output_dir="x")
@@ -78,14 +85,17 @@ def test_constructing_with_another_trainers_key_is_one_line(key):
 
 
 def test_the_message_names_loops_equivalent():
-    assert unknown_key_message("eval_steps") == "LOOPConfig has no setting 'eval_steps'; LOOP's equivalent is eval_every"
+    assert (
+        unknown_key_message("eval_steps") == "LOOPConfig has no setting 'eval_steps'; LOOP's equivalent is eval_every"
+    )
     assert unknown_key_message("loss_type").startswith("LOOPConfig has no setting 'loss_type' (LOOP's objective")
 
 
 def test_transformers_argument_parser_takes_loop_config():
     """A user's own script parsing LOOPConfig with HfArgumentParser/TrlParser (every field's metadata is argparse's)."""
     [args] = HfArgumentParser(LOOPConfig).parse_args_into_dataclasses(
-        ["--output_dir", "x", "--iterations", "2", "--max_turns", "3"])
+        ["--output_dir", "x", "--iterations", "2", "--max_turns", "3"]
+    )
     assert (args.iterations, args.max_turns) == (2, 3)
 
 
@@ -95,8 +105,9 @@ def test_a_recipe_setting_another_trainers_key_stops_with_one_line(tmp_path, cap
     import yaml
 
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump({"model_name_or_path": "tiny:vault", "output_dir": str(tmp_path / "o"),
-                                      key: NAMED_KEYS[key]}))
+    recipe.write_text(
+        yaml.safe_dump({"model_name_or_path": "tiny:vault", "output_dir": str(tmp_path / "o"), key: NAMED_KEYS[key]})
+    )
     assert cli(["--config", str(recipe), *(["--dry-run"] if dry_run else [])]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"loop-train: error: unknown key '{key}' in {recipe}: {unknown_key_message(key)}"
@@ -106,8 +117,10 @@ def test_a_recipe_setting_another_trainers_key_stops_with_one_line(tmp_path, cap
 @pytest.mark.parametrize("flag", ["--gradient_accumulation_steps=4", "--gradient_accumulation_steps 4"])
 def test_a_flag_setting_another_trainers_key_stops_with_one_line(tmp_path, capsys, flag):
     assert cli(["--output_dir", str(tmp_path / "o"), "--model_name_or_path", "tiny:vault", *flag.split()]) == 2
-    assert capsys.readouterr().err.strip() == ("loop-train: error: unknown option '--gradient_accumulation_steps': "
-                                               f"{unknown_key_message('gradient_accumulation_steps')}")
+    assert capsys.readouterr().err.strip() == (
+        "loop-train: error: unknown option '--gradient_accumulation_steps': "
+        f"{unknown_key_message('gradient_accumulation_steps')}"
+    )
 
 
 # --- documentation ---------------------------------------------------------------------------------------------
@@ -131,8 +144,11 @@ def test_loop_trainer_doc_does_not_say_use_vllm_is_rejected_or_eval_steps_counts
 
 # --- every key named in advice is a real key -------------------------------------------------------------------
 def _string_constants(path: Path) -> list[str]:
-    return [node.value for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.Constant) and isinstance(node.value, str)]
+    return [
+        node.value
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    ]
 
 
 @pytest.mark.parametrize("module", ["cli/dry_run.py", "config/loop_config.py", "config/keys.py", "cli/recipe.py"])
@@ -147,14 +163,38 @@ def test_keys_named_in_messages_are_real(module):
 R7B, R32B = "recipes/appworld/qwen2.5-7b-instruct.yaml", "recipes/appworld/qwen2.5-32b-instruct.yaml"
 
 
-@pytest.mark.parametrize("flags", [
-    ["--config", R32B, "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", "0.9",
-     "--vllm_tensor_parallel_size", "1"],  # colocated vLLM without sleep mode
-    ["--config", R7B, "--use_vllm", "false"],  # the transformers backend's generation batch
-    ["--config", R32B, "--use_peft", "false", "--plan_gpus", "1", "--vllm_tensor_parallel_size", "1",
-     "--activation_checkpointing", "false", "--per_device_train_batch_size", "2"],
-    ["--config", R7B, "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", "0.1"],
-], ids=["vllm-awake", "generation-batch", "full-fine-tuning", "vllm-too-small"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [
+            "--config",
+            R32B,
+            "--vllm_mode",
+            "colocate",
+            "--vllm_gpu_memory_utilization",
+            "0.9",
+            "--vllm_tensor_parallel_size",
+            "1",
+        ],  # colocated vLLM without sleep mode
+        ["--config", R7B, "--use_vllm", "false"],  # the transformers backend's generation batch
+        [
+            "--config",
+            R32B,
+            "--use_peft",
+            "false",
+            "--plan_gpus",
+            "1",
+            "--vllm_tensor_parallel_size",
+            "1",
+            "--activation_checkpointing",
+            "false",
+            "--per_device_train_batch_size",
+            "2",
+        ],
+        ["--config", R7B, "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", "0.1"],
+    ],
+    ids=["vllm-awake", "generation-batch", "full-fine-tuning", "vllm-too-small"],
+)
 def test_every_identifier_in_the_dry_runs_advice_is_a_real_key(flags, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert cli([*flags, "--dry-run"]) == 3
@@ -166,8 +206,17 @@ def test_every_identifier_in_the_dry_runs_advice_is_a_real_key(flags, capsys, mo
 
 def test_the_sleep_mode_advice_names_vllm_enable_sleep_mode(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
-    flags = ["--config", R32B, "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", "0.9",
-             "--vllm_tensor_parallel_size", "1", "--dry-run"]
+    flags = [
+        "--config",
+        R32B,
+        "--vllm_mode",
+        "colocate",
+        "--vllm_gpu_memory_utilization",
+        "0.9",
+        "--vllm_tensor_parallel_size",
+        "1",
+        "--dry-run",
+    ]
     assert cli(flags) == 3
     assert "set vllm_enable_sleep_mode: true" in capsys.readouterr().out
 

@@ -35,17 +35,46 @@ def range_message(key: str, value, rule: Range) -> str:
 def allowed(key: str) -> str:
     return range_of(LOOPConfig, key).allowed
 
+
 # A run that would train in seconds were its configuration accepted.
-TINY = ["--model_name_or_path", "tiny:vault", "--environment_kwargs", json.dumps({"num_tasks": 8}),
-        "--iterations", "1", "--tasks_per_iteration", "2", "--rollouts_per_task", "2", "--max_turns", "2",
-        "--max_new_tokens_per_turn", "3", "--max_trajectory_tokens", "64", "--activation_checkpointing", "false",
-        "--memory_stress_test", "false", "--disable_tqdm", "true", "--plot_curves", "false"]
+TINY = [
+    "--model_name_or_path",
+    "tiny:vault",
+    "--environment_kwargs",
+    json.dumps({"num_tasks": 8}),
+    "--iterations",
+    "1",
+    "--tasks_per_iteration",
+    "2",
+    "--rollouts_per_task",
+    "2",
+    "--max_turns",
+    "2",
+    "--max_new_tokens_per_turn",
+    "3",
+    "--max_trajectory_tokens",
+    "64",
+    "--activation_checkpointing",
+    "false",
+    "--memory_stress_test",
+    "false",
+    "--disable_tqdm",
+    "true",
+    "--plot_curves",
+    "false",
+]
 
 
 def loop_train(*flags: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "loop_trainer.cli.train", *flags], capture_output=True, text=True,
-                          timeout=300, cwd=cwd, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "loop_trainer.cli.train", *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env=env,
+    )
 
 
 def assert_one_line_refusal(result: subprocess.CompletedProcess, message: str) -> None:
@@ -58,17 +87,31 @@ def is_numeric(spec: dataclasses.Field) -> bool:
     annotation = spec.type if isinstance(spec.type, str) else getattr(spec.type, "__name__", str(spec.type))
     default = spec.default if spec.default is not dataclasses.MISSING else None
     return bool(re.search(r"\b(int|float)\b", str(annotation))) or (
-        isinstance(default, (int, float)) and not isinstance(default, bool))
+        isinstance(default, (int, float)) and not isinstance(default, bool)
+    )
 
 
 # --- every numeric key declares a range ---------------------------------------------------------------------
 def test_every_numeric_key_declares_a_range_or_why_not():
     """A numeric key added to LOOPConfig (or EpisodeSettings) fails here until its field declares a range."""
     numeric = {name for name, spec in FIELDS.items() if is_numeric(spec)}
-    assert {"max_grad_norm", "epsilon", "save_steps", "env_timeout", "eval_max_tasks", "adam_beta1", "adam_beta2",
-            "adam_epsilon", "warmup_steps", "seed"} <= numeric  # the detection works
-    missing = {name for name in numeric if getattr(FIELDS[name], "range", None) is None
-               and not getattr(FIELDS[name], "unranged", None)}
+    assert {
+        "max_grad_norm",
+        "epsilon",
+        "save_steps",
+        "env_timeout",
+        "eval_max_tasks",
+        "adam_beta1",
+        "adam_beta2",
+        "adam_epsilon",
+        "warmup_steps",
+        "seed",
+    } <= numeric  # the detection works
+    missing = {
+        name
+        for name in numeric
+        if getattr(FIELDS[name], "range", None) is None and not getattr(FIELDS[name], "unranged", None)
+    }
     assert not missing, f"declare a range on these fields (config.ranges.setting): {sorted(missing)}"
     assert getattr(FIELDS["local_rank"], "unranged", None)
 
@@ -85,7 +128,10 @@ def test_every_range_accepts_its_default():
 
 
 def test_the_ranges():
-    positive, positive_or_inf = Range((Interval(0, low_open=True),), ""), Range((Interval(0, low_open=True),), "", inf=True)
+    positive, positive_or_inf = (
+        Range((Interval(0, low_open=True),), ""),
+        Range((Interval(0, low_open=True),), "", inf=True),
+    )
     assert positive.allows(1e-9) and not positive.allows(0) and not positive.allows(math.nan)
     assert not positive.allows(math.inf) and positive_or_inf.allows(math.inf) and not positive_or_inf.allows(-math.inf)
     half_open = Range((Interval(0, 1, high_open=True),), "")
@@ -158,9 +204,17 @@ def test_save_steps_is_checked_only_when_checkpoints_are_saved(tmp_path):
 
 
 # --- through loop-train, in a subprocess (train and --dry-run) ------------------------------------------------
-ISSUE_PROBES = [("max_grad_norm", "-1", -1.0), ("kl_abort_threshold", "-1", -1.0), ("epsilon", "0", 0.0),
-                ("save_steps", "0", 0.0), ("learning_rate", "-1", -1.0), ("epsilon", "-1", -1.0),
-                ("per_device_train_batch_size", "0", 0), ("env_timeout", "0", 0.0), ("seed", "-1", -1)]
+ISSUE_PROBES = [
+    ("max_grad_norm", "-1", -1.0),
+    ("kl_abort_threshold", "-1", -1.0),
+    ("epsilon", "0", 0.0),
+    ("save_steps", "0", 0.0),
+    ("learning_rate", "-1", -1.0),
+    ("epsilon", "-1", -1.0),
+    ("per_device_train_batch_size", "0", 0),
+    ("env_timeout", "0", 0.0),
+    ("seed", "-1", -1),
+]
 
 
 @pytest.mark.parametrize(("key", "flag", "value"), ISSUE_PROBES, ids=[f"{k}={f}" for k, f, _ in ISSUE_PROBES])
@@ -186,8 +240,11 @@ def test_dry_run_refuses_a_nonsense_value_with_one_line(key, flag, value, tmp_pa
 def test_an_output_dir_that_cannot_be_a_directory_is_one_line(tmp_path, case, dry_run):
     (tmp_path / "taken").write_text("not a directory")
     output_dir = str(tmp_path / "taken") if case == "a file" else str(tmp_path / "taken" / "run")
-    message = (f"output_dir {output_dir!r} is a file, not a directory (choose a directory path)" if case == "a file"
-               else f"output_dir {output_dir!r} cannot be created: {str(tmp_path / 'taken')!r} is a file, not a directory")
+    message = (
+        f"output_dir {output_dir!r} is a file, not a directory (choose a directory path)"
+        if case == "a file"
+        else f"output_dir {output_dir!r} cannot be created: {str(tmp_path / 'taken')!r} is a file, not a directory"
+    )
     result = loop_train("--output_dir", output_dir, *TINY, *(["--dry-run"] if dry_run else []))
     assert_one_line_refusal(result, f"LOOPConfig: {message}")
 
@@ -197,17 +254,23 @@ def test_an_output_dir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch,
     locked = tmp_path / "locked"
     locked.mkdir()
     real_access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if Path(path) == locked else real_access(path, mode, **kw))
-    for output_dir, problem in [(locked, "is not writable (choose a directory you can write to)"),
-                                (locked / "run" / "deeper", f"cannot be created: {str(locked)!r} is not writable")]:
+    monkeypatch.setattr(
+        os, "access", lambda path, mode, **kw: False if Path(path) == locked else real_access(path, mode, **kw)
+    )
+    for output_dir, problem in [
+        (locked, "is not writable (choose a directory you can write to)"),
+        (locked / "run" / "deeper", f"cannot be created: {str(locked)!r} is not writable"),
+    ]:
         assert cli(["--output_dir", str(output_dir), *TINY]) == 2
         shown = f"{str(locked)!r} {problem}" if output_dir == locked else f"{str(output_dir)!r} {problem}"
         assert capsys.readouterr().err.strip() == f"loop-train: error: LOOPConfig: output_dir {shown}"
 
 
-@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0,
-                    reason="root writes into a read-only (chmod 555) directory anyway; the in-process test above "
-                           "checks the refusal with os.access patched")
+@pytest.mark.skipif(
+    hasattr(os, "geteuid") and os.geteuid() == 0,
+    reason="root writes into a read-only (chmod 555) directory anyway; the in-process test above "
+    "checks the refusal with os.access patched",
+)
 def test_a_read_only_output_dir_is_one_line_through_loop_train(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir()
@@ -216,8 +279,9 @@ def test_a_read_only_output_dir_is_one_line_through_loop_train(tmp_path):
         result = loop_train("--output_dir", str(locked / "run"), *TINY)
     finally:
         locked.chmod(0o755)
-    assert_one_line_refusal(result, f"LOOPConfig: output_dir {str(locked / 'run')!r} cannot be created: "
-                                    f"{str(locked)!r} is not writable")
+    assert_one_line_refusal(
+        result, f"LOOPConfig: output_dir {str(locked / 'run')!r} cannot be created: {str(locked)!r} is not writable"
+    )
 
 
 def test_an_output_dir_that_does_not_exist_yet_is_fine(tmp_path):
@@ -261,9 +325,13 @@ def test_loop_eval_shares_the_episode_and_evaluation_ranges(tmp_path):
     assert range_of(EvalArguments, "temperature") is range_of(LOOPConfig, "eval_temperature")
     assert range_of(EvalArguments, "max_tasks") is range_of(LOOPConfig, "eval_max_tasks")
     assert range_of(EvalArguments, "seed") is range_of(LOOPConfig, "seed")
-    for key, value, training_key in [("env_timeout", 0.0, "env_timeout"), ("max_turns", 0, "max_turns"),
-                                     ("rollouts_per_task", 0, "eval_rollouts_per_task"),
-                                     ("temperature", -1.0, "eval_temperature"), ("max_tasks", 0, "eval_max_tasks")]:
+    for key, value, training_key in [
+        ("env_timeout", 0.0, "env_timeout"),
+        ("max_turns", 0, "max_turns"),
+        ("rollouts_per_task", 0, "eval_rollouts_per_task"),
+        ("temperature", -1.0, "eval_temperature"),
+        ("max_tasks", 0, "eval_max_tasks"),
+    ]:
         with pytest.raises(RecipeError) as caught:
             EvalArguments(output_dir=str(tmp_path / "eval"), **{key: value})
         assert str(caught.value) == range_message(key, value, range_of(LOOPConfig, training_key))
@@ -273,11 +341,30 @@ def test_loop_eval_shares_the_episode_and_evaluation_ranges(tmp_path):
 
 
 def test_loop_eval_refuses_env_timeout_0_with_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "loop_trainer.cli.evaluate", "--model_name_or_path", "tiny:vault",
-                             "--environment", "vault", "--env_timeout", "0", "--output_dir", str(tmp_path / "e")],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loop_trainer.cli.evaluate",
+            "--model_name_or_path",
+            "tiny:vault",
+            "--environment",
+            "vault",
+            "--env_timeout",
+            "0",
+            "--output_dir",
+            str(tmp_path / "e"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == f"loop-eval: error: {range_message('env_timeout', 0.0, range_of(LOOPConfig, 'env_timeout'))}"
+    assert (
+        result.stderr.strip().splitlines()[-1]
+        == f"loop-eval: error: {range_message('env_timeout', 0.0, range_of(LOOPConfig, 'env_timeout'))}"
+    )
 
 
 # --- documentation ------------------------------------------------------------------------------------------------
@@ -292,8 +379,9 @@ def render_ranges_table() -> str:
 
 
 def test_recipes_doc_lists_the_ranges_of_the_code():
-    assert render_ranges_table() in (ROOT / "docs" / "recipes.md").read_text(), \
+    assert render_ranges_table() in (ROOT / "docs" / "recipes.md").read_text(), (
         "regenerate the table: python tests/unit/config/test_ranges.py"
+    )
 
 
 if __name__ == "__main__":

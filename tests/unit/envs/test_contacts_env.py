@@ -67,12 +67,15 @@ def test_a_first_name_search_returns_the_namesakes_with_their_ids(env):
         assert f"{card['name']} (id {card['id']})" in listing
 
 
-@pytest.mark.parametrize(("reply", "told"), [
-    ("I will look it up.", "No tool call found"),
-    ("get(abc)", "get needs a contact id"),
-    ("search()", "search needs a name"),
-    ('search("Nobody Atall")', "No contacts match"),
-])
+@pytest.mark.parametrize(
+    ("reply", "told"),
+    [
+        ("I will look it up.", "No tool call found"),
+        ("get(abc)", "get needs a contact id"),
+        ("search()", "search needs a name"),
+        ('search("Nobody Atall")', "No contacts match"),
+    ],
+)
 def test_malformed_or_unproductive_actions_get_an_observation_saying_what_is_wrong(env, reply, told):
     task = env.tasks("train")[0]
     episode = env.episode(task)
@@ -91,8 +94,11 @@ def test_get_only_opens_ids_a_search_returned_in_this_episode(env):
 def test_calls_are_read_leniently(env):
     task = env.tasks("train")[1]
     card = target_card(task)
-    replies = [f"Let me search. SEARCH( {task['person'].lower()} )", f"get(id {card['id']}).",
-               f"The answer is: Answer('{card[task['field']]}.')"]
+    replies = [
+        f"Let me search. SEARCH( {task['person'].lower()} )",
+        f"get(id {card['id']}).",
+        f"The answer is: Answer('{card[task['field']]}.')",
+    ]
     score, _ = play(env, task, replies)
     assert score.success is True
 

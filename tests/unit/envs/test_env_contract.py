@@ -18,14 +18,25 @@ import pytest
 import torch
 from datasets import Dataset
 
-from support.helpers import ScriptedBackend
 from loop_trainer.chat import ChatFormatter
 from loop_trainer.envs import VaultEnv, make_environment
-from loop_trainer.envs.base import (Environment, EnvironmentSetupError, Episode, EpisodeContractError, Score, Step,
-                                    UnknownSplitError, as_score, check_tasks, load_tasks)
+from loop_trainer.envs.base import (
+    Environment,
+    EnvironmentSetupError,
+    Episode,
+    EpisodeContractError,
+    Score,
+    Step,
+    UnknownSplitError,
+    as_score,
+    check_tasks,
+    load_tasks,
+)
 from loop_trainer.envs.vault import VaultEpisode
 from loop_trainer.rollout import EpisodeLimits, RolloutEngine
+from support.helpers import ScriptedBackend
 
+HERE = Path(__file__).resolve().parent  # loop-train imports this module's environments by name
 TESTS = Path(__file__).resolve().parents[2]
 
 
@@ -75,16 +86,50 @@ class HangingVaultEpisode(VaultEpisode):
 
 def test_a_hung_synchronous_step_fails_its_rollout_and_the_process_still_exits(tmp_path):
     events = tmp_path / "events.jsonl"
-    command = [sys.executable, "-m", "loop_trainer.cli.train", "--model_name_or_path", "tiny:vault",
-               "--environment", "test_env_contract:HangingVaultEnv",
-               "--environment_kwargs", json.dumps({"events": str(events), "num_tasks": 4}),
-               "--output_dir", str(tmp_path / "run"), "--iterations", "2", "--tasks_per_iteration", "4",
-               "--rollouts_per_task", "2", "--max_turns", "3", "--max_new_tokens_per_turn", "3",
-               "--max_trajectory_tokens", "256", "--env_timeout", "2", "--max_failed_fraction", "0.5",
-               "--activation_checkpointing", "false", "--disable_tqdm", "true", "--plot_curves", "false",
-               "--report_to", "none", "--viewer_rollouts_per_iteration", "0"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "loop_trainer.cli.train",
+        "--model_name_or_path",
+        "tiny:vault",
+        "--environment",
+        "test_env_contract:HangingVaultEnv",
+        "--environment_kwargs",
+        json.dumps({"events": str(events), "num_tasks": 4}),
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--iterations",
+        "2",
+        "--tasks_per_iteration",
+        "4",
+        "--rollouts_per_task",
+        "2",
+        "--max_turns",
+        "3",
+        "--max_new_tokens_per_turn",
+        "3",
+        "--max_trajectory_tokens",
+        "256",
+        "--env_timeout",
+        "2",
+        "--max_failed_fraction",
+        "0.5",
+        "--activation_checkpointing",
+        "false",
+        "--disable_tqdm",
+        "true",
+        "--plot_curves",
+        "false",
+        "--report_to",
+        "none",
+        "--viewer_rollouts_per_iteration",
+        "0",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     # A hang detector, not a speed assertion: the run takes seconds; before the fix it never exited.
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -136,8 +181,14 @@ class ContractEnv(Environment):
 def rollout_errors(tokenizer, rows) -> dict[str, str | None]:
     """Each task's rollout error (None when it completed)."""
     backend = ScriptedBackend(tokenizer, lambda prompt: "ok")
-    with RolloutEngine(ContractEnv(rows), backend, ChatFormatter(tokenizer), EpisodeLimits(max_turns=2),
-                       show_progress=False, env_timeout=120.0) as engine:
+    with RolloutEngine(
+        ContractEnv(rows),
+        backend,
+        ChatFormatter(tokenizer),
+        EpisodeLimits(max_turns=2),
+        show_progress=False,
+        env_timeout=120.0,
+    ) as engine:
         batch = engine.collect(rows, 1)
     return {t.task_id: t.error for t in (*batch.trajectories, *batch.failed)}
 
@@ -154,35 +205,59 @@ def test_messages_without_a_known_role_fail_their_rollout_with_the_message_named
     ]
     errors = rollout_errors(qwen_tokenizer, rows)
     assert errors["good"] is None
-    assert errors["no-role"] == ("EpisodeContractError: Episode.step() message 0 has no 'role' "
-                                 "(roles: system, user, assistant, tool): {'content': 'hello'}")
-    assert errors["bot-role"] == ("EpisodeContractError: Episode.step() message 1 has the unknown role 'bot' "
-                                  "(roles: system, user, assistant, tool): {'role': 'bot', 'content': 'b'}")
+    assert errors["no-role"] == (
+        "EpisodeContractError: Episode.step() message 0 has no 'role' "
+        "(roles: system, user, assistant, tool): {'content': 'hello'}"
+    )
+    assert errors["bot-role"] == (
+        "EpisodeContractError: Episode.step() message 1 has the unknown role 'bot' "
+        "(roles: system, user, assistant, tool): {'role': 'bot', 'content': 'b'}"
+    )
     assert errors["opening"].startswith("EpisodeContractError: Episode.start() message 0 has the unknown role 'System'")
-    assert errors["a-string"] == ("EpisodeContractError: Episode.start() must return a list of messages, got str: "
-                                  "'fetch code of ann'")
+    assert errors["a-string"] == (
+        "EpisodeContractError: Episode.start() must return a list of messages, got str: 'fetch code of ann'"
+    )
     assert errors["not-a-dict"].startswith("EpisodeContractError: Episode.step() message 0 is a str, not a dict")
     assert errors["not-a-step"] == "EpisodeContractError: Episode.step() must return a Step, got dict"
 
 
 def test_a_reward_that_is_not_a_number_fails_its_rollout_naming_its_type(qwen_tokenizer):
-    rows = [{"task_id": "string", "score": "0.5"}, {"task_id": "score-string", "score": Score(reward="0.5")},
-            {"task_id": "none", "score": None}, {"task_id": "number", "score": 0.5}]
+    rows = [
+        {"task_id": "string", "score": "0.5"},
+        {"task_id": "score-string", "score": Score(reward="0.5")},
+        {"task_id": "none", "score": None},
+        {"task_id": "number", "score": 0.5},
+    ]
     errors = rollout_errors(qwen_tokenizer, rows)
-    assert errors["string"] == ("EpisodeContractError: Episode.score() must return a number in [0, 1] or a Score, "
-                                "got str: '0.5'")
-    assert errors["score-string"] == "EpisodeContractError: Score.reward must be a number in [0, 1] (int or float), got str: '0.5'"
+    assert errors["string"] == (
+        "EpisodeContractError: Episode.score() must return a number in [0, 1] or a Score, got str: '0.5'"
+    )
+    assert (
+        errors["score-string"]
+        == "EpisodeContractError: Score.reward must be a number in [0, 1] (int or float), got str: '0.5'"
+    )
     assert errors["none"].endswith("got NoneType: None") and errors["number"] is None
 
 
 def test_as_score_takes_numbers_only():
     # bool is an int: a 0/1 reward loses nothing, so it is taken (as 0.0 / 1.0)
-    for value, reward in ((True, 1.0), (0, 0.0), (np.float32(0.25), 0.25), (Fraction(1, 2), 0.5),
-                          (Score(reward=np.bool_(True), success=True), 1.0)):
+    for value, reward in (
+        (True, 1.0),
+        (0, 0.0),
+        (np.float32(0.25), 0.25),
+        (Fraction(1, 2), 0.5),
+        (Score(reward=np.bool_(True), success=True), 1.0),
+    ):
         score = as_score(value)
         assert score.reward == reward and type(score.reward) is float
-    for value, kind in (("0.5", "str"), (b"1", "bytes"), (Decimal("0.5"), "Decimal"), ([0.5], "list"),
-                        (torch.tensor(0.5), "Tensor"), (Score(reward=None), "NoneType")):
+    for value, kind in (
+        ("0.5", "str"),
+        (b"1", "bytes"),
+        (Decimal("0.5"), "Decimal"),
+        ([0.5], "list"),
+        (torch.tensor(0.5), "Tensor"),
+        (Score(reward=None), "NoneType"),
+    ):
         with pytest.raises(EpisodeContractError, match=f"got {kind}: "):
             as_score(value)
     for value in (1.5, -0.1, float("nan"), Score(reward=2)):
@@ -203,24 +278,41 @@ def test_check_tasks_accepts_a_dataset_with_distinct_task_ids():
     assert check_tasks(tasks, environment="mine", split="train") is tasks
 
 
-@pytest.mark.parametrize(("tasks", "message"), [
-    ([{"task_id": "a"}], "environment 'mine', split 'train': tasks() returned a list, not a datasets.Dataset "
-                         "(wrap rows with datasets.Dataset.from_list(rows))"),
-    ({"task_id": ["a"]}, "environment 'mine', split 'train': tasks() returned a dict, not a datasets.Dataset"),
-    (Dataset.from_list([{"id": "a", "prompt": "p"}]),
-     "environment 'mine', split 'train': the tasks have no 'task_id' column (columns: id, prompt)"),
-    (Dataset.from_list([]),
-     "environment 'mine', split 'train': the split has no tasks (check the environment's data, or the "
-     "environment_kwargs that set its size)"),
-    (Dataset.from_dict({"task_id": []}),
-     "environment 'mine', split 'train': the split has no tasks (check the environment's data, or the "
-     "environment_kwargs that set its size)"),
-    (Dataset.from_dict({"task_id": ["a", None, "b"]}), "environment 'mine', split 'train': 1 of 3 tasks have no task_id"),
-    (Dataset.from_dict({"task_id": ["a", "b", "a", "c", "b", "a", "d", "d", "e", "e"]}),
-     "environment 'mine', split 'train': 4 task ids occur more than once: 'a' (3x), 'b' (2x), 'd' (2x) and 1 more; "
-     "every task needs its own task_id"),
-    (Dataset.from_dict({"task_id": [1, 2, 1]}), "1 task ids occur more than once: '1' (2x)"),
-])
+@pytest.mark.parametrize(
+    ("tasks", "message"),
+    [
+        (
+            [{"task_id": "a"}],
+            "environment 'mine', split 'train': tasks() returned a list, not a datasets.Dataset "
+            "(wrap rows with datasets.Dataset.from_list(rows))",
+        ),
+        ({"task_id": ["a"]}, "environment 'mine', split 'train': tasks() returned a dict, not a datasets.Dataset"),
+        (
+            Dataset.from_list([{"id": "a", "prompt": "p"}]),
+            "environment 'mine', split 'train': the tasks have no 'task_id' column (columns: id, prompt)",
+        ),
+        (
+            Dataset.from_list([]),
+            "environment 'mine', split 'train': the split has no tasks (check the environment's data, or the "
+            "environment_kwargs that set its size)",
+        ),
+        (
+            Dataset.from_dict({"task_id": []}),
+            "environment 'mine', split 'train': the split has no tasks (check the environment's data, or the "
+            "environment_kwargs that set its size)",
+        ),
+        (
+            Dataset.from_dict({"task_id": ["a", None, "b"]}),
+            "environment 'mine', split 'train': 1 of 3 tasks have no task_id",
+        ),
+        (
+            Dataset.from_dict({"task_id": ["a", "b", "a", "c", "b", "a", "d", "d", "e", "e"]}),
+            "environment 'mine', split 'train': 4 task ids occur more than once: "
+            "'a' (3x), 'b' (2x), 'd' (2x) and 1 more; every task needs its own task_id",
+        ),
+        (Dataset.from_dict({"task_id": [1, 2, 1]}), "1 task ids occur more than once: '1' (2x)"),
+    ],
+)
 def test_check_tasks_refuses_with_one_line(tasks, message):
     with pytest.raises(EnvironmentSetupError) as error:
         check_tasks(tasks, environment="mine", split="train")
@@ -229,14 +321,18 @@ def test_check_tasks_refuses_with_one_line(tasks, message):
 
 def test_vault_refuses_no_tasks_and_unknown_splits():
     for num_tasks in (0, -3, "8"):
-        with pytest.raises(ValueError, match=r"^vault: num_tasks \(environment_kwargs\) is the number of tasks per "
-                                             r"split and must be an integer >= 1, got"):
+        with pytest.raises(
+            ValueError,
+            match=r"^vault: num_tasks \(environment_kwargs\) is the number of tasks per "
+            r"split and must be an integer >= 1, got",
+        ):
             make_environment("vault", num_tasks=num_tasks)
     with pytest.raises(UnknownSplitError) as error:
         VaultEnv(num_tasks=2).tasks("dev")
     assert isinstance(error.value, EnvironmentSetupError) and isinstance(error.value, ValueError)
-    assert str(error.value) == ("vault has no split 'dev'; its splits are 'train' and 'test' "
-                                "(set train_split / eval_split to one of them)")
+    assert str(error.value) == (
+        "vault has no split 'dev'; its splits are 'train' and 'test' (set train_split / eval_split to one of them)"
+    )
     assert len(load_tasks(VaultEnv(num_tasks=2), "test")) == 2
 
 
@@ -256,28 +352,68 @@ class DuplicateIdsVault(VaultEnv):
 
 
 def loop_train(tmp_path, *flags: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "loop_trainer.cli.train", "--model_name_or_path", "tiny:vault",
-               "--output_dir", str(tmp_path / "run"), "--iterations", "1", "--tasks_per_iteration", "2",
-               "--rollouts_per_task", "2", "--max_turns", "2", "--max_new_tokens_per_turn", "3",
-               "--max_trajectory_tokens", "128", "--activation_checkpointing", "false", "--disable_tqdm", "true",
-               "--report_to", "none", *flags]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "loop_trainer.cli.train",
+        "--model_name_or_path",
+        "tiny:vault",
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--iterations",
+        "1",
+        "--tasks_per_iteration",
+        "2",
+        "--rollouts_per_task",
+        "2",
+        "--max_turns",
+        "2",
+        "--max_new_tokens_per_turn",
+        "3",
+        "--max_trajectory_tokens",
+        "128",
+        "--activation_checkpointing",
+        "false",
+        "--disable_tqdm",
+        "true",
+        "--report_to",
+        "none",
+        *flags,
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--environment_kwargs", '{"num_tasks": 0}'],
-     "vault: num_tasks (environment_kwargs) is the number of tasks per split and must be an integer >= 1, got 0"),
-    (["--environment_kwargs", '{"num_tasks": 8}', "--train_split", "dev"],
-     "vault has no split 'dev'; its splits are 'train' and 'test' (set train_split / eval_split to one of them)"),
-    (["--environment", "test_env_contract:ListTasksVault"],
-     "environment 'vault', split 'train': tasks() returned a list, not a datasets.Dataset"),
-    (["--environment", "test_env_contract:NoTaskIdVault"],
-     "environment 'vault', split 'train': the tasks have no 'task_id' column (columns: id, person, people,"),
-    (["--environment", "test_env_contract:DuplicateIdsVault", "--environment_kwargs", '{"num_tasks": 8}'],
-     "environment 'vault', split 'train': 2 task ids occur more than once: 'train-0' (4x), 'train-1' (4x);"),
-], ids=["no-tasks", "unknown-split", "list", "no-task-id", "duplicate-ids"])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--environment_kwargs", '{"num_tasks": 0}'],
+            "vault: num_tasks (environment_kwargs) is the number of tasks per split and must be an integer >= 1, got 0",
+        ),
+        (
+            ["--environment_kwargs", '{"num_tasks": 8}', "--train_split", "dev"],
+            "vault has no split 'dev'; its splits are 'train' and 'test' (set train_split / eval_split to one of them)",
+        ),
+        (
+            ["--environment", "test_env_contract:ListTasksVault"],
+            "environment 'vault', split 'train': tasks() returned a list, not a datasets.Dataset",
+        ),
+        (
+            ["--environment", "test_env_contract:NoTaskIdVault"],
+            "environment 'vault', split 'train': the tasks have no 'task_id' column (columns: id, person, people,",
+        ),
+        (
+            ["--environment", "test_env_contract:DuplicateIdsVault", "--environment_kwargs", '{"num_tasks": 8}'],
+            "environment 'vault', split 'train': 2 task ids occur more than once: 'train-0' (4x), 'train-1' (4x);",
+        ),
+    ],
+    ids=["no-tasks", "unknown-split", "list", "no-task-id", "duplicate-ids"],
+)
 def test_loop_train_refuses_a_broken_task_list_with_one_line(tmp_path, flags, message):
     result = loop_train(tmp_path, *flags)
     assert result.returncode == 2, result.stderr[-3000:]

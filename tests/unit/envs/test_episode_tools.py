@@ -5,11 +5,11 @@ sampled ids and the trajectory they continue."""
 from __future__ import annotations
 
 from datasets import Dataset
-from support.helpers import ScriptedBackend
 
 from loop_trainer.chat import ChatFormatter
 from loop_trainer.envs.base import Environment, Episode, Reply, Score, Step
 from loop_trainer.rollout import EpisodeLimits, RolloutEngine
+from support.helpers import ScriptedBackend
 
 
 def multiply(a: int, b: int) -> int:
@@ -62,7 +62,11 @@ def test_declared_tools_are_rendered_in_the_opening_and_replies_carry_their_toke
     env = ToolEnv([multiply])
     trajectory = collect(qwen_tokenizer, env, [call, "It is 12."])
     expected_opening = qwen_tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is 3 times 4?"}], tools=[multiply], add_generation_prompt=True, tokenize=False)
+        [{"role": "user", "content": "What is 3 times 4?"}],
+        tools=[multiply],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     assert "<tools>" in expected_opening and '"name": "multiply"' in expected_opening
     assert qwen_tokenizer.decode(trajectory.token_ids[: trajectory.prompt_length]) == expected_opening
     first, second = env.log
@@ -71,7 +75,7 @@ def test_declared_tools_are_rendered_in_the_opening_and_replies_carry_their_toke
     # the sampled ids (stop token included) and the whole trajectory they continue, exactly
     assert list(first.prompt_ids) == trajectory.token_ids[: trajectory.prompt_length]
     start = len(first.prompt_ids)
-    assert list(first.token_ids) == trajectory.token_ids[start: start + len(first.token_ids)]
+    assert list(first.token_ids) == trajectory.token_ids[start : start + len(first.token_ids)]
     assert qwen_tokenizer.decode(first.token_ids, skip_special_tokens=True) == call
     assert list(second.prompt_ids) == trajectory.token_ids[: len(second.prompt_ids)]
     assert "<tool_response>\n12\n</tool_response>" in qwen_tokenizer.decode(second.prompt_ids[start:])
@@ -80,7 +84,8 @@ def test_declared_tools_are_rendered_in_the_opening_and_replies_carry_their_toke
 def test_an_episode_without_tools_renders_as_before(qwen_tokenizer):
     env = ToolEnv(None)
     trajectory = collect(qwen_tokenizer, env, ["x", "y"])
-    plain = qwen_tokenizer.apply_chat_template([{"role": "user", "content": "What is 3 times 4?"}],
-                                               add_generation_prompt=True, tokenize=False)
+    plain = qwen_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 3 times 4?"}], add_generation_prompt=True, tokenize=False
+    )
     assert qwen_tokenizer.decode(trajectory.token_ids[: trajectory.prompt_length]) == plain
     assert "<tools>" not in plain

@@ -42,7 +42,10 @@ def test_rewards_are_the_fraction_of_checks_passed(env):
     assert play(env, task, right[:2] + ["submit x"])[0].reward == 0.75
     # the account opened is the one selected by the *last* find (session state)
     assert play(env, task, [right[0], f"find {other}", "open", right[2]])[0].info["checks"] == {
-        "used_directory": True, "found_person": True, "opened_account": False, "submitted_code": True
+        "used_directory": True,
+        "found_person": True,
+        "opened_account": False,
+        "submitted_code": True,
     }
 
 

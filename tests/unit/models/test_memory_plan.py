@@ -7,21 +7,28 @@ import json
 
 import pytest
 
-from loop_trainer.models.memory_plan import (
-    ModelShape,
-    load_model_shape,
-    plan_memory,
-    shipped_shapes,
-)
+from loop_trainer.models.memory_plan import plan_memory
+from loop_trainer.models.model_shape import ModelShape, load_model_shape, shipped_shapes
 
-NODE = {"world_size": 8, "gpu_memory_gib": 80, "zero_stage": 3, "activation_checkpointing": True,
-        "max_training_tokens": 32000, "per_device_train_batch_size": 1}
+NODE = {
+    "world_size": 8,
+    "gpu_memory_gib": 80,
+    "zero_stage": 3,
+    "activation_checkpointing": True,
+    "max_training_tokens": 32000,
+    "per_device_train_batch_size": 1,
+}
 LORA_7B = {"r": 8, "alpha": 16, "target_modules": "all-linear"}
 LORA_32B = {"r": 16, "alpha": 32, "target_modules": "all-linear"}
 # 32B bf16 weights (61 GiB) need TP >= 2; a TP-4 engine at 0.5 holds 12 full-length sequences and
 # sleep mode frees the reservation during the update (the planner's arithmetic; the trainer colocates
 # at TP 1 only, so the 32B recipe generates on a vLLM server).
-VLLM_32B = {"use_vllm": True, "vllm_tensor_parallel_size": 4, "vllm_gpu_memory_utilization": 0.5, "vllm_sleep_mode": True}
+VLLM_32B = {
+    "use_vllm": True,
+    "vllm_tensor_parallel_size": 4,
+    "vllm_gpu_memory_utilization": 0.5,
+    "vllm_sleep_mode": True,
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +49,16 @@ def test_parameter_counts(qwen7b, qwen32b):
     assert qwen7b.head_dim == 128 and qwen7b.kv_dim == 512 and qwen32b.kv_dim == 1024
 
 
-@pytest.mark.parametrize("name, billions", [("Qwen2.5-0.5B-Instruct", 0.494), ("Qwen2.5-1.5B-Instruct", 1.544),
-                                            ("Qwen2.5-3B-Instruct", 3.086), ("Qwen2.5-14B-Instruct", 14.77),
-                                            ("Qwen2.5-72B-Instruct", 72.71)])
+@pytest.mark.parametrize(
+    "name, billions",
+    [
+        ("Qwen2.5-0.5B-Instruct", 0.494),
+        ("Qwen2.5-1.5B-Instruct", 1.544),
+        ("Qwen2.5-3B-Instruct", 3.086),
+        ("Qwen2.5-14B-Instruct", 14.77),
+        ("Qwen2.5-72B-Instruct", 72.71),
+    ],
+)
 def test_other_shipped_shapes(name, billions):
     assert name in shipped_shapes()
     assert abs(load_model_shape(f"Qwen/{name}").num_params / (billions * 1e9) - 1) < 0.01
@@ -60,22 +74,58 @@ def test_lora_parameter_count(qwen7b):
 
 
 def test_load_from_local_directory(tmp_path):
-    config = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": True}
+    config = {
+        "model_type": "qwen2",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 1000,
+        "tie_word_embeddings": True,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     shape = load_model_shape(str(tmp_path))
     layer = 64 * 64 + 64 + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64
     assert shape.num_params == 1000 * 64 + 2 * layer + 64  # tied: no separate lm_head
 
 
-@pytest.mark.parametrize("config", [
-    {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 3,
-     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500, "tie_word_embeddings": False},
-    {"model_type": "phi3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-     "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 300, "pad_token_id": 0},
-    {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": True},
-], ids=lambda config: config["model_type"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 160,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 500,
+            "tie_word_embeddings": False,
+        },
+        {
+            "model_type": "phi3",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "vocab_size": 300,
+            "pad_token_id": 0,
+        },
+        {
+            "model_type": "qwen2",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 1000,
+            "tie_word_embeddings": True,
+        },
+    ],
+    ids=lambda config: config["model_type"],
+)
 def test_any_architecture_counts_like_the_real_model(tmp_path, config):
     """Parameter and LoRA counts equal those of the model transformers and PEFT build (no hand
     formula per architecture: Phi-3 fuses q/k/v and gate/up, Llama has no attention biases)."""
@@ -124,13 +174,21 @@ def test_7b_lora_node_with_colocated_vllm_fits(qwen7b):
 
 
 def test_32b_refuses_tp1_at_0_4(qwen32b):
-    plan = plan_memory(qwen32b, lora=LORA_32B, use_vllm=True, vllm_tensor_parallel_size=1,
-                       vllm_gpu_memory_utilization=0.4, **NODE)
+    plan = plan_memory(
+        qwen32b, lora=LORA_32B, use_vllm=True, vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.4, **NODE
+    )
     assert not plan.fits
     assert any("exceed" in r and "vllm_mode: server" in r for r in plan.reasons)
     # TP 2 at 0.4: the weights fit but not one 32k-token sequence
-    plan = plan_memory(qwen32b, lora=LORA_32B, use_vllm=True, vllm_tensor_parallel_size=2,
-                       vllm_gpu_memory_utilization=0.4, vllm_sleep_mode=True, **NODE)
+    plan = plan_memory(
+        qwen32b,
+        lora=LORA_32B,
+        use_vllm=True,
+        vllm_tensor_parallel_size=2,
+        vllm_gpu_memory_utilization=0.4,
+        vllm_sleep_mode=True,
+        **NODE,
+    )
     assert not plan.fits and any("less than one" in r for r in plan.reasons)
 
 
@@ -152,8 +210,11 @@ def test_32b_full_finetuning_on_one_gpu_refused(qwen32b):
 
 
 def test_7b_long_context_without_checkpointing_refused(qwen7b):
-    plan = plan_memory(qwen7b, lora=LORA_7B, **{**NODE, "world_size": 1, "activation_checkpointing": False,
-                                                 "max_training_tokens": 131072})
+    plan = plan_memory(
+        qwen7b,
+        lora=LORA_7B,
+        **{**NODE, "world_size": 1, "activation_checkpointing": False, "max_training_tokens": 131072},
+    )
     assert not plan.fits
     assert any("activation_checkpointing" in r for r in plan.reasons)
     assert any("max_training_tokens" in r for r in plan.reasons)
@@ -168,12 +229,20 @@ def test_activation_formula_and_knobs(qwen7b):
     assert rows["recomputed layer (backward)"] == pytest.approx(tokens * (8 * h + 3 * kv + 4 * i) * 2 * 1.75 / 2**30)
     # TRL's fused head: one 4096 x 32768 bf16 tile, the scored hidden states (bf16 copy + fp32 grad), 40 B/token
     assert rows["log-prob working memory"] == pytest.approx((4096 * 32768 * 2 + tokens * (h * 6 + 40)) / 2**30)
-    allocated = sum(r.gib for r in base.rows if "train" in r.phases and r.name not in ("CUDA context", "allocator fragmentation"))
+    allocated = sum(
+        r.gib for r in base.rows if "train" in r.phases and r.name not in ("CUDA context", "allocator fragmentation")
+    )
     assert rows["allocator fragmentation"] == pytest.approx(0.05 * allocated)
     doubled = plan_memory(qwen7b, lora=LORA_7B, **{**NODE, "per_device_train_batch_size": 2})
     assert doubled.training_gib > base.training_gib
     # the suggested max_training_tokens really fits
-    one_gpu = {**NODE, "world_size": 1, "use_vllm": True, "vllm_gpu_memory_utilization": 0.3, "max_trajectory_tokens": 32000}
+    one_gpu = {
+        **NODE,
+        "world_size": 1,
+        "use_vllm": True,
+        "vllm_gpu_memory_utilization": 0.3,
+        "max_trajectory_tokens": 32000,
+    }
     plan = plan_memory(qwen7b, lora=LORA_7B, **{**one_gpu, "max_training_tokens": 131072})
     hint = next(r for r in plan.reasons if "max_training_tokens" in r)
     suggested = int(hint.split("<= ")[1].split()[0])

@@ -7,11 +7,11 @@ from importlib import metadata
 
 import pytest
 import torch
-from support.packaged import SMOLLM2 as SPEC
-from support.packaged import needs_packaged_model as needs_package
 
 from loop_trainer.models import packaged as packaged_models
 from loop_trainer.models.packaged import PackagedModelError, locate_gguf, resolve_model_path
+from support.packaged import SMOLLM2 as SPEC
+from support.packaged import needs_packaged_model as needs_package
 
 
 def test_a_plain_name_is_left_alone():
@@ -50,8 +50,9 @@ def test_the_converted_directory_computes_the_gguf_models_logits_and_keeps_its_c
     directory = resolve_model_path("packaged:smollm2-135m-instruct")  # converted on first use, then cached
     gguf_path = locate_gguf(SPEC)
     converted = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    reference = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                     dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
     tokenizer = AutoTokenizer.from_pretrained(directory)
     assert type(converted).__name__ == "LlamaForCausalLM"
     assert "quantization_config" not in converted.config.to_dict()
@@ -61,15 +62,19 @@ def test_the_converted_directory_computes_the_gguf_models_logits_and_keeps_its_c
     assert tokenizer.chat_template == original_template
     assert "<|im_start|>" in original_template
 
-    prompts = [[{"role": "user", "content": "What is the capital of France?"}],
-               [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2 + 2 ="}]]
+    prompts = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2 + 2 ="}],
+    ]
     with torch.no_grad():
         for messages in prompts:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                return_dict=True)["input_ids"]
+            ids = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )["input_ids"]
             assert torch.equal(converted(ids).logits, reference(ids).logits)
     # An instruct model that answers: the greedy reply to the first prompt names Paris.
-    ids = tokenizer.apply_chat_template(prompts[0], add_generation_prompt=True, return_tensors="pt",
-                                        return_dict=True)["input_ids"]
-    reply = converted.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
+    ids = tokenizer.apply_chat_template(prompts[0], add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
+    reply = converted.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :]
     assert "Paris" in tokenizer.decode(reply)

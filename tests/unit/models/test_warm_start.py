@@ -22,7 +22,7 @@ def trained_spans(tokenizer, messages) -> list[str]:
     assert len(ids) == len(mask)
     assert ids == tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
     spans, current = [], []
-    for token, trained in zip(ids, mask):
+    for token, trained in zip(ids, mask, strict=True):
         if trained:
             current.append(token)
         elif current:

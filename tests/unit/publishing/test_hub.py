@@ -23,8 +23,8 @@ import torch
 import yaml
 from huggingface_hub.utils._http import default_client_factory
 
-from loop_trainer.publishing import hub
 from loop_trainer.config import LOOPConfig
+from loop_trainer.publishing import hub
 
 REPO = "loop-user/vault-loop"
 TOKEN = "hf_fake_token_for_tests"
@@ -33,9 +33,16 @@ TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "chat_template.jin
 EXTRAS = {"README.md", "recipe.yaml", "metrics.jsonl", "learning_curve.png"}
 ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors"}
 # The latest evaluation as the trainer passes it: the environment's summary, whatever it reports.
-EVAL = {"split": "dev", "iteration": 10,
-        "metrics": {"success_rate": 0.4, "tgc": 41.2, "sgc": 20.0, "tgc_difficulty_1": 66.7, "sgc_difficulty_2": 0.0}}
-HISTORY = [{"iteration": 1, "reward_mean": 0.125}, {"iteration": 2, "reward_mean": 0.25}, {"iteration": 3, "reward_mean": 0.5}]
+EVAL = {
+    "split": "dev",
+    "iteration": 10,
+    "metrics": {"success_rate": 0.4, "tgc": 41.2, "sgc": 20.0, "tgc_difficulty_1": 66.7, "sgc_difficulty_2": 0.0},
+}
+HISTORY = [
+    {"iteration": 1, "reward_mean": 0.125},
+    {"iteration": 2, "reward_mean": 0.25},
+    {"iteration": 3, "reward_mean": 0.5},
+]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -66,15 +73,28 @@ class FakeHub:
             if self.preupload_gate is not None:
                 assert self.preupload_gate.wait(30), "the test never opened the gate"
             files = json.loads(request.content)["files"]
-            return httpx2.Response(200, json={"files": [
-                {"path": f["path"], "uploadMode": "lfs" if f["path"].endswith(LFS_SUFFIXES) else "regular",
-                 "shouldIgnore": False, "oid": None} for f in files]})
+            return httpx2.Response(
+                200,
+                json={
+                    "files": [
+                        {
+                            "path": f["path"],
+                            "uploadMode": "lfs" if f["path"].endswith(LFS_SUFFIXES) else "regular",
+                            "shouldIgnore": False,
+                            "oid": None,
+                        }
+                        for f in files
+                    ]
+                },
+            )
         if request.method == "POST" and path == f"/{REPO}.git/info/lfs/objects/batch":
             body = json.loads(request.content)
             self.lfs_batches.append(body)
             # No "actions": the Hub already has these objects, so nothing is PUT anywhere.
-            return httpx2.Response(200, json={"transfer": "basic", "objects": [
-                {"oid": o["oid"], "size": o["size"]} for o in body["objects"]]})
+            return httpx2.Response(
+                200,
+                json={"transfer": "basic", "objects": [{"oid": o["oid"], "size": o["size"]} for o in body["objects"]]},
+            )
         if request.method == "POST" and path.startswith(f"/api/models/{REPO}/commit/"):
             lines = [json.loads(line) for line in request.content.decode().splitlines() if line.strip()]
             commit = {"revision": path.rsplit("/", 1)[-1], "header": lines[0]["value"], "files": {}, "lfs": {}}
@@ -87,8 +107,9 @@ class FakeHub:
                     raise AssertionError(f"unexpected commit operation {line['key']}")
             self.commits.append(commit)
             oid = f"{len(self.commits):040x}"
-            return httpx2.Response(200, json={"commitUrl": f"https://huggingface.co/{REPO}/commit/{oid}",
-                                              "commitOid": oid})
+            return httpx2.Response(
+                200, json={"commitUrl": f"https://huggingface.co/{REPO}/commit/{oid}", "commitOid": oid}
+            )
         return httpx2.Response(404, json={"error": f"FakeHub: no route for {request.method} {path}"})
 
     @property
@@ -134,8 +155,12 @@ def built(tmp_path_factory):
     adapter_dir = root / "adapter-run"
     peft_model.save_pretrained(adapter_dir)
     tokenizer.save_pretrained(adapter_dir)
-    return {"base_dir": base_dir, "adapter_dir": adapter_dir, "peft_model": peft_model.eval(),
-            "peft_config": peft_model.peft_config["default"]}
+    return {
+        "base_dir": base_dir,
+        "adapter_dir": adapter_dir,
+        "peft_model": peft_model.eval(),
+        "peft_config": peft_model.peft_config["default"],
+    }
 
 
 def add_run_outputs(folder: Path) -> None:
@@ -143,9 +168,16 @@ def add_run_outputs(folder: Path) -> None:
     (folder / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in HISTORY))
     (folder / "learning_curve.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"curve" * 100)
     (folder / "training_args.bin").write_bytes(b"pickle")
-    for junk in ("checkpoint-1/optimizer.pt", "checkpoint-1/adapter_model.safetensors", "checkpoint-1/rng_state.pth",
-                 ".staging-checkpoint/checkpoint-2/scheduler.pt", "rollouts/iteration-00001.jsonl",
-                 "viewer/iteration-00001.html", "runs/events.out.tfevents", "appworld-servers/log.txt"):
+    for junk in (
+        "checkpoint-1/optimizer.pt",
+        "checkpoint-1/adapter_model.safetensors",
+        "checkpoint-1/rng_state.pth",
+        ".staging-checkpoint/checkpoint-2/scheduler.pt",
+        "rollouts/iteration-00001.jsonl",
+        "viewer/iteration-00001.html",
+        "runs/events.out.tfevents",
+        "appworld-servers/log.txt",
+    ):
         (folder / junk).parent.mkdir(parents=True, exist_ok=True)
         (folder / junk).write_bytes(b"junk")
     (folder / "optimizer.pt").write_bytes(b"junk")
@@ -160,18 +192,40 @@ def run_dir(built, tmp_path):
 
 
 def loop_args(tmp_path) -> LOOPConfig:
-    return LOOPConfig(output_dir=str(tmp_path / "args"), iterations=10, tasks_per_iteration=8, rollouts_per_task=4,
-                      minibatch_size=16, ppo_epochs=3, epsilon=0.2, learning_rate=3e-5, max_grad_norm=0.5,
-                      max_turns=12, max_new_tokens_per_turn=64, max_trajectory_tokens=2048, train_split="train",
-                      seed=7, report_to="none", disable_tqdm=True)
+    return LOOPConfig(
+        output_dir=str(tmp_path / "args"),
+        iterations=10,
+        tasks_per_iteration=8,
+        rollouts_per_task=4,
+        minibatch_size=16,
+        ppo_epochs=3,
+        epsilon=0.2,
+        learning_rate=3e-5,
+        max_grad_norm=0.5,
+        max_turns=12,
+        max_new_tokens_per_turn=64,
+        max_trajectory_tokens=2048,
+        train_split="train",
+        seed=7,
+        report_to="none",
+        disable_tqdm=True,
+    )
 
 
 def card_kwargs(tmp_path, built, **overrides):
     recipe = tmp_path / "my-recipe.yaml"
     recipe.write_text("model_name_or_path: Qwen/Qwen2.5-7B-Instruct\nenvironment: vault\niterations: 10\n")
-    kwargs = {"base_model": "Qwen/Qwen2.5-7B-Instruct", "hub_model_id": REPO, "args": loop_args(tmp_path),
-              "peft_config": built["peft_config"], "environment": "vault", "iterations_done": 3,
-              "history": HISTORY, "eval_metrics": EVAL, "recipe_path": recipe}
+    kwargs = {
+        "base_model": "Qwen/Qwen2.5-7B-Instruct",
+        "hub_model_id": REPO,
+        "args": loop_args(tmp_path),
+        "peft_config": built["peft_config"],
+        "environment": "vault",
+        "iterations_done": 3,
+        "history": HISTORY,
+        "eval_metrics": EVAL,
+        "recipe_path": recipe,
+    }
     kwargs.update(overrides)
     return kwargs
 
@@ -200,20 +254,38 @@ def test_model_card_content(tmp_path, built, run_dir):
     assert "license" not in meta
     # results: the environment's evaluation summary as reported, in its order, and the training reward
     assert "Latest evaluation: split `dev`, after iteration 10, as the `vault` environment summarises it." in text
-    rows = ["| `success_rate` | 0.4 |", "| `tgc` | 41.2 |", "| `sgc` | 20.0 |", "| `tgc_difficulty_1` | 66.7 |",
-            "| `sgc_difficulty_2` | 0.0 |"]
+    rows = [
+        "| `success_rate` | 0.4 |",
+        "| `tgc` | 41.2 |",
+        "| `sgc` | 20.0 |",
+        "| `tgc_difficulty_1` | 66.7 |",
+        "| `sgc_difficulty_2` | 0.0 |",
+    ]
     assert all(row in text for row in rows) and sorted(rows, key=text.index) == rows
     assert "not evaluated" not in text and "TGC" not in text  # nothing AppWorld-specific in the card's prose
     assert "0.500 at iteration 3 (from 0.125 at iteration 1)" in text
     assert "for 3 LOOP iterations (of 10 planned)" in text and "`vault` environment" in text
     # the run's LOOP settings with the paper's values, and the adapter's
-    for row in ("| `rollouts_per_task` | 4 | 6 |", "| `tasks_per_iteration` | 8 | 40 |", "| `minibatch_size` | 16 | 32 |",
-                "| `ppo_epochs` | 3 | 2 |", "| `epsilon` | 0.2 | 0.1 |", "| `learning_rate` | 3e-05 | 5e-05 |",
-                "| `max_grad_norm` | 0.5 | 0.1 |", "| `weight_decay` | 0.01 | 0.01 |", "| `iterations` | 10 | 200 |",
-                "| `train_split` | train |  |", "| `max_turns` | 12 | 40 |", "| `max_new_tokens_per_turn` | 64 | 1500 |",
-                "| `max_trajectory_tokens` | 2048 | 32768 |", "| `seed` | 7 |  |",
-                "| `early_stop_done_fraction` | 1.0 | 0.9 |", "| `max_concurrent_episodes` | 256 |  |",
-                "| `r` | 4 |", "| `target_modules` | `q_proj`, `v_proj` |"):
+    for row in (
+        "| `rollouts_per_task` | 4 | 6 |",
+        "| `tasks_per_iteration` | 8 | 40 |",
+        "| `minibatch_size` | 16 | 32 |",
+        "| `ppo_epochs` | 3 | 2 |",
+        "| `epsilon` | 0.2 | 0.1 |",
+        "| `learning_rate` | 3e-05 | 5e-05 |",
+        "| `max_grad_norm` | 0.5 | 0.1 |",
+        "| `weight_decay` | 0.01 | 0.01 |",
+        "| `iterations` | 10 | 200 |",
+        "| `train_split` | train |  |",
+        "| `max_turns` | 12 | 40 |",
+        "| `max_new_tokens_per_turn` | 64 | 1500 |",
+        "| `max_trajectory_tokens` | 2048 | 32768 |",
+        "| `seed` | 7 |  |",
+        "| `early_stop_done_fraction` | 1.0 | 0.9 |",
+        "| `max_concurrent_episodes` | 256 |  |",
+        "| `r` | 4 |",
+        "| `target_modules` | `q_proj`, `v_proj` |",
+    ):
         assert row in text, row
     # inherited trainer fields LOOP does not use, and local paths, stay out
     assert "| `vllm_sync_dir` |" not in text and "| `output_dir` |" not in text and "| `beta` |" not in text
@@ -237,9 +309,19 @@ def test_model_card_content(tmp_path, built, run_dir):
 
 def test_model_card_not_evaluated_and_local_base(tmp_path):
     args = LOOPConfig(output_dir=str(tmp_path / "args"), report_to="none", disable_tqdm=True)
-    text = hub.write_model_card(tmp_path / "out", base_model="tiny:vault", hub_model_id=None, args=args,
-                                peft_config=None, environment="vault", iterations_done=0, history=[],
-                                eval_metrics=None, recipe_path=None, license="apache-2.0").read_text()
+    text = hub.write_model_card(
+        tmp_path / "out",
+        base_model="tiny:vault",
+        hub_model_id=None,
+        args=args,
+        peft_config=None,
+        environment="vault",
+        iterations_done=0,
+        history=[],
+        eval_metrics=None,
+        recipe_path=None,
+        license="apache-2.0",
+    ).read_text()
     meta = front_matter(text)
     assert "base_model" not in meta  # not a Hub id: named in the text only
     assert meta["library_name"] == "transformers" and meta["license"] == "apache-2.0"
@@ -260,13 +342,15 @@ def test_card_follows_the_config_and_any_environment_summary(tmp_path):
 
     args = MazeConfig(output_dir=str(tmp_path / "args"), report_to="none", disable_tqdm=True, minibatch_size=8)
     summary = {"split": "val", "iteration": 4, "metrics": {"solved": 0.125, "steps_mean": 17.5}}
-    text = hub.write_model_card(tmp_path / "out", base_model=None, args=args, environment="maze",
-                                eval_metrics=summary).read_text()
+    text = hub.write_model_card(
+        tmp_path / "out", base_model=None, args=args, environment="maze", eval_metrics=summary
+    ).read_text()
     assert "| `maze_size` | 9 |  |" in text and "| `minibatch_size` | 8 | 32 |" in text
     assert "| `solved` | 0.125 |" in text and "| `steps_mean` | 17.5 |" in text
     with pytest.raises(ValueError, match="eval_metrics must be .*got keys \\['iteration', 'split', 'tgc'\\]"):
-        hub.write_model_card(tmp_path / "out", base_model=None, args=args,
-                             eval_metrics={"split": "dev", "iteration": 1, "tgc": 41.2})
+        hub.write_model_card(
+            tmp_path / "out", base_model=None, args=args, eval_metrics={"split": "dev", "iteration": 1, "tgc": 41.2}
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -280,8 +364,9 @@ def test_upload_file_set_is_a_whitelist(run_dir):
 
 def test_push_uploads_adapter_tokenizer_card_and_run_files(tmp_path, built, run_dir, fake_hub):
     hub.write_model_card(run_dir, **card_kwargs(tmp_path, built))
-    info = hub.upload_folder_contents(run_dir, repo_id=REPO, token=TOKEN, private=True,
-                                      commit_message="End of training")
+    info = hub.upload_folder_contents(
+        run_dir, repo_id=REPO, token=TOKEN, private=True, commit_message="End of training"
+    )
     assert info.oid == f"{1:040x}" and info.commit_message == "End of training"
     assert fake_hub.created == [{"name": "vault-loop", "organization": "loop-user", "visibility": "private"}]
     assert fake_hub.auth == {f"Bearer {TOKEN}"}
@@ -304,11 +389,14 @@ def test_push_uploads_adapter_tokenizer_card_and_run_files(tmp_path, built, run_
 
 def test_push_merged_weights(tmp_path, built, run_dir, fake_hub):
     hub.write_model_card(run_dir, **card_kwargs(tmp_path, built))
-    info = hub.upload_folder_contents(run_dir, repo_id=REPO, token=TOKEN, merge_adapter=True,
-                                      card_kwargs=card_kwargs(tmp_path, built))
+    info = hub.upload_folder_contents(
+        run_dir, repo_id=REPO, token=TOKEN, merge_adapter=True, card_kwargs=card_kwargs(tmp_path, built)
+    )
     assert info.oid
     merged = run_dir / "merged"
-    assert fake_hub.last_paths == {"model.safetensors", "config.json", "generation_config.json"} | TOKENIZER_FILES | EXTRAS
+    assert (
+        fake_hub.last_paths == {"model.safetensors", "config.json", "generation_config.json"} | TOKENIZER_FILES | EXTRAS
+    )
     commit = fake_hub.commits[-1]
     assert commit["lfs"]["model.safetensors"]["oid"] == sha256(merged / "model.safetensors")
     card = commit["files"]["README.md"].decode()
@@ -323,8 +411,9 @@ def test_push_merged_weights(tmp_path, built, run_dir, fake_hub):
     merged_model = AutoModelForCausalLM.from_pretrained(merged).eval()
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
-        torch.testing.assert_close(merged_model(ids).logits, built["peft_model"](input_ids=ids).logits,
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            merged_model(ids).logits, built["peft_model"](input_ids=ids).logits, rtol=1e-4, atol=1e-4
+        )
     assert front_matter((run_dir / "README.md").read_text())["library_name"] == "peft"
 
 
@@ -334,7 +423,9 @@ def test_push_full_weights_when_no_adapter(tmp_path, built, fake_hub):
     add_run_outputs(folder)
     hub.write_model_card(folder, **card_kwargs(tmp_path, built, peft_config=None, eval_metrics=None))
     hub.upload_folder_contents(folder, repo_id=REPO, token=TOKEN)
-    assert fake_hub.last_paths == {"model.safetensors", "config.json", "generation_config.json"} | TOKENIZER_FILES | EXTRAS
+    assert (
+        fake_hub.last_paths == {"model.safetensors", "config.json", "generation_config.json"} | TOKENIZER_FILES | EXTRAS
+    )
     assert b"not evaluated" in fake_hub.commits[-1]["files"]["README.md"]
     with pytest.raises(ValueError, match="no LoRA adapter"):
         hub.upload_folder_contents(folder, repo_id=REPO, token=TOKEN, merge_adapter=True)
@@ -352,8 +443,14 @@ def test_periodic_push_snapshots_files_the_run_keeps_writing(tmp_path, built, ru
     metrics_then = (run_dir / "metrics.jsonl").read_bytes()
 
     fake_hub.preupload_gate = threading.Event()
-    future = hub.upload_folder_contents(run_dir, repo_id=REPO, token=TOKEN, create_repo=False,
-                                        commit_message="Training in progress, iteration 1", run_as_future=True)
+    future = hub.upload_folder_contents(
+        run_dir,
+        repo_id=REPO,
+        token=TOKEN,
+        create_repo=False,
+        commit_message="Training in progress, iteration 1",
+        run_as_future=True,
+    )
     with (run_dir / "metrics.jsonl").open("a") as handle:  # the next iteration is recorded meanwhile
         handle.write(json.dumps({"iteration": 4, "reward_mean": 0.75}) + "\n")
     (run_dir / "README.md").write_text("---\nlibrary_name: peft\n---\nhalf-written")
@@ -374,8 +471,10 @@ def test_checkpoint_strategy_uploads_the_whole_published_checkpoint(run_dir, fak
     checkpoint = run_dir / "checkpoint-1"
     (checkpoint / "loop_state.json").write_text("{}")
     hub.upload_checkpoint(checkpoint, repo_id=REPO, token=TOKEN)
-    assert fake_hub.last_paths == {f"last-checkpoint/{name}" for name in
-                                   ("optimizer.pt", "adapter_model.safetensors", "rng_state.pth", "loop_state.json")}
+    assert fake_hub.last_paths == {
+        f"last-checkpoint/{name}"
+        for name in ("optimizer.pt", "adapter_model.safetensors", "rng_state.pth", "loop_state.json")
+    }
 
 
 def test_a_short_loop_run_pushes_every_save_then_the_final_adapter(tmp_path, fake_hub):
@@ -389,24 +488,51 @@ def test_a_short_loop_run_pushes_every_save_then_the_final_adapter(tmp_path, fak
 
     env = VaultEnv(num_tasks=8)
     model, tokenizer = build_tiny_for_environment(env.vocabulary(), seed=0)
-    args = LOOPConfig(output_dir=str(tmp_path / "run"), iterations=2, tasks_per_iteration=2, rollouts_per_task=2,
-                      minibatch_size=4, max_turns=2, max_new_tokens_per_turn=3, max_trajectory_tokens=128,
-                      learning_rate=1e-3, activation_checkpointing=False, disable_tqdm=True, report_to=[],
-                      push_to_hub=True, hub_model_id=REPO, hub_token=TOKEN, hub_strategy="every_save",
-                      eval_split="test", eval_every=2, eval_max_tasks=2)
-    trainer = LOOPTrainer(model, env, args, processing_class=tokenizer,
-                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    args = LOOPConfig(
+        output_dir=str(tmp_path / "run"),
+        iterations=2,
+        tasks_per_iteration=2,
+        rollouts_per_task=2,
+        minibatch_size=4,
+        max_turns=2,
+        max_new_tokens_per_turn=3,
+        max_trajectory_tokens=128,
+        learning_rate=1e-3,
+        activation_checkpointing=False,
+        disable_tqdm=True,
+        report_to=[],
+        push_to_hub=True,
+        hub_model_id=REPO,
+        hub_token=TOKEN,
+        hub_strategy="every_save",
+        eval_split="test",
+        eval_every=2,
+        eval_max_tasks=2,
+    )
+    trainer = LOOPTrainer(
+        model,
+        env,
+        args,
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
     trainer.recipe_path = {"environment": "vault", "iterations": 2, "lora_r": 4}
     trainer.train()
     trainer.push_to_hub()
     assert len(fake_hub.commits) == 3  # two checkpoints' pushes, then the final one
     assert [c["header"]["summary"] for c in fake_hub.commits] == [
-        "Training in progress, iteration 1", "Training in progress, iteration 2", "End of training"]
+        "Training in progress, iteration 1",
+        "Training in progress, iteration 2",
+        "End of training",
+    ]
     final = fake_hub.last_paths
     assert final == ADAPTER_FILES | TOKENIZER_FILES | EXTRAS
     card = fake_hub.commits[-1]["files"]["README.md"].decode()
     assert "2502.01600" in card and "PeftModel" in card and "--enable-lora" in card
     assert "not evaluated" not in card and "Latest evaluation: split `test`, after iteration 2" in card
     assert "| `success_rate` |" in card and "| `reward_mean` |" in card  # vault's summary
-    assert yaml.safe_load(fake_hub.commits[-1]["files"]["recipe.yaml"]) == {"environment": "vault", "iterations": 2,
-                                                                             "lora_r": 4}
+    assert yaml.safe_load(fake_hub.commits[-1]["files"]["recipe.yaml"]) == {
+        "environment": "vault",
+        "iterations": 2,
+        "lora_r": 4,
+    }

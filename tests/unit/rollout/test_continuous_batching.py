@@ -10,9 +10,11 @@ import torch
 
 from loop_trainer.rollout import TransformersBackend
 
-PROMPTS = ["<|im_start|>user\nfetch code of ann<|im_end|>\n<|im_start|>assistant\n",
-           "<|im_start|>system\ntools : find open submit<|im_end|>\n<|im_start|>assistant\nfind",
-           "<|im_start|>user\nbob id k3<|im_end|>\n<|im_start|>assistant\n"]
+PROMPTS = [
+    "<|im_start|>user\nfetch code of ann<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>system\ntools : find open submit<|im_end|>\n<|im_start|>assistant\nfind",
+    "<|im_start|>user\nbob id k3<|im_end|>\n<|im_start|>assistant\n",
+]
 
 
 def backend_for(model, tok, **kwargs) -> TransformersBackend:
@@ -35,14 +37,16 @@ def test_a_request_joins_the_running_batch_when_a_row_finishes(vault_tiny):
     # step 8, row 1 after step 10. Batches that ran to completion would need 10 + 6 steps.
     assert backend.num_steps == 10 and backend.num_batches == 2 and backend.max_running == 2
     assert [len(r.token_ids) for r in replies] == limits
-    for prompt, limit, seed, reply in zip(prompts, limits, seeds, replies):
+    for prompt, limit, seed, reply in zip(prompts, limits, seeds, replies, strict=True):
         assert_same_reply(reply, backend_for(model, tok).sample([prompt], [limit], [seed])[0])
 
 
 def test_the_next_turn_reuses_the_previous_turns_kv_cache_and_samples_the_same(vault_tiny):
     env, model, tok = vault_tiny
-    prompt, observation = tok.encode(PROMPTS[0]), tok.encode("<|im_end|>\n<|im_start|>user\nann id k1<|im_end|>\n"
-                                                               "<|im_start|>assistant\n")
+    prompt, observation = (
+        tok.encode(PROMPTS[0]),
+        tok.encode("<|im_end|>\n<|im_start|>user\nann id k1<|im_end|>\n<|im_start|>assistant\n"),
+    )
     backend = backend_for(model, tok)
 
     async def episode():  # one event loop: one collection, the cache lives as long as it
@@ -58,8 +62,10 @@ def test_the_next_turn_reuses_the_previous_turns_kv_cache_and_samples_the_same(v
 
 def test_a_weight_update_drops_the_cached_turns(vault_tiny):
     env, model, tok = vault_tiny
-    prompt, observation = tok.encode(PROMPTS[0]), tok.encode("<|im_end|>\n<|im_start|>user\nno command<|im_end|>\n"
-                                                               "<|im_start|>assistant\n")
+    prompt, observation = (
+        tok.encode(PROMPTS[0]),
+        tok.encode("<|im_end|>\n<|im_start|>user\nno command<|im_end|>\n<|im_start|>assistant\n"),
+    )
     backend = backend_for(model, tok)
     weight = next(model.parameters())
 

@@ -13,15 +13,15 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
-from support.helpers import EchoEnv, EchoEpisode, ScriptedBackend
 from loop_trainer.chat import ChatFormatter
 from loop_trainer.envs.base import Episode, Score, Step
+from loop_trainer.models.tiny import build_word_tokenizer
 from loop_trainer.rollout import EpisodeLimits, RolloutEngine, RolloutFailureBudgetExceeded, TransformersBackend
 from loop_trainer.rollout.vllm_backend import VLLMBackend
 from loop_trainer.rollout.vllm_server import VLLMServerBackend
 from loop_trainer.rollout.weight_sync import WeightSync
+from support.helpers import EchoEnv, EchoEpisode, ScriptedBackend
 from support.qwen import QWEN25_DEFAULT_SYSTEM_PROMPT
-from loop_trainer.models.tiny import build_word_tokenizer
 
 REPLIES = ["print(apis.api_docs.show_app_descriptions())", "x = 1\n\n  y = 2 ", "done ✓ 你好"]
 
@@ -62,7 +62,7 @@ def test_qwen_trajectory_is_token_exact_and_append_only(qwen_tokenizer, with_sys
     assert full.count(QWEN25_DEFAULT_SYSTEM_PROMPT) == (0 if with_system else 1)
     # Loss mask: exactly the sampled reply tokens, each ending with <|im_end|>.
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    sampled = [i for i, m in zip(trajectory.token_ids, trajectory.loss_mask) if m]
+    sampled = [i for i, m in zip(trajectory.token_ids, trajectory.loss_mask, strict=True) if m]
     expected = []
     for reply in REPLIES:
         expected += tok.encode(reply, add_special_tokens=False) + [im_end]
@@ -71,7 +71,10 @@ def test_qwen_trajectory_is_token_exact_and_append_only(qwen_tokenizer, with_sys
     assert trajectory.sampler_logprobs == [-1.0 if m else 0.0 for m in trajectory.loss_mask]
     # Nothing before the first reply is trained on, not even the assistant header.
     assert sum(trajectory.loss_mask[: trajectory.prompt_length]) == 0
-    assert tok.decode(trajectory.token_ids[trajectory.prompt_length - 3 : trajectory.prompt_length]) == "<|im_start|>assistant\n"
+    assert (
+        tok.decode(trajectory.token_ids[trajectory.prompt_length - 3 : trajectory.prompt_length])
+        == "<|im_start|>assistant\n"
+    )
 
 
 def test_chatml_word_tokenizer_is_token_exact():
@@ -93,10 +96,12 @@ def test_turn_ids_label_each_reply_with_its_turn_and_nothing_else(qwen_tokenizer
     env, engine = scripted_engine(tok, [{"task_id": "t0", "turns": 3}])
     (t,) = run(engine, env.rows).trajectories
     assert len(t.turn_ids) == len(t.token_ids) and t.num_turns == 3
-    assert [k for k, m in zip(t.turn_ids, t.loss_mask) if not m] == [-1] * (len(t.token_ids) - sum(t.loss_mask))
+    assert [k for k, m in zip(t.turn_ids, t.loss_mask, strict=True) if not m] == [-1] * (
+        len(t.token_ids) - sum(t.loss_mask)
+    )
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     for k, reply in enumerate(REPLIES):
-        labelled = [i for i, label in zip(t.token_ids, t.turn_ids) if label == k]
+        labelled = [i for i, label in zip(t.token_ids, t.turn_ids, strict=True) if label == k]
         assert labelled == tok.encode(reply, add_special_tokens=False) + [im_end]
     positions = [p for p, label in enumerate(t.turn_ids) if label >= 0]
     assert sorted(set(t.turn_ids)) == [-1, 0, 1, 2]
@@ -108,7 +113,7 @@ def test_turn_ids_label_each_reply_with_its_turn_and_nothing_else(qwen_tokenizer
     (t,) = run(engine, env.rows).trajectories
     assert t.truncated_turns == 3
     assert [label for label in t.turn_ids if label >= 0] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    assert all(label == -1 for label, m in zip(t.turn_ids, t.loss_mask) if not m)
+    assert all(label == -1 for label, m in zip(t.turn_ids, t.loss_mask, strict=True) if not m)
 
 
 def test_sampled_ids_are_kept_even_when_they_are_not_the_canonical_tokenisation(qwen_tokenizer):
@@ -119,12 +124,14 @@ def test_sampled_ids_are_kept_even_when_they_are_not_the_canonical_tokenisation(
     class WeirdBackend(ScriptedBackend):
         async def generate(self, prompt_ids, max_new_tokens, seed=None):
             completion = await super().generate(prompt_ids, max_new_tokens)
-            return type(completion)(weird + completion.token_ids, [-1.0] * (len(weird) + len(completion.token_ids)), True)
+            return type(completion)(
+                weird + completion.token_ids, [-1.0] * (len(weird) + len(completion.token_ids)), True
+            )
 
     env = EchoEnv([{"task_id": "t0", "turns": 2}])
     engine = RolloutEngine(env, WeirdBackend(tok, lambda p: "ok"), ChatFormatter(tok), show_progress=False)
     (trajectory,) = run(engine, env.rows).trajectories
-    sampled = [i for i, m in zip(trajectory.token_ids, trajectory.loss_mask) if m]
+    sampled = [i for i, m in zip(trajectory.token_ids, trajectory.loss_mask, strict=True) if m]
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     assert sampled == (weird + tok.encode("ok", add_special_tokens=False) + [im_end]) * 2
 
@@ -143,8 +150,9 @@ def test_limits_are_recorded_not_silent(qwen_tokenizer):
     (t,) = run(engine, env.rows).trajectories
     assert (t.ending, t.num_turns) == ("turn_limit", 4)
     # trajectory budget: the episode ends when no room is left, and is still scored
-    env, engine = scripted_engine(tok, [{"task_id": "t0", "turns": 99, "reward": 0.5}],
-                                  EpisodeLimits(max_turns=99, max_trajectory_tokens=80))
+    env, engine = scripted_engine(
+        tok, [{"task_id": "t0", "turns": 99, "reward": 0.5}], EpisodeLimits(max_turns=99, max_trajectory_tokens=80)
+    )
     (t,) = run(engine, env.rows).trajectories
     assert t.ending == "trajectory_budget" and t.reward == 0.5 and t.status == "completed"
     assert sum(t.loss_mask) > 0 and len(t.token_ids) <= 80 + 40
@@ -188,8 +196,15 @@ class GatedEnv(EchoEnv):
 def gated_engine(tokenizer, env, **kwargs):
     # A generous timeout: here it only stops a broken engine from hanging the test.
     backend = ScriptedBackend(tokenizer, lambda prompt: "ok")
-    return RolloutEngine(env, backend, ChatFormatter(tokenizer), EpisodeLimits(max_turns=10), show_progress=False,
-                         env_timeout=kwargs.pop("env_timeout", 120.0), **kwargs)
+    return RolloutEngine(
+        env,
+        backend,
+        ChatFormatter(tokenizer),
+        EpisodeLimits(max_turns=10),
+        show_progress=False,
+        env_timeout=kwargs.pop("env_timeout", 120.0),
+        **kwargs,
+    )
 
 
 def test_episodes_overlap_no_per_turn_barrier(qwen_tokenizer):
@@ -233,15 +248,21 @@ def test_a_slow_episode_does_not_hold_back_the_others(qwen_tokenizer):
 
 
 def test_failures_are_isolated_counted_and_closed(qwen_tokenizer):
-    rows = [{"task_id": "ok", "turns": 2}, {"task_id": "bad-step", "turns": 2, "fail_at": "step"},
-            {"task_id": "bad-start", "turns": 2, "fail_at": "start"}, {"task_id": "ok2", "turns": 1}]
+    rows = [
+        {"task_id": "ok", "turns": 2},
+        {"task_id": "bad-step", "turns": 2, "fail_at": "step"},
+        {"task_id": "bad-start", "turns": 2, "fail_at": "start"},
+        {"task_id": "ok2", "turns": 1},
+    ]
     env, engine = scripted_engine(qwen_tokenizer, rows)
     batch = run(engine, rows, 2, max_failed_fraction=0.5)
     assert sorted({t.task_id for t in batch.trajectories}) == ["ok", "ok2"]
     assert len(batch.failed) == 4 and batch.stats()["num_failed"] == 4
     assert {t.error for t in batch.failed} == {"RuntimeError: boom at step", "RuntimeError: boom at start"}
     # close runs on every path, once per episode
-    assert sorted(e for e in env.events if e[0] == "close") == sorted(("close", r["task_id"]) for r in rows for _ in range(2))
+    assert sorted(e for e in env.events if e[0] == "close") == sorted(
+        ("close", r["task_id"]) for r in rows for _ in range(2)
+    )
     # over budget: one clear error
     with pytest.raises(RolloutFailureBudgetExceeded, match="4 of 8 rollouts failed"):
         run(engine, rows, 2, max_failed_fraction=0.25)
@@ -281,12 +302,14 @@ def test_early_stop_cancels_stragglers(qwen_tokenizer):
 def test_transformers_backend_logprobs_match_the_model(vault_tiny):
     env, model, tok = vault_tiny
     backend = TransformersBackend(model, stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
-    prompts = [tok.encode("<|im_start|>user\nfetch code of ann<|im_end|>\n<|im_start|>assistant\n"),
-               tok.encode("<|im_start|>assistant\nfind")]
+    prompts = [
+        tok.encode("<|im_start|>user\nfetch code of ann<|im_end|>\n<|im_start|>assistant\n"),
+        tok.encode("<|im_start|>assistant\nfind"),
+    ]
     torch.manual_seed(0)
     out = backend.sample(prompts, [6, 3])
     assert len(out[1].token_ids) <= 3
-    for prompt, completion in zip(prompts, out):
+    for prompt, completion in zip(prompts, out, strict=True):
         ids = torch.tensor([prompt + completion.token_ids])
         with torch.no_grad():
             logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
@@ -351,10 +374,14 @@ class FlakyBackend(ScriptedBackend):
 
 def test_a_generator_failure_is_retried_once_then_reported(qwen_tokenizer):
     env = EchoEnv([{"task_id": "t0", "turns": 2}])
-    engine = RolloutEngine(env, FlakyBackend(qwen_tokenizer, failures=1), ChatFormatter(qwen_tokenizer), show_progress=False)
+    engine = RolloutEngine(
+        env, FlakyBackend(qwen_tokenizer, failures=1), ChatFormatter(qwen_tokenizer), show_progress=False
+    )
     batch = run(engine, env.rows)
     assert len(batch.trajectories) == 1 and not batch.failed and engine.generation_retries == 1
-    engine = RolloutEngine(env, FlakyBackend(qwen_tokenizer, failures=2), ChatFormatter(qwen_tokenizer), show_progress=False)
+    engine = RolloutEngine(
+        env, FlakyBackend(qwen_tokenizer, failures=2), ChatFormatter(qwen_tokenizer), show_progress=False
+    )
     batch = run(engine, env.rows)
     assert not batch.trajectories and batch.failed[0].error.startswith("GenerationError: generation failed twice")
 
@@ -393,8 +420,12 @@ def assert_threads_end(threads):
 
 def test_the_engine_releases_its_threads_on_close(qwen_tokenizer):
     rows = [{"task_id": f"t{i}", "turns": 2} for i in range(4)]
-    with RolloutEngine(SyncEnv(rows), ScriptedBackend(qwen_tokenizer, lambda prompt: "ok"),
-                       ChatFormatter(qwen_tokenizer), show_progress=False) as engine:
+    with RolloutEngine(
+        SyncEnv(rows),
+        ScriptedBackend(qwen_tokenizer, lambda prompt: "ok"),
+        ChatFormatter(qwen_tokenizer),
+        show_progress=False,
+    ) as engine:
         assert len(run(engine, rows).trajectories) == 4
         threads = list(engine._threads._threads)
     assert_threads_end(threads)
@@ -413,8 +444,9 @@ class BlockingEpisode(SyncEpisode):
         self.env, self.task_id, self.running = env, task["task_id"], 0
 
     def _enter(self, name):
-        self.env.events.append((name, self.task_id, "concurrent" if self.running else "alone",
-                                threading.current_thread().daemon))
+        self.env.events.append(
+            (name, self.task_id, "concurrent" if self.running else "alone", threading.current_thread().daemon)
+        )
         self.running += 1
 
     def step(self, reply):
@@ -447,8 +479,14 @@ class BlockingEnv(EchoEnv):
 
 
 def blocking_engine(tokenizer, env, env_timeout):
-    return RolloutEngine(env, ScriptedBackend(tokenizer, lambda prompt: "ok"), ChatFormatter(tokenizer),
-                         EpisodeLimits(max_turns=3), env_timeout=env_timeout, show_progress=False)
+    return RolloutEngine(
+        env,
+        ScriptedBackend(tokenizer, lambda prompt: "ok"),
+        ChatFormatter(tokenizer),
+        EpisodeLimits(max_turns=3),
+        env_timeout=env_timeout,
+        show_progress=False,
+    )
 
 
 def test_a_hung_synchronous_call_is_abandoned_and_its_episode_closed_only_after_it_returns(qwen_tokenizer):
@@ -460,8 +498,10 @@ def test_a_hung_synchronous_call_is_abandoned_and_its_episode_closed_only_after_
         with blocking_engine(qwen_tokenizer, env, env_timeout=3.0) as engine:
             batch = run(engine, rows, max_failed_fraction=0.5)
             assert [t.task_id for t in batch.trajectories] == ["ok"] and [t.task_id for t in batch.failed] == ["hang"]
-            assert batch.failed[0].error == ("TimeoutError: Episode.step() did not return within env_timeout (3s); it is "
-                                             "still running in its thread (abandoned: Python cannot stop a thread)")
+            assert batch.failed[0].error == (
+                "TimeoutError: Episode.step() did not return within env_timeout (3s); it is "
+                "still running in its thread (abandoned: Python cannot stop a thread)"
+            )
             assert (engine.abandoned_calls, engine.abandoned_calls_running) == (1, 1)
             assert not [e for e in env.events if e[0] == "close" and e[1] == "hang"]  # not beside the running step
     finally:
@@ -576,8 +616,9 @@ def test_weight_sync_removes_its_temporary_directory_on_close(tmp_path):
     sync.close()  # idempotent
     given = tmp_path / "sync"
     given.mkdir()
-    WeightSync(model, object(), lambda ids: torch.zeros(len(ids) - 1), [1, 2], tolerance=None,
-               workdir=str(given)).close()
+    WeightSync(
+        model, object(), lambda ids: torch.zeros(len(ids) - 1), [1, 2], tolerance=None, workdir=str(given)
+    ).close()
     assert given.is_dir()  # the caller's directory is the caller's
 
 
@@ -598,9 +639,19 @@ class FakeColocatedEngine:
     def step(self):
         if not self.finish:
             return []
-        outputs = [SimpleNamespace(request_id=rid, finished=True, outputs=[SimpleNamespace(
-            token_ids=[5, 9], logprobs=[{5: SimpleNamespace(logprob=-1.0)}, {9: SimpleNamespace(logprob=-2.0)}])])
-            for rid in self.requests]
+        outputs = [
+            SimpleNamespace(
+                request_id=rid,
+                finished=True,
+                outputs=[
+                    SimpleNamespace(
+                        token_ids=[5, 9],
+                        logprobs=[{5: SimpleNamespace(logprob=-1.0)}, {9: SimpleNamespace(logprob=-2.0)}],
+                    )
+                ],
+            )
+            for rid in self.requests
+        ]
         self.requests.clear()
         return outputs
 

@@ -14,14 +14,14 @@ import torch
 from accelerate import Accelerator
 from trl.trainer.utils import add_fused_lm_head
 
-from support.helpers import ScriptedBackend
-from loop_trainer.rollout.generator import GeneratorConfigError, RolloutGenerator
 from loop_trainer.rollout.backend import TransformersBackend
+from loop_trainer.rollout.generator import GeneratorConfigError, RolloutGenerator
 from loop_trainer.training.batching import TrainingSample
 from loop_trainer.training.checkpoints import CheckpointStager, read_loop_state
 from loop_trainer.training.distribution import DistributionStrategy
 from loop_trainer.training.run_log import RunLog, read_metrics
 from loop_trainer.training.update import PolicyUpdate, UpdateSettings
+from support.helpers import ScriptedBackend
 
 
 def make_update(model, pad_token_id: int, **overrides) -> tuple[PolicyUpdate, torch.optim.Optimizer]:
@@ -30,14 +30,23 @@ def make_update(model, pad_token_id: int, **overrides) -> tuple[PolicyUpdate, to
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     strategy = DistributionStrategy(accelerator, model, optimizer, scheduler, max_grad_norm=1.0)
-    settings = dict(epsilon=0.1, minibatch_size=2, ppo_epochs=2, micro_batch_size=1, kl_abort_threshold=20.0, seed=0,
-                    pad_token_id=pad_token_id)
+    settings = {
+        "epsilon": 0.1,
+        "minibatch_size": 2,
+        "ppo_epochs": 2,
+        "micro_batch_size": 1,
+        "kl_abort_threshold": 20.0,
+        "seed": 0,
+        "pad_token_id": pad_token_id,
+    }
     settings.update(overrides)
     return PolicyUpdate(UpdateSettings(**settings), strategy, contextlib.nullcontext), optimizer
 
 
 def samples_for(tokenizer) -> list[TrainingSample]:
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "fetch code of ann"}], add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "fetch code of ann"}], add_generation_prompt=True
+    )
     prompt = list(prompt["input_ids"] if isinstance(prompt, Mapping) else prompt)
     out = []
     for reply, advantage in (("find ann", 1.0), ("open k3", -1.0), ("find ann", 1.0), ("open k3", -1.0)):
@@ -56,8 +65,10 @@ def test_policy_update_alone_takes_one_step_per_minibatch_and_reports_the_sample
     assert metrics["skipped_nonfinite_steps"] == 0 and metrics["aborted_on_kl"] == 0
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     # The samples claim log-prob -1 for every sampled token; the model's differ.
-    assert metrics["sampler_logprob_diff"] > 0 and metrics["sampler_logprob_diff_max"] >= metrics["sampler_logprob_diff"]
-    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert (
+        metrics["sampler_logprob_diff"] > 0 and metrics["sampler_logprob_diff_max"] >= metrics["sampler_logprob_diff"]
+    )
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_policy_update_alone_aborts_on_kl_without_touching_the_weights(vault_tiny):
@@ -66,7 +77,7 @@ def test_policy_update_alone_aborts_on_kl_without_touching_the_weights(vault_tin
     before = [p.detach().clone() for p in model.parameters()]
     metrics = update(samples_for(tok), iteration=0)
     assert metrics["aborted_on_kl"] == 1 and metrics["optimizer_steps"] == 0
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())  # nothing left to leak into a step
 
 
@@ -80,10 +91,10 @@ def test_checkpoint_stager_publishes_complete_checkpoints_only_and_rotates(tmp_p
         assert stager.staging_root is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-3"]
     assert read_loop_state(tmp_path / "checkpoint-3")["iteration"] == 3
-    with pytest.raises(RuntimeError, match="crash"):  # a crash mid-write publishes nothing
-        with stager.staged(tmp_path, 4, lambda: {"iteration": 4}) as staging:
-            (staging / "checkpoint-4").mkdir(parents=True)
-            raise RuntimeError("crash")
+    # a crash mid-write publishes nothing
+    with pytest.raises(RuntimeError, match="crash"), stager.staged(tmp_path, 4, lambda: {"iteration": 4}) as staging:
+        (staging / "checkpoint-4").mkdir(parents=True)
+        raise RuntimeError("crash")
     assert not (tmp_path / "checkpoint-4").exists() and (tmp_path / "checkpoint-3" / "weights.bin").is_file()
 
 
@@ -132,8 +143,9 @@ def test_generator_syncs_only_when_behind_and_leaves_a_users_backend_open(vault_
 
 def test_generator_honours_or_refuses_an_evaluation_temperature(vault_tiny):
     _, model, tok = vault_tiny
-    plain = RolloutGenerator(TransformersBackend(model, stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
-                                          temperature=1.0))
+    plain = RolloutGenerator(
+        TransformersBackend(model, stop_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, temperature=1.0)
+    )
     assert plain.for_evaluation(0.0).temperature == 0.0
     scripted = RolloutGenerator(ScriptedBackend(tok, lambda prompt: "x"), owns_backend=False)
     with pytest.raises(GeneratorConfigError, match="eval_temperature cannot be honoured.*eval_every: 0"):

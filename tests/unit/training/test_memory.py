@@ -13,9 +13,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
+from loop_trainer.objective import loop_policy_loss
 from loop_trainer.training.batching import TrainingSample, collate
 from loop_trainer.training.logprobs import token_logprobs
-from loop_trainer.objective import loop_policy_loss
 
 
 class LargestTensor(TorchDispatchMode):
@@ -40,8 +40,15 @@ def test_update_never_holds_a_tokens_by_vocab_tensor(monkeypatch):
     monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 2048)
     torch.manual_seed(0)
     tokens, vocab = 2048, 16_000
-    config = Qwen2Config(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=1, num_key_value_heads=1, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     model = Qwen2ForCausalLM(config)
     add_fused_lm_head(model)
     ids = torch.randint(0, vocab, (tokens,)).tolist()

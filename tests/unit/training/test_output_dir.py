@@ -20,11 +20,38 @@ import yaml
 from loop_trainer.envs import VaultEnv
 from loop_trainer.training.checkpoints import CheckpointError, CheckpointStager, read_loop_state
 
+HERE = Path(__file__).resolve().parent  # loop-train imports this module's environments by name
 TESTS = Path(__file__).resolve().parents[2]
-TINY = ["--model_name_or_path", "tiny:vault", "--environment_kwargs", '{"num_tasks": 8}', "--tasks_per_iteration", "2",
-        "--rollouts_per_task", "2", "--max_turns", "2", "--max_new_tokens_per_turn", "3", "--max_trajectory_tokens", "128",
-        "--minibatch_size", "4", "--per_device_train_batch_size", "4", "--learning_rate", "0.0006",
-        "--activation_checkpointing", "false", "--disable_tqdm", "true", "--plot_curves", "false", "--seed", "0"]
+TINY = [
+    "--model_name_or_path",
+    "tiny:vault",
+    "--environment_kwargs",
+    '{"num_tasks": 8}',
+    "--tasks_per_iteration",
+    "2",
+    "--rollouts_per_task",
+    "2",
+    "--max_turns",
+    "2",
+    "--max_new_tokens_per_turn",
+    "3",
+    "--max_trajectory_tokens",
+    "128",
+    "--minibatch_size",
+    "4",
+    "--per_device_train_batch_size",
+    "4",
+    "--learning_rate",
+    "0.0006",
+    "--activation_checkpointing",
+    "false",
+    "--disable_tqdm",
+    "true",
+    "--plot_curves",
+    "false",
+    "--seed",
+    "0",
+]
 
 
 class FailingVault(VaultEnv):
@@ -42,10 +69,18 @@ class UncloseableVault(VaultEnv):
 
 
 def loop_train(output_dir: Path, *flags: str, **popen: object) -> subprocess.CompletedProcess[str]:
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-                   "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "loop_trainer.cli.train", *TINY, "--output_dir", str(output_dir),
-                           *flags], capture_output=True, text=True, env=environment, timeout=600)
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "loop_trainer.cli.train", *TINY, "--output_dir", str(output_dir), *flags],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=600,
+    )
 
 
 def checkpoints(output_dir: Path) -> list[str]:
@@ -86,17 +121,25 @@ def test_a_fresh_run_into_another_runs_output_dir_is_refused_or_replaces_it_when
     refused = loop_train(x, "--iterations", "2", "--seed", "1")
     assert refused.returncode == 2
     line = error_line(refused)
-    assert line.startswith(f"loop-train: error: output_dir {x} already holds another run's checkpoints "
-                           "(checkpoint-2, checkpoint-3)")
-    for advice in ("--resume_from_checkpoint last", "another output_dir", "--overwrite_output_dir true",
-                   "metrics.jsonl", "viewer/"):
+    assert line.startswith(
+        f"loop-train: error: output_dir {x} already holds another run's checkpoints (checkpoint-2, checkpoint-3)"
+    )
+    for advice in (
+        "--resume_from_checkpoint last",
+        "another output_dir",
+        "--overwrite_output_dir true",
+        "metrics.jsonl",
+        "viewer/",
+    ):
         assert advice in line
     assert {p.relative_to(x): p.stat().st_mtime_ns for p in x.rglob("*")} == before  # nothing touched
 
     fresh = loop_train(x, "--iterations", "2", "--seed", "1", "--overwrite_output_dir", "true")
     assert fresh.returncode == 0, fresh.stderr[-3000:]
-    assert f"overwrite_output_dir: deleting the previous run in {x}: checkpoint-2/, checkpoint-3/, metrics.jsonl" \
+    assert (
+        f"overwrite_output_dir: deleting the previous run in {x}: checkpoint-2/, checkpoint-3/, metrics.jsonl"
         in fresh.stderr
+    )
     # The new run's checkpoints survived rotation (the old checkpoint-3 would have outranked them) ...
     assert checkpoints(x) == ["checkpoint-1", "checkpoint-2"]
     assert read_loop_state(x / "checkpoint-2")["settings"]["seed"] == 1
@@ -112,12 +155,24 @@ def test_looptrainer_train_refuses_another_runs_output_dir_too(tmp_path, vault_t
 
     env, model, tokenizer = vault_tiny
     (tmp_path / "checkpoint-12").mkdir()
-    args = LOOPConfig(output_dir=str(tmp_path), iterations=1, tasks_per_iteration=2, rollouts_per_task=2, max_turns=2,
-                      max_new_tokens_per_turn=3, max_trajectory_tokens=128, activation_checkpointing=False,
-                      disable_tqdm=True, report_to=[], memory_stress_test=False)
-    with LOOPTrainer(model, env, args, processing_class=tokenizer) as trainer:
-        with pytest.raises(CheckpointError, match="already holds another run's checkpoints \\(checkpoint-12\\)"):
-            trainer.train()
+    args = LOOPConfig(
+        output_dir=str(tmp_path),
+        iterations=1,
+        tasks_per_iteration=2,
+        rollouts_per_task=2,
+        max_turns=2,
+        max_new_tokens_per_turn=3,
+        max_trajectory_tokens=128,
+        activation_checkpointing=False,
+        disable_tqdm=True,
+        report_to=[],
+        memory_stress_test=False,
+    )
+    with (
+        LOOPTrainer(model, env, args, processing_class=tokenizer) as trainer,
+        pytest.raises(CheckpointError, match="already holds another run's checkpoints \\(checkpoint-12\\)"),
+    ):
+        trainer.train()
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-12"]
 
 
@@ -128,8 +183,10 @@ def test_resume_last_skips_incomplete_checkpoints_and_says_so(finished_run, tmp_
     (x / "checkpoint-9" / "model.safetensors").write_bytes(b"")
     resumed = loop_train(x, "--iterations", "4", "--resume_from_checkpoint", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resume_from_checkpoint last: skipping checkpoint-9 (no loop_state.json: incomplete); resuming from " \
-           "checkpoint-3" in resumed.stderr
+    assert (
+        "resume_from_checkpoint last: skipping checkpoint-9 (no loop_state.json: incomplete); resuming from "
+        "checkpoint-3" in resumed.stderr
+    )
     assert [m["iteration"] for m in metrics(x)] == [1, 2, 3, 4]
     # The incomplete directory neither counts nor is deleted by rotation: the complete ones stay.
     assert checkpoints(x) == ["checkpoint-3", "checkpoint-4", "checkpoint-9"]
@@ -141,18 +198,23 @@ def test_resume_last_skips_incomplete_checkpoints_and_says_so(finished_run, tmp_
     assert error_line(none) == (
         f"loop-train: error: resume_from_checkpoint: no complete checkpoint in {x} (checkpoint-3, checkpoint-4, "
         "checkpoint-9 have no loop_state.json): nothing to resume; start over with --overwrite_output_dir true, "
-        "or choose another output_dir")
+        "or choose another output_dir"
+    )
 
 
 # --- defect 4: changed settings on resume ---------------------------------------------------------------------
-@pytest.mark.parametrize("flags, named", [
-    (["--learning_rate", "0.1"], "learning_rate 0.0006 -> 0.1"),
-    (["--seed", "1"], "seed 0 -> 1"),
-    (["--tasks_per_iteration", "3"], "tasks_per_iteration 2 -> 3"),
-    (["--rollouts_per_task", "3"], "rollouts_per_task 2 -> 3"),
-    (["--environment_kwargs", '{"num_tasks": 6}'], 'environment_kwargs {"num_tasks": 8} -> {"num_tasks": 6}'),
-    (["--epsilon", "0.2", "--ppo_epochs", "1"], "ppo_epochs 2 -> 1, epsilon 0.1 -> 0.2"),
-], ids=["learning_rate", "seed", "tasks_per_iteration", "rollouts_per_task", "environment_kwargs", "two"])
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--learning_rate", "0.1"], "learning_rate 0.0006 -> 0.1"),
+        (["--seed", "1"], "seed 0 -> 1"),
+        (["--tasks_per_iteration", "3"], "tasks_per_iteration 2 -> 3"),
+        (["--rollouts_per_task", "3"], "rollouts_per_task 2 -> 3"),
+        (["--environment_kwargs", '{"num_tasks": 6}'], 'environment_kwargs {"num_tasks": 8} -> {"num_tasks": 6}'),
+        (["--epsilon", "0.2", "--ppo_epochs", "1"], "ppo_epochs 2 -> 1, epsilon 0.1 -> 0.2"),
+    ],
+    ids=["learning_rate", "seed", "tasks_per_iteration", "rollouts_per_task", "environment_kwargs", "two"],
+)
 def test_a_changed_setting_on_resume_is_refused_naming_it(finished_run, tmp_path, flags, named):
     x = copy_of(finished_run, tmp_path)
     refused = loop_train(x, "--iterations", "4", "--resume_from_checkpoint", "last", *flags)
@@ -165,11 +227,22 @@ def test_a_changed_setting_on_resume_is_refused_naming_it(finished_run, tmp_path
 
 def test_a_changed_setting_allowed_on_resume_is_applied_and_recorded(finished_run, tmp_path):
     x = copy_of(finished_run, tmp_path)
-    resumed = loop_train(x, "--iterations", "5", "--resume_from_checkpoint", "last", "--learning_rate", "0.1",
-                         "--resume_with_changed_settings", "true")
+    resumed = loop_train(
+        x,
+        "--iterations",
+        "5",
+        "--resume_from_checkpoint",
+        "last",
+        "--learning_rate",
+        "0.1",
+        "--resume_with_changed_settings",
+        "true",
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert ("resume_with_changed_settings: learning_rate changed 0.0006 -> 0.1 from iteration 4 on (applied"
-            in resumed.stderr)
+    assert (
+        "resume_with_changed_settings: learning_rate changed 0.0006 -> 0.1 from iteration 4 on (applied"
+        in resumed.stderr
+    )
     # applied: the optimizer's learning rate (not only the config's) is the new one, also after scheduler steps
     assert [m["learning_rate"] for m in metrics(x)] == [0.0006] * 3 + [0.1] * 2
     # recorded: in the checkpoint, recipe.yaml and the model card
@@ -194,16 +267,22 @@ def test_a_run_that_fails_before_its_first_checkpoint_does_not_advise_resuming(t
     assert result.returncode == 1
     line = error_line(result)
     assert line.startswith("loop-train: error: 4 of 4 rollouts failed")
-    assert "resume_from_checkpoint" not in line and line.endswith("run it again from the start (no checkpoint was saved)")
+    assert "resume_from_checkpoint" not in line and line.endswith(
+        "run it again from the start (no checkpoint was saved)"
+    )
     assert checkpoints(tmp_path / "run") == []
 
 
 def test_ctrl_c_prints_one_line_and_exits_130_with_the_checkpoints_complete(tmp_path):
     output = tmp_path / "run"
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "loop_trainer.cli.train", *TINY, "--output_dir", str(output),
-                                "--iterations", "200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=environment)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "loop_trainer.cli.train", *TINY, "--output_dir", str(output), "--iterations", "200"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment,
+    )
     deadline = time.monotonic() + 300
     while not (output / "checkpoint-2" / "loop_state.json").exists() and time.monotonic() < deadline:
         assert process.poll() is None, process.communicate()[1][-3000:]
@@ -215,7 +294,8 @@ def test_ctrl_c_prints_one_line_and_exits_130_with_the_checkpoints_complete(tmp_
     last = checkpoints(output)[-1]
     assert stderr.strip().splitlines()[-1] == (
         f"loop-train: interrupted; the newest checkpoint is from iteration {last.split('-')[1]}: resume with "
-        "--resume_from_checkpoint last (later iterations are redone)")
+        "--resume_from_checkpoint last (later iterations are redone)"
+    )
     assert all((output / name / "loop_state.json").is_file() for name in checkpoints(output))
 
 
@@ -226,10 +306,9 @@ def test_ctrl_c_while_a_checkpoint_is_published_completes_it_first(tmp_path):
         os.kill(os.getpid(), signal.SIGINT)
         return {"iteration": 1, "task_sampler": {"epoch": 0, "position": 2}, "history": []}
 
-    with pytest.raises(KeyboardInterrupt):
-        with stager.staged(tmp_path, 1, loop_state) as staging:
-            (staging / "checkpoint-1").mkdir(parents=True)
-            (staging / "checkpoint-1" / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(KeyboardInterrupt), stager.staged(tmp_path, 1, loop_state) as staging:
+        (staging / "checkpoint-1").mkdir(parents=True)
+        (staging / "checkpoint-1" / "model.safetensors").write_bytes(b"weights")
     assert read_loop_state(tmp_path / "checkpoint-1")["iteration"] == 1
     assert (tmp_path / "checkpoint-1" / "model.safetensors").read_bytes() == b"weights"
     assert not (tmp_path / ".staging-checkpoint").exists()
@@ -240,7 +319,8 @@ def test_an_environment_that_fails_to_close_after_a_finished_run_is_a_warning(tm
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("loop-train: ")]
-    assert warnings == ["loop-train: warning: closing the environment 'vault' failed "
-                        "(RuntimeError: the tool server went away first)"]
+    assert warnings == [
+        "loop-train: warning: closing the environment 'vault' failed (RuntimeError: the tool server went away first)"
+    ]
     assert "LOOP: 1 iterations on 'vault'." in result.stdout
     assert (tmp_path / "run" / "model.safetensors").is_file()

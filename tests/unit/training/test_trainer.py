@@ -11,22 +11,46 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from support.helpers import ScriptedBackend
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.envs.base import Environment, Episode, Score, Step
+from loop_trainer.models.tiny import load_tokenizer
 from loop_trainer.training.activation_checkpointing import is_checkpointing
 from loop_trainer.training.run_log import read_metrics
-from loop_trainer.models.tiny import load_tokenizer
+from support.helpers import ScriptedBackend
 
-REQUIRED_METRICS = {"iteration", "reward_mean", "reward_std", "num_rollouts", "num_kept", "tokens", "clip_frac",
-                    "kl", "grad_norm", "seconds", "sampler_logprob_diff", "rollout_seconds", "update_seconds"}
+REQUIRED_METRICS = {
+    "iteration",
+    "reward_mean",
+    "reward_std",
+    "num_rollouts",
+    "num_kept",
+    "tokens",
+    "clip_frac",
+    "kl",
+    "grad_norm",
+    "seconds",
+    "sampler_logprob_diff",
+    "rollout_seconds",
+    "update_seconds",
+}
 
 
 def tiny_args(tmp_path, **overrides) -> LOOPConfig:
-    base = dict(output_dir=str(tmp_path / "run"), iterations=2, tasks_per_iteration=4, rollouts_per_task=4,
-                minibatch_size=8, max_turns=4, max_new_tokens_per_turn=4, max_trajectory_tokens=256,
-                learning_rate=3e-3, activation_checkpointing=False, per_device_train_batch_size=8,
-                disable_tqdm=True, seed=0)
+    base = {
+        "output_dir": str(tmp_path / "run"),
+        "iterations": 2,
+        "tasks_per_iteration": 4,
+        "rollouts_per_task": 4,
+        "minibatch_size": 8,
+        "max_turns": 4,
+        "max_new_tokens_per_turn": 4,
+        "max_trajectory_tokens": 256,
+        "learning_rate": 3e-3,
+        "activation_checkpointing": False,
+        "per_device_train_batch_size": 8,
+        "disable_tqdm": True,
+        "seed": 0,
+    }
     base.update(overrides)
     return LOOPConfig(**base)
 
@@ -122,7 +146,7 @@ def test_groups_with_equal_rewards_are_dropped(tmp_path, vault_tiny):
     weights = [p.detach().clone() for p in model.parameters()]
     record = trainer.run_iteration()
     assert record["num_kept"] == 0 and record["optimizer_steps"] == 0
-    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
 
 
 class Counter(TrainerCallback):
@@ -146,7 +170,7 @@ def test_train_end_to_end_writes_metrics_curve_and_a_loadable_model(tmp_path, va
     records = read_metrics(args.output_dir)
     assert [r["iteration"] for r in records] == [1, 2]
     for record in records:
-        assert REQUIRED_METRICS <= record.keys()
+        assert record.keys() >= REQUIRED_METRICS
         assert record["num_rollouts"] == 16
         assert record["sampler_logprob_diff"] < 1e-4  # sampler and trainer agree on the same policy
     assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 10_000
@@ -168,7 +192,7 @@ def test_train_end_to_end_writes_metrics_curve_and_a_loadable_model(tmp_path, va
     checkpoints = sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*"))
     assert checkpoints == ["checkpoint-1", "checkpoint-2"]  # one per iteration, atomically published
     assert (tmp_path / "run" / "checkpoint-2" / "loop_state.json").is_file()
-    for (name, a), b in zip(trainer.model.state_dict().items(), reloaded.state_dict().values()):
+    for (name, a), b in zip(trainer.model.state_dict().items(), reloaded.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -237,7 +261,8 @@ def test_the_memory_stress_test_runs_the_longest_trajectory_before_iteration_one
     env, model, tok = vault_tiny
     shapes = []
     hook = model.model.embed_tokens.register_forward_hook(
-        lambda module, inputs, output: shapes.append((module.training, tuple(inputs[0].shape))))
+        lambda module, inputs, output: shapes.append((module.training, tuple(inputs[0].shape)))
+    )
     args = tiny_args(tmp_path, iterations=1, max_trajectory_tokens=200, per_device_train_batch_size=2)
     LOOPTrainer(model, env, args, processing_class=tok).train()
     hook.remove()
@@ -257,12 +282,31 @@ def test_an_out_of_memory_stress_test_names_the_knobs(tmp_path, vault_tiny, monk
     trainer = LOOPTrainer(model, env, tiny_args(tmp_path, iterations=1), processing_class=tok)
     with pytest.raises(MemoryStressTestFailed, match="memory stress test: a forward\\+backward of 8 trajectory"):
         trainer.train()
-    status = cli(["--model_name_or_path", "tiny:vault", "--output_dir", str(tmp_path / "cli"), "--iterations", "1",
-                  "--max_trajectory_tokens", "300", "--disable_tqdm", "true"])
+    status = cli(
+        [
+            "--model_name_or_path",
+            "tiny:vault",
+            "--output_dir",
+            str(tmp_path / "cli"),
+            "--iterations",
+            "1",
+            "--max_trajectory_tokens",
+            "300",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 1 and len(err) == 1
     assert "of 300 tokens ran out of memory on cpu (CUDA out of memory. Tried to allocate 18.00 GiB)" in err[0]
-    for knob in ("max_training_tokens", "activation_checkpointing", "use_peft", "ZeRO-3", "--dry-run", "memory_stress_test: false"):
+    for knob in (
+        "max_training_tokens",
+        "activation_checkpointing",
+        "use_peft",
+        "ZeRO-3",
+        "--dry-run",
+        "memory_stress_test: false",
+    ):
         assert knob in err[0]
 
 
@@ -289,7 +333,9 @@ def test_train_releases_what_it_opened_and_the_trainer_is_a_context_manager(tmp_
     env, model, tok = vault_tiny
     env.close = lambda: pytest.fail("the environment is its creator's to close")
     closed = []
-    with LOOPTrainer(model, env, tiny_args(tmp_path, iterations=1, save_strategy="no"), processing_class=tok) as trainer:
+    with LOOPTrainer(
+        model, env, tiny_args(tmp_path, iterations=1, save_strategy="no"), processing_class=tok
+    ) as trainer:
         engine = trainer.rollout_engine
         engine.close = lambda close=engine.close: (closed.append("engine"), close())
         trainer.train()
@@ -317,7 +363,7 @@ def test_the_generator_sleeps_after_a_periodic_evaluation_before_the_checkpoint(
 
         def __call__(self, version):
             calls.append(("sync", version))
-            return SimpleNamespace(seconds=0.0, logprob_diff_max=0.0, metrics=lambda: {})
+            return SimpleNamespace(seconds=0.0, logprob_diff_max=0.0, metrics=dict)
 
         def close(self):
             pass
@@ -330,8 +376,7 @@ def test_the_generator_sleeps_after_a_periodic_evaluation_before_the_checkpoint(
     trainer = LOOPTrainer(model, env, args, processing_class=tok, callbacks=[SaveRecorder()])
     trainer.generator.weight_sync = RecordingSync()
     trainer.train()
-    assert calls == [("sync", 0), "sleep", ("sync", 1), "sleep", "save",
-                     "sleep", ("sync", 2), "sleep", "save"]
+    assert calls == [("sync", 0), "sleep", ("sync", 1), "sleep", "save", "sleep", ("sync", 2), "sleep", "save"]
 
 
 def test_a_custom_backend_without_temperature_control_refuses_eval_temperature(tmp_path, vault_tiny):

@@ -19,14 +19,22 @@ from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.chat import stop_token_ids
 from loop_trainer.training import trainer as trainer_module
 from loop_trainer.training import trainer_hooks as hooks_module
+from loop_trainer.training import trainer_sampling as sampling_module
 from loop_trainer.training.batching import TrainingSample, collate
 from loop_trainer.training.logprobs import token_logprobs
 from loop_trainer.trajectory import Trajectory
 
 ROOT = Path(__file__).resolve().parents[3]
 # The private Trainer hooks trainer.py uses (called or overridden); the module docstring lists the same.
-PINNED_HOOKS = {"_inner_training_loop", "_init_training_state", "_prepare_for_training", "_load_rng_state",
-                "_save_checkpoint", "_get_output_dir", "_push_from_checkpoint"}
+PINNED_HOOKS = {
+    "_inner_training_loop",
+    "_init_training_state",
+    "_prepare_for_training",
+    "_load_rng_state",
+    "_save_checkpoint",
+    "_get_output_dir",
+    "_push_from_checkpoint",
+}
 
 
 def params(fn) -> list[str]:
@@ -35,14 +43,20 @@ def params(fn) -> list[str]:
 
 def test_the_trainer_uses_no_private_api_but_the_pinned_hooks_and_says_so():
     used, overridden = set(), set()
-    for module in (trainer_module, hooks_module):
+    for module in (trainer_module, hooks_module, sampling_module):  # LOOPTrainer's class and its bases
         source = Path(module.__file__).read_text()
         tree = ast.parse(source)
         own = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
-        used |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
-                 and re.fullmatch(r"_[a-z][a-z_]*", node.attr) and hasattr(Trainer, node.attr)}
-        overridden |= {name for name in own if name.startswith("_") and not name.startswith("__")
-                       and hasattr(Trainer, name)}
+        used |= {
+            node.attr
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and re.fullmatch(r"_[a-z][a-z_]*", node.attr)
+            and hasattr(Trainer, node.attr)
+        }
+        overridden |= {
+            name for name in own if name.startswith("_") and not name.startswith("__") and hasattr(Trainer, name)
+        }
         assert "from trl" not in source and "import trl" not in source  # TRL's public API: model_loading only
     assert used | overridden == PINNED_HOOKS
     docstring = ast.get_docstring(ast.parse(Path(trainer_module.__file__).read_text()))
@@ -52,7 +66,12 @@ def test_the_trainer_uses_no_private_api_but_the_pinned_hooks_and_says_so():
 
 def test_inner_training_loop_is_what_train_calls():
     assert params(Trainer._inner_training_loop) == [
-        "self", "batch_size", "args", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"
+        "self",
+        "batch_size",
+        "args",
+        "resume_from_checkpoint",
+        "trial",
+        "ignore_keys_for_eval",
     ]
     assert "inner_training_loop" in inspect.getsource(Trainer.train)
     assert params(LOOPTrainer._inner_training_loop) == params(Trainer._inner_training_loop)
@@ -61,7 +80,12 @@ def test_inner_training_loop_is_what_train_calls():
 
 def test_training_state_and_preparation_helpers():
     assert params(Trainer._init_training_state) == [
-        "self", "max_steps", "num_update_steps_per_epoch", "num_train_epochs", "resume_from_checkpoint", "trial"
+        "self",
+        "max_steps",
+        "num_update_steps_per_epoch",
+        "num_train_epochs",
+        "resume_from_checkpoint",
+        "trial",
     ]
     assert params(Trainer._prepare_for_training) == ["self", "max_steps", "train_dataloader", "resume_from_checkpoint"]
     source = inspect.getsource(Trainer._prepare_for_training)
@@ -74,13 +98,20 @@ def test_checkpoint_helpers_loop_resume_relies_on():
     # there and pushes through _push_from_checkpoint; the RNG state files are what _load_rng_state restores.
     assert params(Trainer._save_checkpoint)[:3] == ["self", "model", "trial"]
     source = inspect.getsource(Trainer._save_checkpoint)
-    for needed in ("self._get_output_dir(trial=trial)", "self._save_rng_state(output_dir)", "rotate_checkpoints(",
-                   "self._push_from_checkpoint(output_dir)"):
+    for needed in (
+        "self._get_output_dir(trial=trial)",
+        "self._save_rng_state(output_dir)",
+        "rotate_checkpoints(",
+        "self._push_from_checkpoint(output_dir)",
+    ):
         assert needed in source, needed
     assert params(Trainer._get_output_dir) == ["self", "trial"]
     assert params(Trainer._load_rng_state) == ["self", "checkpoint"]
-    assert params(Trainer._push_from_checkpoint) == params(LOOPTrainer._push_from_checkpoint) == [
-        "self", "checkpoint_folder"]
+    assert (
+        params(Trainer._push_from_checkpoint)
+        == params(LOOPTrainer._push_from_checkpoint)
+        == ["self", "checkpoint_folder"]
+    )
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
     assert PREFIX_CHECKPOINT_DIR == "checkpoint"
@@ -94,10 +125,16 @@ def test_constructor_takes_grpo_trainers_arguments_and_builds_no_optimizer_yet(t
     grpo = params(GRPOTrainer.__init__)
     ours = params(LOOPTrainer.__init__)
     # the same names in the same order (the one-word switch), but the second: an Environment or reward_funcs
-    assert ours[:len(grpo)] == ["self", "model", "env", *grpo[3:]] and grpo[2] == "reward_funcs" in ours
+    assert ours[: len(grpo)] == ["self", "model", "env", *grpo[3:]] and grpo[2] == "reward_funcs" in ours
     env, model, tok = vault_tiny
-    args = LOOPConfig(output_dir=str(tmp_path), iterations=1, tasks_per_iteration=1, rollouts_per_task=2,
-                      activation_checkpointing=False, disable_tqdm=True)
+    args = LOOPConfig(
+        output_dir=str(tmp_path),
+        iterations=1,
+        tasks_per_iteration=1,
+        rollouts_per_task=2,
+        activation_checkpointing=False,
+        disable_tqdm=True,
+    )
     trainer = LOOPTrainer(model, env, args, processing_class=tok)
     assert stop_token_ids(trainer.model, tok) == [tok.eos_token_id]
     assert trainer.optimizer is None  # created by _prepare_for_training, not __init__
@@ -106,8 +143,14 @@ def test_constructor_takes_grpo_trainers_arguments_and_builds_no_optimizer_yet(t
 
 def test_fused_lm_head_returns_shifted_token_logprobs(tmp_path, vault_tiny):
     env, model, tok = vault_tiny
-    args = LOOPConfig(output_dir=str(tmp_path), iterations=1, tasks_per_iteration=1, rollouts_per_task=2,
-                      activation_checkpointing=False, disable_tqdm=True)
+    args = LOOPConfig(
+        output_dir=str(tmp_path),
+        iterations=1,
+        tasks_per_iteration=1,
+        rollouts_per_task=2,
+        activation_checkpointing=False,
+        disable_tqdm=True,
+    )
     LOOPTrainer(model, env, args, processing_class=tok).close()  # installs the fused head
     ids = [3, 7, 9, 11, 13, 17]
     t = Trajectory(task_id="x", group=0, token_ids=ids, loss_mask=[0, 0, 1, 1, 0, 1], sampler_logprobs=[0.0] * 6)

@@ -19,11 +19,40 @@ VARIANTS = {
     "loop-std-normalised": ["--std_normalize_advantages", "true"],
     "grpo-without-kl": ["--advantage_estimator", "group_mean", "--std_normalize_advantages", "true"],
 }
-SMALL = ["--model_name_or_path", "tiny:vault", "--environment_kwargs", '{"num_tasks": 8}', "--iterations", "2",
-         "--tasks_per_iteration", "4", "--rollouts_per_task", "3", "--minibatch_size", "4", "--max_turns", "4",
-         "--max_new_tokens_per_turn", "4", "--max_trajectory_tokens", "256", "--per_device_train_batch_size", "4",
-         "--activation_checkpointing", "false", "--advantage_threshold", "0.0", "--learning_rate", "1e-2",
-         "--disable_tqdm", "true", "--save_strategy", "no", "--seed", "0"]
+SMALL = [
+    "--model_name_or_path",
+    "tiny:vault",
+    "--environment_kwargs",
+    '{"num_tasks": 8}',
+    "--iterations",
+    "2",
+    "--tasks_per_iteration",
+    "4",
+    "--rollouts_per_task",
+    "3",
+    "--minibatch_size",
+    "4",
+    "--max_turns",
+    "4",
+    "--max_new_tokens_per_turn",
+    "4",
+    "--max_trajectory_tokens",
+    "256",
+    "--per_device_train_batch_size",
+    "4",
+    "--activation_checkpointing",
+    "false",
+    "--advantage_threshold",
+    "0.0",
+    "--learning_rate",
+    "1e-2",
+    "--disable_tqdm",
+    "true",
+    "--save_strategy",
+    "no",
+    "--seed",
+    "0",
+]
 
 
 @pytest.mark.slow
@@ -50,8 +79,23 @@ def test_unknown_variant_values_are_one_line(capsys):
 @pytest.mark.slow
 def test_grpo_with_a_kl_penalty_to_the_adapter_disabled_base(tmp_path):
     out = tmp_path / "grpo"
-    flags = ["--advantage_estimator", "group_mean", "--std_normalize_advantages", "true", "--beta", "0.04",
-             "--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "q_proj", "v_proj"]
+    flags = [
+        "--advantage_estimator",
+        "group_mean",
+        "--std_normalize_advantages",
+        "true",
+        "--beta",
+        "0.04",
+        "--use_peft",
+        "true",
+        "--lora_r",
+        "4",
+        "--lora_alpha",
+        "8",
+        "--lora_target_modules",
+        "q_proj",
+        "v_proj",
+    ]
     assert cli([*SMALL, "--output_dir", str(out), *flags]) == 0
     records = read_metrics(out)
     assert len(records) == 2 and all(r["optimizer_steps"] > 0 for r in records)
@@ -70,12 +114,31 @@ def test_the_kl_penalty_is_exactly_zero_while_the_adapter_is_untouched(tmp_path,
     from loop_trainer import LOOPConfig, LOOPTrainer
 
     env, model, tok = vault_tiny
-    args = LOOPConfig(output_dir=str(tmp_path / "run"), iterations=1, tasks_per_iteration=4, rollouts_per_task=3,
-                      minibatch_size=4, max_turns=3, max_new_tokens_per_turn=4, max_trajectory_tokens=200,
-                      per_device_train_batch_size=4, activation_checkpointing=False, advantage_threshold=0.0,
-                      learning_rate=5e-2, beta=0.5, disable_tqdm=True, report_to=[], save_strategy="no")
-    trainer = LOOPTrainer(model, env, args, processing_class=tok,
-                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    args = LOOPConfig(
+        output_dir=str(tmp_path / "run"),
+        iterations=1,
+        tasks_per_iteration=4,
+        rollouts_per_task=3,
+        minibatch_size=4,
+        max_turns=3,
+        max_new_tokens_per_turn=4,
+        max_trajectory_tokens=200,
+        per_device_train_batch_size=4,
+        activation_checkpointing=False,
+        advantage_threshold=0.0,
+        learning_rate=5e-2,
+        beta=0.5,
+        disable_tqdm=True,
+        report_to=[],
+        save_strategy="no",
+    )
+    trainer = LOOPTrainer(
+        model,
+        env,
+        args,
+        processing_class=tok,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
     trainer.prepare_for_iterations()
     steps, step = [], trainer.policy_update.minibatch_step
 
@@ -112,8 +175,15 @@ def _policy_update(model, pad_token_id, **overrides):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # steps taken, weights unchanged
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     strategy = DistributionStrategy(Accelerator(cpu=True), model, optimizer, scheduler, max_grad_norm=1.0)
-    settings = dict(epsilon=0.1, minibatch_size=2, ppo_epochs=1, micro_batch_size=2, kl_abort_threshold=20.0,
-                    seed=0, pad_token_id=pad_token_id)
+    settings = {
+        "epsilon": 0.1,
+        "minibatch_size": 2,
+        "ppo_epochs": 1,
+        "micro_batch_size": 2,
+        "kl_abort_threshold": 20.0,
+        "seed": 0,
+        "pad_token_id": pad_token_id,
+    }
     settings.update(overrides)
     return PolicyUpdate(UpdateSettings(**settings), strategy, contextlib.nullcontext, reference=contextlib.nullcontext)
 
@@ -125,8 +195,11 @@ def _samples(tokenizer):
     out = []
     for reply, advantage in (("find ann", 1.0), ("open k3", -1.0), ("find ann", 0.5), ("open k3", -0.5)):
         ids = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
-        out.append(TrainingSample(prompt + ids, [0] * len(prompt) + [1] * len(ids), [-1.0] * (len(prompt) + len(ids)),
-                                  advantage, False))
+        out.append(
+            TrainingSample(
+                prompt + ids, [0] * len(prompt) + [1] * len(ids), [-1.0] * (len(prompt) + len(ids)), advantage, False
+            )
+        )
     return out
 
 
@@ -172,8 +245,18 @@ def test_the_kl_abort_is_decided_once_in_the_minibatch_step(vault_tiny):
     def scripted(samples_, fixed_, minibatch):
         calls.append(minibatch)
         exceeded = len(calls) == 3
-        return StepResult(loss=0.0, clip_frac=0.0, kl=1e9 if not exceeded else 0.0, ratio_mean=1.0, ratio_min=1.0,
-                          ratio_max=1.0, num_tokens=1.0, grad_norm=0.0, stepped=not exceeded, kl_exceeded=exceeded)
+        return StepResult(
+            loss=0.0,
+            clip_frac=0.0,
+            kl=1e9 if not exceeded else 0.0,
+            ratio_mean=1.0,
+            ratio_min=1.0,
+            ratio_max=1.0,
+            num_tokens=1.0,
+            grad_norm=0.0,
+            stepped=not exceeded,
+            kl_exceeded=exceeded,
+        )
 
     update.minibatch_step = scripted
     metrics = update(samples, iteration=0)
@@ -183,8 +266,8 @@ def test_the_kl_abort_is_decided_once_in_the_minibatch_step(vault_tiny):
 def test_the_stream_seed_keeps_the_recorded_stream():
     """The recorded demo run depends on this exact formula (see stream_seed's docstring)."""
     from loop_trainer.rollout import mix_seed
-    from loop_trainer.training.batching import minibatch_indices
     from loop_trainer.rollout.records import stream_seed
+    from loop_trainer.training.batching import minibatch_indices
 
     assert [stream_seed(0, i) for i in range(3)] == [0, 1, 2]
     assert stream_seed(7, 5) == 7 * 1_000_003 + 5 != mix_seed(7, 5)

@@ -8,7 +8,10 @@ import json
 import re
 import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 __all__ = ["action_class", "action_tool", "default_observation_text"]
 
@@ -31,7 +34,7 @@ def default_observation_text(observation: Any) -> str:
     return json.dumps(fields, ensure_ascii=False, default=str)
 
 
-def action_class(client_type: type) -> type | None:
+def action_class(client_type: type) -> type[BaseModel] | None:
     """The pydantic Action of ``EnvClient[Action, Observation, State]``, if the class says."""
     from pydantic import BaseModel
 
@@ -48,10 +51,16 @@ def action_tool(schema: Mapping[str, Any], name: str | None, environment: str) -
     bookkeeping, not the model's to set), field titles dropped (they repeat the names)."""
     title = re.sub(r"Action$", "", str(schema.get("title", "")))
     name = name or re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", title).lower() or "step"
-    properties = {key: {k: v for k, v in value.items() if k != "title"}
-                  for key, value in schema.get("properties", {}).items() if key != "metadata"}
-    parameters = {"type": "object", "properties": properties,
-                  "required": [key for key in schema.get("required", []) if key != "metadata"]}
+    properties = {
+        key: {k: v for k, v in value.items() if k != "title"}
+        for key, value in schema.get("properties", {}).items()
+        if key != "metadata"
+    }
+    parameters = {
+        "type": "object",
+        "properties": properties,
+        "required": [key for key in schema.get("required", []) if key != "metadata"],
+    }
     if "$defs" in schema:
         parameters["$defs"] = schema["$defs"]
     description = schema.get("description") or f"Act in the {environment} environment (one step)."

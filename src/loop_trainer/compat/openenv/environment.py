@@ -7,9 +7,9 @@ episodes need the WebSocket: every LOOP episode opens its own session in ``start
 ``close``. ``client`` is an ``EnvClient`` subclass (with ``base_url``), a zero-argument factory
 returning a client or an awaitable of one (your own launcher), or a client instance, whose
 ``new_session()`` gives each episode its session against the one server (a container the instance
-started, e.g. with ``from_docker_image``, is shared; ``Environment.close()`` closes the instance). The client's async API runs on the rollout
-engine's event loop: episodes are I/O-bound, and a coroutine is cancelled on ``env_timeout``
-where a synchronous ``.sync()`` client would be abandoned in its thread.
+started, e.g. with ``from_docker_image``, is shared; ``Environment.close()`` closes the instance).
+The client's async API runs on the rollout engine's event loop: episodes are I/O-bound, and a
+coroutine is cancelled on ``env_timeout`` where a synchronous ``.sync()`` client would be abandoned in its thread.
 
 * Tasks: OpenEnv has no dataset. ``tasks`` holds the ``reset()`` keyword arguments, one row per task
   (an int N: seeds 0..N-1). The opening is ``system_prompt`` (if any), then one user message: the
@@ -31,6 +31,8 @@ where a synchronous ``.sync()`` client would be abandoned in its thread.
   (``SUPPORTS_CONCURRENT_SESSIONS = True``, ``create_app(..., max_concurrent_envs=N)``); pass the same N
   as ``max_concurrent_episodes``. A refused session is retried for ``capacity_wait`` seconds, then fails
   the rollout with one line saying what to raise.
+
+The environment is here; an episode, one client session, is :class:`~.episode.OpenEnvEpisode`.
 """
 
 from __future__ import annotations
@@ -38,28 +40,28 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import re
-import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from datasets import Dataset
 
-from ...envs.base import (Environment, EnvironmentSetupError, Episode, EpisodeContractError, Message, Reply, Score, Step,
-                   UnknownSplitError, with_task_ids)
+from ...envs.base import Environment, EnvironmentSetupError, UnknownSplitError, with_task_ids
+from ..trl.tool_calls import prepare_tokenizer
 from .actions import action_class, action_tool, default_observation_text
-from ..trl.tool_calls import malformed_call_message, parse_reply, prepare_tokenizer
+from .episode import OpenEnvEpisode
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 __all__ = ["OpenEnvEnvironment", "default_observation_text", "from_openenv"]
 
-INSTALL = ("OpenEnv is not installed: pip install 'loop-trainer[openenv]' (with this project's pinned lock, "
-           "pip install --no-deps openenv==0.10.0: its gradio requirement, for the optional web UI only, conflicts "
-           "with the lock; the client needs websockets, a server fastapi, uvicorn and fastmcp)")
-SERVER_ERROR = re.compile(r"Server error: (.*) \(code: (\w+)\)$", re.S)  # EnvClient's RuntimeError text
-ACTION_ERRORS = ("VALIDATION_ERROR", "EXECUTION_ERROR")  # the action's fault: the model is told, not the run failed
+INSTALL = (
+    "OpenEnv is not installed: pip install 'loop-trainer[openenv]' (with this project's pinned lock, "
+    "pip install --no-deps openenv==0.10.0: its gradio requirement, for the optional web UI only, conflicts "
+    "with the lock; the client needs websockets, a server fastapi, uvicorn and fastmcp)"
+)
 
 
 def _openenv() -> Any:
@@ -85,8 +87,10 @@ def _rows(tasks: Any, argument: str, first_seed: int = 0) -> Dataset:
     if isinstance(tasks, Sequence) and not isinstance(tasks, str) and all(isinstance(r, Mapping) for r in tasks):
         tasks = Dataset.from_list([dict(row) for row in tasks])
     if not isinstance(tasks, Dataset):
-        raise ValueError(f"{argument} must be an int (seeds), a list of dicts or a datasets.Dataset of reset() "
-                         f"keyword arguments, got {type(tasks).__name__}")
+        raise ValueError(
+            f"{argument} must be an int (seeds), a list of dicts or a datasets.Dataset of reset() "
+            f"keyword arguments, got {type(tasks).__name__}"
+        )
     return with_task_ids(tasks, "task")
 
 
@@ -96,30 +100,49 @@ class OpenEnvEnvironment(Environment):
     name = "openenv"
     reward_range = (-float("inf"), float("inf"))
 
-    def __init__(self, client: Any, *, base_url: str | None = None, client_kwargs: Mapping[str, Any] | None = None,
-                 tasks: Any = 1, eval_tasks: Any = None, action_from_text: Callable[[str], Any] | None = None,
-                 action_class: type | None = None, tool_name: str | None = None,
-                 observation_text: Callable[[Any], str] = default_observation_text,
-                 reward: str | Callable[[list[Any]], float] = "sum", system_prompt: str | None = None,
-                 instructions: str | None = None, max_concurrent_episodes: int | None = None,
-                 capacity_wait: float = 10.0, name: str = "openenv"):
+    def __init__(
+        self,
+        client: Any,
+        *,
+        base_url: str | None = None,
+        client_kwargs: Mapping[str, Any] | None = None,
+        tasks: Any = 1,
+        eval_tasks: Any = None,
+        action_from_text: Callable[[str], Any] | None = None,
+        action_class: type[BaseModel] | None = None,
+        tool_name: str | None = None,
+        observation_text: Callable[[Any], str] = default_observation_text,
+        reward: str | Callable[[list[Any]], float] = "sum",
+        system_prompt: str | None = None,
+        instructions: str | None = None,
+        max_concurrent_episodes: int | None = None,
+        capacity_wait: float = 10.0,
+        name: str = "openenv",
+    ):
         self.mcp_client_class, self.call_tool_action = _openenv()
         if type(client).__name__ == "SyncEnvClient":
-            raise ValueError("from_openenv runs OpenEnv clients asynchronously: pass the client without .sync() "
-                             "(for a container: asyncio.run(MyEnv.from_docker_image(image)))")
+            raise ValueError(
+                "from_openenv runs OpenEnv clients asynchronously: pass the client without .sync() "
+                "(for a container: asyncio.run(MyEnv.from_docker_image(image)))"
+            )
         if reward not in ("sum", "last") and not callable(reward):
             raise ValueError(f"reward must be 'sum', 'last' or a function of the StepResults, got {reward!r}")
         if client_kwargs is not None and not isinstance(client, type):
-            raise ValueError("client_kwargs are for a client class (with base_url); a factory or an instance is "
-                             "already configured")
+            raise ValueError(
+                "client_kwargs are for a client class (with base_url); a factory or an instance is already configured"
+            )
         if action_from_text is not None and (action_class is not None or tool_name is not None):
-            raise ValueError("action_from_text (text mode) takes every reply as an action: action_class and tool_name "
-                             "are for tool mode; pass one mode's arguments")
-        self.parent = None
+            raise ValueError(
+                "action_from_text (text mode) takes every reply as an action: action_class and tool_name "
+                "are for tool mode; pass one mode's arguments"
+            )
+        self.parent: Any = None  # a client instance whose child sessions the episodes are
         if isinstance(client, type):
             if base_url is None:
-                raise ValueError(f"from_openenv({client.__name__}) needs base_url= (the OpenEnv server's URL), or pass "
-                                 "a client instance or a factory returning one")
+                raise ValueError(
+                    f"from_openenv({client.__name__}) needs base_url= (the OpenEnv server's URL), or pass "
+                    "a client instance or a factory returning one"
+                )
             self.factory = lambda: client(base_url=base_url, **dict(client_kwargs or {}))
         elif hasattr(client, "new_session"):  # an instance: each episode a child session of it
             self.parent, self.factory = client, client.new_session
@@ -145,8 +168,10 @@ class OpenEnvEnvironment(Environment):
 
     def tasks(self, split: str = "train") -> Dataset:
         if split not in self.datasets:
-            raise UnknownSplitError(f"this environment's splits are {', '.join(map(repr, self.datasets))} "
-                                    "(tasks, eval_tasks); set train_split / eval_split to one of them")
+            raise UnknownSplitError(
+                f"this environment's splits are {', '.join(map(repr, self.datasets))} "
+                "(tasks, eval_tasks); set train_split / eval_split to one of them"
+            )
         return self.datasets[split]
 
     def episode(self, task: Mapping[str, Any]) -> OpenEnvEpisode:
@@ -185,6 +210,7 @@ class OpenEnvEnvironment(Environment):
     def close(self) -> None:
         parent, self.parent = self.parent, None
         if parent is not None:
+
             async def close() -> None:  # works whichever execution mode the instance was locked to
                 result = parent.close()
                 if inspect.isawaitable(result):
@@ -207,8 +233,9 @@ class OpenEnvEnvironment(Environment):
             return
         if isinstance(client, self.mcp_client_class):
             if self.action_class is not None or self.tool_name is not None:
-                raise EnvironmentSetupError("an MCP client's tools are the server's own: action_class and tool_name "
-                                            "do not apply to it")
+                raise EnvironmentSetupError(
+                    "an MCP client's tools are the server's own: action_class and tool_name do not apply to it"
+                )
             self.mode = "mcp"
             return
         action = self.action_class or action_class(type(client))
@@ -218,8 +245,10 @@ class OpenEnvEnvironment(Environment):
             return
         base_url = getattr(client, "base_url", None) or self.base_url
         if base_url is None:
-            raise EnvironmentSetupError(f"{type(client).__name__} names no typed Action and has no base_url to read "
-                                        "the server's /schema from: pass action_class= or action_from_text=")
+            raise EnvironmentSetupError(
+                f"{type(client).__name__} names no typed Action and has no base_url to read "
+                "the server's /schema from: pass action_class= or action_from_text="
+            )
 
         def fetch() -> dict[str, Any]:
             with urllib.request.urlopen(f"{base_url}/schema", timeout=30) as response:
@@ -227,145 +256,6 @@ class OpenEnvEnvironment(Environment):
 
         self.tool = action_tool(await asyncio.to_thread(fetch), self.tool_name, self.name)
         self.mode = "untyped"
-
-
-class OpenEnvEpisode(Episode):
-    def __init__(self, env: OpenEnvEnvironment, task: Mapping[str, Any]):
-        self.env, self.task = env, task
-        self.reset_kwargs = {k: v for k, v in task.items() if k not in ("task_id", "prompt")}
-        self.client: Any = None
-        self.results: list[Any] = []
-        self.done, self.action_errors, self.last_observation = False, 0, ""
-
-    async def start(self) -> list[Message]:
-        env = self.env
-        deadline = time.monotonic() + env.capacity_wait
-        while True:
-            self.client = await env.new_client()
-            try:
-                reset = await self.client.reset(**self.reset_kwargs)
-                break
-            except RuntimeError as error:
-                match = SERVER_ERROR.search(str(error))
-                if match is None or match.group(2) != "CAPACITY_REACHED":
-                    raise
-                # a session that just closed frees its slot a moment later: wait a little, then say what to change
-                await self.close()
-                if time.monotonic() > deadline:
-                    limit = re.search(r"/(\d+) sessions", match.group(1))
-                    raise RuntimeError(
-                        f"the OpenEnv server refused a session ({match.group(1)}): let it run as many sessions as "
-                        "episodes run at once (create_app(..., max_concurrent_envs=N) and SUPPORTS_CONCURRENT_SESSIONS"
-                        " = True on its Environment), or cap LOOP's: from_openenv(..., max_concurrent_episodes="
-                        f"{limit.group(1) if limit else 'N'})") from None
-                env.counts["capacity_retries"] += 1
-                await asyncio.sleep(0.2)
-        if env.mode == "mcp":
-            self.tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                            "parameters": t.input_schema}}
-                          for t in await self.client.list_tools()]
-        elif env.mode != "text":
-            self.tools = [env.tool]
-        opening = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
-        prompt = self.task.get("prompt") or env.instructions
-        observation = env.observation_text(reset.observation)
-        text = "\n\n".join(part for part in (prompt, observation) if part)
-        return [*opening, {"role": "user", "content": text}]
-
-    async def step(self, reply: Reply) -> Step:
-        env = self.env
-        if env.mode == "text":
-            try:
-                action = env.action_from_text(str(reply))
-            except ValueError as error:  # pydantic's ValidationError is one: the reply is not an action
-                return Step([{"role": "user", "content": self._error(f"no action in this reply: {error}")}])
-            content = await self._act(action)
-            return Step(done=True) if self.done else Step([{"role": "user", "content": content}])
-        parsed = parse_reply(env.tokenizer, reply, self.tools)
-        calls = parsed.get("tool_calls")
-        if not calls:
-            malformed = malformed_call_message(env.tokenizer, parsed)
-            if malformed is None:
-                return Step(done=True)  # as in TRL: no call, the model is done
-            self._count_error()
-            return Step([malformed])
-        messages = []
-        for call in calls:
-            function = call.get("function") or {}
-            name = function.get("name", "unknown")
-            if call.get("type") != "function":
-                content = self._error(f"Unsupported tool call type: {call.get('type')}")
-            elif name not in {tool["function"]["name"] for tool in self.tools}:
-                content = self._error(f"Tool {name} not found.")
-            else:
-                content = await self._call(name, function.get("arguments") or {})
-            if self.done:
-                return Step(done=True)
-            messages.append({"role": "tool", "name": name, "content": content})
-        return Step(messages)
-
-    async def _call(self, name: str, arguments: Any) -> str:
-        env = self.env
-        if env.mode == "mcp":
-            return await self._act(env.call_tool_action(tool_name=name, arguments=dict(arguments)))
-        if env.mode == "untyped":  # GenericEnvClient: the server validates
-            return await self._act(dict(arguments))
-        try:
-            action = env.action_type(**arguments)
-        except (ValueError, TypeError) as error:  # pydantic's ValidationError is a ValueError
-            # pydantic's message spans lines and links its docs: one "field: problem" per error instead
-            problems = error.errors() if hasattr(error, "errors") else [{"loc": (), "msg": str(error)}]
-            text = "; ".join(f"{'.'.join(map(str, e['loc'])) or name}: {e['msg']}" for e in problems)
-            return self._error(f"invalid arguments for {name}: {text}")
-        return await self._act(action)
-
-    async def _act(self, action: Any) -> str:
-        """One ``step``: the observation's text, or the error the server reported for the action."""
-        try:
-            result = await self.client.step(action)
-        except RuntimeError as error:
-            match = SERVER_ERROR.search(str(error))
-            if match is None or match.group(2) not in ACTION_ERRORS:
-                raise  # a broken session, not a bad action: the rollout fails
-            return self._error(match.group(1))
-        self.results.append(result)
-        self.done = bool(result.done)
-        self.last_observation = self.env.observation_text(result.observation)
-        return self.last_observation
-
-    def _error(self, message: str) -> str:
-        self._count_error()
-        return str({"error": message})
-
-    def _count_error(self) -> None:
-        self.action_errors += 1
-        self.env.counts["action_errors"] += 1
-
-    def score(self) -> Score:
-        rewards = [result.reward for result in self.results]
-        if callable(self.env.reward):
-            reward = self.env.reward(self.results)
-        elif not rewards:
-            reward = 0.0  # the model never acted
-        elif all(value is None for value in rewards):
-            raise EpisodeContractError(f"the OpenEnv server gave no reward in any of this episode's {len(rewards)} "
-                                       "steps (every StepResult.reward is None): pass reward=<function of the "
-                                       "StepResults> to from_openenv")
-        elif self.env.reward == "last":
-            reward = rewards[-1] or 0.0
-        else:
-            reward = sum(value or 0.0 for value in rewards)
-        return Score(reward=reward, info={"steps": len(self.results), "rewards": rewards, "done": self.done,
-                                          "action_errors": self.action_errors,
-                                          "last_observation": self.last_observation})
-
-    async def close(self) -> None:
-        client, self.client = self.client, None
-        if client is not None:
-            await client.close()
-            parent = self.env.parent
-            with suppress(AttributeError, ValueError):  # new_session() keeps every child until its parent closes
-                parent._child_clients.remove(client)
 
 
 def from_openenv(client: Any, **kwargs: Any) -> OpenEnvEnvironment:

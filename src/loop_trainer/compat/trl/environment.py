@@ -34,8 +34,18 @@ from typing import Any
 
 from datasets import Dataset
 
-from ...envs.base import (Environment, EnvironmentSetupError, Episode, EpisodeContractError, Message, Reply, Score, Step,
-                   UnknownSplitError, with_task_ids)
+from ...envs.base import (
+    Environment,
+    EnvironmentSetupError,
+    Episode,
+    EpisodeContractError,
+    Message,
+    Reply,
+    Score,
+    Step,
+    UnknownSplitError,
+    with_task_ids,
+)
 from .tool_calls import call_tools, malformed_call_message, parse_reply, prepare_tokenizer, tool_functions
 
 __all__ = ["TRLAgentEnvironment"]
@@ -47,8 +57,11 @@ def _name(function: Callable) -> str:
 
 def _is_model(value: Any) -> bool:
     # GRPOTrainer also takes reward models (a model id, or a model): callable, but not as a reward function
-    return type(value).__module__.startswith(("torch.", "transformers.")) or hasattr(value, "config") and hasattr(
-        value, "forward")
+    return (
+        type(value).__module__.startswith(("torch.", "transformers."))
+        or hasattr(value, "config")
+        and hasattr(value, "forward")
+    )
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -62,22 +75,38 @@ class TRLAgentEnvironment(Environment):
     name = "trl"
     reward_range = (-math.inf, math.inf)
 
-    def __init__(self, train_dataset: Dataset, reward_funcs: Callable | Sequence[Callable] = (), *,
-                 tools: Sequence[Callable] = (), environment_factory: Callable | Mapping[str, Callable] | None = None,
-                 reward_weights: Sequence[float] | None = None, max_tool_calling_iterations: int | None = None,
-                 eval_dataset: Dataset | None = None, answer_malformed_calls: bool = False):
-        self.reward_funcs = [reward_funcs] if callable(reward_funcs) or isinstance(reward_funcs, str) \
-            else list(reward_funcs or ())
+    def __init__(
+        self,
+        train_dataset: Dataset,
+        reward_funcs: Callable | Sequence[Callable] = (),
+        *,
+        tools: Sequence[Callable] = (),
+        environment_factory: Callable | Mapping[str, Callable] | None = None,
+        reward_weights: Sequence[float] | None = None,
+        max_tool_calling_iterations: int | None = None,
+        eval_dataset: Dataset | None = None,
+        answer_malformed_calls: bool = False,
+    ):
+        self.reward_funcs = (
+            [reward_funcs] if callable(reward_funcs) or isinstance(reward_funcs, str) else list(reward_funcs or ())
+        )
         for function in self.reward_funcs:
             if not callable(function) or _is_model(function):
-                raise ValueError(f"reward_funcs: LOOP takes reward functions (callables); got {function!r}. Wrap a "
-                                 "reward model in a function that scores the completions")
+                raise ValueError(
+                    f"reward_funcs: LOOP takes reward functions (callables); got {function!r}. Wrap a "
+                    "reward model in a function that scores the completions"
+                )
         if reward_weights is not None and len(reward_weights) != len(self.reward_funcs):
-            raise ValueError(f"reward_weights has {len(reward_weights)} weights for {len(self.reward_funcs)} "
-                             "reward functions (reward_funcs): give one weight per function")
-        self.reward_weights = [1.0] * len(self.reward_funcs) if reward_weights is None else [float(w) for w in reward_weights]
-        self.factories = ({None: environment_factory} if callable(environment_factory)
-                          else dict(environment_factory or {}))
+            raise ValueError(
+                f"reward_weights has {len(reward_weights)} weights for {len(self.reward_funcs)} "
+                "reward functions (reward_funcs): give one weight per function"
+            )
+        self.reward_weights = (
+            [1.0] * len(self.reward_funcs) if reward_weights is None else [float(w) for w in reward_weights]
+        )
+        self.factories = (
+            {None: environment_factory} if callable(environment_factory) else dict(environment_factory or {})
+        )
         self.multi_environment = isinstance(environment_factory, Mapping)
         self.tools = list(tools or ())
         self.max_tool_calling_iterations = max_tool_calling_iterations
@@ -90,8 +119,10 @@ class TRLAgentEnvironment(Environment):
         for key, factory in self.factories.items():
             instance = factory()
             if not callable(getattr(instance, "reset", None)):
-                raise ValueError("Each environment instance returned by `environment_factory` must define a callable "
-                                 f"`reset` ({type(instance).__name__} does not)")
+                raise ValueError(
+                    "Each environment instance returned by `environment_factory` must define a callable "
+                    f"`reset` ({type(instance).__name__} does not)"
+                )
             self.pools[key] = [instance]
             self.has_get_reward[key] = inspect.isfunction(getattr(type(instance), "get_reward", None))
         if not self.reward_funcs and not any(self.has_get_reward.values()):
@@ -108,22 +139,28 @@ class TRLAgentEnvironment(Environment):
         if not isinstance(dataset, Dataset):
             raise ValueError(f"{argument} must be a datasets.Dataset, got {type(dataset).__name__}")
         if "prompt" not in dataset.column_names and not self.factories:
-            raise ValueError(f"{argument} needs a 'prompt' column (a conversation or a string); it has: "
-                             + ", ".join(dataset.column_names))
+            raise ValueError(
+                f"{argument} needs a 'prompt' column (a conversation or a string); it has: "
+                + ", ".join(dataset.column_names)
+            )
         if self.multi_environment:
             names = set(dataset["environment"]) if "environment" in dataset.column_names else {None}
             unknown = sorted(str(n) for n in names - set(self.factories))
             if unknown:
-                raise ValueError(f"{argument}: rows name environment {unknown[0]!r}, not among environment_factory's "
-                                 f"({', '.join(map(str, self.factories))}); every row needs an 'environment' column "
-                                 "naming one of them")
+                raise ValueError(
+                    f"{argument}: rows name environment {unknown[0]!r}, not among environment_factory's "
+                    f"({', '.join(map(str, self.factories))}); every row needs an 'environment' column "
+                    "naming one of them"
+                )
         self.user_columns.update(dataset.column_names)
         return with_task_ids(dataset, "row")
 
     def tasks(self, split: str = "train") -> Dataset:
         if split not in self.datasets:
-            raise UnknownSplitError(f"this environment's splits are {', '.join(map(repr, self.datasets))} "
-                                    "(train_dataset, eval_dataset); set train_split / eval_split to one of them")
+            raise UnknownSplitError(
+                f"this environment's splits are {', '.join(map(repr, self.datasets))} "
+                "(train_dataset, eval_dataset); set train_split / eval_split to one of them"
+            )
         return self.datasets[split]
 
     def set_tokenizer(self, tokenizer: Any) -> None:
@@ -163,24 +200,33 @@ class TRLAgentEpisode(Episode):
 
     async def start(self) -> list[Message]:
         prompt = self.row.get("prompt", [{"role": "user", "content": ""}])
-        self.prompt = [dict(m) for m in prompt] if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        self.prompt = (
+            [dict(m) for m in prompt] if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        )
         if self.env.factories:
             self.instance = self.env.take_instance(self.key)
-            kwargs = {k: v for k, v in self.row.items() if k != "environment"} if self.env.multi_environment else self.row
+            kwargs = (
+                {k: v for k, v in self.row.items() if k != "environment"} if self.env.multi_environment else self.row
+            )
             observation = await _maybe_await(self.instance.reset(**kwargs))
             if isinstance(observation, str):
                 self.prompt[-1] = {**self.prompt[-1], "content": self.prompt[-1]["content"] + observation}
             elif observation is not None:
-                raise EpisodeContractError(f"reset() returned a {type(observation).__name__}; LOOP takes a str or None "
-                                           "(multimodal observations are not supported)")
+                raise EpisodeContractError(
+                    f"reset() returned a {type(observation).__name__}; LOOP takes a str or None "
+                    "(multimodal observations are not supported)"
+                )
         self.functions = tool_functions(self.env.tools, self.instance)
         self.tools = list(self.functions.values()) or None
         return self.prompt
 
     async def step(self, reply: Reply) -> Step:
         self.replies.append(reply)
-        parsed = parse_reply(self.env.tokenizer, reply, self.tools) if self.tools else {"role": "assistant",
-                                                                                      "content": str(reply)}
+        parsed: dict[str, Any] = (
+            parse_reply(self.env.tokenizer, reply, self.tools)
+            if self.tools
+            else {"role": "assistant", "content": str(reply)}
+        )
         self.completion.append(parsed)
         calls = parsed.get("tool_calls")
         if not calls:
@@ -211,22 +257,30 @@ class TRLAgentEpisode(Episode):
         completion_ids = []
         if self.replies:
             last = self.replies[-1]
-            completion_ids = [*last.prompt_ids, *last.token_ids][len(self.replies[0].prompt_ids):]
+            completion_ids = [*last.prompt_ids, *last.token_ids][len(self.replies[0].prompt_ids) :]
         logged: dict[str, Any] = {}
-        kwargs = {**extra, "trainer_state": env.trainer_state,
-                  "log_extra": lambda column, values: logged.update({column: values}),
-                  "log_metric": lambda name, value: env.logged.setdefault(name, []).append(float(value))}
+        kwargs = {
+            **extra,
+            "trainer_state": env.trainer_state,
+            "log_extra": lambda column, values: logged.update({column: values}),
+            "log_metric": lambda name, value: env.logged.setdefault(name, []).append(float(value)),
+        }
         if self.instance is not None:
             kwargs["environments"] = [self.instance]
         rewards: dict[str, float] = {}
         total, counted = 0.0, 0
         sources = [(_name(f), f, w) for f, w in zip(env.reward_funcs, env.reward_weights, strict=True)]
         for name, function, weight in sources:
-            values = await _maybe_await(function(prompts=[self.prompt], completions=[self.completion],
-                                                 completion_ids=[completion_ids], **kwargs))
+            values = await _maybe_await(
+                function(
+                    prompts=[self.prompt], completions=[self.completion], completion_ids=[completion_ids], **kwargs
+                )
+            )
             if not isinstance(values, (list, tuple)) or len(values) != 1:
-                raise EpisodeContractError(f"the reward function '{name}' returned {values!r}; it must return a list "
-                                           "with one reward per completion (here 1)")
+                raise EpisodeContractError(
+                    f"the reward function '{name}' returned {values!r}; it must return a list "
+                    "with one reward per completion (here 1)"
+                )
             if values[0] is not None:
                 rewards[name] = float(values[0])
                 total, counted = total + weight * rewards[name], counted + 1
@@ -236,10 +290,15 @@ class TRLAgentEpisode(Episode):
                 rewards[type(self.instance).__name__] = float(value)
                 total, counted = total + float(value), counted + 1
         if not counted:
-            raise EpisodeContractError("every reward source returned None for this rollout (reward_funcs and "
-                                       "get_reward): it cannot be scored")
-        info = {"rewards": rewards, "tool_calls": self.tool_calls, "tool_failures": self.tool_failures,
-                "completion": self.completion}
+            raise EpisodeContractError(
+                "every reward source returned None for this rollout (reward_funcs and get_reward): it cannot be scored"
+            )
+        info = {
+            "rewards": rewards,
+            "tool_calls": self.tool_calls,
+            "tool_failures": self.tool_failures,
+            "completion": self.completion,
+        }
         if logged:
             info["logged"] = logged
         return Score(reward=total, info=info)

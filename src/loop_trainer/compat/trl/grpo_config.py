@@ -41,23 +41,39 @@ from ...config import LOOP_EQUIVALENTS, LOOPConfig
 # GRPOConfig keys with a LOOPConfig key of the same name and meaning: those LOOPConfig takes, except
 # DIFFERENT_MEANING's and TRANSLATED's.
 SAME_MEANING = frozenset(f.name for f in dataclasses.fields(LOOPConfig) if f.init) & frozenset(
-    f.name for f in dataclasses.fields(GRPOConfig) if f.init)
+    f.name for f in dataclasses.fields(GRPOConfig) if f.init
+)
 # GRPOConfig keys translated below (their values shape LOOP's batch, run length and budgets).
-TRANSLATED = {"num_generations", "generation_batch_size", "steps_per_generation", "gradient_accumulation_steps",
-              "num_iterations", "max_steps", "num_train_epochs", "max_completion_length", "logging_steps",
-              "save_steps", "eval_strategy", "eval_steps", "num_generations_eval",
-              # GRPOConfig requires it to hold whole groups when evaluating; LOOP runs evaluation episodes concurrently
-              "per_device_eval_batch_size"}
+TRANSLATED = {
+    "num_generations",
+    "generation_batch_size",
+    "steps_per_generation",
+    "gradient_accumulation_steps",
+    "num_iterations",
+    "max_steps",
+    "num_train_epochs",
+    "max_completion_length",
+    "logging_steps",
+    "save_steps",
+    "eval_strategy",
+    "eval_steps",
+    "num_generations_eval",
+    # GRPOConfig requires it to hold whole groups when evaluating; LOOP runs evaluation episodes concurrently
+    "per_device_eval_batch_size",
+}
 # Keys GRPOConfig derives from others in __post_init__ (compared through the keys they derive from).
 DERIVED = {"generation_batch_size", "steps_per_generation", "logging_dir", "do_eval"}
-DIFFERENT_MEANING = {"epsilon": "LOOP clips the ratio to [1/(1+epsilon), 1+epsilon], GRPO to [1-epsilon, 1+epsilon_high]; "
-                                "LOOPConfig's epsilon is LOOP's"}
+DIFFERENT_MEANING = {
+    "epsilon": "LOOP clips the ratio to [1/(1+epsilon), 1+epsilon], GRPO to [1-epsilon, 1+epsilon_high]; "
+    "LOOPConfig's epsilon is LOOP's"
+}
 
 
 def _differs(value: Any, default: Any) -> bool:
     value, default = getattr(value, "value", value), getattr(default, "value", default)
-    return value != default and not (isinstance(value, float) and isinstance(default, float)
-                                     and math.isnan(value) and math.isnan(default))
+    return value != default and not (
+        isinstance(value, float) and isinstance(default, float) and math.isnan(value) and math.isnan(default)
+    )
 
 
 def changed_keys(grpo: GRPOConfig) -> tuple[dict[str, Any], GRPOConfig]:
@@ -67,8 +83,11 @@ def changed_keys(grpo: GRPOConfig) -> tuple[dict[str, Any], GRPOConfig]:
         reference = GRPOConfig(output_dir=grpo.output_dir, use_cpu=grpo.use_cpu)
     except ValueError:  # GRPOConfig's bf16 default fails where there is no bf16 device: grpo must have set it
         reference = GRPOConfig(output_dir=grpo.output_dir, use_cpu=grpo.use_cpu, bf16=False)
-    changed = {spec.name: getattr(grpo, spec.name) for spec in dataclasses.fields(GRPOConfig)
-               if spec.init and spec.name not in DERIVED and _differs(getattr(grpo, spec.name), getattr(reference, spec.name))}
+    changed = {
+        spec.name: getattr(grpo, spec.name)
+        for spec in dataclasses.fields(GRPOConfig)
+        if spec.init and spec.name not in DERIVED and _differs(getattr(grpo, spec.name), getattr(reference, spec.name))
+    }
     return changed, reference
 
 
@@ -90,21 +109,30 @@ def loop_config_from_grpo(grpo: GRPOConfig, num_tasks: int | None) -> tuple[LOOP
     log). ``num_tasks``: the prompts in train_dataset (for ``num_train_epochs``), None if unknown."""
     changed, reference = changed_keys(grpo)
     if refused := _refusals(changed):
-        raise ValueError("GRPOConfig -> LOOPConfig: these settings have no LOOP meaning; drop them or use LOOPConfig: "
-                         + "; ".join(refused))
+        raise ValueError(
+            "GRPOConfig -> LOOPConfig: these settings have no LOOP meaning; drop them or use LOOPConfig: "
+            + "; ".join(refused)
+        )
     loop: dict[str, Any] = {k: v for k, v in changed.items() if k in SAME_MEANING and k not in TRANSLATED}
     # A GRPOConfig always defines a batch shape, a run length and a completion budget (its defaults
     # included): they carry over.
     per_step = grpo.per_device_train_batch_size * grpo.gradient_accumulation_steps * grpo.world_size
+    # GRPOConfig.__post_init__ resolved both (its own checks divide by them)
+    assert grpo.generation_batch_size is not None and grpo.num_generations is not None
     if grpo.generation_batch_size % per_step:
-        raise ValueError(f"GRPOConfig -> LOOPConfig: a generation batch of {grpo.generation_batch_size} completions is "
-                         f"not a whole number of optimizer steps of {per_step} (per_device_train_batch_size x "
-                         "gradient_accumulation_steps x processes): set steps_per_generation to a multiple of "
-                         "gradient_accumulation_steps, or use a LOOPConfig")
-    loop.update(rollouts_per_task=grpo.num_generations,
-                tasks_per_iteration=max(1, grpo.generation_batch_size // grpo.num_generations),
-                minibatch_size=per_step, per_device_train_batch_size=grpo.per_device_train_batch_size,
-                ppo_epochs=grpo.num_iterations)
+        raise ValueError(
+            f"GRPOConfig -> LOOPConfig: a generation batch of {grpo.generation_batch_size} completions is "
+            f"not a whole number of optimizer steps of {per_step} (per_device_train_batch_size x "
+            "gradient_accumulation_steps x processes): set steps_per_generation to a multiple of "
+            "gradient_accumulation_steps, or use a LOOPConfig"
+        )
+    loop.update(
+        rollouts_per_task=grpo.num_generations,
+        tasks_per_iteration=max(1, grpo.generation_batch_size // grpo.num_generations),
+        minibatch_size=per_step,
+        per_device_train_batch_size=grpo.per_device_train_batch_size,
+        ppo_epochs=grpo.num_iterations,
+    )
     steps_per_iteration = grpo.num_iterations * grpo.generation_batch_size // per_step
     if grpo.max_steps > 0:
         loop["iterations"] = math.ceil(grpo.max_steps / steps_per_iteration)
@@ -120,26 +148,39 @@ def loop_config_from_grpo(grpo: GRPOConfig, num_tasks: int | None) -> tuple[LOOP
     if strategy == "steps":  # TRL samples num_generations_eval completions of each eval prompt every eval_steps steps
         every = grpo.eval_steps or grpo.logging_steps  # below 1: a fraction of the run
         iterations = every * loop["iterations"] if every < 1 else every / steps_per_iteration
-        loop.update(eval_split="eval", eval_every=max(1, math.ceil(iterations)), eval_temperature=grpo.temperature,
-                    eval_rollouts_per_task=grpo.num_generations_eval or grpo.num_generations)
+        loop.update(
+            eval_split="eval",
+            eval_every=max(1, math.ceil(iterations)),
+            eval_temperature=grpo.temperature,
+            eval_rollouts_per_task=grpo.num_generations_eval or grpo.num_generations,
+        )
     elif strategy != "no":
-        raise ValueError(f"GRPOConfig -> LOOPConfig: eval_strategy={strategy!r}: LOOP evaluates every eval_every "
-                         "iterations; use eval_strategy='steps' (with eval_steps) or a LOOPConfig")
+        raise ValueError(
+            f"GRPOConfig -> LOOPConfig: eval_strategy={strategy!r}: LOOP evaluates every eval_every "
+            "iterations; use eval_strategy='steps' (with eval_steps) or a LOOPConfig"
+        )
     # Every turn after the prompt shares max_completion_length, and one reply may use all of it; without
     # max_tool_calling_iterations TRL's turns are bounded only by it (each turn takes a token at least).
-    loop.update(max_completion_tokens=grpo.max_completion_length, max_new_tokens_per_turn=grpo.max_completion_length,
-                max_turns=grpo.max_completion_length if grpo.max_tool_calling_iterations is None
-                else grpo.max_tool_calling_iterations + 1)
+    loop.update(
+        max_completion_tokens=grpo.max_completion_length,
+        max_new_tokens_per_turn=grpo.max_completion_length,
+        max_turns=grpo.max_completion_length
+        if grpo.max_tool_calling_iterations is None
+        else grpo.max_tool_calling_iterations + 1,
+    )
     # GRPOTrainer has no start-up memory check, and LOOP's would size itself by max_trajectory_tokens, which a
     # GRPOConfig cannot set: a LOOPConfig turns it on with the right size.
     loop["memory_stress_test"] = False
     config = LOOPConfig(output_dir=grpo.output_dir, **loop)
-    replaced = [f"{key}: GRPO's {_shown(getattr(reference, key))} -> LOOP's {_shown(getattr(config, key))}"
-                for key in sorted(SAME_MEANING - TRANSLATED) if key not in changed
-                and _differs(getattr(reference, key), getattr(config, key))]
+    replaced = [
+        f"{key}: GRPO's {_shown(getattr(reference, key))} -> LOOP's {_shown(getattr(config, key))}"
+        for key in sorted(SAME_MEANING - TRANSLATED)
+        if key not in changed and _differs(getattr(reference, key), getattr(config, key))
+    ]
     if "scale_rewards" not in changed:
-        replaced.append(f"scale_rewards: GRPO's {_shown(reference.scale_rewards)} -> LOOP's leave-one-out advantage, "
-                        "not scaled")
+        replaced.append(
+            f"scale_rewards: GRPO's {_shown(reference.scale_rewards)} -> LOOP's leave-one-out advantage, not scaled"
+        )
     return config, loop, replaced
 
 

@@ -29,8 +29,15 @@ from typing import Any
 
 from ...envs.base import Message, Reply
 
-__all__ = ["NOT_TOOLS", "call_tools", "malformed_call_message", "parse_reply", "prepare_tokenizer", "tool_functions",
-           "unparsed_call"]
+__all__ = [
+    "NOT_TOOLS",
+    "call_tools",
+    "malformed_call_message",
+    "parse_reply",
+    "prepare_tokenizer",
+    "tool_functions",
+    "unparsed_call",
+]
 
 NOT_TOOLS = ("reset", "get_reward")
 """Public methods of an environment class that are not tools (TRL's rule)."""
@@ -43,7 +50,10 @@ class ToolCallingSetupError(ValueError):
 def prepare_tokenizer(tokenizer: Any) -> Any:
     """``tokenizer`` with a response template to parse tool calls with: its own, or the one TRL ships
     for its chat template (``trl.chat_template_utils.add_response_schema``)."""
-    if getattr(tokenizer, "response_template", None) is not None or getattr(tokenizer, "response_schema", None) is not None:
+    if (
+        getattr(tokenizer, "response_template", None) is not None
+        or getattr(tokenizer, "response_schema", None) is not None
+    ):
         return tokenizer
     from trl.chat_template_utils import add_response_schema
 
@@ -53,7 +63,8 @@ def prepare_tokenizer(tokenizer: Any) -> Any:
         raise ToolCallingSetupError(
             "tool calling needs to parse the model's replies, and TRL knows no response template for this "
             "tokenizer's chat template: set tokenizer.response_template (see transformers' chat response "
-            "parsing docs) or use a model whose template TRL supports (Qwen2.5/3, Llama 3.1/3.2, ...)") from None
+            "parsing docs) or use a model whose template TRL supports (Qwen2.5/3, Llama 3.1/3.2, ...)"
+        ) from None
 
 
 def tool_functions(tools: Sequence[Callable] = (), environment: Any = None) -> dict[str, Callable]:
@@ -73,8 +84,9 @@ def parse_reply(tokenizer: Any, reply: Reply, tools: Sequence[Any] | None = None
     the called tool's schema (``"7"`` -> ``7`` for an integer parameter)."""
     from trl.chat_template_utils import parse_response
 
-    return parse_response(tokenizer, list(reply.token_ids), prefix=list(reply.prompt_ids) or None,
-                          tools=list(tools) if tools else None)
+    return parse_response(
+        tokenizer, list(reply.token_ids), prefix=list(reply.prompt_ids) or None, tools=list(tools) if tools else None
+    )
 
 
 def _call_markers(tokenizer: Any) -> tuple[str, str] | None:
@@ -99,8 +111,8 @@ def unparsed_call(tokenizer: Any, parsed: Mapping[str, Any]) -> tuple[str, str] 
 
 def malformed_call_message(tokenizer: Any, parsed: Mapping[str, Any]) -> Message | None:
     """A tool message for a reply that opens a tool call which did not parse, else None."""
-    call = unparsed_call(tokenizer, parsed)
-    if call is None:
+    call, markers = unparsed_call(tokenizer, parsed), _call_markers(tokenizer)
+    if call is None or markers is None:  # a call found means markers to find it with
         return None
     body = call[1]
     try:
@@ -108,12 +120,21 @@ def malformed_call_message(tokenizer: Any, parsed: Mapping[str, Any]) -> Message
         reason = 'it needs a "name" (a string) and "arguments" (an object)'
     except json.JSONDecodeError as error:
         reason = f"its JSON does not parse ({error})"
-    return {"role": "tool", "name": "unknown",
-            "content": str({"error": f"malformed tool call: {reason}. Expected {_call_markers(tokenizer)[0]}"
-                                     '{"name": <function-name>, "arguments": <args-json-object>}' + "."})}
+    return {
+        "role": "tool",
+        "name": "unknown",
+        "content": str(
+            {
+                "error": f"malformed tool call: {reason}. Expected {markers[0]}"
+                '{"name": <function-name>, "arguments": <args-json-object>}' + "."
+            }
+        ),
+    }
 
 
-async def call_tools(tool_calls: Sequence[Mapping[str, Any]], functions: Mapping[str, Callable]) -> tuple[list[Message], int]:
+async def call_tools(
+    tool_calls: Sequence[Mapping[str, Any]], functions: Mapping[str, Callable]
+) -> tuple[list[Message], int]:
     """Run the calls in order (a plain function on a worker thread, so a slow tool holds up only its
     own episode; a coroutine function awaited). One ``tool`` message per call, and how many failed."""
     messages, failures = [], 0
@@ -132,7 +153,7 @@ async def call_tools(tool_calls: Sequence[Mapping[str, Any]], functions: Mapping
                 if inspect.iscoroutinefunction(function):
                     result = await function(**arguments)
                 else:
-                    result = await asyncio.to_thread(lambda: function(**arguments))
+                    result = await asyncio.to_thread(function, **arguments)
             except Exception as error:  # noqa: BLE001 - the model is told, the episode goes on (as in TRL)
                 result = {"error": str(error)}
                 failures += 1

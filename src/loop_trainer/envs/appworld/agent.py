@@ -101,14 +101,20 @@ class ReActPrompts:
         _append(messages, "user", self._render("intro.md", **values))
         for turn in yaml.safe_load(self.templates["example.yaml"]) or []:
             _append(messages, turn["role"], _compiled(turn["content"]).render(**values).strip())
-        _append(messages, "user", self._render("instructions.md", **values) + "\n\n" + self._render("task.md", **values))
+        _append(
+            messages, "user", self._render("instructions.md", **values) + "\n\n" + self._render("task.md", **values)
+        )
         return messages
 
     def observation(self, output: str, instruction: str) -> str:
         cut = truncate_at_line(output.rstrip(), self.max_observation_tokens, self.count_tokens)
         return self._render(
-            "observation.md", output=cut.text, truncated=cut.truncated, shown_lines=cut.shown_lines,
-            total_lines=cut.total_lines, instruction=instruction,
+            "observation.md",
+            output=cut.text,
+            truncated=cut.truncated,
+            shown_lines=cut.shown_lines,
+            total_lines=cut.total_lines,
+            instruction=instruction,
         )
 
     def no_code(self, instruction: str) -> str:

@@ -79,8 +79,12 @@ class AppWorldData:
         denied = DENYLIST.get(name, frozenset())
         kept = [task_id for task_id in ids if task_id not in denied]
         if len(kept) != len(ids):
-            logger.info("split %s: left out %d denylisted task(s): %s", name, len(ids) - len(kept),
-                        ", ".join(sorted(set(ids) & denied)))
+            logger.info(
+                "split %s: left out %d denylisted task(s): %s",
+                name,
+                len(ids) - len(kept),
+                ", ".join(sorted(set(ids) & denied)),
+            )
         return kept
 
     def task_ids(self, split: str) -> list[str]:
@@ -119,14 +123,16 @@ class AppWorldData:
         for task_id in self.task_ids(split):
             specs = self.specs(task_id)
             supervisor = specs.get("supervisor") or specs.get("main_user") or {}
-            rows.append({
-                "task_id": task_id,
-                "scenario_id": scenario_id(task_id),
-                "difficulty": int(self.metadata(task_id).get("difficulty", 0)),
-                "instruction": specs["instruction"],
-                "supervisor": f"{supervisor.get('first_name', '')} {supervisor.get('last_name', '')}".strip(),
-                "datetime": str(specs.get("datetime", "")),
-            })
+            rows.append(
+                {
+                    "task_id": task_id,
+                    "scenario_id": scenario_id(task_id),
+                    "difficulty": int(self.metadata(task_id).get("difficulty", 0)),
+                    "instruction": specs["instruction"],
+                    "supervisor": f"{supervisor.get('first_name', '')} {supervisor.get('last_name', '')}".strip(),
+                    "datetime": str(specs.get("datetime", "")),
+                }
+            )
         if not rows:
             raise AppWorldDataError(f"AppWorld split {split!r} has no tasks under {self.root}")
         return Dataset.from_list(rows)

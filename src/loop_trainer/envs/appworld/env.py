@@ -76,8 +76,13 @@ class AppWorldRolloutEnv(Environment):
         self.data = AppWorldData.at(root)
         self.prompts = ReActPrompts.load(prompt_dir, max_observation_tokens=max_observation_tokens)
         self.pool = AppWorldServerPool(
-            self.data.root, num_servers, urls=server_urls, python=python, request_timeout=request_timeout,
-            startup_timeout=startup_timeout, log_dir=log_dir,
+            self.data.root,
+            num_servers,
+            urls=server_urls,
+            python=python,
+            request_timeout=request_timeout,
+            startup_timeout=startup_timeout,
+            log_dir=log_dir,
         )
         self.execution_timeout = execution_timeout
         self.initialize_timeout = initialize_timeout
@@ -159,10 +164,16 @@ class AppWorldEpisode(Episode):
 
     def _restore_world(self) -> None:
         assert self.server is not None and self.experiment is not None
-        self.task = self.env.pool.call(self.server, "/initialize", {
-            "task_id": self.task_id, "experiment_name": self.experiment,
-            "timeout_seconds": self.env.execution_timeout,
-        }, timeout=max(self.env.pool.request_timeout, self.env.initialize_timeout))
+        self.task = self.env.pool.call(
+            self.server,
+            "/initialize",
+            {
+                "task_id": self.task_id,
+                "experiment_name": self.experiment,
+                "timeout_seconds": self.env.execution_timeout,
+            },
+            timeout=max(self.env.pool.request_timeout, self.env.initialize_timeout),
+        )
         for code, expected in zip(self.executed, self.outputs, strict=True):
             output = self.env.pool.call(self.server, "/execute", {"task_id": self.task_id, "code": code})
             if output != expected:
@@ -224,8 +235,9 @@ class AppWorldEpisode(Episode):
                 "difficulty": result.get("difficulty"),
                 "num_tests": num_tests,
                 "passes": [p.get("requirement", "") for p in passes],
-                "failures": [{"requirement": f.get("requirement", ""), "trace": str(f.get("trace", ""))[:2000]}
-                             for f in failures],
+                "failures": [
+                    {"requirement": f.get("requirement", ""), "trace": str(f.get("trace", ""))[:2000]} for f in failures
+                ],
                 "experiment_name": self.experiment,
                 "infra_retries": self.infra_retries,
                 "replay_mismatches": self.replay_mismatches,
@@ -249,7 +261,7 @@ class AppWorldEpisode(Episode):
                 logger.error("AppWorld server %s could not be restarted: %s", self.server.url, restart_error)
         finally:
             if self.claimed:
+                assert self.experiment is not None  # named before the task was claimed
                 self.env.unclaim(self.experiment, self.task_id)
             self.env.pool.release(self.server)
             self.server = None
-

@@ -52,9 +52,14 @@ def evaluation_summary(rows: Sequence[Mapping[str, Any]], difficulty_of: Mapping
     computed per rollout index and then averaged. A rollout that failed to run is a failed task."""
     per_rollout = []
     for k in sorted({int(row["rollout"]) for row in rows}):
-        results = {str(row["task_id"]): {"success": row["status"] == "completed" and bool(row["success"]),
-                                         "difficulty": difficulty_of[str(row["task_id"])]}
-                   for row in rows if int(row["rollout"]) == k}
+        results = {
+            str(row["task_id"]): {
+                "success": row["status"] == "completed" and bool(row["success"]),
+                "difficulty": difficulty_of[str(row["task_id"])],
+            }
+            for row in rows
+            if int(row["rollout"]) == k
+        }
         per_rollout.append(goal_completion_report(results))
     summary: dict[str, float] = {}
     for level in ("aggregate", "difficulty_1", "difficulty_2", "difficulty_3"):

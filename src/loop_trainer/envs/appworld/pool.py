@@ -13,6 +13,7 @@ they cannot be restarted from here, only waited for.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import queue
@@ -29,8 +30,8 @@ from typing import Any
 
 import requests
 
-from ..base import EnvironmentSetupError
 from ...net import free_local_port
+from ..base import EnvironmentSetupError
 
 logger = logging.getLogger(__name__)
 
@@ -142,12 +143,13 @@ class AppWorldServerPool:
             atexit.register(self.close)
             if self._owns_log_dir:
                 self._log_dir = Path(tempfile.mkdtemp(prefix=f"loop-appworld-{os.getpid()}-"))
-            self._log_dir.mkdir(parents=True, exist_ok=True)
+            log_dir = self._log_dir
+            assert log_dir is not None  # given, or made just now
+            log_dir.mkdir(parents=True, exist_ok=True)
             if self.urls:
                 self._servers = [AppWorldServer(i, url) for i, url in enumerate(self.urls)]
             else:
-                self._servers = [AppWorldServer(i, "", log_path=self._log_dir / f"server-{i}.log")
-                                 for i in range(self.size)]
+                self._servers = [AppWorldServer(i, "", log_path=log_dir / f"server-{i}.log") for i in range(self.size)]
                 for server in self._servers:
                     self._launch(server)
             try:
@@ -169,8 +171,13 @@ class AppWorldServerPool:
         assert server.log_path is not None
         with open(server.log_path, "ab") as log:
             server.process = subprocess.Popen(
-                command, cwd=self.root, env=environment, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                command,
+                cwd=self.root,
+                env=environment,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
 
     def _wait_ready(self, server: AppWorldServer, relaunches: int = 2) -> None:
@@ -200,10 +207,8 @@ class AppWorldServerPool:
         process = server.process
         if process is None or process.poll() is not None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         process.wait(timeout=30)
 
     def _terminate_all(self) -> None:
@@ -223,7 +228,7 @@ class AppWorldServerPool:
             atexit.unregister(self.close)
 
     def __del__(self) -> None:  # a crashed trainer must not leave orphan servers behind
-        try:
+        try:  # noqa: SIM105 - not contextlib.suppress: module globals may be gone at interpreter shutdown
             self._terminate_all()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
@@ -252,8 +257,7 @@ class AppWorldServerPool:
 
     # -- calls ------------------------------------------------------------------------------
 
-    def call(self, server: AppWorldServer, endpoint: str, payload: dict[str, Any],
-             timeout: float | None = None) -> Any:
+    def call(self, server: AppWorldServer, endpoint: str, payload: dict[str, Any], timeout: float | None = None) -> Any:
         """POST ``payload`` to ``endpoint`` and return the response's ``output``. A connection
         failure, a timeout or a 5xx raise :class:`AppWorldServerError`."""
         timeout = timeout or self.request_timeout
@@ -272,7 +276,9 @@ class AppWorldServerPool:
             self.stats["server_errors"] += 1
             raise AppWorldServerError(message)
         if not response.ok:
-            raise AppWorldCallError(f"{endpoint} on {server.url} answered {response.status_code}: {response.text[:300]}")
+            raise AppWorldCallError(
+                f"{endpoint} on {server.url} answered {response.status_code}: {response.text[:300]}"
+            )
         return response.json()["output"]
 
     def _healthy(self, server: AppWorldServer, attempts: int = 3) -> bool:
@@ -290,11 +296,15 @@ class AppWorldServerPool:
     def recover(self, server: AppWorldServer, reason: str) -> None:
         """Bring ``server`` back after a failure: restart ours, wait for a remote one."""
         with server.lock:
-            logger.warning("AppWorld server %d (%s) failed (%s); %s", server.index, server.url, reason,
-                           "restarting it" if server.local else "waiting for it")
+            logger.warning(
+                "AppWorld server %d (%s) failed (%s); %s",
+                server.index,
+                server.url,
+                reason,
+                "restarting it" if server.local else "waiting for it",
+            )
             if server.local:
                 self._terminate(server)
                 self._launch(server)
                 self.stats["restarts"] += 1
             self._wait_ready(server)
-

@@ -14,12 +14,12 @@ from collections import Counter as Tally
 import pytest
 import torch
 from datasets import Dataset
-from support.helpers import ScriptedBackend, tiny_qwen
 from trl import GRPOConfig, GRPOTrainer
 
 from loop_trainer import LOOPConfig, LOOPTrainer
-from loop_trainer.envs import VaultEnv
 from loop_trainer.compat.trl.grpo_config import loop_config_from_grpo
+from loop_trainer.envs import VaultEnv
+from support.helpers import ScriptedBackend, tiny_qwen
 
 
 class CounterEnv:
@@ -56,8 +56,12 @@ def said_done(completions, target, **kwargs) -> list[float]:
 
 
 said_done.seen = []
-DATASET = Dataset.from_list([{"prompt": [{"role": "user", "content": "Bring the counter to 10."}], "start": 4, "target": 10},
-                             {"prompt": [{"role": "user", "content": "Bring the counter to 10."}], "start": 7, "target": 10}])
+DATASET = Dataset.from_list(
+    [
+        {"prompt": [{"role": "user", "content": "Bring the counter to 10."}], "start": 4, "target": 10},
+        {"prompt": [{"role": "user", "content": "Bring the counter to 10."}], "start": 7, "target": 10},
+    ]
+)
 
 
 def call(name: str, arguments: str) -> str:
@@ -91,8 +95,11 @@ def rollouts(completions):
     """(tool calls, tool messages, final answer) of each rollout, as sorted tuples: comparable across trainers."""
     out = []
     for messages in completions:
-        calls = tuple((c["function"]["name"], tuple(sorted(c["function"]["arguments"].items())))
-                      for m in messages for c in m.get("tool_calls") or [])
+        calls = tuple(
+            (c["function"]["name"], tuple(sorted(c["function"]["arguments"].items())))
+            for m in messages
+            for c in m.get("tool_calls") or []
+        )
         tools = tuple(m["content"] for m in messages if m["role"] == "tool")
         out.append((calls, tools, messages[-1]["content"]))
     return sorted(out)
@@ -100,10 +107,23 @@ def rollouts(completions):
 
 def script_args(output_dir) -> GRPOConfig:
     """The script's GRPOConfig: 2 prompts x 2 completions per optimizer step, 2 steps."""
-    return GRPOConfig(output_dir=str(output_dir), use_cpu=True, report_to="none", bf16=False, num_generations=2,
-                      per_device_train_batch_size=4, max_steps=2, max_completion_length=1024, learning_rate=1e-4,
-                      max_tool_calling_iterations=5, activation_checkpointing=False, save_strategy="no",
-                      logging_steps=1, seed=0, disable_tqdm=True)
+    return GRPOConfig(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        report_to="none",
+        bf16=False,
+        num_generations=2,
+        per_device_train_batch_size=4,
+        max_steps=2,
+        max_completion_length=1024,
+        learning_rate=1e-4,
+        max_tool_calling_iterations=5,
+        activation_checkpointing=False,
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+    )
 
 
 def run_grpo(tokenizer, tmp_path, monkeypatch):
@@ -112,8 +132,14 @@ def run_grpo(tokenizer, tmp_path, monkeypatch):
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = GRPOTrainer(model=tiny_qwen(tokenizer), reward_funcs=said_done, args=script_args(tmp_path / "grpo"),
-                              train_dataset=DATASET, processing_class=tokenizer, environment_factory=CounterEnv)
+        trainer = GRPOTrainer(
+            model=tiny_qwen(tokenizer),
+            reward_funcs=said_done,
+            args=script_args(tmp_path / "grpo"),
+            train_dataset=DATASET,
+            processing_class=tokenizer,
+            environment_factory=CounterEnv,
+        )
 
     def scripted_single_turn(prompt_ids, *_, **__):  # in place of model.generate: TRL's tool loop is untouched
         return [tokenizer.encode(script(list(ids)), add_special_tokens=False) + [end] for ids in prompt_ids], None
@@ -134,9 +160,15 @@ def test_the_same_trl_script_runs_under_grpo_trainer_and_loop_trainer(qwen_token
 
     CounterEnv.calls, said_done.seen = [], []
     # the GRPOTrainer call, word for word, with LOOPTrainer (plus the scripted model in place of sampling)
-    trainer = LOOPTrainer(model=tiny_qwen(qwen_tokenizer), reward_funcs=said_done, args=script_args(tmp_path / "loop"),
-                          train_dataset=DATASET, processing_class=qwen_tokenizer, environment_factory=CounterEnv,
-                          generation_backend=ScriptedBackend(qwen_tokenizer, Script(qwen_tokenizer)))
+    trainer = LOOPTrainer(
+        model=tiny_qwen(qwen_tokenizer),
+        reward_funcs=said_done,
+        args=script_args(tmp_path / "loop"),
+        train_dataset=DATASET,
+        processing_class=qwen_tokenizer,
+        environment_factory=CounterEnv,
+        generation_backend=ScriptedBackend(qwen_tokenizer, Script(qwen_tokenizer)),
+    )
     args = trainer.args
     assert (args.iterations, args.tasks_per_iteration, args.rollouts_per_task, args.minibatch_size) == (2, 2, 2, 4)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -155,13 +187,30 @@ def test_the_same_trl_script_runs_under_grpo_trainer_and_loop_trainer(qwen_token
 
 def test_malformed_tool_call_answer_opts_into_loops_behaviour(qwen_tokenizer, tmp_path):
     CounterEnv.calls, said_done.seen = [], []
-    args = LOOPConfig(output_dir=str(tmp_path / "answer"), report_to=[], disable_tqdm=True, iterations=1,
-                      tasks_per_iteration=2, rollouts_per_task=2, minibatch_size=4, max_tool_calling_iterations=5,
-                      malformed_tool_call="answer", memory_stress_test=False, activation_checkpointing=False,
-                      save_strategy="no", seed=0)
-    trainer = LOOPTrainer(tiny_qwen(qwen_tokenizer), said_done, args, DATASET, processing_class=qwen_tokenizer,
-                          environment_factory=CounterEnv,
-                          generation_backend=ScriptedBackend(qwen_tokenizer, Script(qwen_tokenizer)))
+    args = LOOPConfig(
+        output_dir=str(tmp_path / "answer"),
+        report_to=[],
+        disable_tqdm=True,
+        iterations=1,
+        tasks_per_iteration=2,
+        rollouts_per_task=2,
+        minibatch_size=4,
+        max_tool_calling_iterations=5,
+        malformed_tool_call="answer",
+        memory_stress_test=False,
+        activation_checkpointing=False,
+        save_strategy="no",
+        seed=0,
+    )
+    trainer = LOOPTrainer(
+        tiny_qwen(qwen_tokenizer),
+        said_done,
+        args,
+        DATASET,
+        processing_class=qwen_tokenizer,
+        environment_factory=CounterEnv,
+        generation_backend=ScriptedBackend(qwen_tokenizer, Script(qwen_tokenizer)),
+    )
     trainer.train()
     answered = [r for r in rollouts(said_done.seen) if any("malformed tool call" in m for m in r[1])]
     assert len(answered) == 2 and all(r[2] == "Done at 10." for r in answered)  # told, and it went on
@@ -174,7 +223,9 @@ def test_trl_route_arguments_and_keys_are_checked(qwen_tokenizer, tmp_path):
     with pytest.raises(ValueError, match=r"reward_weights=\[2.0\] is used only with GRPOTrainer's agent arguments"):
         LOOPTrainer(tiny_qwen(qwen_tokenizer), VaultEnv(), args, processing_class=qwen_tokenizer)
     args = LOOPConfig(output_dir=str(tmp_path / "m"), report_to=[], disable_tqdm=True, malformed_tool_call="answer")
-    with pytest.raises(ValueError, match="malformed_tool_call='answer' is used only with GRPOTrainer's agent arguments"):
+    with pytest.raises(
+        ValueError, match="malformed_tool_call='answer' is used only with GRPOTrainer's agent arguments"
+    ):
         LOOPTrainer(tiny_qwen(qwen_tokenizer), VaultEnv(), args, processing_class=qwen_tokenizer)
     args = LOOPConfig(output_dir=str(tmp_path / "b"), report_to=[], disable_tqdm=True)
     with pytest.raises(ValueError, match="got an Environment and train_dataset"):
@@ -182,10 +233,17 @@ def test_trl_route_arguments_and_keys_are_checked(qwen_tokenizer, tmp_path):
     with pytest.raises(ValueError, match="takes no rollout_func"):
         LOOPTrainer(tiny_qwen(qwen_tokenizer), said_done, args, train_dataset=DATASET, rollout_func=lambda *a: None)
     with pytest.raises(ValueError, match="LOOP takes reward functions"):  # GRPOTrainer would load a reward model
-        LOOPTrainer(tiny_qwen(qwen_tokenizer), args=args, reward_funcs="org/reward-model", train_dataset=DATASET,
-                    processing_class=qwen_tokenizer)
+        LOOPTrainer(
+            tiny_qwen(qwen_tokenizer),
+            args=args,
+            reward_funcs="org/reward-model",
+            train_dataset=DATASET,
+            processing_class=qwen_tokenizer,
+        )
     with pytest.raises(ValueError, match="LOOP takes reward functions"):
-        LOOPTrainer(tiny_qwen(qwen_tokenizer), [tiny_qwen(qwen_tokenizer)], args, DATASET, processing_class=qwen_tokenizer)
+        LOOPTrainer(
+            tiny_qwen(qwen_tokenizer), [tiny_qwen(qwen_tokenizer)], args, DATASET, processing_class=qwen_tokenizer
+        )
     with pytest.raises(TypeError, match="needs an environment"):
         LOOPTrainer(tiny_qwen(qwen_tokenizer), args=args, processing_class=qwen_tokenizer)
     with pytest.raises(ValueError, match="LOOPConfig: max_tool_calling_iterations must be >= 1 or None, got 0"):
@@ -193,11 +251,30 @@ def test_trl_route_arguments_and_keys_are_checked(qwen_tokenizer, tmp_path):
 
 
 def test_a_grpo_config_is_translated_to_loop_terms(qwen_tokenizer, tmp_path):
-    grpo = GRPOConfig(output_dir=str(tmp_path / "g"), use_cpu=True, bf16=False, report_to="none", num_generations=4,
-                      per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=10, logging_steps=2,
-                      max_completion_length=2048, max_tool_calling_iterations=5, learning_rate=1e-5, seed=3)
-    trainer = LOOPTrainer(tiny_qwen(qwen_tokenizer), said_done, grpo, DATASET, processing_class=qwen_tokenizer,
-                          environment_factory=CounterEnv, generation_backend=ScriptedBackend(qwen_tokenizer, str))
+    grpo = GRPOConfig(
+        output_dir=str(tmp_path / "g"),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        num_generations=4,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=10,
+        logging_steps=2,
+        max_completion_length=2048,
+        max_tool_calling_iterations=5,
+        learning_rate=1e-5,
+        seed=3,
+    )
+    trainer = LOOPTrainer(
+        tiny_qwen(qwen_tokenizer),
+        said_done,
+        grpo,
+        DATASET,
+        processing_class=qwen_tokenizer,
+        environment_factory=CounterEnv,
+        generation_backend=ScriptedBackend(qwen_tokenizer, str),
+    )
     args = trainer.args
     assert isinstance(args, LOOPConfig)
     # 8 completions per generation (4 x 2 micro-steps) = 2 prompts x 4; one optimizer step per 8 completions
@@ -208,38 +285,66 @@ def test_a_grpo_config_is_translated_to_loop_terms(qwen_tokenizer, tmp_path):
     assert (args.learning_rate, args.seed, args.max_tool_calling_iterations) == (1e-5, 3, 5)
     assert trainer.env.max_tool_calling_iterations == 5
     trainer.close()
-    epochs = GRPOConfig(output_dir=str(tmp_path / "e"), use_cpu=True, bf16=False, num_generations=2,
-                        per_device_train_batch_size=2, num_train_epochs=3)
+    epochs = GRPOConfig(
+        output_dir=str(tmp_path / "e"),
+        use_cpu=True,
+        bf16=False,
+        num_generations=2,
+        per_device_train_batch_size=2,
+        num_train_epochs=3,
+    )
     assert loop_config_from_grpo(epochs, num_tasks=10)[0].iterations == 30  # 3 passes over 10 prompts, 1 per iteration
     _, _, replaced = loop_config_from_grpo(epochs, num_tasks=10)
     assert "learning_rate: GRPO's 1e-06 -> LOOP's 5e-05" in replaced
-    with pytest.raises(ValueError, match="a generation batch of 8 completions is not a whole number of optimizer steps"):
-        loop_config_from_grpo(GRPOConfig(output_dir=str(tmp_path / "s"), use_cpu=True, bf16=False,
-                                         gradient_accumulation_steps=4, steps_per_generation=1), num_tasks=2)
-    evaluating = GRPOConfig(output_dir=str(tmp_path / "v"), use_cpu=True, bf16=False, num_generations=2,
-                            per_device_train_batch_size=4, per_device_eval_batch_size=4, max_steps=12,
-                            eval_strategy="steps", eval_steps=6, num_generations_eval=4, temperature=0.7)
+    with pytest.raises(
+        ValueError, match="a generation batch of 8 completions is not a whole number of optimizer steps"
+    ):
+        loop_config_from_grpo(
+            GRPOConfig(
+                output_dir=str(tmp_path / "s"),
+                use_cpu=True,
+                bf16=False,
+                gradient_accumulation_steps=4,
+                steps_per_generation=1,
+            ),
+            num_tasks=2,
+        )
+    evaluating = GRPOConfig(
+        output_dir=str(tmp_path / "v"),
+        use_cpu=True,
+        bf16=False,
+        num_generations=2,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        max_steps=12,
+        eval_strategy="steps",
+        eval_steps=6,
+        num_generations_eval=4,
+        temperature=0.7,
+    )
     translated = loop_config_from_grpo(evaluating, num_tasks=2)[0]
     assert (translated.eval_split, translated.eval_every, translated.iterations) == ("eval", 6, 12)
     assert (translated.eval_rollouts_per_task, translated.eval_temperature) == (4, 0.7)
-    none = loop_config_from_grpo(GRPOConfig(output_dir=str(tmp_path / "n"), use_cpu=True, bf16=False,
-                                            scale_rewards="none"), num_tasks=8)
+    none = loop_config_from_grpo(
+        GRPOConfig(output_dir=str(tmp_path / "n"), use_cpu=True, bf16=False, scale_rewards="none"), num_tasks=8
+    )
     assert "scale_rewards" not in str(none[2])
     with pytest.raises(ValueError, match=r"^GRPOConfig -> LOOPConfig: .*epsilon=0.3 \(LOOP clips.*top_p=0.9 \("):
-        loop_config_from_grpo(GRPOConfig(output_dir=str(tmp_path / "r"), use_cpu=True, bf16=False, epsilon=0.3,
-                                         top_p=0.9), num_tasks=2)
+        loop_config_from_grpo(
+            GRPOConfig(output_dir=str(tmp_path / "r"), use_cpu=True, bf16=False, epsilon=0.3, top_p=0.9), num_tasks=2
+        )
 
 
 def test_max_completion_tokens_bounds_everything_after_the_opening(qwen_tokenizer):
-    from support.helpers import EchoEnv
-
     from loop_trainer.chat import ChatFormatter
     from loop_trainer.rollout import EpisodeLimits, RolloutEngine
+    from support.helpers import EchoEnv
 
     env = EchoEnv([{"task_id": "a", "turns": 10}])
     backend = ScriptedBackend(qwen_tokenizer, lambda ids: "word " * 10)
-    limits = EpisodeLimits(max_turns=10, max_new_tokens_per_turn=100, max_trajectory_tokens=10_000,
-                           max_completion_tokens=25)
+    limits = EpisodeLimits(
+        max_turns=10, max_new_tokens_per_turn=100, max_trajectory_tokens=10_000, max_completion_tokens=25
+    )
     env.set_tokenizer(qwen_tokenizer)
     with RolloutEngine(env, backend, ChatFormatter(qwen_tokenizer), limits) as engine:
         [trajectory] = engine.collect(env.tasks(), rollouts_per_task=1).trajectories

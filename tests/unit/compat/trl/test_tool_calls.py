@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 
-from loop_trainer.envs.base import Reply
 from loop_trainer.compat.trl.tool_calls import (
     ToolCallingSetupError,
     call_tools,
@@ -16,6 +15,7 @@ from loop_trainer.compat.trl.tool_calls import (
     prepare_tokenizer,
     tool_functions,
 )
+from loop_trainer.envs.base import Reply
 
 
 def multiply(a: int, b: int) -> int:
@@ -78,10 +78,13 @@ def tokenizer(qwen_tokenizer):
 
 
 def reply(tokenizer, text: str, tools=(multiply,)) -> Reply:
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=list(tools),
-                                           add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tools=list(tools), add_generation_prompt=True, tokenize=False
+    )
     ids = tokenizer.encode(text, add_special_tokens=False)
-    return Reply(tokenizer.decode(ids, skip_special_tokens=True), ids, tokenizer.encode(prompt, add_special_tokens=False))
+    return Reply(
+        tokenizer.decode(ids, skip_special_tokens=True), ids, tokenizer.encode(prompt, add_special_tokens=False)
+    )
 
 
 def test_tools_are_the_list_plus_the_environments_public_methods():
@@ -95,9 +98,17 @@ def test_tools_are_the_list_plus_the_environments_public_methods():
 def test_calls_are_parsed_with_trls_parser_and_typed_by_the_schema(tokenizer):
     call = '<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": "4"}}\n</tool_call><|im_end|>'
     parsed = parse_reply(tokenizer, reply(tokenizer, call), tools=[multiply])
-    assert parsed["tool_calls"] == [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}]
-    two = call.replace("<|im_end|>", "\n") + '<tool_call>\n{"name": "shout", "arguments": {"text": "x"}}\n</tool_call><|im_end|>'
-    assert [c["function"]["name"] for c in parse_reply(tokenizer, reply(tokenizer, two))["tool_calls"]] == ["multiply", "shout"]
+    assert parsed["tool_calls"] == [
+        {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}
+    ]
+    two = (
+        call.replace("<|im_end|>", "\n")
+        + '<tool_call>\n{"name": "shout", "arguments": {"text": "x"}}\n</tool_call><|im_end|>'
+    )
+    assert [c["function"]["name"] for c in parse_reply(tokenizer, reply(tokenizer, two))["tool_calls"]] == [
+        "multiply",
+        "shout",
+    ]
     plain = parse_reply(tokenizer, reply(tokenizer, "It is 12.<|im_end|>"))
     assert plain == {"role": "assistant", "content": "It is 12."}
     assert malformed_call_message(tokenizer, plain) is None
@@ -111,29 +122,57 @@ def test_results_and_errors_come_back_as_tool_messages_with_trls_texts():
     def call(name, arguments):
         return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
-    messages, failures = asyncio.run(call_tools([
-        call("increment", {"by": 2}), call("shout", {"text": "hey"}), call("nope", {}),
-        call("increment", {"by": 1, "c": 3}), call("increment", {}), call("explode", {}),
-        {"type": "retrieval", "name": "search"}, call("increment", "1"), call("increment", None),
-    ], functions))
+    messages, failures = asyncio.run(
+        call_tools(
+            [
+                call("increment", {"by": 2}),
+                call("shout", {"text": "hey"}),
+                call("nope", {}),
+                call("increment", {"by": 1, "c": 3}),
+                call("increment", {}),
+                call("explode", {}),
+                {"type": "retrieval", "name": "search"},
+                call("increment", "1"),
+                call("increment", None),
+            ],
+            functions,
+        )
+    )
     assert [m["role"] for m in messages] == ["tool"] * 9
-    assert [m["name"] for m in messages] == ["increment", "shout", "nope", "increment", "increment", "explode",
-                                             "search", "increment", "increment"]
+    assert [m["name"] for m in messages] == [
+        "increment",
+        "shout",
+        "nope",
+        "increment",
+        "increment",
+        "explode",
+        "search",
+        "increment",
+        "increment",
+    ]
     assert [m["content"] for m in messages[:7]] == [
-        "2", "HEY", "{'error': 'Tool nope not found.'}",
+        "2",
+        "HEY",
+        "{'error': 'Tool nope not found.'}",
         "{'error': \"Counter.increment() got an unexpected keyword argument 'c'\"}",
         "{'error': \"Counter.increment() missing 1 required positional argument: 'by'\"}",
-        "{'error': 'kaput'}", "{'error': 'Unsupported tool call type: retrieval'}"]
+        "{'error': 'kaput'}",
+        "{'error': 'Unsupported tool call type: retrieval'}",
+    ]
     assert "must be a mapping, not str" in messages[7]["content"]
     assert "missing 1 required positional argument" in messages[8]["content"]  # None arguments become {}
     assert failures == 7 and env.count == 2
 
 
 def test_a_call_that_does_not_parse_gets_a_tool_message_saying_why(tokenizer):
-    for text, reason in (('<tool_call>\n{"name": "multiply", "arguments": {"a": 3,, }}\n</tool_call><|im_end|>',
-                          "its JSON does not parse"),
-                         ('<tool_call>\n{"name": "multiply", "argu', "its JSON does not parse"),
-                         ('<tool_call>\n{"function": "multiply"}\n</tool_call><|im_end|>', 'it needs a "name"')):
+    for text, reason in (
+        (
+            '<tool_call>\n{"name": "multiply", "arguments": {"a": 3,, }}\n</tool_call><|im_end|>',
+            "its JSON does not parse",
+        ),
+        ('<tool_call>\n{"name": "multiply", "argu', "its JSON does not parse"),
+        ('<tool_call>\n{"function": "multiply"}\n</tool_call><|im_end|>', 'it needs a "name"'),
+    ):
         parsed = parse_reply(tokenizer, reply(tokenizer, text))
         assert "tool_calls" not in parsed
         message = malformed_call_message(tokenizer, parsed)

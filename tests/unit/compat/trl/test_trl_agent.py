@@ -7,12 +7,12 @@ import threading
 
 import pytest
 from datasets import Dataset
-from support.helpers import ScriptedBackend
 
 from loop_trainer.chat import ChatFormatter
-from loop_trainer.envs import EnvironmentSetupError
 from loop_trainer.compat.trl.environment import TRLAgentEnvironment
+from loop_trainer.envs import EnvironmentSetupError
 from loop_trainer.rollout import EpisodeLimits, RolloutEngine
+from support.helpers import ScriptedBackend
 
 
 def call(name: str, arguments: str) -> str:
@@ -59,8 +59,15 @@ def double(x: int) -> int:
     return 2 * x
 
 
-SCRIPT = [call("increment", '{"by": 3}'), call("increment", '{"by": 4,, }'), call("nope", "{}"),
-          call("explode", "{}"), call("double", '{"x": "2"}'), call("increment", '{"by": 7}'), "Done: 10."]
+SCRIPT = [
+    call("increment", '{"by": 3}'),
+    call("increment", '{"by": 4,, }'),
+    call("nope", "{}"),
+    call("explode", "{}"),
+    call("double", '{"x": "2"}'),
+    call("increment", '{"by": 7}'),
+    "Done: 10.",
+]
 
 
 def scripted_model(prompt_ids, tokenizer):
@@ -76,8 +83,9 @@ def collect(tokenizer, env, rows=None, limits=EpisodeLimits(max_turns=12, max_ne
 
 
 def test_by_default_a_call_that_does_not_parse_ends_the_episode_as_in_grpo_trainer(qwen_tokenizer):
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "Bring the counter to 10."}],
-                                  "start": 0, "target": 10}])
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": "Bring the counter to 10."}], "start": 0, "target": 10}]
+    )
     env = TRLAgentEnvironment(dataset, tools=[double], environment_factory=Counter)
     [trajectory] = collect(qwen_tokenizer, env)
     assert trajectory.status == "completed", trajectory.error
@@ -90,15 +98,29 @@ def test_a_trl_environment_factory_episode_runs_with_trls_semantics(qwen_tokeniz
     seen = {}
 
     def final_answer(prompts, completions, completion_ids, trainer_state, target, start, environments, **kwargs):
-        seen.update(prompts=prompts, completions=completions, completion_ids=completion_ids, target=target,
-                    state=trainer_state, environments=environments, kwargs=set(kwargs))
+        seen.update(
+            prompts=prompts,
+            completions=completions,
+            completion_ids=completion_ids,
+            target=target,
+            state=trainer_state,
+            environments=environments,
+            kwargs=set(kwargs),
+        )
         kwargs["log_metric"]("answer_length", len(completions[0][-1]["content"]))
         return [0.5 if str(target[0]) in completions[0][-1]["content"] else 0.0]
 
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "Bring the counter to 10."}],
-                                  "start": 0, "target": 10}])
-    env = TRLAgentEnvironment(dataset, [final_answer], tools=[double], environment_factory=Counter,
-                              reward_weights=[2.0], answer_malformed_calls=True)
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": "Bring the counter to 10."}], "start": 0, "target": 10}]
+    )
+    env = TRLAgentEnvironment(
+        dataset,
+        [final_answer],
+        tools=[double],
+        environment_factory=Counter,
+        reward_weights=[2.0],
+        answer_malformed_calls=True,
+    )
     env.trainer_state = "state"
     [trajectory] = collect(qwen_tokenizer, env)
     assert trajectory.status == "completed", trajectory.error
@@ -119,7 +141,7 @@ def test_a_trl_environment_factory_episode_runs_with_trls_semantics(qwen_tokeniz
     assert seen["prompts"][0][-1]["content"].endswith("(the counter starts at 0)")
     assert [m["role"] for m in seen["completions"][0]] == ["assistant", "tool"] * 6 + ["assistant"]
     assert seen["completions"][0][0]["tool_calls"][0]["function"] == {"name": "increment", "arguments": {"by": 3}}
-    assert seen["completion_ids"][0] == trajectory.token_ids[trajectory.prompt_length:]
+    assert seen["completion_ids"][0] == trajectory.token_ids[trajectory.prompt_length :]
     assert {"log_extra", "log_metric"} <= seen["kwargs"]
     assert env.metrics() == {"answer_length": float(len("Done: 10."))} and env.metrics() == {}
     # token-exact, tool messages masked out of the loss

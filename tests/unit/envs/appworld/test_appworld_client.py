@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 
+from loop_trainer.envs import make_environment
 from loop_trainer.envs.appworld import (
     AppWorldData,
     AppWorldDataError,
@@ -15,25 +17,33 @@ from loop_trainer.envs.appworld import (
     goal_completion_report,
     truncate_at_line,
 )
-from loop_trainer.envs import make_environment
 from loop_trainer.viewer import render_viewer
 
 TASKS = {  # task_id: (difficulty, splits)
-    "aaaaaaa_1": (1, ["train"]), "aaaaaaa_2": (2, ["train"]), "bbbbbbb_1": (2, ["train"]),
-    "bbbbbbb_2": (3, ["train"]), "3ab5b8b_3": (1, ["dev"]), "3ab5b8b_1": (2, ["dev"]),
+    "aaaaaaa_1": (1, ["train"]),
+    "aaaaaaa_2": (2, ["train"]),
+    "bbbbbbb_1": (2, ["train"]),
+    "bbbbbbb_2": (3, ["train"]),
+    "3ab5b8b_3": (1, ["dev"]),
+    "3ab5b8b_1": (2, ["dev"]),
 }
 
 
 @pytest.fixture()
 def root(tmp_path):
-    for task_id, (difficulty, splits) in TASKS.items():
+    for task_id, (difficulty, _splits) in TASKS.items():
         task = tmp_path / "data" / "tasks" / task_id
         (task / "ground_truth").mkdir(parents=True)
         (task / "ground_truth" / "metadata.json").write_text(json.dumps({"difficulty": difficulty}))
-        (task / "specs.json").write_text(json.dumps({
-            "instruction": f"do {task_id}", "datetime": "2023-05-18T12:00:00",
-            "supervisor": {"first_name": "Ann", "last_name": "Lee", "email": "a@x.com", "phone_number": "1"},
-        }))
+        (task / "specs.json").write_text(
+            json.dumps(
+                {
+                    "instruction": f"do {task_id}",
+                    "datetime": "2023-05-18T12:00:00",
+                    "supervisor": {"first_name": "Ann", "last_name": "Lee", "email": "a@x.com", "phone_number": "1"},
+                }
+            )
+        )
     datasets = tmp_path / "data" / "datasets"
     datasets.mkdir()
     for split in ("train", "dev"):
@@ -49,8 +59,14 @@ def test_splits_difficulties_unions_and_the_dev_denylist(root):
     assert data.task_ids("dev") == ["3ab5b8b_1"]  # 3ab5b8b_3 is denylisted
     assert data.task_ids("train_and_dev")[-1] == "3ab5b8b_1"
     rows = data.tasks("train_difficulty_1")
-    assert rows[0] == {"task_id": "aaaaaaa_1", "scenario_id": "aaaaaaa", "difficulty": 1, "instruction": "do aaaaaaa_1",
-                       "supervisor": "Ann Lee", "datetime": "2023-05-18T12:00:00"}
+    assert rows[0] == {
+        "task_id": "aaaaaaa_1",
+        "scenario_id": "aaaaaaa",
+        "difficulty": 1,
+        "instruction": "do aaaaaaa_1",
+        "supervisor": "Ann Lee",
+        "datetime": "2023-05-18T12:00:00",
+    }
 
 
 def test_missing_data_and_unknown_splits_say_what_to_do(root, tmp_path_factory, monkeypatch):
@@ -88,7 +104,7 @@ def test_prompt_has_the_papers_parts_and_alternates_roles():
     messages = prompts.opening_messages(supervisor, "2023-05-18", "Send Bob $5 on Venmo.")
     roles = [m["role"] for m in messages]
     assert roles[0] == "system" and roles[-1] == "user"
-    assert all(a != b for a, b in zip(roles[1:], roles[2:]))
+    assert all(a != b for a, b in itertools.pairwise(roles[1:]))
     assert "apis.api_docs.show_api_doc" in messages[1]["content"] and "ann@x.com" in messages[1]["content"]
     assert any("```python" in m["content"] for m in messages if m["role"] == "assistant")  # the worked example
     final = messages[-1]["content"]
@@ -109,21 +125,49 @@ def test_goal_completion_matches_appworlds_definition_and_rounding():
     assert goal_completion(successes) == {"tgc": 60.0, "sgc": 33.3, "num_tasks": 5.0, "num_scenarios": 3.0}
     # AppWorld rounds the mean to 4 places first: 2/3 -> 0.6667 -> 66.67 -> 66.7
     assert goal_completion({"a_1": True, "a_2": True, "b_1": False})["tgc"] == 66.7
-    report = goal_completion_report({t: {"success": s, "difficulty": 1 + i % 2} for i, (t, s) in enumerate(successes.items())})
+    report = goal_completion_report(
+        {t: {"success": s, "difficulty": 1 + i % 2} for i, (t, s) in enumerate(successes.items())}
+    )
     assert report["difficulty_1"]["tgc"] == 66.7 and report["difficulty_2"]["tgc"] == 50.0
     assert report["difficulty_3"] == {"tgc": 0.0, "sgc": 0.0, "num_tasks": 0.0, "num_scenarios": 0.0}
 
 
 def test_viewer_escapes_content_and_marks_failures():
     rows = [
-        {"task_id": "a_1", "reward": 1.0, "success": True, "status": "completed", "num_turns": 1, "ending": "done",
-         "num_opening_messages": 2, "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "task"},
-                                                 {"role": "assistant", "content": "```python\nprint('<b>')\n```"}],
-         "info": {"passes": ["t1"], "failures": []}},
-        {"task_id": "b_1", "reward": 0.5, "success": False, "status": "completed", "num_turns": 0, "ending": "turn_limit",
-         "messages": [], "info": json.dumps({"passes": ["t1"], "failures": [{"requirement": "t2", "trace": "Assert"}]})},
-        {"task_id": "c_1", "reward": 0.0, "success": None, "status": "failed", "error": "AppWorldServerError: boom",
-         "messages": [], "info": {}},
+        {
+            "task_id": "a_1",
+            "reward": 1.0,
+            "success": True,
+            "status": "completed",
+            "num_turns": 1,
+            "ending": "done",
+            "num_opening_messages": 2,
+            "messages": [
+                {"role": "system", "content": "sys"},
+                {"role": "user", "content": "task"},
+                {"role": "assistant", "content": "```python\nprint('<b>')\n```"},
+            ],
+            "info": {"passes": ["t1"], "failures": []},
+        },
+        {
+            "task_id": "b_1",
+            "reward": 0.5,
+            "success": False,
+            "status": "completed",
+            "num_turns": 0,
+            "ending": "turn_limit",
+            "messages": [],
+            "info": json.dumps({"passes": ["t1"], "failures": [{"requirement": "t2", "trace": "Assert"}]}),
+        },
+        {
+            "task_id": "c_1",
+            "reward": 0.0,
+            "success": None,
+            "status": "failed",
+            "error": "AppWorldServerError: boom",
+            "messages": [],
+            "info": {},
+        },
     ]
     page = render_viewer(rows, "eval <dev>")
     assert "<title>eval &lt;dev&gt;</title>" in page
@@ -137,16 +181,33 @@ def test_appworld_summary_is_goal_completion_per_rollout_averaged(root):
     # Resolved through the plugin entry point; remote URLs, so no server or AppWorld venv is needed.
     env = make_environment("appworld", root=str(root), server_urls=["http://127.0.0.1:9"])
     outcomes = {  # rollout -> task -> (status, success); bbbbbbb_2 failed to run in rollout 0
-        0: {"aaaaaaa_1": ("completed", True), "aaaaaaa_2": ("completed", True), "bbbbbbb_1": ("completed", True),
-            "bbbbbbb_2": ("failed", False)},
-        1: {"aaaaaaa_1": ("completed", True), "aaaaaaa_2": ("completed", True), "bbbbbbb_1": ("completed", True),
-            "bbbbbbb_2": ("completed", True)},
+        0: {
+            "aaaaaaa_1": ("completed", True),
+            "aaaaaaa_2": ("completed", True),
+            "bbbbbbb_1": ("completed", True),
+            "bbbbbbb_2": ("failed", False),
+        },
+        1: {
+            "aaaaaaa_1": ("completed", True),
+            "aaaaaaa_2": ("completed", True),
+            "bbbbbbb_1": ("completed", True),
+            "bbbbbbb_2": ("completed", True),
+        },
     }
-    rows = [{"task_id": task_id, "rollout": k, "status": status, "success": success, "reward": float(success), "info": {}}
-            for k, tasks in outcomes.items() for task_id, (status, success) in tasks.items()]
+    rows = [
+        {"task_id": task_id, "rollout": k, "status": status, "success": success, "reward": float(success), "info": {}}
+        for k, tasks in outcomes.items()
+        for task_id, (status, success) in tasks.items()
+    ]
     assert env.summarize(rows) == {
-        "success_rate": 7 / 8, "reward_mean": 7 / 8,
-        "tgc": (75.0 + 100.0) / 2, "sgc": (50.0 + 100.0) / 2,  # scenario bbbbbbb fails in rollout 0
-        "tgc_difficulty_1": 100.0, "sgc_difficulty_1": 100.0, "tgc_difficulty_2": 100.0, "sgc_difficulty_2": 100.0,
-        "tgc_difficulty_3": 50.0, "sgc_difficulty_3": 50.0,
+        "success_rate": 7 / 8,
+        "reward_mean": 7 / 8,
+        "tgc": (75.0 + 100.0) / 2,
+        "sgc": (50.0 + 100.0) / 2,  # scenario bbbbbbb fails in rollout 0
+        "tgc_difficulty_1": 100.0,
+        "sgc_difficulty_1": 100.0,
+        "tgc_difficulty_2": 100.0,
+        "sgc_difficulty_2": 100.0,
+        "tgc_difficulty_3": 50.0,
+        "sgc_difficulty_3": 50.0,
     }

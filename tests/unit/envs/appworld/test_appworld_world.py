@@ -62,9 +62,7 @@ def world(tmp_path_factory):
 def _appworld(python: Path, workdir: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("APPWORLD_")}
     env["APPWORLD_ROOT"] = str(workdir)
-    result = subprocess.run(
-        [str(python), *args], cwd=workdir, env=env, capture_output=True, text=True, timeout=600
-    )
+    result = subprocess.run([str(python), *args], cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-6000:]
     return result
 
@@ -150,8 +148,12 @@ def test_engine_grades_solutions_and_noops(world):
     for (experiment, split), (tgc, sgc) in expected.items():
         env = {k: v for k, v in os.environ.items() if not k.startswith("APPWORLD_")}
         cli = subprocess.run(
-            [*appworld_cli, "evaluate", experiment, split], cwd=workdir, env=env,
-            capture_output=True, text=True, timeout=600,
+            [*appworld_cli, "evaluate", experiment, split],
+            cwd=workdir,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert cli.returncode == 0, cli.stderr[-4000:]
         report = json.loads((outputs / experiment / "evaluations" / f"{split}.json").read_text())
