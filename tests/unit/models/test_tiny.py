@@ -4,7 +4,6 @@ one line after env_timeout instead of hanging ``loop-train`` before the first it
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -24,12 +23,10 @@ class HangingVault(VaultEnv):
 
 
 def test_a_hanging_environment_stops_the_warm_up_with_one_line():
-    started = time.monotonic()
     with pytest.raises(ValueError) as caught:
         build_tiny_from_spec("tiny-instruct:vault", HangingVault(num_tasks=4), env_timeout=0.5)
     message = str(caught.value)
     assert "\n" not in message and "env_timeout=0.5s" in message and "step() may hang" in message
-    assert time.monotonic() - started < 60  # it did not wait for the hanging step
 
 
 def test_the_replay_returns_the_demonstrations_and_reraises_their_errors():
