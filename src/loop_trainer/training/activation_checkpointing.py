@@ -18,6 +18,16 @@ def checkpointing_kwargs(args: Any) -> dict[str, Any]:
     return dict(getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs or {})
 
 
+def update_checkpointing_kwargs(args: Any, **changes: Any) -> None:
+    """Set ``changes`` in the config's checkpointing kwargs, under the name this transformers reads."""
+    name = (
+        "activation_checkpointing_kwargs"
+        if hasattr(args, "activation_checkpointing_kwargs")
+        else ("gradient_checkpointing_kwargs")
+    )
+    setattr(args, name, {**checkpointing_kwargs(args), **changes})
+
+
 def enable_checkpointing(model: Any, kwargs: dict[str, Any] | None = None) -> None:
     """Checkpoint ``model``'s decoder layers; ``kwargs`` as in a config's ``*_checkpointing_kwargs``
     (``every_n_layers`` and ``offload`` are transformers' own, the rest go to ``torch.utils.checkpoint``)."""

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoProcessor, PreTrainedModel, P
 from trl.trainer import add_fused_lm_head
 
 from ..config import LOOPConfig, mapping_setting
+from .activation_checkpointing import update_checkpointing_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -113,13 +114,7 @@ def wrap_for_training(model: PreTrainedModel, args: LOOPConfig, peft_config: Any
             policy = get_peft_model(model, peft_config)
     if hasattr(policy, "peft_config") and args.activation_checkpointing:
         if zero3:
-            # transformers < 5.18 (the one vLLM accepts) names them gradient_checkpointing_kwargs
-            name = (
-                "activation_checkpointing_kwargs"
-                if hasattr(args, "activation_checkpointing_kwargs")
-                else "gradient_checkpointing_kwargs"
-            )
-            setattr(args, name, {**(getattr(args, name) or {}), "use_reentrant": True})
+            update_checkpointing_kwargs(args, use_reentrant=True)
         policy.enable_input_require_grads()  # the frozen embeddings' outputs need grads for checkpointed layers
     if args.disable_dropout:
         for module in policy.modules():
