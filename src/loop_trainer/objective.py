@@ -208,6 +208,8 @@ def loop_policy_loss(
     divisor: float | None = None,
     ratio_level: RatioLevel = "token",
     turn_ids: Tensor | None = None,
+    epsilon_high: float | None = None,
+    token_weights: Tensor | None = None,
 ) -> PolicyLossOutput:
     r"""LOOP's clipped PPO loss for a batch of trajectories.
 
@@ -216,8 +218,9 @@ def loop_policy_loss(
 
     .. math::
         \rho_{i,t} = \exp\Bigl(\sum_{u \in k(t)} \log\pi_\theta(y_u) - \log\pi_{old}(y_u)\Bigr) \\
-        o_{i,t} = \min\bigl(\rho_{i,t} A_i,\ \mathrm{clip}(\rho_{i,t}, \tfrac{1}{1+\epsilon}, 1+\epsilon) A_i\bigr) \\
-        L = -\frac{1}{D} \sum_i \frac{1}{|T_i|} \sum_{t \in T_i} o_{i,t}
+        o_{i,t} = \min\bigl(\rho_{i,t} A_i,\
+                  \mathrm{clip}(\rho_{i,t}, \tfrac{1}{1+\epsilon}, 1+\epsilon_{high}) A_i\bigr) \\
+        L = -\frac{1}{D} \sum_i \frac{1}{|T_i|} \sum_{t \in T_i} w_{i,t}\, o_{i,t}
 
     The segment is the **ratio level** (the paper's Table 1 ablations): ``"token"`` (LOOP) is the
     token alone, :math:`k(t) = \{t\}`, so :math:`\rho_{i,t} = \pi_\theta(y_t) / \pi_{old}(y_t)`;
@@ -227,9 +230,16 @@ def loop_policy_loss(
     cut to the training budget has the ratio of the part kept.
 
     The clip range is symmetric in log space (``[1/1.1, 1.1]`` for the paper's
-    :math:`\epsilon = 0.1`). :math:`D` is a *constant* divisor, the nominal minibatch size
-    (paper: 32), so a short minibatch or a trajectory split across gradient-accumulation
-    micro-batches is weighted exactly as in a full one. It defaults to the batch size.
+    :math:`\epsilon = 0.1`): :math:`\epsilon_{high} = \epsilon` unless ``epsilon_high`` is given
+    (DAPO's *clip-higher*, Yu et al. 2025, arXiv 2503.14476: a larger upper bound lets a token the
+    old policy found unlikely gain more probability in one step, which keeps the policy from
+    collapsing onto the choices it already prefers; the lower bound stays LOOP's). :math:`w_{i,t}`
+    is 1 unless ``token_weights`` is given (the truncated importance weights toward the sampler,
+    :func:`loop_trainer.stabilisers.truncated_importance_weights`; held fixed, no gradient).
+
+    :math:`D` is a *constant* divisor, the nominal minibatch size (paper: 32), so a short minibatch
+    or a trajectory split across gradient-accumulation micro-batches is weighted exactly as in a
+    full one. It defaults to the batch size.
 
     Arithmetic is in float32 (float64 if the inputs are float64). A turn or trajectory sum
     :math:`S` is clamped to :math:`[-S_{max}, S_{max}]`, :data:`MAX_LOG_RATIO` = 20, before
@@ -261,6 +271,9 @@ def loop_policy_loss(
         turn_ids: ``[B, T]`` integer turn index of every token, read only where ``loss_mask`` is 1
             (any non-negative labels; tokens of one row with the same label form one turn).
             Required for ``"turn"``, ignored otherwise.
+        epsilon_high: the upper clip bound is ``1 + epsilon_high`` (default: ``epsilon``).
+        token_weights: ``[B, T]`` non-negative weight of every token's objective, read only where
+            ``loss_mask`` is 1 (detached). None: every weight is 1.
     """
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {', '.join(RATIO_LEVELS)}; got {ratio_level!r}")
@@ -271,6 +284,11 @@ def loop_policy_loss(
         )
     if advantages.shape != logprobs.shape[:1]:
         raise ValueError(f"advantages must have shape ({logprobs.shape[0]},), got {tuple(advantages.shape)}")
+    if token_weights is not None and token_weights.shape != logprobs.shape:
+        raise ValueError(f"token_weights {tuple(token_weights.shape)} must have the shape of logprobs")
+    upper = 1.0 + (epsilon if epsilon_high is None else epsilon_high)
+    if upper < 1.0:
+        raise ValueError(f"epsilon_high must be >= 0, got {epsilon_high}")
     divisor = float(logprobs.shape[0] if divisor is None else divisor)
     # The ratio is exp of a small difference of large numbers: float32 at least, whatever the model
     # dtype (float64 stays float64: gradcheck).
@@ -283,8 +301,10 @@ def loop_policy_loss(
     ratio = torch.exp(_segment_log_ratio(log_ratio, sampled, ratio_level, turn_ids))
     adv = advantages.detach().to(dtype)[:, None]
     unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 / (1.0 + epsilon), 1.0 + epsilon) * adv
+    clipped = torch.clamp(ratio, 1.0 / (1.0 + epsilon), upper) * adv
     objective = torch.minimum(unclipped, clipped)
+    if token_weights is not None:
+        objective = objective * torch.where(sampled, token_weights.detach().to(dtype), 0.0)
 
     tokens_per_trajectory = mask.sum(dim=1)
     trajectory_objective = (objective * mask).sum(dim=1) / tokens_per_trajectory.clamp(min=1)

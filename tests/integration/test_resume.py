@@ -113,3 +113,24 @@ def test_a_run_killed_twice_still_ends_where_it_would_have(instruct_model, unint
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
     assert [m["reward_mean"] for m in metrics(tmp_path)] == [m["reward_mean"] for m in metrics(uninterrupted)]
+
+
+@pytest.mark.slow
+def test_a_run_killed_between_rounds_of_dynamic_sampling_resumes_exactly(instruct_model, tmp_path_factory):
+    options = ("--dynamic-sampling-rounds", "3", "--rollouts-per-task", "2")  # pairs tie often: rounds happen
+    straight = tmp_path_factory.mktemp("dynamic-straight")
+    assert drive(instruct_model, straight, *options).returncode == 0
+    expected = metrics(straight)
+    with_rounds = [m["iteration"] for m in expected if m["dynamic_sampling_rounds"] >= 1 and m["iteration"] >= 2]
+    assert with_rounds, [m["dynamic_sampling_rounds"] for m in expected]
+    assert all(m["informative_groups"] <= 4 for m in expected)
+    killed_dir = tmp_path_factory.mktemp("dynamic-killed")
+    killed = drive(instruct_model, killed_dir, *options, "--kill-in", "round", "--kill-at", str(with_rounds[0]))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    resumed = drive(instruct_model, killed_dir, *options, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want, got = final_weights(straight), final_weights(killed_dir)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
+    keys = ("reward_mean", "num_rollouts", "num_kept", "dynamic_sampling_rounds", "dynamic_sampling_extra_rollouts")
+    assert [[m[k] for k in keys] for m in metrics(killed_dir)] == [[m[k] for k in keys] for m in expected]

@@ -1,6 +1,7 @@
 """A LOOP training process for the crash tests: ``python fault_driver.py MODEL_DIR OUTPUT_DIR
-[--kill-in rollouts|update|save --kill-at N] [--resume]``. It SIGKILLs itself at the named moment
-of iteration N (no clean-up of any kind runs), then the test resumes it."""
+[--kill-in rollouts|round|update|save --kill-at N] [--resume] [--dynamic-sampling-rounds R]``. It SIGKILLs
+itself at the named moment of iteration N (no clean-up of any kind runs; ``round``: as dynamic sampling's
+second collection round starts), then the test resumes it."""
 
 from __future__ import annotations
 
@@ -25,9 +26,11 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("output_dir")
     parser.add_argument("--iterations", type=int, default=4)
-    parser.add_argument("--kill-in", choices=["rollouts", "update", "save"])
+    parser.add_argument("--kill-in", choices=["rollouts", "round", "update", "save"])
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--dynamic-sampling-rounds", type=int, default=0)
+    parser.add_argument("--rollouts-per-task", type=int, default=4)
     options = parser.parse_args()
 
     env = VaultEnv(num_tasks=16)
@@ -37,7 +40,8 @@ def main() -> None:
         output_dir=options.output_dir,
         iterations=options.iterations,
         tasks_per_iteration=4,
-        rollouts_per_task=4,
+        rollouts_per_task=options.rollouts_per_task,
+        dynamic_sampling_rounds=options.dynamic_sampling_rounds,
         minibatch_size=8,
         max_turns=6,
         max_new_tokens_per_turn=4,
@@ -66,6 +70,15 @@ def main() -> None:
             return make_episode(task)
 
         env.episode = episode
+    elif options.kill_in == "round":
+        collect = trainer.collect_rollouts
+
+        def collect_rollouts(tasks, collection_round=0):
+            if at_kill_iteration() and collection_round == 1:
+                die()
+            return collect(tasks, collection_round)
+
+        trainer.collect_rollouts = collect_rollouts
     elif options.kill_in == "update":
         step = PolicyUpdate.minibatch_step
 

@@ -103,7 +103,6 @@ LOOP_EQUIVALENTS: dict[str, str | None] = {
     "num_generations": "rollouts_per_task",
     "generation_batch_size": "tasks_per_iteration",
     # the loss and the advantages
-    "epsilon_high": "epsilon",
     "delta": "epsilon",
     "importance_sampling_level": "ratio_level",
     "scale_rewards": "std_normalize_advantages",
@@ -126,7 +125,9 @@ LOOP_EQUIVALENTS: dict[str, str | None] = {
     "use_transformers_paged": "generation_batch_limit",
     "use_transformers_continuous_batching": "generation_batch_limit",
     "vllm_group_port": "vllm_sync_dir",
-    "vllm_importance_sampling_correction": None,
+    "vllm_importance_sampling_correction": "sampler_importance_cap",
+    "vllm_importance_sampling_cap": "sampler_importance_cap",
+    "vllm_importance_sampling_mode": "sampler_importance_cap",
     # evaluation
     "eval_strategy": "eval_every",
     "eval_steps": "eval_every",

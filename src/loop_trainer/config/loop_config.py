@@ -101,6 +101,23 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
         "KL penalty to the base model (the adapter disabled; LoRA only). 0: none, the paper's LOOP.",
         at_least(0, "the coefficient of the KL penalty to the base model (0: none, the paper's LOOP)"),
     )
+    # --- stabilisers: each off by default (LOOP as the paper); docs/stabilisers.md ---------------
+    epsilon_high: float | None = setting(
+        None,
+        "Clip-higher (DAPO): upper clip bound 1+epsilon_high, the lower one stays 1/(1+epsilon). None: epsilon.",
+        above(0, "the upper clip bound is 1+epsilon_high (clip-higher); None: 1+epsilon, LOOP's", none=True),
+    )
+    sampler_importance_cap: float | None = setting(
+        None,
+        "Truncated importance sampling: each token's objective times min(pi_old/pi_sampler, cap). None: off.",
+        above(0, "each token's objective is weighted by min(pi_old/pi_sampler, cap); None: off", none=True),
+    )
+    dynamic_sampling_rounds: int = setting(
+        0,
+        "Dynamic sampling (DAPO): up to this many extra rounds of new tasks until the "
+        "iteration has tasks_per_iteration groups whose rewards are not all equal. 0: off.",
+        at_least(0, "extra collection rounds of dynamic sampling; 0: off (LOOP)"),
+    )
     kl_abort_threshold: float = setting(
         20.0,
         "Abort the iteration's remaining updates if |KL estimate| exceeds this.",
@@ -174,7 +191,9 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
 
     # --- GRPOTrainer's agent arguments (reward_funcs, train_dataset, tools, environment_factory) -
     reward_weights: list[float] | None = setting(
-        None, "Weights of reward_funcs in the episode reward (GRPOTrainer's agent arguments only)."
+        None,
+        "Weights of reward_funcs in the episode reward (GRPOTrainer's agent arguments only).",
+        unranged="a list, one weight per reward function (checked against reward_funcs); any sign",
     )
     max_tool_calling_iterations: int | None = setting(
         None,

@@ -8,6 +8,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ..stabilisers import tied_groups
 from ..trajectory import Trajectory
 
 
@@ -94,6 +95,9 @@ class RolloutBatch:
         rewards = [t.reward for t in done]
         successes = [t.success for t in done if t.success is not None]
         mean = sum(rewards) / len(rewards) if rewards else float("nan")
+        turns = sum(t.num_turns for t in done)
+        # groups whose rewards all tie: their leave-one-out advantages are 0, they teach nothing
+        tied = tied_groups(rewards, [t.group for t in done])
         var = sum((r - mean) ** 2 for r in rewards) / len(rewards) if rewards else float("nan")
         return {
             "num_rollouts": float(len(done)),
@@ -102,7 +106,8 @@ class RolloutBatch:
             "reward_mean": mean,
             "reward_std": math.sqrt(var) if rewards else float("nan"),
             "success_rate": sum(successes) / len(successes) if successes else float("nan"),
-            "turns_mean": sum(t.num_turns for t in done) / len(done) if done else float("nan"),
+            "turns_mean": turns / len(done) if done else float("nan"),
+            "reply_tokens_mean": sum(t.num_sampled_tokens for t in done) / turns if turns else float("nan"),
             "sampled_tokens": float(sum(t.num_sampled_tokens for t in done)),
             "trajectory_tokens_max": float(max((len(t.token_ids) for t in done), default=0)),
             "truncated_turns": float(sum(t.truncated_turns for t in done)),
@@ -110,5 +115,10 @@ class RolloutBatch:
             "cut_messages": float(sum(t.cut_messages for t in done)),
             "ended_turn_limit": float(endings["turn_limit"]),
             "ended_trajectory_budget": float(endings["trajectory_budget"]),
+            # episodes a limit ended before the environment did (their reward is what was reached)
+            "truncated_fraction": (endings["turn_limit"] + endings["trajectory_budget"]) / len(done)
+            if done
+            else float("nan"),
+            "tied_group_fraction": sum(tied.values()) / len(tied) if tied else float("nan"),
             "rollout_seconds": self.seconds,
         }

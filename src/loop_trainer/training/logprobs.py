@@ -21,6 +21,16 @@ from .batching import Batch, TrainingSample, collate
 
 def token_logprobs(model: torch.nn.Module, batch: Batch) -> Tensor:
     """``[B, T]`` log-prob of each token given the ones before it; 0 where ``loss_mask`` is 0."""
+    return token_logprobs_and_entropy(model, batch)[0]
+
+
+def token_logprobs_and_entropy(model: torch.nn.Module, batch: Batch) -> tuple[Tensor, Tensor | None]:
+    """``[B, T]`` log-prob of each token given the ones before it and ``[B, T]`` entropy (nats, at the
+    sampling temperature) of the distribution it was sampled from; both 0 where ``loss_mask`` is 0.
+
+    The fused head computes the entropy in the same tiles as the log-probs, so no ``[tokens x vocab]``
+    tensor is held for it either. The entropy is None if the head was added without ``"entropy"`` in
+    its outputs (:func:`.model_loading.wrap_for_training` adds it with)."""
     labels = batch.input_ids.masked_fill(batch.loss_mask == 0, -100)
     out = model(
         input_ids=batch.input_ids,
@@ -29,8 +39,12 @@ def token_logprobs(model: torch.nn.Module, batch: Batch) -> Tensor:
         fused_lm_head=True,
         use_cache=False,
     )
-    shifted = out.log_probs  # [B, T-1]: log p(token t+1 | tokens <= t)
-    return torch.cat([shifted.new_zeros(shifted.shape[0], 1), shifted], dim=1) * batch.loss_mask
+
+    def unshifted(shifted: Tensor) -> Tensor:  # [B, T-1]: about token t+1 given tokens <= t
+        return torch.cat([shifted.new_zeros(shifted.shape[0], 1), shifted], dim=1) * batch.loss_mask
+
+    entropy = getattr(out, "entropy", None)
+    return unshifted(out.log_probs), None if entropy is None else unshifted(entropy)
 
 
 @torch.no_grad()

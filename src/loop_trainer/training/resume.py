@@ -64,6 +64,10 @@ RESUME_SETTINGS = (
     "epsilon",
     "max_training_tokens",
     "kl_abort_threshold",
+    # the stabilisers (docs/stabilisers.md)
+    "epsilon_high",
+    "sampler_importance_cap",
+    "dynamic_sampling_rounds",
     "per_device_train_batch_size",
     "max_grad_norm",
     "bf16",

@@ -52,7 +52,8 @@ def _moving_average(values: Sequence[float], window: int) -> list[float]:
 
 
 def plot_learning_curve(history: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
-    """Reward (mean +- std per iteration, and a moving average), kept fraction and KL."""
+    """Reward (mean +- std per iteration, and a moving average) and success; kept fraction, tied groups and
+    clip fraction; the policy's entropy and the truncated fraction (the learning signals)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,7 +64,7 @@ def plot_learning_curve(history: Sequence[Mapping[str, Any]], path: str | os.Pat
 
     iterations = [int(h["iteration"]) for h in history]
     reward, std = series("reward_mean"), series("reward_std")
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
+    fig, (top, bottom, signals) = plt.subplots(3, 1, figsize=(7, 8), sharex=True, height_ratios=(2, 1, 1))
     top.plot(iterations, reward, color="tab:blue", alpha=0.45, label="reward (iteration mean)")
     top.fill_between(
         iterations,
@@ -88,10 +89,19 @@ def plot_learning_curve(history: Sequence[Mapping[str, Any]], path: str | os.Pat
     top.grid(alpha=0.3)
     top.set_title("LOOP training")
     bottom.plot(iterations, series("kept_fraction"), color="tab:orange", label="kept fraction")
+    bottom.plot(iterations, series("tied_group_fraction"), color="tab:purple", label="tied groups")
     bottom.plot(iterations, series("clip_frac"), color="tab:red", label="clip fraction")
-    bottom.set_xlabel("iteration")
     bottom.legend(loc="upper left", fontsize=8)
     bottom.grid(alpha=0.3)
+    signals.plot(iterations, series("entropy"), color="tab:gray", marker=".", label="entropy (nats/token)")
+    signals.set_ylabel("entropy")
+    truncated = signals.twinx()
+    truncated.plot(iterations, series("truncated_fraction"), color="tab:brown", alpha=0.6, label="truncated fraction")
+    truncated.set_ylim(-0.02, 1.02)
+    signals.legend(loc="upper left", fontsize=8)
+    truncated.legend(loc="upper right", fontsize=8)
+    signals.set_xlabel("iteration")
+    signals.grid(alpha=0.3)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
@@ -110,6 +120,7 @@ def format_iteration(iteration: int, record: Mapping[str, Any]) -> str:
         f"iteration {iteration}: reward {number('reward_mean')} ± {number('reward_std', '.2f')}"
         f"  success {number('success_rate', '.2f')}"
         f"  kept {number('num_kept', '.0f')}/{number('num_rollouts', '.0f')}"
+        f"  tied {number('tied_group_fraction', '.2f')}  entropy {number('entropy', '.3f')}"
         f"  kl {number('kl', '.4f')}  clip {number('clip_frac', '.3f')}"
         f"  {number('seconds', '.1f')}s"
     )

@@ -25,6 +25,7 @@ accelerate/DeepSpeed wrapping, as ``Trainer.train`` builds them), ``_load_rng_st
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -42,19 +43,20 @@ from ..compat.trl.arguments import environment_for, loop_config_for
 from ..compat.trl.environment import TRLAgentEnvironment
 from ..config import LOOPConfig, mapping_setting
 from ..envs.base import Environment, load_tasks
-from ..objective import advantage_keep_mask, advantages_for
 from ..publishing.publisher import HubPublisher
-from ..rollout import GenerationBackend
+from ..rollout import GenerationBackend, RolloutBatch
 from ..rollout.generator import require_vllm
 from .activation_checkpointing import checkpointing_kwargs, enable_checkpointing, is_checkpointing
 from .batching import TrainingSample
 from .checkpoints import CheckpointStager, read_loop_state
 from .distribution import DistributionStrategy, check_launch, check_sampling_with_training_model
+from .dynamic_sampling import collect_scored, score_rollouts
 from .model_loading import load_policy
 from .resume import apply_setting_changes, plan_start
 from .rollout_resources import RolloutResources
 from .run_log import LOOPPrinterCallback, LOOPProgressCallback, RunLog
 from .sampler import TaskSampler
+from .signals import collapse_warning, training_check_rates
 from .stress import run_memory_stress_test
 from .trainer_sampling import TrainerSampling
 from .update import PolicyUpdate, UpdateSettings
@@ -267,6 +269,9 @@ class LOOPTrainer(TrainerSampling):
             sampler = self.task_sampler
             self.state.epoch = sampler.epoch + sampler.position / sampler.num_tasks
             record = {"iteration": self.state.global_step, **record}
+            warning = collapse_warning([*self.history, record])
+            if warning is not None and self.is_world_process_zero():
+                logger.warning(warning)
             self.run_log.record(record)
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             if self.control.should_log:
@@ -347,26 +352,35 @@ class LOOPTrainer(TrainerSampling):
         if self.trl_route and isinstance(self.env, TRLAgentEnvironment):
             self.env.trainer_state = self.state  # TRL's reward functions get trainer_state
         synced = self.generator.sync(iteration)
-        tasks = [self.train_dataset[i] for i in self.task_sampler.next(args.tasks_per_iteration)]
-        batch = self.collect_rollouts(tasks)
-        self.generator.sleep()
-        trajectories = batch.trajectories
-        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-        advantages = advantages_for(
-            args.advantage_estimator,
-            rewards,
-            [t.group for t in trajectories],
-            std_normalize=args.std_normalize_advantages,
+
+        def collect_round(round_index: int, num_tasks: int) -> RolloutBatch:
+            tasks = [self.train_dataset[i] for i in self.task_sampler.next(num_tasks)]
+            return self.collect_rollouts(tasks, round_index)
+
+        scored = collect_scored(
+            collect_round,
+            functools.partial(
+                score_rollouts,
+                estimator=args.advantage_estimator,
+                std_normalize=args.std_normalize_advantages,
+                threshold=args.advantage_threshold,
+            ),
+            groups_wanted=args.tasks_per_iteration,
+            extra_rounds=args.dynamic_sampling_rounds,
         )
-        keep = advantage_keep_mask(advantages, args.advantage_threshold)
+        self.generator.sleep()
+        batch, advantages = scored.batch, scored.advantages
+        trajectories = batch.trajectories
         assert args.max_training_tokens is not None  # LOOPConfig.__post_init__ sets it
         samples = [
             TrainingSample.from_trajectory(t, float(a), args.max_training_tokens)
-            for t, a, k in zip(trajectories, advantages.tolist(), keep.tolist(), strict=True)
+            for t, a, k in zip(trajectories, advantages.tolist(), scored.trained, strict=True)
             if k
         ]
         record: dict[str, Any] = {
             **batch.stats(),
+            **scored.metrics,
+            **training_check_rates(self.env, batch),
             **synced,
             "num_kept": len(samples),
             "kept_fraction": len(samples) / len(trajectories) if trajectories else 0.0,

@@ -77,17 +77,21 @@ class TrainerSampling(TrainerHooks):
         self.close()
 
     # --- Rollouts ---
-    def collect_rollouts(self, tasks: list[Mapping[str, Any]]) -> RolloutBatch:
-        """Every process runs the episodes of its share of the tasks; all then see all results."""
+    def collect_rollouts(self, tasks: list[Mapping[str, Any]], collection_round: int = 0) -> RolloutBatch:
+        """Every process runs the episodes of its share of the tasks; all then see all results.
+        ``collection_round``: the iteration's round of dynamic sampling (0: its first, LOOP's only)."""
         args = self.args
+        step = self.state.global_step
+        seed = mix_seed(args.seed, step) if collection_round == 0 else mix_seed(args.seed, step, collection_round)
         return collect_across_processes(
             self.rollout_engine,
             tasks,
             args.rollouts_per_task,
             num_processes=self.accelerator.num_processes,
             process_index=self.accelerator.process_index,
-            seed=mix_seed(args.seed, self.state.global_step),
-            description=f"iteration {self.state.global_step + 1} rollouts",
+            seed=seed,
+            description=f"iteration {step + 1} rollouts"
+            + (f" (round {collection_round + 1})" if collection_round else ""),
             max_failed_fraction=args.max_failed_fraction,
             done_fraction=args.early_stop_done_fraction,
             task_fraction=args.early_stop_task_fraction,

@@ -26,9 +26,10 @@ import torch
 
 from ..objective import RatioLevel, loop_policy_loss, reference_kl_penalty
 from ..rollout.records import stream_seed
+from ..stabilisers import truncated_importance_weights
 from .batching import TrainingSample, chunks, collate, minibatch_indices
 from .distribution import DistributionStrategy
-from .logprobs import token_logprobs
+from .logprobs import token_logprobs, token_logprobs_and_entropy
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,10 @@ class UpdateSettings:
     pad_token_id: int
     ratio_level: RatioLevel = "token"
     beta: float = 0.0
+    epsilon_high: float | None = None
+    """Upper clip bound 1 + epsilon_high (clip-higher); None: LOOP's 1 + epsilon."""
+    sampler_importance_cap: float | None = None
+    """Each token's objective times min(pi_old / pi_sampler, cap); None: no correction (LOOP)."""
 
     @classmethod
     def from_args(cls, args: Any, pad_token_id: int) -> UpdateSettings:
@@ -67,6 +72,8 @@ class UpdateSettings:
             pad_token_id=pad_token_id,
             ratio_level=cast(RatioLevel, args.ratio_level),  # LOOPConfig checked it is one
             beta=args.beta,
+            epsilon_high=args.epsilon_high,
+            sampler_importance_cap=args.sampler_importance_cap,
         )
 
 
@@ -87,6 +94,8 @@ class StepResult:
     """Mean k3 estimate of KL(policy || reference) over the minibatch's sampled tokens (beta > 0)."""
     kl_exceeded: bool = False
     """|kl| was over ``kl_abort_threshold``: gradients discarded, the iteration's updates end here."""
+    capped_fraction: float = math.nan
+    """Fraction of sampled tokens whose importance weight toward the sampler was capped (with a cap)."""
 
 
 class PolicyUpdate:
@@ -151,9 +160,9 @@ class PolicyUpdate:
         self, samples: list[TrainingSample], indices: list[int] | None = None, counted: set[int] | None = None
     ) -> tuple[FixedLogprobs, dict[str, float]]:
         """Log-probs of ``samples[i]`` for ``i`` in ``indices`` (default: all) under the current
-        policy, in eval mode (and, when ``beta > 0``, under the reference policy), and how far the
-        sampler's log-probs were from the current policy's over ``counted`` (default: all of
-        ``indices``), combined over processes.
+        policy, in eval mode (and, when ``beta > 0``, under the reference policy), and two metrics
+        over the sampled tokens of ``counted`` (default: all of ``indices``), combined over processes:
+        how far the sampler's log-probs were from the current policy's, and the policy's mean entropy.
 
         LOOP takes its PPO denominator from the trainer, not the sampler; the sampler's log-probs
         are only compared, as a health check of the generation path."""
@@ -166,7 +175,7 @@ class PolicyUpdate:
         # beta > 0: the reference policy exists (__init__ refused it missing)
         reference_policy = self.reference if self.settings.beta > 0 else None
         reference: dict[int, torch.Tensor] | None = {} if reference_policy is not None else None
-        abs_diff_sum, abs_diff_max, count = 0.0, 0.0, 0
+        abs_diff_sum, abs_diff_max, count, entropy_sum, has_entropy = 0.0, 0.0, 0, 0.0, True
         work = list(chunks(indices, self.settings.micro_batch_size))
         real = len(work)
         # Stand-in passes (results dropped) where forward passes are collective.
@@ -175,7 +184,8 @@ class PolicyUpdate:
             for k, chunk in enumerate(work):
                 batch = collate([samples[i] for i in chunk], self.settings.pad_token_id).to(strategy.device)
                 with self.autocast():
-                    logprobs = token_logprobs(model, batch).float()
+                    logprobs, entropy = token_logprobs_and_entropy(model, batch)
+                    logprobs = logprobs.float()
                     if reference_policy is not None:
                         with reference_policy():
                             reference_logprobs = token_logprobs(model, batch).float()
@@ -185,7 +195,12 @@ class PolicyUpdate:
                     for row, i in enumerate(chunk):
                         reference[i] = reference_logprobs[row, : len(samples[i].token_ids)].cpu()
                 rows = torch.tensor([i in counted for i in chunk], device=logprobs.device)[:, None]
-                diff = (logprobs - batch.sampler_logprobs)[batch.loss_mask.bool() & rows].abs()
+                counted_tokens = batch.loss_mask.bool() & rows
+                diff = (logprobs - batch.sampler_logprobs)[counted_tokens].abs()
+                if entropy is None:
+                    has_entropy = False
+                else:
+                    entropy_sum += float(entropy.float()[counted_tokens].sum())
                 if diff.numel():
                     abs_diff_sum += float(diff.sum())
                     abs_diff_max = max(abs_diff_max, float(diff.max()))
@@ -194,11 +209,13 @@ class PolicyUpdate:
                     old[i] = logprobs[row, : len(samples[i].token_ids)].cpu()
         finally:
             model.train(was_training)
-        total_diff, total_count = strategy.sum([abs_diff_sum, float(count)])
+        total_diff, total_count, total_entropy = strategy.sum([abs_diff_sum, float(count), entropy_sum])
         _, abs_diff_max = strategy.min_max(0.0, abs_diff_max)
         metrics = {
             "sampler_logprob_diff": total_diff / total_count if total_count else float("nan"),
             "sampler_logprob_diff_max": abs_diff_max,
+            # over the trained (kept) trajectories' sampled tokens, at the sampling temperature
+            "entropy": total_entropy / total_count if total_count and has_entropy else float("nan"),
         }
         return FixedLogprobs(old, reference), metrics
 
@@ -222,7 +239,8 @@ class PolicyUpdate:
         # processes yields sum(trajectory losses) / minibatch_size, the paper's constant divisor.
         divisor = s.minibatch_size / strategy.num_processes
         strategy.model.train()
-        totals = dict.fromkeys(("loss", "clip", "kl", "ratio", "tokens") + (("kl_ref",) if s.beta > 0 else ()), 0.0)
+        optional = (("kl_ref",) if s.beta > 0 else ()) + (("capped",) if s.sampler_importance_cap is not None else ())
+        totals = dict.fromkeys(("loss", "clip", "kl", "ratio", "tokens") + optional, 0.0)
         ratio_min, ratio_max = math.inf, -math.inf
         for i, (indices, stand_in) in enumerate(micro_batches):
             batch = collate([samples[j] for j in indices], s.pad_token_id).to(strategy.device)
@@ -230,6 +248,12 @@ class PolicyUpdate:
             if stand_in:
                 batch.advantages.zero_()
                 batch.loss_mask.zero_()
+            weights = None
+            if s.sampler_importance_cap is not None:
+                weights, capped = truncated_importance_weights(
+                    old, batch.sampler_logprobs, batch.loss_mask, s.sampler_importance_cap
+                )
+                totals["capped"] += float(capped) * float(batch.loss_mask.sum())
             with strategy.accumulating(last=i == len(micro_batches) - 1):
                 with self.autocast():
                     logprobs = token_logprobs(strategy.model, batch)
@@ -242,6 +266,8 @@ class PolicyUpdate:
                     divisor=divisor,
                     ratio_level=s.ratio_level,
                     turn_ids=batch.turn_ids,
+                    epsilon_high=s.epsilon_high,
+                    token_weights=weights,
                 )
                 loss = out.loss
                 if fixed_reference is not None:  # beta > 0
@@ -270,6 +296,7 @@ class PolicyUpdate:
             ratio_max=ratio_max,
             num_tokens=totals["tokens"],
             kl_ref=totals["kl_ref"] / tokens if "kl_ref" in totals else math.nan,
+            capped_fraction=totals["capped"] / tokens if "capped" in totals else math.nan,
         )
         if not math.isfinite(step.loss):
             strategy.discard_gradients()
@@ -301,9 +328,11 @@ def summarize_steps(steps: list[StepResult]) -> dict[str, float]:
     def weighted(key: str) -> float:
         return sum(getattr(s, key) * s.num_tokens for s in steps) / tokens if steps else float("nan")
 
-    kl_ref = {"kl_ref": weighted("kl_ref")} if any(math.isfinite(s.kl_ref) for s in steps) else {}
+    optional = {"kl_ref": weighted("kl_ref")} if any(math.isfinite(s.kl_ref) for s in steps) else {}
+    if any(math.isfinite(s.capped_fraction) for s in steps):
+        optional["importance_capped_fraction"] = weighted("capped_fraction")
     return {
-        **kl_ref,
+        **optional,
         "loss": sum(s.loss for s in taken) / len(taken) if taken else float("nan"),
         "clip_frac": weighted("clip_frac"),
         "kl": weighted("kl"),

@@ -35,7 +35,7 @@ SNAKE_CASE = r"[a-z][a-z0-9]*(?:_[a-z0-9]+)+"
 # Settings of GRPOConfig / TrainingArguments that LOOP does not take, each with a value as a recipe writes it.
 NAMED_KEYS = {
     "loss_type": "dapo",  # TRL's default: written in a recipe it still asks for a loss LOOP never computes
-    "epsilon_high": 0.28,
+    "top_entropy_quantile": 0.2,
     "delta": 2.0,
     "scale_rewards": "batch",
     "importance_sampling_level": "sequence",

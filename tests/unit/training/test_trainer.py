@@ -31,6 +31,14 @@ REQUIRED_METRICS = {
     "seconds",
     "sampler_logprob_diff",
     "rollout_seconds",
+    # the learning signals
+    "entropy",
+    "tied_group_fraction",
+    "kept_fraction",
+    "turns_mean",
+    "reply_tokens_mean",
+    "truncated_fraction",
+    "train_passed_found_person",  # vault's per-check pass rates over the training rollouts
     "update_seconds",
 }
 
@@ -146,6 +154,7 @@ def test_groups_with_equal_rewards_are_dropped(tmp_path, vault_tiny):
     weights = [p.detach().clone() for p in model.parameters()]
     record = trainer.run_iteration()
     assert record["num_kept"] == 0 and record["optimizer_steps"] == 0
+    assert record["tied_group_fraction"] == 1.0
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
 
 
@@ -252,6 +261,8 @@ def test_config_defaults_are_the_papers_but_early_stopping_is_off():
     assert (args.max_grad_norm, args.lr_scheduler_type, args.warmup_steps) == (0.1, "constant", 0)
     assert (args.max_turns, args.max_new_tokens_per_turn, args.max_trajectory_tokens) == (40, 1500, 32000)
     assert (args.temperature, args.beta) == (1.0, 0.0) and not hasattr(LOOPConfig, "top_p")
+    # every stabiliser off: LOOP as the paper
+    assert (args.epsilon_high, args.sampler_importance_cap, args.dynamic_sampling_rounds) == (None, None, 0)
     assert (args.early_stop_done_fraction, args.early_stop_task_fraction) == (1.0, 1.0)
     assert "0.9 / 0.75" in LOOPConfig.__doc__
     assert args.iterations == 200 and not args.std_normalize_advantages

@@ -1,0 +1,95 @@
+"""What a run says about its own learning, beyond reward: the environment's per-check pass rates over
+the training rollouts, and a one-line warning when the history shows a collapse signature.
+
+The signatures (each must hold for :data:`PATIENCE` consecutive iterations):
+
+* **entropy collapse** -- the policy's mean entropy over sampled tokens (``entropy``) is under
+  :data:`ENTROPY_DROP` of its start (the mean of the first :data:`PATIENCE` iterations that measured it):
+  the policy is becoming deterministic, and what it no longer samples it can no longer learn;
+* **tied groups** -- at least :data:`TIED_LIMIT` of the task groups got the same reward on every rollout
+  (``tied_group_fraction``): their leave-one-out advantages are 0, so the update has (almost) nothing to
+  learn from and the curve goes flat;
+* **success lost** -- no rollout succeeded, after some iteration had a success rate of at least
+  :data:`SUCCESS_SEEN` (the miniature Table 1's collapse: partial credit from retrying beat a risky
+  submit, and once no rollout submitted no advantage pointed back).
+
+The warning fires at the iteration a signature starts to hold (again after it lapsed), names it with its
+numbers, and names the keys to try (docs/stabilisers.md). It reads only the history, so a resumed run
+warns exactly where the uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..envs.base import Environment
+from ..evaluation import evaluation_row
+from ..rollout import RolloutBatch
+
+PATIENCE = 3
+ENTROPY_DROP = 0.5
+TIED_LIMIT = 0.8
+SUCCESS_SEEN = 0.2
+
+ADVICE = {
+    "entropy": "try epsilon_high (clip-higher, e.g. 0.28 with epsilon 0.2) or a lower learning_rate",
+    "tied": "try dynamic_sampling_rounds (e.g. 2), more rollouts_per_task, or more varied tasks",
+    "success": "try dynamic_sampling_rounds (e.g. 2) and epsilon_high (e.g. 0.28), or a lower learning_rate",
+}
+
+
+def training_check_rates(env: Environment, batch: RolloutBatch) -> dict[str, float]:
+    """``env.summarize`` of the training rollouts (as for evaluation: per-check pass rates for
+    ``contacts``, TGC/SGC for AppWorld) with a ``train_`` prefix, less the success rate and mean
+    reward the record already has."""
+    rows = [evaluation_row(t) for t in (*batch.trajectories, *batch.failed)]
+    summary = env.summarize(rows) if rows else {}
+    return {f"train_{key}": value for key, value in summary.items() if key not in ("success_rate", "reward_mean")}
+
+
+def _value(record: Mapping[str, Any], key: str) -> float:
+    value = record.get(key)
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else math.nan
+
+
+def collapse_signatures(history: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """The signatures that hold at the end of ``history`` (one record per iteration), each with its
+    description: ``{"entropy" | "tied" | "success": text}``."""
+    found: dict[str, str] = {}
+    if len(history) < PATIENCE:
+        return found
+    recent = history[-PATIENCE:]
+    entropies = [e for e in (_value(h, "entropy") for h in history) if not math.isnan(e)]
+    recent_entropy = [_value(h, "entropy") for h in recent]
+    if len(entropies) >= 2 * PATIENCE and not any(math.isnan(e) for e in recent_entropy):
+        start = statistics.fmean(entropies[:PATIENCE])
+        if all(e < ENTROPY_DROP * start for e in recent_entropy):
+            found["entropy"] = (
+                f"policy entropy {recent_entropy[-1]:.3g} is under {ENTROPY_DROP:.0%} of its start "
+                f"({start:.3g}) for {PATIENCE} iterations"
+            )
+    tied = [_value(h, "tied_group_fraction") for h in recent]
+    if all(t >= TIED_LIMIT for t in tied):  # NaN compares False
+        found["tied"] = f"{min(tied):.0%}+ of task groups tied (all rewards equal) for {PATIENCE} iterations"
+    successes = [_value(h, "success_rate") for h in history]
+    best = max((s for s in successes[:-PATIENCE] if not math.isnan(s)), default=0.0)
+    if best >= SUCCESS_SEEN and all(s == 0.0 for s in successes[-PATIENCE:]):
+        found["success"] = f"success rate 0 for {PATIENCE} iterations after reaching {best:.2f}"
+    return found
+
+
+def collapse_warning(history: Sequence[Mapping[str, Any]]) -> str | None:
+    """The warning to log after the last record of ``history``: the signatures that hold now and did
+    not one iteration earlier, with the keys to try; None if there are none."""
+    now, before = collapse_signatures(history), collapse_signatures(history[:-1])
+    new = [kind for kind in now if kind not in before]
+    if not new:
+        return None
+    advice = "; ".join(dict.fromkeys(ADVICE[kind] for kind in new))
+    iteration = history[-1].get("iteration", len(history))
+    signs = "; ".join(now[kind] for kind in new)
+    advice = advice[0].upper() + advice[1:]
+    return f"iteration {iteration}: learning may be collapsing: {signs}. {advice} (docs/stabilisers.md)"
