@@ -13,16 +13,22 @@ Variants (Chen et al. 2025, Table 1, test-normal TGC in brackets):
   a single on-policy gradient step (the ratio is 1, clipping never acts), i.e. REINFORCE with a
   leave-one-out baseline. Without the single step it would be "LOOP per trajectory" again.
 
+And two rows that are not the paper's: LOOP with one stabiliser each (docs/stabilisers.md),
+``LOOP + clip-higher`` (``epsilon_high: 0.28``) and ``LOOP + dynamic sampling``
+(``dynamic_sampling_rounds: 2``).
+
 Every variant trains a LoRA adapter (``beta`` needs one: LOOP's reference is the base model with the
 adapter disabled), with the same rank and learning rate. Each run is ``loop-train``'s entry point
 with the variant's flags. ``--workers 2`` runs two at a time, each in its own process on one torch
 thread (the tiny model gains nothing from a second thread, and one thread each avoids two OpenMP
 pools spin-waiting on two cores; the demo's numerics do not depend on the thread count). Reported
 per variant: the
-mean over seeds of the last-5-iterations mean reward and success rate (± the std over seeds), and
-wall seconds per run; one PNG with every variant's mean success-rate curve.
+mean over seeds of the last-5-iterations mean reward and success rate (± the std over seeds), the runs
+whose history shows a collapse signature (the trainer's warning, :mod:`loop_trainer.training.signals`),
+wall seconds per run, and which pairs of variants separate beyond the seeds' spread (their mean ± std
+bands do not overlap); one PNG with every variant's mean success-rate curve.
 
-    python -m benchmarks.ablations --workers 2                       # ~30 min on 2 cores
+    python -m benchmarks.ablations --workers 2                       # ~45 min on 2 cores
     python -m benchmarks.ablations --iterations 2 --seeds 0 --out /tmp/ablations-smoke   # a check
 """
 
@@ -40,7 +46,7 @@ from typing import Any
 
 from benchmarks.common import RESULTS, ROOT, command_line
 
-PAPER = {
+PAPER: dict[str, float | None] = {
     "LOOP": 71.3,
     "LOOP per turn": 64.1,
     "LOOP + std": 61.9,
@@ -48,6 +54,8 @@ PAPER = {
     "GRPO": 58.0,
     "RLOO": 57.2,
     "LOOP per trajectory": 53.3,
+    "LOOP + clip-higher": None,  # not in the paper: the stabilisers
+    "LOOP + dynamic sampling": None,
 }
 
 
@@ -60,6 +68,8 @@ def variants(rollouts: int, beta: float) -> dict[str, dict[str, Any]]:
         "GRPO w/o KL": {"advantage_estimator": "group_mean", "std_normalize_advantages": "true"},
         "GRPO": {"advantage_estimator": "group_mean", "std_normalize_advantages": "true", "beta": beta},
         "RLOO": {"ratio_level": "trajectory", "ppo_epochs": 1, "minibatch_size": rollouts},
+        "LOOP + clip-higher": {"epsilon_high": 0.28},
+        "LOOP + dynamic sampling": {"dynamic_sampling_rounds": 2},
     }
 
 
@@ -144,7 +154,18 @@ def run_one(
         "seconds": seconds,
         "reward": [r["reward_mean"] for r in rows],
         "success": [r.get("success_rate") for r in rows],
+        "tied": [r.get("tied_group_fraction") for r in rows],
+        "entropy": [r.get("entropy") for r in rows],
+        "collapse_warnings": collapse_warnings(rows),
     }
+
+
+def collapse_warnings(rows: list[dict[str, Any]]) -> list[str]:
+    """The warnings the trainer logged (or, for a run made before a signature existed, would log) over
+    a run's metrics: they depend on the history alone."""
+    from loop_trainer.training.signals import collapse_warning
+
+    return [w for n in range(1, len(rows) + 1) if (w := collapse_warning(rows[:n])) is not None]
 
 
 def summarize(runs: list[dict[str, Any]], names: list[str], last: int) -> list[dict[str, Any]]:
@@ -161,23 +182,45 @@ def summarize(runs: list[dict[str, Any]], names: list[str], last: int) -> list[d
                 **{f"{key}_std": statistics.stdev(v) if len(v) > 1 else 0.0 for key, v in finals.items()},
                 "first5_success": statistics.fmean(statistics.fmean(r["success"][:last]) for r in mine),
                 "seconds_mean": statistics.fmean(r["seconds"] for r in mine),
+                "warned_seeds": [r["seed"] for r in mine if r.get("collapse_warnings")],
+                "success_by_seed": dict(zip([r["seed"] for r in mine], finals["success"], strict=True)),
             }
         )
     return table
 
 
+def separated_pairs(table: list[dict[str, Any]]) -> list[str]:
+    """The pairs of variants whose final success rates separate beyond the seeds' spread: the mean ±
+    std bands over seeds do not overlap."""
+    out = []
+    spread = [row for row in table if row["seeds"] > 1]  # one seed has no spread to separate beyond
+    for i, a in enumerate(spread):
+        for b in spread[i + 1 :]:
+            high, low = (a, b) if a["success_mean"] >= b["success_mean"] else (b, a)
+            if high["success_mean"] - high["success_std"] > low["success_mean"] + low["success_std"]:
+                out.append(f"{high['variant']} > {low['variant']}")
+    return out
+
+
 def markdown(table: list[dict[str, Any]], last: int) -> str:
     lines = [
         f"| variant | paper TGC | success, last {last} its | reward, last {last} its | success, first {last} its "
-        "| seconds per run |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| seeds with a collapse warning | seconds per run |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in sorted(table, key=lambda r: -r["success_mean"]):
+        warned = ", ".join(map(str, row["warned_seeds"])) or "none"
         lines.append(
-            f"| {row['variant']} | {row['paper_tgc']} | {row['success_mean']:.3f} ± {row['success_std']:.3f} | "
-            f"{row['reward_mean']:.3f} ± {row['reward_std']:.3f} | {row['first5_success']:.3f} | "
+            f"| {row['variant']} | {row['paper_tgc'] or '-'} | {row['success_mean']:.3f} ± {row['success_std']:.3f} | "
+            f"{row['reward_mean']:.3f} ± {row['reward_std']:.3f} | {row['first5_success']:.3f} | {warned} | "
             f"{row['seconds_mean']:.0f} |"
         )
+    pairs = separated_pairs(table)
+    lines += [
+        "",
+        "Pairs whose final success separates beyond the seeds' spread (mean ± std bands do not overlap): "
+        + ("; ".join(pairs) if pairs else "none."),
+    ]
     return "\n".join(lines)
 
 
@@ -196,7 +239,7 @@ def plot(runs: list[dict[str, Any]], names: list[str], path: Path) -> None:
             mean = [statistics.fmean(c[i] for c in curves) for i in range(length)]
             window = 5  # a trailing mean: single iterations are noisy
             smooth = [statistics.fmean(mean[max(0, i - window + 1) : i + 1]) for i in range(length)]
-            axis.plot(range(1, length + 1), smooth, label=f"{name} (paper {PAPER[name]})")
+            axis.plot(range(1, length + 1), smooth, label=f"{name} (paper {PAPER[name] or '-'})")
     for axis, key in zip(axes, ("success rate", "mean reward"), strict=True):
         axis.set_xlabel("iteration")
         axis.set_ylabel(f"{key} (mean over seeds, trailing 5-iteration mean)")
@@ -207,11 +250,45 @@ def plot(runs: list[dict[str, Any]], names: list[str], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def write_results(
+    options: argparse.Namespace, command: str, runs: list[dict[str, Any]], names: list[str], seconds: float
+) -> str:
+    table = summarize(runs, names, options.last)
+    text = markdown(table, options.last)
+    (options.out / "ablations.json").write_text(
+        json.dumps(
+            {
+                "command": command,
+                "options": {k: str(v) for k, v in vars(options).items()},
+                "seconds": seconds,
+                "table": table,
+                "runs": runs,
+            },
+            indent=1,
+        )
+    )
+    (options.out / "ablations.md").write_text(text + "\n")
+    plot(runs, names, options.out / "ablations.png")
+    return text
+
+
+def resummarize(options: argparse.Namespace, argv: list[str] | None) -> None:
+    saved = json.loads((options.out / "ablations.json").read_text())
+    runs = saved["runs"]
+    for run in runs:
+        run_dir = options.out / "runs" / f"{run['variant'].replace(' ', '_').replace('/', '')}-seed{run['seed']}"
+        rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward_mean" in r and "iteration" in r]
+        run["collapse_warnings"] = collapse_warnings(rows)
+    names = list(dict.fromkeys(run["variant"] for run in runs))
+    # the table of the runs as they were made (their command), the warnings as the code gives them now
+    print(write_results(options, saved["command"], runs, names, saved.get("seconds", 0.0)))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "demo.yaml"))
-    parser.add_argument("--iterations", type=int, default=100)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--iterations", type=int, default=60)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--variants", nargs="+", default=list(PAPER), choices=list(PAPER))
     parser.add_argument("--lora-r", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
@@ -219,7 +296,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=1, help="runs at a time, one process and one thread each")
     parser.add_argument("--last", type=int, default=5, help="final iterations averaged in the table")
     parser.add_argument("--out", type=Path, default=RESULTS / "ablations")
+    parser.add_argument(
+        "--summarize-only",
+        action="store_true",
+        help="no training: re-read OUT/ablations.json's runs, recompute their collapse warnings from "
+        "OUT/runs/*/metrics.jsonl, and rewrite the table and the plot",
+    )
     options = parser.parse_args(argv)
+    if options.summarize_only:
+        resummarize(options, argv)
+        return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     options.out.mkdir(parents=True, exist_ok=True)
@@ -269,22 +355,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if workers:
             workers.shutdown(cancel_futures=True)
-    table = summarize(runs, options.variants, options.last)
-    text = markdown(table, options.last)
-    (options.out / "ablations.json").write_text(
-        json.dumps(
-            {
-                "command": command_line("benchmarks.ablations", argv),
-                "options": {k: str(v) for k, v in vars(options).items()},
-                "seconds": time.perf_counter() - started,
-                "table": table,
-                "runs": runs,
-            },
-            indent=1,
-        )
-    )
-    (options.out / "ablations.md").write_text(text + "\n")
-    plot(runs, options.variants, options.out / "ablations.png")
+    command = command_line("benchmarks.ablations", argv)
+    text = write_results(options, command, runs, options.variants, time.perf_counter() - started)
     print(text)
     print(f"wrote {options.out}/ablations.json, .md and .png in {time.perf_counter() - started:.0f} s")
 

@@ -9,9 +9,15 @@ The signatures (each must hold for :data:`PATIENCE` consecutive iterations):
 * **tied groups** -- at least :data:`TIED_LIMIT` of the task groups got the same reward on every rollout
   (``tied_group_fraction``): their leave-one-out advantages are 0, so the update has (almost) nothing to
   learn from and the curve goes flat;
-* **success lost** -- no rollout succeeded, after some iteration had a success rate of at least
-  :data:`SUCCESS_SEEN` (the miniature Table 1's collapse: partial credit from retrying beat a risky
-  submit, and once no rollout submitted no advantage pointed back).
+* **success lost** -- no rollout succeeded, after the success rate had averaged at least
+  :data:`SUCCESS_SEEN` over some :data:`PATIENCE` iterations;
+* **episodes stopped ending** -- at least :data:`TRUNCATED_LIMIT` of the episodes ended by a limit
+  (``truncated_fraction``: ``max_turns`` or the trajectory budget), where at the start at most
+  :data:`TRUNCATED_START` did: the policy no longer finishes its task.
+
+The last two are the miniature Table 1's collapse (``benchmarks/results/ablations/``): on ``vault``,
+partial credit from looking things up until ``max_turns`` beats a risky submit that ends the episode,
+and once no rollout submits, no advantage points back to submitting.
 
 The warning fires at the iteration a signature starts to hold (again after it lapsed), names it with its
 numbers, and names the keys to try (docs/stabilisers.md). It reads only the history, so a resumed run
@@ -32,12 +38,16 @@ from ..rollout import RolloutBatch
 PATIENCE = 3
 ENTROPY_DROP = 0.5
 TIED_LIMIT = 0.8
-SUCCESS_SEEN = 0.2
+SUCCESS_SEEN = 0.05
+TRUNCATED_LIMIT = 0.8
+TRUNCATED_START = 0.4
 
 ADVICE = {
     "entropy": "try epsilon_high (clip-higher, e.g. 0.28 with epsilon 0.2) or a lower learning_rate",
     "tied": "try dynamic_sampling_rounds (e.g. 2), more rollouts_per_task, or more varied tasks",
-    "success": "try dynamic_sampling_rounds (e.g. 2) and epsilon_high (e.g. 0.28), or a lower learning_rate",
+    "success": "try a lower learning_rate, or beta > 0 (a KL penalty to the base model; LoRA only)",
+    "ending": "try a lower learning_rate, or beta > 0 (a KL penalty to the base model; LoRA only); check that "
+    "finishing an episode is rewarded at least as well as running out of turns",
 }
 
 
@@ -57,7 +67,7 @@ def _value(record: Mapping[str, Any], key: str) -> float:
 
 def collapse_signatures(history: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     """The signatures that hold at the end of ``history`` (one record per iteration), each with its
-    description: ``{"entropy" | "tied" | "success": text}``."""
+    description: ``{"entropy" | "tied" | "success" | "ending": text}``."""
     found: dict[str, str] = {}
     if len(history) < PATIENCE:
         return found
@@ -75,9 +85,18 @@ def collapse_signatures(history: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     if all(t >= TIED_LIMIT for t in tied):  # NaN compares False
         found["tied"] = f"{min(tied):.0%}+ of task groups tied (all rewards equal) for {PATIENCE} iterations"
     successes = [_value(h, "success_rate") for h in history]
-    best = max((s for s in successes[:-PATIENCE] if not math.isnan(s)), default=0.0)
+    earlier = successes[:-PATIENCE]
+    windows = [statistics.fmean(earlier[i : i + PATIENCE]) for i in range(len(earlier) - PATIENCE + 1)]
+    best = max((w for w in windows if not math.isnan(w)), default=0.0)
     if best >= SUCCESS_SEEN and all(s == 0.0 for s in successes[-PATIENCE:]):
-        found["success"] = f"success rate 0 for {PATIENCE} iterations after reaching {best:.2f}"
+        found["success"] = f"success rate 0 for {PATIENCE} iterations after averaging {best:.2f}"
+    truncated = [_value(h, "truncated_fraction") for h in history]
+    start = statistics.fmean(truncated[:PATIENCE])
+    if start <= TRUNCATED_START and all(t >= TRUNCATED_LIMIT for t in truncated[-PATIENCE:]):
+        found["ending"] = (
+            f"{min(truncated[-PATIENCE:]):.0%}+ of episodes ended by a limit (max_turns, the trajectory budget) "
+            f"for {PATIENCE} iterations, {start:.0%} at the start"
+        )
     return found
 
 

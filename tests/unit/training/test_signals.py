@@ -185,6 +185,20 @@ def test_lost_success_warns_and_missing_entropy_is_no_signal():
     assert [n for n, _ in got] == [7] and "success rate 0" in got[0][1]
     assert set(collapse_signatures(records)) == {"success"}
     assert collapse_signatures(records[:2]) == {}
+    # one lucky success is not a success rate that was lost
+    assert warnings_of(history([math.nan] * 7, [0.0] * 7, [0.0, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0])) == []
+
+
+def test_episodes_that_stop_ending_warn():
+    records = history([1.0] * 8, [0.1] * 8)
+    for record, truncated in zip(records, [0.0, 0.1, 0.0, 0.3, 0.9, 1.0, 1.0, 1.0], strict=True):
+        record["truncated_fraction"] = truncated
+    got = warnings_of(records)
+    assert [n for n, _ in got] == [7] and "ended by a limit" in got[0][1] and "learning_rate" in got[0][1]
+    # a run that hits max_turns from the start (a hard environment) is not collapsing
+    for record in records:
+        record["truncated_fraction"] = 0.9
+    assert warnings_of(records) == []
 
 
 def test_console_line_and_curve_show_the_signals(tmp_path):
