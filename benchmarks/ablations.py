@@ -13,9 +13,10 @@ Variants (Chen et al. 2025, Table 1, test-normal TGC in brackets):
   a single on-policy gradient step (the ratio is 1, clipping never acts), i.e. REINFORCE with a
   leave-one-out baseline. Without the single step it would be "LOOP per trajectory" again.
 
-And two rows that are not the paper's: LOOP with one stabiliser each (docs/stabilisers.md),
+And rows that are not the paper's: LOOP with one stabiliser each (docs/stabilisers.md),
 ``LOOP + clip-higher`` (``epsilon_high: 0.28``) and ``LOOP + dynamic sampling``
-(``dynamic_sampling_rounds: 2``).
+(``dynamic_sampling_rounds: 2``), and ``LOOP + KL`` (GRPO's ``beta`` on LOOP). ``--variants`` runs some
+of them; the saved runs of the others in ``OUT/ablations.json`` are kept and tabled with them.
 
 Every variant trains a LoRA adapter (``beta`` needs one: LOOP's reference is the base model with the
 adapter disabled), with the same rank and learning rate. Each run is ``loop-train``'s entry point
@@ -54,8 +55,9 @@ PAPER: dict[str, float | None] = {
     "GRPO": 58.0,
     "RLOO": 57.2,
     "LOOP per trajectory": 53.3,
-    "LOOP + clip-higher": None,  # not in the paper: the stabilisers
+    "LOOP + clip-higher": None,  # not in the paper: the stabilisers, and LOOP with GRPO's KL penalty
     "LOOP + dynamic sampling": None,
+    "LOOP + KL": None,
 }
 
 
@@ -70,6 +72,7 @@ def variants(rollouts: int, beta: float) -> dict[str, dict[str, Any]]:
         "RLOO": {"ratio_level": "trajectory", "ppo_epochs": 1, "minibatch_size": rollouts},
         "LOOP + clip-higher": {"epsilon_high": 0.28},
         "LOOP + dynamic sampling": {"dynamic_sampling_rounds": 2},
+        "LOOP + KL": {"beta": beta},
     }
 
 
@@ -310,7 +313,14 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     options.out.mkdir(parents=True, exist_ok=True)
     table_of = variants(recipe_rollouts(options.recipe), options.beta)
-    runs: list[dict[str, Any]] = []
+    saved = options.out / "ablations.json"
+    # the saved runs of variants not run now stay (a row added later joins the table)
+    runs: list[dict[str, Any]] = (
+        [r for r in json.loads(saved.read_text())["runs"] if r["variant"] not in options.variants]
+        if saved.exists()
+        else []
+    )
+    names = list(dict.fromkeys([*(r["variant"] for r in runs), *options.variants]))
     started = time.perf_counter()
     models = warmed_up_models(options.recipe, options.seeds, options.out)
     # seed-major: a cut-off run still has every variant on the first seeds
@@ -356,7 +366,9 @@ def main(argv: list[str] | None = None) -> None:
         if workers:
             workers.shutdown(cancel_futures=True)
     command = command_line("benchmarks.ablations", argv)
-    text = write_results(options, command, runs, options.variants, time.perf_counter() - started)
+    if saved.exists() and len(names) > len(options.variants):  # the kept runs came from an earlier command
+        command = f"{json.loads(saved.read_text())['command']} && {command}"
+    text = write_results(options, command, runs, names, time.perf_counter() - started)
     print(text)
     print(f"wrote {options.out}/ablations.json, .md and .png in {time.perf_counter() - started:.0f} s")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -30,7 +31,7 @@ T = TypeVar("T")
 def command_line(module: str, argv: Sequence[str] | None = None, python: str = "python") -> str:
     """The command that reruns this measurement: ``python -m <module> <argv>`` (default: this
     process's arguments), ``python`` being the interpreter to name (e.g. ``.vllm-venv/bin/python``)."""
-    return " ".join([python, "-m", module, *(sys.argv[1:] if argv is None else argv)])
+    return shlex.join([python, "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def package_versions(names: Iterable[str]) -> dict[str, str | None]:
