@@ -10,6 +10,8 @@ periodic evaluation and by ``loop-eval``, with the same episode settings (:class
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +33,13 @@ TOKEN_LEVEL_FIELDS = ("token_ids", "loss_mask", "sampler_logprobs", "turn_ids")
 def evaluation_row(trajectory: Trajectory) -> dict[str, Any]:
     """A trajectory as an evaluation result: token-level fields dropped, ``success`` a bool
     (the environment's; reward 1 where it defines none; False for a rollout that failed to run)."""
-    row = trajectory.to_dict()
-    for key in TOKEN_LEVEL_FIELDS:
-        row.pop(key)
+    # dataclasses.asdict less the token-level fields, which it would deep-copy only to drop (the
+    # trainer builds a row per training rollout every iteration: AppWorld's hold 32k tokens each)
+    row = {
+        spec.name: copy.deepcopy(getattr(trajectory, spec.name))
+        for spec in dataclasses.fields(trajectory)
+        if spec.name not in TOKEN_LEVEL_FIELDS
+    }
     if row["status"] != "completed":
         row["success"] = False
     elif row["success"] is None:
