@@ -3,57 +3,26 @@ a single-process distribution strategy, the checkpoint stager, the run log and t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-from collections.abc import Mapping
 from types import SimpleNamespace
 
 import pytest
 import torch
-from accelerate import Accelerator
 from trl.trainer.utils import add_fused_lm_head
 
 from loop_trainer.rollout.backend import TransformersBackend
 from loop_trainer.rollout.generator import GeneratorConfigError, RolloutGenerator
-from loop_trainer.training.batching import TrainingSample
 from loop_trainer.training.checkpoints import CheckpointStager, read_loop_state
-from loop_trainer.training.distribution import DistributionStrategy
 from loop_trainer.training.run_log import RunLog, read_metrics
-from loop_trainer.training.update import PolicyUpdate, UpdateSettings
+from loop_trainer.training.update import PolicyUpdate
 from support.helpers import ScriptedBackend
+from support.updates import policy_update, samples_for
 
 
 def make_update(model, pad_token_id: int, **overrides) -> tuple[PolicyUpdate, torch.optim.Optimizer]:
     add_fused_lm_head(model)  # what GRPOTrainer installs: per-token log-probs without [T x vocab] logits
-    accelerator = Accelerator(cpu=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    strategy = DistributionStrategy(accelerator, model, optimizer, scheduler, max_grad_norm=1.0)
-    settings = {
-        "epsilon": 0.1,
-        "minibatch_size": 2,
-        "ppo_epochs": 2,
-        "micro_batch_size": 1,
-        "kl_abort_threshold": 20.0,
-        "seed": 0,
-        "pad_token_id": pad_token_id,
-    }
-    settings.update(overrides)
-    return PolicyUpdate(UpdateSettings(**settings), strategy, contextlib.nullcontext), optimizer
-
-
-def samples_for(tokenizer) -> list[TrainingSample]:
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "fetch code of ann"}], add_generation_prompt=True
-    )
-    prompt = list(prompt["input_ids"] if isinstance(prompt, Mapping) else prompt)
-    out = []
-    for reply, advantage in (("find ann", 1.0), ("open k3", -1.0), ("find ann", 1.0), ("open k3", -1.0)):
-        ids = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
-        mask = [0] * len(prompt) + [1] * len(ids)
-        out.append(TrainingSample(prompt + ids, mask, [-1.0] * len(mask), advantage, False))
-    return out
+    return policy_update(model, pad_token_id, **overrides)
 
 
 def test_policy_update_alone_takes_one_step_per_minibatch_and_reports_the_sampler_gap(vault_tiny):

@@ -4,18 +4,15 @@ collapse warning on synthetic histories, and the update's stabiliser metrics."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
 import torch
-from accelerate import Accelerator
 from trl.trainer.utils import add_fused_lm_head
 
 from loop_trainer.envs.contacts import ContactsEnv
 from loop_trainer.rollout import RolloutBatch
 from loop_trainer.training.batching import collate
-from loop_trainer.training.distribution import DistributionStrategy
 from loop_trainer.training.logprobs import token_logprobs_and_entropy
 from loop_trainer.training.run_log import format_iteration, plot_learning_curve
 from loop_trainer.training.signals import (
@@ -25,9 +22,9 @@ from loop_trainer.training.signals import (
     collapse_warning,
     training_check_rates,
 )
-from loop_trainer.training.update import PolicyUpdate, UpdateSettings
+from loop_trainer.training.update import PolicyUpdate
 from loop_trainer.trajectory import Trajectory
-from unit.training.test_collaborators import samples_for
+from support.updates import policy_update, samples_for
 
 
 def direct_entropy(model, batch, temperature: float) -> torch.Tensor:
@@ -55,21 +52,7 @@ def test_entropy_of_the_fused_head_matches_a_full_softmax(vault_tiny, temperatur
 
 
 def make_update(model, pad_token_id: int, **overrides) -> PolicyUpdate:
-    accelerator = Accelerator(cpu=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    strategy = DistributionStrategy(accelerator, model, optimizer, scheduler, max_grad_norm=1.0)
-    settings = UpdateSettings(
-        epsilon=0.1,
-        minibatch_size=2,
-        ppo_epochs=1,
-        micro_batch_size=2,
-        kl_abort_threshold=20.0,
-        seed=0,
-        pad_token_id=pad_token_id,
-        **overrides,
-    )
-    return PolicyUpdate(settings, strategy, contextlib.nullcontext)
+    return policy_update(model, pad_token_id, ppo_epochs=1, micro_batch_size=2, **overrides)[0]
 
 
 def test_the_update_reports_the_policys_entropy_and_the_capped_fraction(vault_tiny):
