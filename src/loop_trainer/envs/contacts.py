@@ -88,6 +88,7 @@ class ContactsEpisode(Episode):
         self.examples = examples
         self.visible: set[str] = set()
         self.passed = dict.fromkeys(CHECKS, False)
+        self.answered_other_field = False
 
     def start(self) -> list[Message]:
         messages: list[Message] = [{"role": "system", "content": SYSTEM_PROMPT}]
@@ -110,6 +111,9 @@ class ContactsEpisode(Episode):
         tool, argument = call.group(1).lower(), _normalise(call.group(2))
         if tool == "answer":
             self.passed["answered"] = argument == _normalise(self.target[self.task["field"]])
+            self.answered_other_field = any(
+                argument == _normalise(self.target[field]) for field in FIELDS if field != self.task["field"]
+            )
             return Step(done=True)
         observation = self._search(argument) if tool == "search" else self._get(argument)
         return Step(messages=[{"role": "user", "content": observation}])
@@ -141,7 +145,7 @@ class ContactsEpisode(Episode):
         return Score(
             reward=sum(self.passed.values()) / len(CHECKS),
             success=all(self.passed.values()),
-            info={"checks": dict(self.passed)},
+            info={"checks": dict(self.passed), "answered_other_field": self.answered_other_field},
         )
 
 
@@ -225,5 +229,12 @@ class ContactsEnv(Environment):
 
     def summarize(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         """Success rate and mean reward, plus how often each check passed (``passed_opened_card``
-        ...): which step the agent gets wrong. Failed rollouts passed none."""
-        return {**success_and_reward(rows), **check_pass_rates(rows, CHECKS)}
+        ...): which step the agent gets wrong. Failed rollouts passed none. ``answered_other_field``:
+        how often the answer was the person's *other* field (a city for a phone question): the
+        policy found the card but did not read which field the question asks for."""
+        other = sum(bool((row.get("info") or {}).get("answered_other_field")) for row in rows)
+        return {
+            **success_and_reward(rows),
+            **check_pass_rates(rows, CHECKS),
+            "answered_other_field": other / len(rows) if rows else float("nan"),
+        }

@@ -149,3 +149,17 @@ def test_summary_reports_how_often_each_check_passed(env):
     summary = env.summarize(rows)
     assert summary["success_rate"] == pytest.approx(1 / 3) and summary["passed_searched"] == pytest.approx(2 / 3)
     assert summary["passed_answered"] == pytest.approx(1 / 3)
+
+
+def test_summary_counts_answers_that_give_the_other_field(env):
+    task = env.tasks("train")[0]
+    card = next(card for card in task["contacts"] if card["name"] == task["person"])
+    other = "city" if task["field"] == "phone" else "phone"
+    *lookups, _ = solve(task)
+    rows = []
+    for final in (f'answer("{card[task["field"]]}")', f'answer("{card[other]}")', 'answer("no idea")'):
+        score, _ = play(env, task, [*lookups, final])
+        rows.append({"status": "completed", "reward": score.reward, "success": score.success, "info": score.info})
+    assert [row["info"]["answered_other_field"] for row in rows] == [False, True, False]
+    assert [row["reward"] for row in rows] == [1.0, 0.75, 0.75]
+    assert env.summarize(rows)["answered_other_field"] == pytest.approx(1 / 3)
