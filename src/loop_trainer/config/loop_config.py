@@ -118,6 +118,11 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
         "iteration has tasks_per_iteration groups whose rewards are not all equal. 0: off.",
         at_least(0, "extra collection rounds of dynamic sampling; 0: off (LOOP)"),
     )
+    balance_tasks_by: str | None = setting(
+        None,
+        "A column of the training split (e.g. contacts' field): each iteration's tasks take its values in "
+        "turn, so no draw is all one kind. None: shuffled passes over all tasks (LOOP).",
+    )
     kl_abort_threshold: float = setting(
         20.0,
         "Abort the iteration's remaining updates if |KL estimate| exceeds this.",

@@ -29,7 +29,7 @@ from .checkpoints import (
     read_loop_state,
     resolve,
 )
-from .sampler import TaskSampler
+from .sampler import BalancedTaskSampler, TaskSampler
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ RESUME_SETTINGS = (
     "epsilon_high",
     "sampler_importance_cap",
     "dynamic_sampling_rounds",
+    "balance_tasks_by",
     "per_device_train_batch_size",
     "max_grad_norm",
     "bf16",
@@ -245,7 +246,7 @@ def apply_setting_changes(
     args: Any,
     optimizer: Any,
     lr_scheduler: Any,
-    task_sampler: TaskSampler,
+    task_sampler: TaskSampler | BalancedTaskSampler,
     *,
     decay_parameters: set[str],
     named_parameters: Mapping[str, torch.nn.Parameter],
@@ -279,9 +280,8 @@ def apply_setting_changes(
             group["betas"] = (args.adam_beta1, args.adam_beta2)
         if "adam_epsilon" in changed and "eps" in group:
             group["eps"] = args.adam_epsilon
-    if "num_train_tasks" in changed or "seed" in changed:  # the old position means nothing in the new order
-        task_sampler.num_tasks = num_train_tasks
-        task_sampler.epoch, task_sampler.position = task_sampler.epoch + 1, 0
+    if changed.keys() & {"num_train_tasks", "seed", "balance_tasks_by"}:  # a new order: the old position means nothing
+        task_sampler.start_new_pass(num_train_tasks)
 
 
 def plan_start(

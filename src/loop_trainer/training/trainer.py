@@ -55,7 +55,7 @@ from .model_loading import load_policy
 from .resume import apply_setting_changes, plan_start
 from .rollout_resources import RolloutResources
 from .run_log import LOOPPrinterCallback, LOOPProgressCallback, RunLog
-from .sampler import TaskSampler
+from .sampler import task_sampler_for
 from .signals import collapse_warning, training_check_rates
 from .stress import run_memory_stress_test
 from .trainer_sampling import TrainerSampling
@@ -185,7 +185,7 @@ class LOOPTrainer(TrainerSampling):
         )
         # Built now: a setting the generator cannot honour stops the run before training starts.
         _ = self.rollout_resources.generator
-        self.task_sampler = TaskSampler(len(tasks), seed=args.seed)
+        self.task_sampler = task_sampler_for(tasks, args.seed, args.balance_tasks_by)
         assert args.output_dir is not None  # TrainingArguments.__post_init__ gives it a default
         self.run_log = RunLog(
             args.output_dir,
@@ -243,7 +243,8 @@ class LOOPTrainer(TrainerSampling):
         if resume_from_checkpoint:
             self._load_rng_state(resume_from_checkpoint)
             state = read_loop_state(resume_from_checkpoint)
-            self.task_sampler.load_state_dict(state["task_sampler"])
+            if not any(key == "balance_tasks_by" for key, _, _ in self._resume_changes):  # else another sampler's
+                self.task_sampler.load_state_dict(state["task_sampler"])
             self.run_log.start(state["history"])
             apply_setting_changes(
                 self._resume_changes,

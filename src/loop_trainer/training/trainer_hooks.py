@@ -25,7 +25,7 @@ from ..publishing.publisher import HubPublisher
 from .checkpoints import CheckpointStager
 from .resume import resume_settings
 from .run_log import RunLog
-from .sampler import TaskSampler
+from .sampler import BalancedTaskSampler, TaskSampler
 
 
 class TrainerHooks(Trainer):
@@ -37,7 +37,7 @@ class TrainerHooks(Trainer):
     env: Environment
     checkpoints: CheckpointStager
     publisher: HubPublisher
-    task_sampler: TaskSampler
+    task_sampler: TaskSampler | BalancedTaskSampler
     latest_eval: dict[str, Any] | None
     recipe_path: str | dict[str, Any] | None = None
     """The recipe the run came from (a path, or the effective values); uploaded as recipe.yaml."""

@@ -261,6 +261,24 @@ def test_a_changed_setting_allowed_on_resume_is_applied_and_recorded(finished_ru
     assert read_loop_state(x / "checkpoint-6")["setting_changes"] == changes
 
 
+def test_turning_balanced_draws_on_at_a_resume_starts_a_new_order(finished_run, tmp_path):
+    x = copy_of(finished_run, tmp_path)
+    flags = (
+        "--resume_from_checkpoint",
+        "last",
+        "--balance_tasks_by",
+        "person",
+        "--resume_with_changed_settings",
+        "true",
+    )
+    resumed = loop_train(x, "--iterations", "5", *flags)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "balance_tasks_by changed None -> person from iteration 4 on" in resumed.stderr
+    assert [m["iteration"] for m in metrics(x)] == [1, 2, 3, 4, 5]
+    sampler = read_loop_state(x / "checkpoint-5")["task_sampler"]
+    assert sampler["drawn"] == 2 * 2 and len(sampler["kinds"]) > 1  # iterations 4 and 5, 2 tasks each
+
+
 # --- defect 5: how a stopped run says how to go on -------------------------------------------------------------
 def test_a_run_that_fails_before_its_first_checkpoint_does_not_advise_resuming(tmp_path):
     result = loop_train(tmp_path / "run", "--iterations", "2", "--environment", "test_output_dir:FailingVault")

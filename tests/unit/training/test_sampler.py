@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from loop_trainer.training.sampler import TaskSampler
+from loop_trainer.training.sampler import BalancedTaskSampler, TaskSampler, task_sampler_for
 
 
 def plain_walk(sampler: TaskSampler, n: int) -> list[int]:
@@ -103,3 +103,76 @@ def test_resume_draws_exactly_what_the_uninterrupted_run_draws():
     resumed.load_state_dict(state)
     drawn += [resumed.next(4) for _ in range(11)]
     assert drawn == expected
+
+
+def kinds_of(labels: str) -> list[str]:
+    return [{"c": "city", "p": "phone", "e": "email"}[ch] for ch in labels]
+
+
+@pytest.mark.parametrize(
+    "labels,n,seed",
+    [("ccccccpppp", 4, 0), ("cpcpcpcccccc", 4, 1), ("ccpppe", 3, 2), ("cccppeeee", 5, 3), ("cpcp", 2, 4)],
+)
+def test_balanced_draws_take_the_kinds_in_turn_and_walk_each_kind_in_full_passes(labels, n, seed):
+    kinds = kinds_of(labels)
+    sampler = BalancedTaskSampler(kinds, seed=seed)
+    values = sorted(set(kinds))
+    drawn_kinds: list[str] = []
+    per_kind: dict[str, list[int]] = {value: [] for value in values}
+    for _ in range(30):
+        draw = sampler.next(n)
+        counts = [sum(kinds[i] == value for i in draw) for value in values]
+        assert max(counts) - min(counts) <= 1  # balanced within a draw, whatever the split's mix
+        assert len(set(draw)) == len(draw)  # every kind here has enough tasks for its share
+        drawn_kinds += [kinds[i] for i in draw]
+        for i in draw:
+            per_kind[kinds[i]].append(i)
+    assert drawn_kinds == [values[k % len(values)] for k in range(30 * n)]  # the remainder rotates
+    # each kind is walked as a TaskSampler over its own tasks walks them (its passes, no repeat in a draw)
+    sampler = BalancedTaskSampler(kinds, seed=seed)
+    walks = [
+        TaskSampler(len(members), seed=own.seed) for members, own in zip(sampler.members, sampler.samplers, strict=True)
+    ]
+    expected: dict[str, list[int]] = {value: [] for value in values}
+    for draw in range(30):
+        turns = [(draw * n + i) % len(values) for i in range(n)]
+        for k, value in enumerate(values):
+            expected[value] += [sampler.members[k][i] for i in walks[k].next(turns.count(k))]
+    assert per_kind == expected
+
+
+def test_a_lopsided_shuffle_is_what_balancing_prevents():
+    from loop_trainer.envs.contacts import ContactsEnv
+
+    # the real-model probe of docs/real-model.md: contacts with 3 examples, seed 0, 4 tasks per iteration
+    kinds = ContactsEnv(num_tasks=64, examples=3).tasks("train")["field"]
+    plain, balanced = TaskSampler(64, seed=0), BalancedTaskSampler(kinds, seed=0)
+    plain_cities = [sum(kinds[i] == "city" for i in plain.next(4)) for _ in range(20)]
+    assert plain_cities[3] == 4  # iteration 4 asked four city questions
+    assert all(sum(kinds[i] == "city" for i in balanced.next(4)) == 2 for _ in range(20))
+
+
+def test_balanced_resume_draws_exactly_what_the_uninterrupted_run_draws():
+    kinds = kinds_of("cccppppe")
+    full = BalancedTaskSampler(kinds, seed=5)
+    expected = [full.next(3) for _ in range(20)]
+    first = BalancedTaskSampler(kinds, seed=5)
+    drawn = [first.next(3) for _ in range(7)]
+    state = yaml.safe_load(yaml.safe_dump(first.state_dict()))  # plain data, as loop_state.json holds it
+    resumed = BalancedTaskSampler(kinds, seed=5)
+    resumed.load_state_dict(state)
+    drawn += [resumed.next(3) for _ in range(13)]
+    assert drawn == expected
+    assert (resumed.epoch, resumed.position) == divmod(60, 8)
+    with pytest.raises(ValueError, match="walked 3 kinds of task, this split has 2"):
+        BalancedTaskSampler(kinds_of("cpcp")).load_state_dict(state)
+
+
+def test_the_balancing_column_must_exist_in_the_split():
+    from datasets import Dataset
+
+    tasks = Dataset.from_list([{"task_id": "a", "field": "city"}, {"task_id": "b", "field": "phone"}])
+    assert isinstance(task_sampler_for(tasks, 0, None), TaskSampler)
+    assert isinstance(task_sampler_for(tasks, 0, "field"), BalancedTaskSampler)
+    with pytest.raises(ValueError, match="no column 'kind'; its columns are task_id, field"):
+        task_sampler_for(tasks, 0, "kind")

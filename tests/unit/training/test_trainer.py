@@ -398,3 +398,34 @@ def test_a_custom_backend_without_temperature_control_refuses_eval_temperature(t
     args = tiny_args(tmp_path, eval_split="test", eval_every=1)
     with pytest.raises(GeneratorConfigError, match="eval_temperature"):
         LOOPTrainer(model, env, args, processing_class=tok, generation_backend=backend)
+
+
+class KindsEnv(PreferFindEnv):
+    """Six tasks, four of kind "a" and two of kind "b"; records which tasks each episode plays."""
+
+    name = "kinds"
+
+    def __init__(self):
+        self.played: list[str] = []
+
+    def tasks(self, split: str = "train") -> Dataset:
+        return Dataset.from_list([{"task_id": f"t{i}", "kind": "b" if i % 3 == 0 else "a"} for i in range(6)])
+
+    def episode(self, task: Mapping[str, Any]) -> Episode:
+        self.played.append(task["kind"])
+        return PreferFindEpisode()
+
+
+def test_balance_tasks_by_draws_every_iteration_half_of_each_kind(tmp_path, vault_tiny):
+    _, model, tok = vault_tiny
+    env = KindsEnv()
+    backend = ScriptedBackend(tok, lambda prompt: "find ann")
+    args = tiny_args(
+        tmp_path, tasks_per_iteration=2, rollouts_per_task=2, minibatch_size=4, iterations=5, balance_tasks_by="kind"
+    )
+    LOOPTrainer(model, env, args, processing_class=tok, generation_backend=backend).train()
+    per_iteration = [sorted(env.played[i : i + 4]) for i in range(0, len(env.played), 4)]
+    assert per_iteration == [["a", "a", "b", "b"]] * 5  # a shuffled pass of 4 a's and 2 b's could not
+
+    with pytest.raises(ValueError, match="balance_tasks_by: the training split has no column 'field'"):
+        LOOPTrainer(model, KindsEnv(), tiny_args(tmp_path, balance_tasks_by="field"), processing_class=tok)
