@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
+from benchmarks.real_model_capability import demonstration
 from loop_trainer.chat import ChatFormatter
-from loop_trainer.envs.contacts import ContactsEnv, ContactsEpisode, solve
+from loop_trainer.envs.contacts import ContactsEnv, solve
 from loop_trainer.models.packaged import resolve_model_path
 
 MODEL = "packaged:smollm2-135m-instruct"
@@ -47,14 +48,10 @@ def load_policy(adapter: Path | None) -> tuple[torch.nn.Module, Any]:
 
 
 def final_turn_prefix(task: dict[str, Any], formatter: ChatFormatter, stop_id: int) -> list[int]:
-    """The ids the policy conditions its final reply on, after a perfect search and get."""
-    episode = ContactsEpisode(task, task.get("examples") or ())
-    ids = formatter.opening_ids(episode.start())
-    for reply in solve(task)[:-1]:
-        sampled = formatter._encode(reply) + [stop_id]
-        step = episode.step(reply)
-        ids = ids + sampled + formatter.after_reply_ids(sampled, True) + formatter.continuation_ids(step.messages)
-    return ids
+    """The ids the policy conditions its final reply on, after a perfect search and get: the
+    perfect agent's episode as the rollout engine renders it, less its final reply."""
+    ids, _ = demonstration(task, formatter, stop_id)
+    return ids[: len(ids) - len(formatter._encode(solve(task)[-1])) - 1]  # - 1: the reply's stop token
 
 
 @torch.no_grad()
