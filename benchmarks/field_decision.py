@@ -47,10 +47,12 @@ def load_policy(adapter: Path | None) -> tuple[torch.nn.Module, Any]:
     return model.eval(), tokenizer
 
 
-def final_turn_prefix(task: dict[str, Any], formatter: ChatFormatter, stop_id: int) -> list[int]:
+def final_turn_prefix(
+    task: dict[str, Any], formatter: ChatFormatter, stop_id: int, env: ContactsEnv | None = None
+) -> list[int]:
     """The ids the policy conditions its final reply on, after a perfect search and get: the
     perfect agent's episode as the rollout engine renders it, less its final reply."""
-    ids, _ = demonstration(task, formatter, stop_id)
+    ids, _ = demonstration(task, formatter, stop_id, env)
     return ids[: len(ids) - len(formatter._encode(solve(task)[-1])) - 1]  # - 1: the reply's stop token
 
 
@@ -61,14 +63,16 @@ def continuation_logprob(model: torch.nn.Module, prefix: list[int], continuation
     return float(logprobs.gather(1, torch.tensor(continuation)[:, None]).sum())
 
 
-def field_decisions(model: torch.nn.Module, tokenizer: Any, tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def field_decisions(
+    model: torch.nn.Module, tokenizer: Any, tasks: list[dict[str, Any]], env: ContactsEnv | None = None
+) -> list[dict[str, Any]]:
     formatter = ChatFormatter(tokenizer)
     stop_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     rows = []
     for task in tasks:
         card = next(c for c in task["contacts"] if c["name"] == task["person"])
         other = "city" if task["field"] == "phone" else "phone"
-        prefix = final_turn_prefix(task, formatter, stop_id)
+        prefix = final_turn_prefix(task, formatter, stop_id, env)
         right, wrong = (
             continuation_logprob(model, prefix, formatter._encode(f'answer("{card[field]}")') + [stop_id])
             for field in (task["field"], other)
@@ -112,8 +116,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     model, tokenizer = load_policy(args.adapter)
-    tasks = list(ContactsEnv(**json.loads(args.env_kwargs)).tasks(args.split))[: args.max_tasks]
-    rows = field_decisions(model, tokenizer, tasks)
+    env = ContactsEnv(**json.loads(args.env_kwargs))
+    tasks = list(env.tasks(args.split))[: args.max_tasks]
+    rows = field_decisions(model, tokenizer, tasks, env)
     print(table(rows))
     if args.out:
         args.out.write_text(json.dumps({"adapter": str(args.adapter), "split": args.split, "rows": rows}, indent=1))

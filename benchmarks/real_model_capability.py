@@ -37,7 +37,7 @@ from loop_trainer.chat import ChatFormatter
 from loop_trainer.cli.compare import CompareArguments, compare, contrasting_trajectories, table
 from loop_trainer.cli.recipe import ScriptArguments, parse_recipe
 from loop_trainer.config import LOOPConfig
-from loop_trainer.envs.contacts import ContactsEnv, ContactsEpisode, solve
+from loop_trainer.envs.contacts import ContactsEnv, solve
 from loop_trainer.models.packaged import resolve_model_path
 
 RECIPE = ROOT / "recipes" / "smollm2-135m-contacts.yaml"
@@ -46,11 +46,14 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 CHECKS = ("searched", "found_person", "opened_card", "answered")
 
 
-def demonstration(task: dict[str, Any], formatter: ChatFormatter, stop_id: int) -> tuple[list[int], list[int]]:
+def demonstration(
+    task: dict[str, Any], formatter: ChatFormatter, stop_id: int, env: ContactsEnv | None = None
+) -> tuple[list[int], list[int]]:
     """(ids, loss mask) of a perfect agent's episode on ``task``, as the rollout engine builds it:
     the opening (examples included), then per turn the reply's ids + the stop token (masked in),
-    the template's rest of the turn and the observation (masked out)."""
-    episode = ContactsEpisode(task, task.get("examples") or ())
+    the template's rest of the turn and the observation (masked out). ``env``: the environment
+    whose settings render the episode (default: ``ContactsEnv()``'s)."""
+    episode = (env or ContactsEnv()).episode(task)
     ids = formatter.opening_ids(episode.start())
     mask = [0] * len(ids)
     for reply in solve(task):

@@ -20,7 +20,13 @@ A reply without a call, or with a malformed one, gets an observation saying what
 
 Reward = fraction of four checks passed (AppWorld's training reward is the fraction of unit tests
 passed): searched the book, a search found the person, opened the person's card, answered right.
-``success`` is all four.
+``success`` is all four. ``field_check: true`` adds a fifth, ``answered_field`` (the answer is the
+asked field's kind, copied right or not), so that choosing the field earns credit apart from
+copying it: without it a miscopied phone number scores what the wrong field scores, and "always
+answer the city" (easy to copy) outscores reading the question while the copying is shaky.
+``remind_question: true`` ends the card with the question again ("The question was: ..."), where
+the answer is chosen: SmolLM2-135M-Instruct otherwise answers whatever field the last example
+answered, several examples and a tool result away from the question.
 
 ``examples: N`` puts N solved tasks (of other people) before the task as earlier chat turns: the
 opening a small model needs to see the call format. With one example the model can score by
@@ -30,6 +36,7 @@ has to read the question to choose the field.
 
 from __future__ import annotations
 
+import difflib
 import random
 import re
 from collections.abc import Mapping, Sequence
@@ -61,6 +68,9 @@ LAST_NAMES = (
 CITIES = ("Denver", "Boston", "Austin", "Chicago", "Seattle", "Miami", "Portland", "Dallas", "Phoenix", "Atlanta")
 FIELDS = {"phone": "phone number", "city": "city"}
 CHECKS = ("searched", "found_person", "opened_card", "answered")
+# field_check's fifth check: the answer is the asked field's kind, copied right or not
+FIELD_CHECK = "answered_field"
+CHECKS_WITH_FIELD = (*CHECKS[:-1], FIELD_CHECK, CHECKS[-1])
 SPLITS = ("train", "test")
 SYSTEM_PROMPT = (
     "You answer questions about the user's contacts by calling tools, one call per reply.\n"
@@ -81,19 +91,26 @@ def _normalise(text: str) -> str:
 
 
 class ContactsEpisode(Episode):
-    def __init__(self, task: Mapping[str, Any], examples: Sequence[Mapping[str, Any]] = ()):
-        self.task = task
+    def __init__(
+        self,
+        task: Mapping[str, Any],
+        examples: Sequence[Mapping[str, Any]] = (),
+        *,
+        field_check: bool = False,
+        remind_question: bool = False,
+    ):
+        self.task, self.remind_question = task, remind_question
         self.cards = {card["id"]: card for card in task["contacts"]}
         self.target = next(card for card in task["contacts"] if card["name"] == task["person"])
         self.examples = examples
         self.visible: set[str] = set()
-        self.passed = dict.fromkeys(CHECKS, False)
+        self.passed = dict.fromkeys(CHECKS_WITH_FIELD if field_check else CHECKS, False)
         self.answered_other_field = False
 
     def start(self) -> list[Message]:
         messages: list[Message] = [{"role": "system", "content": SYSTEM_PROMPT}]
         for example in self.examples:
-            messages += solved_conversation(example)[1:]
+            messages += solved_conversation(example, remind_question=self.remind_question)[1:]
         return messages + [{"role": "user", "content": question(self.task)}]
 
     def step(self, reply: str) -> Step:
@@ -114,6 +131,8 @@ class ContactsEpisode(Episode):
             self.answered_other_field = any(
                 argument == _normalise(self.target[field]) for field in FIELDS if field != self.task["field"]
             )
+            if FIELD_CHECK in self.passed:
+                self.passed[FIELD_CHECK] = nearest_field(argument, self.target) == self.task["field"]
             return Step(done=True)
         observation = self._search(argument) if tool == "search" else self._get(argument)
         return Step(messages=[{"role": "user", "content": observation}])
@@ -139,19 +158,32 @@ class ContactsEpisode(Episode):
             return f"No contact with id {contact_id} in your search results. Search first."
         card = self.cards[contact_id]
         self.passed["opened_card"] |= card is self.target
-        return f"{card['name']} (id {card['id']}): phone {card['phone']}, city {card['city']}"
+        shown = f"{card['name']} (id {card['id']}): phone {card['phone']}, city {card['city']}"
+        return f"{shown}\nThe question was: {question(self.task)}" if self.remind_question else shown
 
     def score(self) -> Score:
         return Score(
-            reward=sum(self.passed.values()) / len(CHECKS),
+            reward=sum(self.passed.values()) / len(self.passed),
             success=all(self.passed.values()),
             info={"checks": dict(self.passed), "answered_other_field": self.answered_other_field},
         )
 
 
-def solved_conversation(task: Mapping[str, Any]) -> list[Message]:
+def nearest_field(answer: str, card: Mapping[str, Any]) -> str | None:
+    """The field of ``card`` whose value ``answer`` resembles most (character similarity), or None
+    for an empty answer or a tie: a miscopied phone number ("484-4848" for 555-4848) still reads as
+    a phone number, not a city."""
+    if not answer:
+        return None
+    similarity = {field: difflib.SequenceMatcher(None, answer, _normalise(card[field])).ratio() for field in FIELDS}
+    best = max(similarity.values())
+    nearest = [field for field, value in similarity.items() if value == best]
+    return nearest[0] if len(nearest) == 1 else None
+
+
+def solved_conversation(task: Mapping[str, Any], *, remind_question: bool = False) -> list[Message]:
     """A perfect agent's conversation on ``task`` (the ``examples`` opening, tests, demonstrations)."""
-    episode = ContactsEpisode(task)
+    episode = ContactsEpisode(task, remind_question=remind_question)
     messages = episode.start()
     for reply in solve(task):
         messages.append({"role": "assistant", "content": reply})
@@ -167,12 +199,23 @@ def solve(task: Mapping[str, Any]) -> list[str]:
 
 class ContactsEnv(Environment):
     """``num_tasks`` contact books per split, generated from ``seed``. Each book has
-    ``contacts_per_task`` people, ``namesakes`` of whom share the asked-about person's first name."""
+    ``contacts_per_task`` people, ``namesakes`` of whom share the asked-about person's first name.
+    ``field_check`` adds a fifth check between opening the card and answering right,
+    ``answered_field``: the answer is the asked field's kind (:func:`nearest_field`).
+    ``remind_question`` ends every card ``get`` shows with the question again, next to the fields
+    it asks to choose from."""
 
     name = "contacts"
 
     def __init__(
-        self, num_tasks: int = 64, contacts_per_task: int = 6, namesakes: int = 2, examples: int = 1, seed: int = 0
+        self,
+        num_tasks: int = 64,
+        contacts_per_task: int = 6,
+        namesakes: int = 2,
+        examples: int = 1,
+        seed: int = 0,
+        field_check: bool = False,
+        remind_question: bool = False,
     ):
         if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1:
             raise ValueError(f"contacts: num_tasks (environment_kwargs) must be an integer >= 1, got {num_tasks!r}")
@@ -183,6 +226,10 @@ class ContactsEnv(Environment):
             )
         if isinstance(examples, bool) or not isinstance(examples, int) or examples < 0:
             raise ValueError(f"contacts: examples (environment_kwargs) must be an integer >= 0, got {examples!r}")
+        for key, value in (("field_check", field_check), ("remind_question", remind_question)):
+            if not isinstance(value, bool):
+                raise ValueError(f"contacts: {key} (environment_kwargs) must be true or false, got {value!r}")
+        self.field_check, self.remind_question = field_check, remind_question
         self.num_tasks, self.contacts_per_task, self.namesakes = num_tasks, contacts_per_task, namesakes
         self.examples, self.seed = examples, seed
 
@@ -225,7 +272,9 @@ class ContactsEnv(Environment):
         return {"person": person, "field": field or rng.choice(sorted(FIELDS)), "contacts": contacts}
 
     def episode(self, task: Mapping[str, Any]) -> ContactsEpisode:
-        return ContactsEpisode(task, task.get("examples") or ())
+        return ContactsEpisode(
+            task, task.get("examples") or (), field_check=self.field_check, remind_question=self.remind_question
+        )
 
     def summarize(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         """Success rate and mean reward, plus how often each check passed (``passed_opened_card``
@@ -235,6 +284,6 @@ class ContactsEnv(Environment):
         other = sum(bool((row.get("info") or {}).get("answered_other_field")) for row in rows)
         return {
             **success_and_reward(rows),
-            **check_pass_rates(rows, CHECKS),
+            **check_pass_rates(rows, CHECKS_WITH_FIELD if self.field_check else CHECKS),
             "answered_other_field": other / len(rows) if rows else float("nan"),
         }

@@ -163,3 +163,49 @@ def test_summary_counts_answers_that_give_the_other_field(env):
     assert [row["info"]["answered_other_field"] for row in rows] == [False, True, False]
     assert [row["reward"] for row in rows] == [1.0, 0.75, 0.75]
     assert env.summarize(rows)["answered_other_field"] == pytest.approx(1 / 3)
+
+
+def test_field_check_credits_the_asked_field_even_miscopied_and_only_that():
+    env = ContactsEnv(num_tasks=16, field_check=True)
+    rewards = {}
+    for task in env.tasks("train"):
+        card = target_card(task)
+        other = "city" if task["field"] == "phone" else "phone"
+        asked = card[task["field"]]
+        miscopied = asked[:-2] if task["field"] == "city" else "484" + asked[3:]
+        *lookups, _ = solve(task)
+        for kind, final in (("right", asked), ("miscopied", miscopied), ("other", card[other]), ("empty", "")):
+            score, _ = play(env, task, [*lookups, f'answer("{final}")'])
+            assert list(score.info["checks"]) == [
+                "searched", "found_person", "opened_card", "answered_field", "answered"
+            ]  # fmt: skip
+            rewards.setdefault((task["field"], kind), set()).add(score.reward)
+            assert score.success is (kind == "right")
+    # five checks: the field's kind earns a fifth of the reward apart from copying it exactly
+    for field in ("phone", "city"):
+        assert rewards[(field, "right")] == {1.0}
+        assert rewards[(field, "miscopied")] == {0.8}
+        assert rewards[(field, "other")] == rewards[(field, "empty")] == {0.6}
+    rows = [{"status": "completed", "reward": 0.8, "success": False, "info": score.info}]
+    assert "passed_answered_field" in env.summarize(rows)
+    assert "passed_answered_field" not in ContactsEnv(num_tasks=2).summarize(rows)
+
+
+def test_field_check_must_be_a_boolean():
+    with pytest.raises(ValueError, match="field_check"):
+        ContactsEnv(field_check="yes")
+
+
+def test_remind_question_repeats_it_under_every_card_the_examples_included():
+    env = ContactsEnv(num_tasks=4, examples=2, remind_question=True)
+    task = env.tasks("test")[0]
+    score, messages = play(env, task, solve(task))
+    cards = [m["content"] for m in messages if m["role"] == "user" and "): phone " in m["content"]]
+    # the two examples' cards (their own questions) and the task's
+    assert len(cards) == 3 and score.success
+    assert cards[-1].endswith(f"\nThe question was: {question(task)}")
+    assert [card.split("\nThe question was: ")[1] for card in cards[:2]] == [question(e) for e in task["examples"]]
+    plain = ContactsEnv(num_tasks=4, examples=2).episode(task).start()
+    assert all("The question was" not in m["content"] for m in plain)
+    with pytest.raises(ValueError, match="remind_question"):
+        ContactsEnv(remind_question=1)
