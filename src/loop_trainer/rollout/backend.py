@@ -19,7 +19,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from transformers import PreTrainedModel
 
-from .continuous_batch import DecodeBatch, PrefixCache, Request, weights_version
+from .continuous_batch import DecodeBatch, Request, weights_version
+from .prefix_cache import PrefixCache, SharedPrefixes
 from .records import Completion, settle
 
 __all__ = ["Completion", "GenerationBackend", "TemperatureView", "TransformersBackend"]
@@ -80,6 +81,7 @@ class TransformersBackend:
         pad_token_id: int,
         temperature: float = 1.0,
         max_batch_size: int = 64,
+        share_prefixes: bool = True,
     ):
         if temperature < 0:
             raise ValueError("temperature must be >= 0 (0 = greedy, for evaluation only)")
@@ -88,6 +90,7 @@ class TransformersBackend:
         self.pad_token_id = pad_token_id
         self.temperature = temperature
         self.max_batch_size = max_batch_size
+        self.share_prefixes = share_prefixes
         self._pending: list[Request] = []
         self._pending_lock = threading.Lock()
         self._wakeup: asyncio.Event | None = None
@@ -103,6 +106,8 @@ class TransformersBackend:
         self.max_running = 0
         self.num_reused_tokens = 0
         """Prompt tokens not prefilled again: their KV cache was kept from the episode's previous turn."""
+        self.num_shared_tokens = 0
+        """Prompt tokens not prefilled again: a prefix shared with other prompts was prefilled once."""
         self.busy_seconds = 0.0
         """Wall seconds the decode loop ran."""
 
@@ -115,6 +120,7 @@ class TransformersBackend:
             pad_token_id=self.pad_token_id,
             temperature=temperature,
             max_batch_size=self.max_batch_size,
+            share_prefixes=self.share_prefixes,
         )
 
     async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
@@ -124,8 +130,10 @@ class TransformersBackend:
         if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
             self._wakeup = asyncio.Event()
             # Cached prefixes live as long as this event loop (one collection): the weights may change after it.
-            prefixes = PrefixCache(self.max_batch_size, weights_version(self.model))
-            self._worker = loop.create_task(self._serve(prefixes), name="transformers-backend")
+            version = weights_version(self.model)
+            prefixes = PrefixCache(self.max_batch_size, version)
+            shared = SharedPrefixes(version) if self.share_prefixes else None
+            self._worker = loop.create_task(self._serve(prefixes, shared), name="transformers-backend")
         future: asyncio.Future[Completion] = loop.create_future()
         with self._pending_lock:
             self._pending.append(
@@ -148,7 +156,7 @@ class TransformersBackend:
             taken, self._pending = live[:most], live[most:]
         return taken
 
-    async def _serve(self, prefixes: PrefixCache) -> None:
+    async def _serve(self, prefixes: PrefixCache, shared: SharedPrefixes | None) -> None:
         assert self._wakeup is not None
         while True:
             await self._wakeup.wait()
@@ -160,7 +168,7 @@ class TransformersBackend:
             if not waiting:
                 continue
             try:
-                await asyncio.to_thread(self._decode, self._take, prefixes)
+                await asyncio.to_thread(self._decode, self._take, prefixes, shared)
             except Exception as error:  # noqa: BLE001 - not one step's failure (those reach their rows)
                 for request in self._take(len(self._pending)):
                     request.deliver(error)
@@ -188,17 +196,23 @@ class TransformersBackend:
             taken, queue[:] = queue[:most], queue[most:]
             return taken
 
-        self._decode(take)
+        self._decode(take, None, SharedPrefixes(weights_version(self.model)) if self.share_prefixes else None)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
         return results  # type: ignore[return-value]
 
     @torch.no_grad()
-    def _decode(self, take: Callable[[int], list[Request]], prefixes: PrefixCache | None = None) -> None:
+    def _decode(
+        self,
+        take: Callable[[int], list[Request]],
+        prefixes: PrefixCache | None = None,
+        shared: SharedPrefixes | None = None,
+    ) -> None:
         """Decode until no row is running and ``take`` has nothing more; before every step, up to
         ``max_batch_size`` running rows are topped up with ``take``. Finished rows leave their KV
-        cache in ``prefixes`` for their episode's next turn."""
+        cache in ``prefixes`` for their episode's next turn; prefixes that joining prompts share
+        are prefilled once and kept in ``shared``."""
         with self._lock:
             model = self.model
             if prefixes is not None and prefixes.weights_version != (version := weights_version(model)):
@@ -214,7 +228,7 @@ class TransformersBackend:
                     if threads > 1
                     else nullcontext()
                 ) as pool:
-                    batch = DecodeBatch(self, device, pool, prefixes)
+                    batch = DecodeBatch(self, device, pool, prefixes, shared)
                     while True:
                         joining = take(self.max_batch_size - len(batch.rows)) if batch.can_join() else []
                         if not batch.rows and not joining:
@@ -226,7 +240,7 @@ class TransformersBackend:
                                 id(r): r for r in [*(row.request for row in batch.rows), *joining]
                             }.values():
                                 request.deliver(error)
-                            batch = DecodeBatch(self, device, pool, prefixes)
+                            batch = DecodeBatch(self, device, pool, prefixes, shared)
             finally:
                 self.busy_seconds += time.perf_counter() - started
                 model.train(was_training)

@@ -1,12 +1,12 @@
 """The decode loop's state for :class:`~loop_trainer.rollout.backend.TransformersBackend`: the rows
-being decoded with their KV cache (rows join and leave between decode steps), and the KV cache of
-finished replies kept for their episode's next turn.
+being decoded with their KV cache (rows join and leave between decode steps). A joining prompt is
+prefilled only from where the longest cached prefix it extends ends: its episode's previous turn,
+or an opening it shares with other prompts (:mod:`.prefix_cache`).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
+from .prefix_cache import KV, Anchor, PrefixCache, PrefixNode, SharedPrefixes, plan
 from .records import Completion
 
 if TYPE_CHECKING:  # the backend owns the batch; the batch only reads its settings and counts
@@ -49,47 +50,6 @@ class Row:
     done: bool = False
 
 
-class PrefixCache:
-    """The KV cache of replies that have finished, kept for the episode's next turn: its prompt
-    starts with this turn's prompt and reply (append-only), so only the new tokens need a prefill.
-
-    An entry is keyed by the tokens it holds (the prompt and the reply but its last token, which was
-    never fed), is used once, and the oldest entries go beyond ``capacity``. The entries are only
-    valid for the weights they were computed with: the backend keeps them for one event loop (one
-    ``RolloutEngine.collect``) and drops them as soon as any parameter is modified in place.
-    """
-
-    def __init__(self, capacity: int, weights_version: int):
-        self.capacity = capacity
-        self.clear(weights_version)
-
-    def clear(self, weights_version: int) -> None:
-        self.weights_version = weights_version
-        self.entries: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
-        self.lengths: Counter[int] = Counter()
-
-    def put(self, tokens: tuple[int, ...], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if tokens in self.entries:
-            return
-        self.entries[tokens] = layers
-        self.lengths[len(tokens)] += 1
-        while len(self.entries) > self.capacity:
-            self._drop(next(iter(self.entries)))
-
-    def pop(self, prompt: list[int]) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]] | None:
-        """The longest entry that ``prompt`` extends by at least one token, removed."""
-        for length in sorted(self.lengths, reverse=True):
-            if length < len(prompt) and (key := tuple(prompt[:length])) in self.entries:
-                return length, self._drop(key)
-        return None
-
-    def _drop(self, key: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        self.lengths[len(key)] -= 1
-        if not self.lengths[len(key)]:
-            del self.lengths[len(key)]
-        return self.entries.pop(key)
-
-
 class DecodeBatch:
     """The rows being decoded and their KV cache, one column per position: ``mask[r]`` marks row
     r's ``rows[r].cache_length`` tokens (left padding, and holes where a cached prefix and its new
@@ -101,8 +61,9 @@ class DecodeBatch:
         device: torch.device,
         pool: ThreadPoolExecutor | None,
         prefixes: PrefixCache | None,
+        shared: SharedPrefixes | None = None,
     ):
-        self.backend, self.device, self.pool, self.prefixes = backend, device, pool, prefixes
+        self.backend, self.device, self.pool, self.prefixes, self.shared = backend, device, pool, prefixes, shared
         self.rows: list[Row] = []
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None
@@ -140,37 +101,27 @@ class DecodeBatch:
         ):
             self.prefixes.clear(version)
         cached = (
-            []
+            [(r, None) for r in joining]
             if self.prefixes is None or not self.mergeable
             else [(r, self.prefixes.pop(r.prompt_ids)) for r in joining]
         )
-        groups: list[list[Any]] = [  # the requests to prefill whole, then (request, cached prefix) pairs
-            [r for r, hit in cached if hit is None] if cached else joining,
+        backend.num_reused_tokens += sum(hit[0] for _, hit in cached if hit)
+        shared = self._shared_prefixes([r for r, hit in cached if hit is None])
+        cached = [(r, hit or shared.get(id(r))) for r, hit in cached]
+        groups: list[list[tuple[Request, Any]]] = [  # the requests to prefill whole, then those extending a prefix
+            [(r, hit) for r, hit in cached if hit is None],
             [(r, hit) for r, hit in cached if hit],
         ]
-        for index, group in enumerate(groups):
+        for group in groups:
             if not group:
                 continue
-            if index == 0:
-                cache, mask, positions, input_ids = DynamicCache(), *self._prompts(group)
-            else:
-                cache, mask, positions, input_ids = self._extensions(group)
-                backend.num_reused_tokens += sum(length for _, (length, _) in group)
-                group = [r for r, _ in group]
-            out = model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            cache, mask, out = self._prefill([(r.prompt_ids, hit) for r, hit in group])
             logits.append(out.logits[:, -1, :])
             self._merge(cache, mask)
             greedy = backend.temperature == 0
             rows += [
                 Row(request, None if greedy else _generator(request.seed, device), len(request.prompt_ids))
-                for request in group
+                for request, _ in group
             ]
             backend.num_batches += 1
             backend.num_sequences += len(group)
@@ -180,30 +131,83 @@ class DecodeBatch:
         backend.max_running = max(backend.max_running, len(self.rows))
         self._sample(torch.cat(logits) if len(logits) > 1 else logits[0])
 
-    def _prompts(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _prefill(self, items: list[tuple[list[int], Any]]) -> tuple[DynamicCache, torch.Tensor, Any]:
+        """One forward pass over prompts, each whole (``(prompt, None)``) or as what it adds to a
+        cached prefix (``(prompt, (length, states))``; all items alike): the new cache, its mask and
+        the model's output (the last position's logits)."""
+        if items[0][1] is None:
+            cache, mask, positions, input_ids = DynamicCache(), *self._prompts([prompt for prompt, _ in items])
+        else:
+            cache, mask, positions, input_ids = self._extensions(items)
+        out = self.backend.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return cache, mask, out
+
+    def _shared_prefixes(self, requests: list[Request]) -> dict[int, tuple[int, KV]]:
+        """Per request (by id), the shared prefix it extends, its KV cache computed now or earlier
+        in the collection: the prefixes ``requests`` share are prefilled once, level by level."""
+        if self.shared is None or not self.mergeable or len(requests) == 0:
+            return {}
+        if self.shared.weights_version != (version := weights_version(self.backend.model)):
+            self.shared.clear(version)
+        nodes, anchors = plan([r.prompt_ids for r in requests], self.shared)
+        for level in sorted({node.level for node in nodes}):
+            batch = [node for node in nodes if node.level == level]
+            for with_parent in (False, True):
+                part = [node for node in batch if (node.parent is not None) is with_parent]
+                if not part:
+                    continue
+                cache, mask, _ = self._prefill([(list(node.tokens), self._anchor_hit(node.parent)) for node in part])
+                if not _plain(cache):  # states that cannot be cut per row (e.g. sliding windows): prefill whole
+                    self.shared = None
+                    return {}
+                for index, node in enumerate(part):
+                    node.states = _row_states(cache, mask, index)
+                    self.shared.put(node.tokens, node.states)
+                self.backend.num_batches += 1
+        hits = {id(r): self._anchor_hit(anchor) for r, anchor in zip(requests, anchors, strict=True) if anchor}
+        self.backend.num_shared_tokens += sum(hit[0] for hit in hits.values() if hit)
+        return {key: hit for key, hit in hits.items() if hit}
+
+    def _anchor_hit(self, anchor: Anchor) -> tuple[int, KV] | None:
+        if anchor is None:
+            return None
+        if isinstance(anchor, PrefixNode):
+            assert anchor.states is not None, "a node is prefilled before what extends it"
+            return len(anchor.tokens), anchor.states
+        assert self.shared is not None
+        return len(anchor), self.shared.entries[anchor]
+
+    def _prompts(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Attention mask, position ids and input ids of whole prompts, left-padded."""
-        width = max(len(r.prompt_ids) for r in requests)
-        input_ids = torch.full((len(requests), width), self.backend.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(requests), width), dtype=torch.long)
-        for index, request in enumerate(requests):
-            input_ids[index, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids, dtype=torch.long)
-            mask[index, width - len(request.prompt_ids) :] = 1
+        width = max(len(prompt) for prompt in prompts)
+        input_ids = torch.full((len(prompts), width), self.backend.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for index, prompt in enumerate(prompts):
+            input_ids[index, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[index, width - len(prompt) :] = 1
         mask = mask.to(self.device)
         return mask, (mask.cumsum(-1) - 1).clamp(min=0), input_ids.to(self.device)
 
     def _extensions(
-        self, hits: list[tuple[Request, Any]]
+        self, hits: list[tuple[list[int], Any]]
     ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
         """A cache of the cached prefixes (left-padded) and the mask, position ids and input ids of
         what each prompt adds to its prefix (left-padded after the prefixes)."""
         past = max(length for _, (length, _) in hits)
-        width = max(len(r.prompt_ids) - length for r, (length, _) in hits)
+        width = max(len(prompt) - length for prompt, (length, _) in hits)
         input_ids = torch.full((len(hits), width), self.backend.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(hits), past + width), dtype=torch.long)
         positions = torch.zeros((len(hits), width), dtype=torch.long)
-        for index, (request, (length, _)) in enumerate(hits):
-            new = len(request.prompt_ids) - length
-            input_ids[index, width - new :] = torch.tensor(request.prompt_ids[length:], dtype=torch.long)
+        for index, (prompt, (length, _)) in enumerate(hits):
+            new = len(prompt) - length
+            input_ids[index, width - new :] = torch.tensor(prompt[length:], dtype=torch.long)
             mask[index, past - length : past] = 1
             mask[index, past + width - new :] = 1
             positions[index, width - new :] = torch.arange(length, length + new)
@@ -255,12 +259,7 @@ class DecodeBatch:
         """Hand row ``index``'s KV cache (its prompt and its reply but the last token) to the
         prefix cache."""
         assert self.cache is not None and self.mask is not None and self.prefixes is not None
-        columns = self.mask[index].nonzero().squeeze(1)
-        layers = [
-            (keys[index].index_select(1, columns), values[index].index_select(1, columns))
-            for keys, values in map(_states, _kv_layers(self.cache))
-        ]
-        self.prefixes.put((*row.request.prompt_ids, *row.token_ids[:-1]), layers)
+        self.prefixes.put((*row.request.prompt_ids, *row.token_ids[:-1]), _row_states(self.cache, self.mask, index))
 
     def _merge(self, cache: DynamicCache, mask: torch.Tensor) -> None:
         """Add the joining rows' cache (and attention mask) under the running rows', left-padding
@@ -271,8 +270,8 @@ class DecodeBatch:
                 type(layer) is DynamicLayer and (not layer.is_initialized or _states(layer)[0].dim() == 4)
                 for layer in _kv_layers(cache)
             )
-            if not all(layer.is_initialized for layer in _kv_layers(cache)):  # layers sharing another's cache
-                self.prefixes = None
+            if not _plain(cache):  # layers sharing another's cache
+                self.prefixes = self.shared = None
             return
         assert self.mask is not None
         old, new = self.mask.shape[1], mask.shape[1]
@@ -300,6 +299,24 @@ class DecodeBatch:
                 keys, values = _states(layer)
                 layer.keys = keys[index, :, unused:]
                 layer.values = values[index, :, unused:]
+
+
+def _plain(cache: DynamicCache) -> bool:
+    """Every layer holds its own plain ``[batch, heads, length, dim]`` key/value states, which can be
+    cut per row, kept, and stacked again as a prefix."""
+    return all(
+        type(layer) is DynamicLayer and layer.is_initialized and _states(layer)[0].dim() == 4
+        for layer in _kv_layers(cache)
+    )
+
+
+def _row_states(cache: DynamicCache, mask: torch.Tensor, index: int) -> KV:
+    """Row ``index``'s key and value states per layer, without its padding columns."""
+    columns = mask[index].nonzero().squeeze(1)
+    return [
+        (keys[index].index_select(1, columns), values[index].index_select(1, columns))
+        for keys, values in map(_states, _kv_layers(cache))
+    ]
 
 
 def _kv_layers(cache: DynamicCache) -> list[CacheLayerMixin]:
