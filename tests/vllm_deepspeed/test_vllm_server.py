@@ -94,6 +94,7 @@ def test_server_episodes_are_token_exact_and_log_probs_are_the_trainers(vault, s
         tasks,
     )
     backend = VLLMServerBackend(server, stop_token_ids=stop, sync_dir=str(tmp_path), temperature=1.0)
+    assert backend.prefix_caching is True  # vLLM's default, read from the server's /server_info
     ours = collect(env, backend.with_temperature(0.0), tokenizer, tasks)
 
     def key(t):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import shutil
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,8 @@ import torch
 from requests.adapters import HTTPAdapter
 
 from .backend import Completion, TemperatureView
+
+logger = logging.getLogger(__name__)
 
 SERVER_FLAGS = (
     "--enable-lora --max-lora-rank <r> (LoRA runs), --logprobs-mode processed_logprobs, --generation-config vllm"
@@ -83,6 +86,7 @@ class VLLMServerBackend:
         self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-server")
         try:
             self.base_model = self._wait_for_server(connect_timeout)
+            self.prefix_caching = self._prefix_caching()
         except BaseException:
             self.close()
             raise
@@ -103,6 +107,25 @@ class VLLMServerBackend:
                         f"with {SERVER_FLAGS}) or fix vllm_server_base_url"
                     ) from None
                 time.sleep(1.0)
+
+    def _prefix_caching(self) -> bool | None:
+        """Whether the server caches prefixes (each turn then prefills only what it adds to the
+        conversation, and a group's rollouts share their opening), from its ``/server_info`` (served
+        in ``VLLM_SERVER_DEV_MODE``, which the weight sync needs anyway); None where it does not say."""
+        try:
+            info = self._request("GET", "/server_info?config_format=json", timeout=30)
+        except GeneratorServerError:
+            return None
+        config = info.get("vllm_config")
+        cache = config.get("cache_config") if isinstance(config, dict) else None
+        enabled = cache.get("enable_prefix_caching") if isinstance(cache, dict) else None
+        if enabled is False:
+            logger.warning(
+                "the vLLM server at %s runs without prefix caching: every turn prefills the whole "
+                "conversation again; restart it with --enable-prefix-caching",
+                self.base_url,
+            )
+        return enabled if isinstance(enabled, bool) else None
 
     def _request(self, method: str, path: str, payload: dict | None = None, timeout: float | None = None) -> dict:
         try:

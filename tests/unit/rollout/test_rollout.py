@@ -556,7 +556,15 @@ class FakeVLLMServer(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    prefix_caching: bool | None = True  # what /server_info says; None: no /server_info (no dev mode)
+
     def do_GET(self):
+        if self.path.startswith("/server_info"):
+            if self.prefix_caching is None:
+                self.send_error(404)
+                return
+            self._answer({"vllm_config": {"cache_config": {"enable_prefix_caching": self.prefix_caching}}})
+            return
         self._answer({"data": [{"id": "fake-model"}]})
 
     def do_POST(self):
@@ -591,6 +599,17 @@ def test_the_server_backend_releases_its_threads_and_session_on_close(fake_vllm_
     backend.close()  # idempotent
     with pytest.raises(RuntimeError, match="shutdown"):
         asyncio.run(backend.generate([1, 2, 3], 3))
+
+
+@pytest.mark.parametrize("enabled", [True, False, None])
+def test_the_server_backend_reads_whether_the_server_caches_prefixes(
+    fake_vllm_server, tmp_path, caplog, monkeypatch, enabled
+):
+    monkeypatch.setattr(FakeVLLMServer, "prefix_caching", enabled)
+    with VLLMServerBackend(fake_vllm_server, stop_token_ids=[9], sync_dir=str(tmp_path)) as backend:
+        assert backend.prefix_caching is enabled
+    warned = [r.getMessage() for r in caplog.records if "prefix caching" in r.getMessage()]
+    assert len(warned) == (enabled is False) and all("--enable-prefix-caching" in m for m in warned)
 
 
 def test_server_weight_shards_are_at_most_shard_bytes(fake_vllm_server, tmp_path):
