@@ -5,7 +5,8 @@ prefilled whole (``share_prefixes=False``, before) against each shared opening p
 Two workloads, each a few iterations of one ``RolloutEngine.collect`` with the same tasks and seeds
 on both sides (the side that goes first alternates):
 
-* ``contacts``: the rollout phase of ``recipes/smollm2-135m-contacts.yaml``: SmolLM2-135M-Instruct
+* ``contacts``: the rollout phase of ``recipes/smollm2-135m-contacts.yaml`` as it was when this was
+  first measured (2 examples, ``RECIPE_ENV``; the recipe now opens with 3): SmolLM2-135M-Instruct
   (the packaged model, float32) with the recipe's LoRA adapter freshly initialised (so generation
   pays for the unmerged adapter, as in training), ``contacts`` with the recipe's environment
   kwargs, 4 tasks x 4 rollouts, at most 4 turns of 24 tokens, temperature 1. The K rollouts of a
