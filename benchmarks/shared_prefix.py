@@ -27,6 +27,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,31 +52,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # --- workloads ----------------------------------------------------------------------------------
-def contacts_workload(args: argparse.Namespace) -> dict[str, Any]:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@dataclass
+class Workload:
+    env: Any
+    model: Any
+    tokenizer: Any
+    limits: Any
+    iterations: list[list[Any]]
+    """The tasks of each iteration."""
+    rollouts: int
+    shape: dict[str, Any]
 
+
+def contacts_workload(args: argparse.Namespace) -> Workload:
+    from peft import LoraConfig, get_peft_model
+
+    from benchmarks.field_decision import load_policy
+    from benchmarks.real_model_capability import TARGETS
     from loop_trainer.envs.contacts import ContactsEnv
-    from loop_trainer.models.packaged import resolve_model_path
     from loop_trainer.rollout import EpisodeLimits
 
-    path = resolve_model_path("packaged:smollm2-135m-instruct")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model, tokenizer = load_policy(None)
     torch.manual_seed(args.seed)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets))
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS))
     env = ContactsEnv(**RECIPE_ENV)
     tasks = list(env.tasks("train"))
-    return {
-        "env": env,
-        "model": model,
-        "tokenizer": tokenizer,
-        "limits": EpisodeLimits(max_turns=4, max_new_tokens_per_turn=24, max_trajectory_tokens=640),
-        "iterations": [tasks[4 * i : 4 * i + 4] for i in range(args.iterations)],
-        "rollouts": 4,
-        "shape": {"model": "SmolLM2-135M-Instruct + LoRA r16 (float32)", "environment_kwargs": RECIPE_ENV},
-    }
+    return Workload(
+        env=env,
+        model=model,
+        tokenizer=tokenizer,
+        limits=EpisodeLimits(max_turns=4, max_new_tokens_per_turn=24, max_trajectory_tokens=640),
+        iterations=[tasks[4 * i : 4 * i + 4] for i in range(args.iterations)],
+        rollouts=4,
+        shape={"model": "SmolLM2-135M-Instruct + LoRA r16 (float32)", "environment_kwargs": RECIPE_ENV},
+    )
 
 
 API_LINE = "apis.{app}.{verb}_{noun}({arg}: str, page_index: int = 0) -> dict: {verb} the {noun} of the {app} account."
@@ -97,11 +107,10 @@ def appworld_opening(tokenizer: Any, tokens: int) -> str:
     return "\n".join(lines)
 
 
-def appworld_workload(args: argparse.Namespace) -> dict[str, Any]:
+def appworld_workload(args: argparse.Namespace) -> Workload:
     from datasets import Dataset
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from benchmarks.multiturn_throughput import build_tokenizer
+    from benchmarks.multiturn_throughput import build_model, build_tokenizer
     from loop_trainer.envs.base import Environment, Episode, Step
     from loop_trainer.rollout import EpisodeLimits
 
@@ -137,42 +146,32 @@ def appworld_workload(args: argparse.Namespace) -> dict[str, Any]:
         def episode(self, task: Any) -> Episode:
             return AppEpisode(task)
 
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=args.hidden_size,
-        intermediate_size=4 * args.hidden_size,
-        num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    # multiturn_throughput's tiny Qwen2 (Qwen2.5's vocabulary and special tokens), 4 heads
+    model = build_model(
+        argparse.Namespace(hidden_size=args.hidden_size, layers=args.layers, heads=4, kv_heads=4, seed=args.seed)
     )
-    torch.manual_seed(args.seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
     env = AppShaped()
     tasks = list(env.tasks("train"))
-    return {
-        "env": env,
-        "model": model,
-        "tokenizer": tokenizer,
-        "limits": EpisodeLimits(max_turns=3, max_new_tokens_per_turn=16, max_trajectory_tokens=8192),
-        "iterations": [tasks[8 * i : 8 * i + 8] for i in range(args.iterations)],
-        "rollouts": 6,
-        "shape": {
+    return Workload(
+        env=env,
+        model=model,
+        tokenizer=tokenizer,
+        limits=EpisodeLimits(max_turns=3, max_new_tokens_per_turn=16, max_trajectory_tokens=8192),
+        iterations=[tasks[8 * i : 8 * i + 8] for i in range(args.iterations)],
+        rollouts=6,
+        shape={
             "model": f"tiny Qwen2 (hidden {args.hidden_size}, {args.layers} layers, float32)",
             "system_prompt_tokens": len(tokenizer.encode(system)),
         },
-    }
+    )
 
 
 # --- one collection -----------------------------------------------------------------------------
-def collect(workload: dict[str, Any], tasks: list[Any], share: bool, seed: int) -> dict[str, Any]:
+def collect(workload: Workload, tasks: list[Any], share: bool, seed: int) -> dict[str, Any]:
     from loop_trainer.chat import ChatFormatter, stop_token_ids
     from loop_trainer.rollout import RolloutEngine, TransformersBackend
 
-    model, tokenizer = workload["model"], workload["tokenizer"]
+    model, tokenizer = workload.model, workload.tokenizer
     backend = TransformersBackend(
         model,
         stop_token_ids=stop_token_ids(model, tokenizer),
@@ -180,10 +179,8 @@ def collect(workload: dict[str, Any], tasks: list[Any], share: bool, seed: int) 
         temperature=1.0,
         share_prefixes=share,
     )
-    rollouts = workload["rollouts"]
-    with RolloutEngine(
-        workload["env"], backend, ChatFormatter(tokenizer), workload["limits"], show_progress=False
-    ) as engine:
+    rollouts = workload.rollouts
+    with RolloutEngine(workload.env, backend, ChatFormatter(tokenizer), workload.limits, show_progress=False) as engine:
         started = time.perf_counter()
         batch = engine.collect(tasks, rollouts, seed=seed)
         seconds = time.perf_counter() - started
@@ -204,10 +201,10 @@ def collect(workload: dict[str, Any], tasks: list[Any], share: bool, seed: int) 
     }
 
 
-def compare(workload: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def compare(workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {"unshared": [], "shared": []}
     same = 0
-    for index, tasks in enumerate(workload["iterations"]):
+    for index, tasks in enumerate(workload.iterations):
         order = ["unshared", "shared"] if index % 2 == 0 else ["shared", "unshared"]
         results = {side: collect(workload, tasks, side == "shared", seed=args.seed + index) for side in order}
         same += results["shared"]["token_ids"] == results["unshared"]["token_ids"]
@@ -222,13 +219,13 @@ def compare(workload: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
             )
     mean = {side: statistics.mean(r["seconds"] for r in side_runs) for side, side_runs in runs.items()}
     return {
-        "shape": workload["shape"],
-        "tasks_per_iteration": len(workload["iterations"][0]),
-        "rollouts_per_task": workload["rollouts"],
+        "shape": workload.shape,
+        "tasks_per_iteration": len(workload.iterations[0]),
+        "rollouts_per_task": workload.rollouts,
         "runs": runs,
         "rollout_seconds_mean": mean,
         "shared_over_unshared": mean["shared"] / mean["unshared"],
-        "same_tokens": f"{same} of {len(workload['iterations'])} iterations",
+        "same_tokens": f"{same} of {len(workload.iterations)} iterations",
     }
 
 
