@@ -94,11 +94,8 @@ class DecodeBatch:
                 row.cache_length += 1
         # The joining rows: a prefill of their prompts, or of what a prompt adds to a cached prefix
         # (computed with these weights: they may have changed since the decode loop started).
-        if (
-            joining
-            and self.prefixes is not None
-            and self.prefixes.weights_version != (version := weights_version(model))
-        ):
+        version = weights_version(model) if joining else 0  # 0: nothing joins, no prefix is looked up
+        if self.prefixes is not None and joining and self.prefixes.weights_version != version:
             self.prefixes.clear(version)
         cached = (
             [(r, None) for r in joining]
@@ -106,7 +103,7 @@ class DecodeBatch:
             else [(r, self.prefixes.pop(r.prompt_ids)) for r in joining]
         )
         backend.num_reused_tokens += sum(hit[0] for _, hit in cached if hit)
-        shared = self._shared_prefixes([r for r, hit in cached if hit is None])
+        shared = self._shared_prefixes([r for r, hit in cached if hit is None], version)
         cached = [(r, hit or shared.get(id(r))) for r, hit in cached]
         groups: list[list[tuple[Request, Any]]] = [  # the requests to prefill whole, then those extending a prefix
             [(r, hit) for r, hit in cached if hit is None],
@@ -149,12 +146,12 @@ class DecodeBatch:
         )
         return cache, mask, out
 
-    def _shared_prefixes(self, requests: list[Request]) -> dict[int, tuple[int, KV]]:
+    def _shared_prefixes(self, requests: list[Request], version: int) -> dict[int, tuple[int, KV]]:
         """Per request (by id), the shared prefix it extends, its KV cache computed now or earlier
         in the collection: the prefixes ``requests`` share are prefilled once, level by level."""
         if self.shared is None or not self.mergeable or len(requests) == 0:
             return {}
-        if self.shared.weights_version != (version := weights_version(self.backend.model)):
+        if self.shared.weights_version != version:
             self.shared.clear(version)
         nodes, anchors = plan([r.prompt_ids for r in requests], self.shared)
         for level in sorted({node.level for node in nodes}):
