@@ -200,6 +200,20 @@ def update(result: dict) -> list[str]:
 RENDER = {"loop_bf16": loop_bf16, "memory": memory, "update": update}
 
 
+def render(name: str, result: dict) -> list[str]:
+    """A section's markdown: the three first sections' here, every later section's from its own
+    module's ``render`` (each section owns its table)."""
+    if "skipped" in result:  # a section that cannot run here says why (e.g. DeepSpeed is not installed)
+        return [f"**{name}: skipped**: {result['skipped']}", ""]
+    if name in RENDER:
+        return RENDER[name](result)
+    import importlib
+
+    from benchmarks.gpu_check import SECTIONS
+
+    return importlib.import_module(SECTIONS[name][0]).render(result)
+
+
 def write_summary(results: dict, path: Path) -> None:
     if results["mode"] == "cpu":
         lines = [
@@ -220,5 +234,5 @@ def write_summary(results: dict, path: Path) -> None:
         "",
     ]
     for name, record in results["sections"].items():
-        lines += RENDER[name](record["result"]) if record["status"] == "ok" else _failed(name, record)
+        lines += render(name, record["result"]) if record["status"] == "ok" else _failed(name, record)
     path.write_text("\n".join(lines))

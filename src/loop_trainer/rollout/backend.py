@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 from .continuous_batch import DecodeBatch, Request, weights_version
 from .prefix_cache import PrefixCache, SharedPrefixes
 from .records import Completion, settle
+from .slot_decode import SlotDecoder
 
 __all__ = ["Completion", "GenerationBackend", "TemperatureView", "TransformersBackend"]
 
@@ -71,6 +72,11 @@ class TransformersBackend:
     On a CPU the rows' draws run on ``torch.get_num_threads()`` threads: drawing one token from a
     151k vocabulary costs as much as the rest of a small model's decode step, and the generator's
     exponential draws use one core.
+
+    ``static_decode=True`` runs the running rows' one-token steps on fixed-shape state, replayed as
+    one CUDA graph per step on a GPU (:mod:`.slot_decode`): a small model's eager step is bound by
+    kernel launches, not by the GPU. Off by default; prefills, sampling and the prefix caches are
+    the same either way.
     """
 
     def __init__(
@@ -82,6 +88,7 @@ class TransformersBackend:
         temperature: float = 1.0,
         max_batch_size: int = 64,
         share_prefixes: bool = True,
+        static_decode: bool = False,
     ):
         if temperature < 0:
             raise ValueError("temperature must be >= 0 (0 = greedy, for evaluation only)")
@@ -91,6 +98,9 @@ class TransformersBackend:
         self.temperature = temperature
         self.max_batch_size = max_batch_size
         self.share_prefixes = share_prefixes
+        self.static_decode = static_decode
+        self._slot_decoder: SlotDecoder | None = None
+        self._slot_pointers: tuple[int, ...] = ()
         self._pending: list[Request] = []
         self._pending_lock = threading.Lock()
         self._wakeup: asyncio.Event | None = None
@@ -121,7 +131,19 @@ class TransformersBackend:
             temperature=temperature,
             max_batch_size=self.max_batch_size,
             share_prefixes=self.share_prefixes,
+            static_decode=self.static_decode,
         )
+
+    def slot_decoder(self, device: torch.device) -> SlotDecoder:
+        """The fixed-shape decode state (``static_decode``), kept across collections so its CUDA
+        graph is captured once: optimizer steps update the weights in place, where the graph reads
+        them. Built anew if any parameter was replaced (its storage moved), with every slot free."""
+        pointers = tuple(parameter.data_ptr() for parameter in self.model.parameters())
+        if self._slot_decoder is None or self._slot_decoder.device != device or pointers != self._slot_pointers:
+            self._slot_decoder = SlotDecoder(self.model, self.max_batch_size, device, cuda_graphs=True)
+            self._slot_pointers = pointers
+        self._slot_decoder.free = list(range(self.max_batch_size))
+        return self._slot_decoder
 
     async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
         if max_new_tokens < 1:

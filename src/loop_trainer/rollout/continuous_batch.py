@@ -19,6 +19,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
 from .prefix_cache import KV, Anchor, PrefixCache, PrefixNode, SharedPrefixes, plan
 from .records import Completion
+from .slot_decode import SlotDecoder
 
 if TYPE_CHECKING:  # the backend owns the batch; the batch only reads its settings and counts
     from .backend import TransformersBackend
@@ -48,6 +49,8 @@ class Row:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     done: bool = False
+    slot: int = -1
+    """Its slot in the fixed-shape decode state (``static_decode``), else -1."""
 
 
 class DecodeBatch:
@@ -71,6 +74,9 @@ class DecodeBatch:
         # Rows can join a running batch, and leave it, only if its cache is plain [batch, heads,
         # length, dim] key/value tensors; otherwise a batch runs until all its rows are done.
         self.mergeable = True
+        # static_decode: the running rows' keys and values live in fixed-shape slots (one CUDA graph
+        # per step on a GPU) instead of self.cache, which then only ever holds nothing.
+        self.slots: SlotDecoder | None = backend.slot_decoder(device) if backend.static_decode else None
 
     def can_join(self) -> bool:
         return self.mergeable or not self.rows
@@ -78,7 +84,17 @@ class DecodeBatch:
     def step(self, joining: list[Request]) -> None:
         backend, model, device = self.backend, self.backend.model, self.device
         logits, rows = [], []
-        if self.rows:  # every running row feeds its last sampled token
+        if self.rows and self.slots is not None:
+            logits.append(
+                self.slots.step(
+                    [row.slot for row in self.rows],
+                    [row.next_token for row in self.rows],
+                    [row.cache_length for row in self.rows],
+                )
+            )
+            for row in self.rows:
+                row.cache_length += 1
+        elif self.rows:  # every running row feeds its last sampled token
             assert self.mask is not None
             self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
             out = model(
@@ -114,11 +130,11 @@ class DecodeBatch:
                 continue
             cache, mask, out = self._prefill([(r.prompt_ids, hit) for r, hit in group])
             logits.append(out.logits[:, -1, :])
-            self._merge(cache, mask)
+            slots = self._admit(cache, mask, len(group))
             greedy = backend.temperature == 0
             rows += [
-                Row(request, None if greedy else _generator(request.seed, device), len(request.prompt_ids))
-                for request, _ in group
+                Row(request, None if greedy else _generator(request.seed, device), len(request.prompt_ids), slot=slot)
+                for (request, _), slot in zip(group, slots, strict=True)
             ]
             backend.num_batches += 1
             backend.num_sequences += len(group)
@@ -255,8 +271,23 @@ class DecodeBatch:
     def _keep_prefix(self, index: int, row: Row) -> None:
         """Hand row ``index``'s KV cache (its prompt and its reply but the last token) to the
         prefix cache."""
-        assert self.cache is not None and self.mask is not None and self.prefixes is not None
-        self.prefixes.put((*row.request.prompt_ids, *row.token_ids[:-1]), _row_states(self.cache, self.mask, index))
+        assert self.prefixes is not None
+        if self.slots is not None:
+            states = self.slots.states(row.slot, row.cache_length)
+        else:
+            assert self.cache is not None and self.mask is not None
+            states = _row_states(self.cache, self.mask, index)
+        self.prefixes.put((*row.request.prompt_ids, *row.token_ids[:-1]), states)
+
+    def _admit(self, cache: DynamicCache, mask: torch.Tensor, count: int) -> list[int]:
+        """Take in the ``count`` rows just prefilled: into free slots (``static_decode``; their
+        states without padding), else merged into the batch's cache. Their slots, or -1 each."""
+        if self.slots is not None and not self.rows and not _plain(cache):
+            self.slots = None  # states that cannot be cut per row (e.g. sliding windows): the dynamic batch
+        if self.slots is None:
+            self._merge(cache, mask)
+            return [-1] * count
+        return [self.slots.put(_row_states(cache, mask, index)) for index in range(count)]
 
     def _merge(self, cache: DynamicCache, mask: torch.Tensor) -> None:
         """Add the joining rows' cache (and attention mask) under the running rows', left-padding
@@ -282,6 +313,13 @@ class DecodeBatch:
 
     def _select(self, keep: list[int]) -> None:
         """Keep only the rows ``keep`` (the others are done), and drop the columns no row uses."""
+        if self.slots is not None:
+            kept = set(keep)
+            for position, row in enumerate(self.rows):
+                if position not in kept:
+                    self.slots.release(row.slot)
+            self.rows = [self.rows[index] for index in keep]
+            return
         self.rows = [self.rows[index] for index in keep]
         if not self.rows:
             self.cache, self.mask = None, None

@@ -9,8 +9,8 @@ import random
 
 import torch
 
-from loop_trainer.rollout import TransformersBackend
 from loop_trainer.rollout.prefix_cache import PrefixNode, SharedPrefixes, anchor_length, plan
+from support.prefix_episodes import assert_same, backend_for, opening, run_episodes
 
 SYSTEM = list(range(1000, 1040))  # 40 tokens every task starts with
 
@@ -96,40 +96,6 @@ def test_plans_of_random_prompts_keep_their_invariants():
 
 
 # --- the backend -------------------------------------------------------------------------------
-
-
-def backend_for(model, tok, **kwargs) -> TransformersBackend:
-    return TransformersBackend(model, stop_token_ids=[], pad_token_id=tok.pad_token_id, **kwargs)
-
-
-def opening(tok, task: str) -> list[int]:
-    system = "<|im_start|>system\n" + " ".join(["tools : find open submit"] * 6) + "<|im_end|>\n"
-    return tok.encode(system + f"<|im_start|>user\nfetch code of {task}<|im_end|>\n<|im_start|>assistant\n")
-
-
-def run_episodes(backend, tok, tasks, rollouts, *, update_between_turns=None):
-    """Each task's rollouts start from the same opening, two turns each; seeds per (task, rollout, turn)."""
-    observation = tok.encode("<|im_end|>\n<|im_start|>user\nann id k1<|im_end|>\n<|im_start|>assistant\n")
-
-    async def episode(task, rollout):
-        prompt = opening(tok, task)
-        first = await backend.generate(prompt, 4, seed=100 * len(task) + 10 * rollout + 1)
-        if update_between_turns is not None:
-            await update_between_turns()
-        second = await backend.generate(prompt + first.token_ids + observation, 4, seed=10 * rollout + 2)
-        return first, second
-
-    async def collect():
-        return await asyncio.gather(*(episode(task, r) for task in tasks for r in range(rollouts)))
-
-    return asyncio.run(collect())
-
-
-def assert_same(replies, expected):
-    for (first, second), (first_ref, second_ref) in zip(replies, expected, strict=True):
-        for got, want in ((first, first_ref), (second, second_ref)):
-            assert got.token_ids == want.token_ids
-            assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5)
 
 
 def test_shared_openings_sample_what_unshared_ones_do_across_joins_and_turns(vault_tiny):
