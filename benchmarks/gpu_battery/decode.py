@@ -161,13 +161,22 @@ def run(mode: str) -> dict[str, Any]:
         trainer = LOOPTrainer(model, env, args, processing_class=qwen_tokenizer(), peft_config=lora_config(8))
         try:
             trainer.model.eval()
+            # first: a failed graph capture must not leave the profile (or the eager rows) unmeasured
+            profiled = _profile(trainer, concurrency[-1], min(16, sizes.generation_new_tokens))
             for n in concurrency:
                 reference = None
                 for variant in VARIANTS:
                     backend = _backend(trainer, variant, n)
                     if backend is None:
                         continue
-                    batch, seconds = _collect(trainer, backend, n, sizes.generation_turns, sizes.generation_new_tokens)
+                    try:
+                        batch, seconds = _collect(
+                            trainer, backend, n, sizes.generation_turns, sizes.generation_new_tokens
+                        )
+                    except Exception as error:  # noqa: BLE001 - the other variants' rows still count
+                        rows.append({"variant": variant, "concurrency": n, "error": repr(error)[:500]})
+                        print(f"decode: {rows[-1]}", flush=True)
+                        continue
                     sampled = batch.stats()["sampled_tokens"]
                     row = {
                         "variant": variant,
@@ -180,6 +189,7 @@ def run(mode: str) -> dict[str, Any]:
                         "ms_per_step": 1e3 * backend.busy_seconds / max(1, backend.num_steps),
                         "mean_rows_per_step": backend.num_step_rows / max(1, backend.num_steps),
                         "graphs_captured": backend._slot_decoder.num_captures if backend._slot_decoder else 0,
+                        "capture_error": backend._slot_decoder.capture_error if backend._slot_decoder else None,
                         "failed_episodes": sum(t.status != "completed" for t in batch.trajectories),
                     }
                     if reference is None:
@@ -188,7 +198,6 @@ def run(mode: str) -> dict[str, Any]:
                         row.update(_agreement(batch, reference))
                     rows.append(row)
                     print(f"decode: {row}", flush=True)
-            profiled = _profile(trainer, concurrency[-1], min(16, sizes.generation_new_tokens))
         finally:
             trainer.close()
     return {
@@ -209,6 +218,7 @@ def render(result: dict) -> list[str]:
         "(Δ over the tokens before the first that differs).",
         "",
     ]
+    failed = [r for r in result["rows"] if "error" in r or r.get("capture_error")]
     rows = [
         [
             r["variant"],
@@ -225,6 +235,7 @@ def render(result: dict) -> list[str]:
             r["failed_episodes"],
         ]
         for r in result["rows"]
+        if "error" not in r
     ]
     lines += _table(
         [
@@ -243,6 +254,9 @@ def render(result: dict) -> list[str]:
         ],
         rows,
     )
+    for r in failed:
+        lines += [f"- {r['variant']} at {r['concurrency']}: {r.get('error') or r.get('capture_error')}"]
+    lines += [""] if failed else []
     profiled = result["profile"]
     lines += [
         f"### Profile of a dynamic collection ({profiled['concurrency']} episodes, 1 turn x "

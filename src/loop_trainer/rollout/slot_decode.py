@@ -22,6 +22,7 @@ own tokens, at its own positions; only float rounding differs (other kernels, ot
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ from transformers.cache_utils import Cache
 from .prefix_cache import KV
 
 MIN_CAPACITY = 256
+logger = logging.getLogger(__name__)
 
 
 class SlotCache(Cache):
@@ -83,6 +85,8 @@ class SlotDecoder:
         self.logits: torch.Tensor | None = None
         self.num_captures = 0
         """Graphs captured (one per capacity reached)."""
+        self.capture_error: str | None = None
+        """Why capturing failed, if it did: the steps then run eagerly (same results, slower)."""
 
     def reserve(self, columns: int) -> None:
         """Make room for ``columns`` tokens per slot (the buffers grow to the next power of two, their
@@ -139,9 +143,12 @@ class SlotDecoder:
         else:
             if self.graph is None:
                 self._capture()
-            assert self.graph is not None and self.logits is not None
-            self.graph.replay()
-            logits = self.logits
+            if self.graph is None:  # capture failed: eager from now on
+                logits = self._forward()
+            else:
+                assert self.logits is not None
+                self.graph.replay()
+                logits = self.logits
         return logits[index.to(self.device)]
 
     def _forward(self) -> torch.Tensor:
@@ -166,7 +173,13 @@ class SlotDecoder:
                 self._forward()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.logits = self._forward()
+        try:
+            with torch.cuda.graph(graph):
+                self.logits = self._forward()
+        except RuntimeError as error:  # an operation that cannot be captured (e.g. a host sync in a model)
+            self.cuda_graphs, self.capture_error = False, f"{type(error).__name__}: {error}"[:500]
+            self.logits = None
+            logger.warning("static_decode: CUDA graph capture failed, decoding eagerly: %s", self.capture_error)
+            return
         self.graph = graph
         self.num_captures += 1
