@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         "software": measured_with(),
         "host": host(),
         "sections": {},
-        "generation_backend": "transformers (vLLM's CUDA wheel, over 300 MB, cannot be carried to the GPU "
-        "machine: generation runs on the transformers backend)",
+        "generation_backend": "the transformers backend in loop_bf16 and decode; vLLM in the vllm section "
+        "(vLLM 0.26.0 carried to the GPU machine in two chunks: tools/vllm_chunks.sh, tools/gpu_vllm_unpack.sh)",
     }
     failures = 0
     for name in options.sections:
