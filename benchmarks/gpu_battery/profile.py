@@ -160,11 +160,12 @@ def profile_update(sizes: Any, device: str, tokenizer: Any, started: float) -> d
     with scratch() as output_dir:
         trainer = mfu_section._build_trainer(name, device, tokens, output_dir, tokenizer)
         trainer.prepare_for_iterations()
+        _progress(f"{name} built for {count} x {tokens} tokens", started)
         mfu = None  # CPU mode: no MFU (the memory section runs measure_mfu there) and no warm-up
         if device == "cuda":
-            _progress(f"{name} built; MFU updates (warm-up + 2 timed) of {count} x {tokens} tokens", started)
-            mfu = mfu_section.measure_mfu(trainer, shape, tokens, count, device)
+            mfu = mfu_section.measure_mfu(trainer, shape, tokens, count, device)  # a warm-up and 2 timed updates
             _progress(f"MFU {mfu['mfu_model']} (update {min(mfu['update_seconds']):.2f} s)", started)
+        _progress("profiled update", started)
         samples = [mfu_section._trajectory(tokens, shape.vocab_size, seed) for seed in range(count)]
         kernels = _attempt(
             "kernel profile", started, kernel_profile, trainer, samples, shape.vocab_size, device, started
@@ -294,15 +295,19 @@ def _kernel_lines(k: dict[str, Any]) -> list[str]:
         lines += [
             f"Profiled update: {_f(k['wall_seconds'], 2)} s wall, {_f(k['timed_seconds'], 2)} s of {unit} in "
             f"{k['units']} units; busy {_f(k['busy_fraction'], 3)} of the wall (idle: launch and CPU overhead); "
-            f"recomputation {_f(k['recompute_seconds'], 2)} s ({_f(k['recompute_share'], 3)} of the {unit}).",
+            f"recomputation {_f(k['recompute_seconds'], 2)} s ({_f(k['recompute_share'], 3)} of the {unit}); "
+            f"LoRA layers' forward kernels other than GEMMs (casts, scaling, add; forward and recompute, not "
+            f"backward) {_f(k['lora_layer_other_seconds'], 3)} s: "
+            + ", ".join(f"{name} {_f(s, 3)}" for name, s in k["lora_layer_other_top_ops"])
+            + ".",
             "",
         ]
         rows = [
             [c["category"], _f(c["seconds"], 3), _f(c["share"], 3), c["count"], _f(c["mean_us"], 1)]
-            + [_f(c["tflop_per_s"], 0), ", ".join(name for name, _ in c["top_ops"])]
+            + [_f(c["gemm_tflop_per_s"], 0), ", ".join(name for name, _ in c["top_ops"])]
             for c in k["categories"]
         ]
-        lines += _table(["category", "s", "share", "units", "mean µs", "GEMM TFLOP/s", "top ops"], rows)
+        lines += _table(["category", "s", "share", "units", "mean µs", "TFLOP/s in its GEMMs", "top ops"], rows)
         rows = [[p["phase"], _f(p["seconds"], 3), _f(p["share"], 3), _f(p["wall_seconds"], 3)] for p in k["phases"]]
         lines += _table(["phase", f"{unit} s", "share", "wall s (synchronized)"], rows)
         rows = [

@@ -10,13 +10,16 @@ be cut without guessing:
   is the range its launching op started in;
 * ``profile::recompute``: a checkpointed decoder layer run again inside the backward;
 * ``profile::logprob_head``: TRL's fused log-prob head (``ChunkedLogProbFunction``); its backward
-  is the autograd node ``ChunkedLogProbFunctionBackward``.
+  is the autograd node ``ChunkedLogProbFunctionBackward``;
+* ``profile::lora_layer``: a PEFT LoRA layer's forward (its base GEMM, adapter GEMMs, casts, scaling
+  and add): the non-GEMM kernels under it are reported apart, as the adapters' forward overhead.
 
 A kernel's category: optimizer phase -> "optimizer"; under the head -> "log-prob head" (also any
 GEMM with a vocabulary-sized dimension); under an SDPA op or an attention kernel -> "attention";
-a GEMM op whose recorded shapes have the LoRA rank as a dimension -> "LoRA GEMMs", other GEMMs
--> "base GEMMs"; memcpy/memset or a copy/cast/fill op -> "memcpy and copies"; any other aten op
--> "norms and elementwise"; the rest (no launching op found) -> "other".
+memcpy/memset or launched by a copy/cast/fill op -> "memcpy and copies" (autocast's casts inside a
+linear too); under a GEMM op whose recorded shapes have the LoRA rank as a dimension -> "LoRA
+GEMMs", other GEMMs -> "base GEMMs"; any other aten op -> "norms and elementwise"; the rest (no
+launching op found) -> "other".
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ ATTENTION_MARKS = (
 )
 ATTENTION_KERNELS = ("flash", "fmha", "attention", "sdpa")
 HEAD_MARKS = (RANGE + "logprob_head", "ChunkedLogProb")
+HEAD_KERNELS = ("_forward_kernel", "_backward_kernel")  # TRL's Triton kernels, should one come unlinked to its op
 NOT_TIMED = ("Stream Sync", "Event Sync", "Context Sync", "Device Sync")
 
 
@@ -187,15 +191,17 @@ class Classifier:
         dims = _dims(self.ops[gemm].shapes) if gemm is not None else []
         if any(mark in name for name in names for mark in HEAD_MARKS) or self.vocab_size in dims:
             return "log-prob head"
+        if not names and unit.name in HEAD_KERNELS:
+            return "log-prob head"
         lowered = unit.name.lower()
         if any(mark in name.lower() for name in names for mark in ATTENTION_MARKS) or any(
             mark in lowered for mark in ATTENTION_KERNELS
         ):
             return "attention"
+        if unit.name.startswith(("Memcpy", "Memset")) or (names and names[0] in COPY_OPS):
+            return "memcpy and copies"  # also autocast's casts and matmul's reshape copies inside a linear
         if gemm is not None:
             return "LoRA GEMMs" if self.lora_r in dims else "base GEMMs"
-        if unit.name.startswith(("Memcpy", "Memset")) or (names and names[0] in COPY_OPS):
-            return "memcpy and copies"
         if names and names[0].startswith("aten::"):
             return "norms and elementwise"
         return "other"
@@ -232,12 +238,12 @@ def summarize(ops: list[Op], units: list[Unit], *, lora_r: int, vocab_size: int,
     units = [u for u in units if update.start <= u.start <= update.end]
     classifier = Classifier(ops, lora_r, vocab_size)
     phase_at = _phase_finder(ops)
-    recompute_ops: dict[int, bool] = {}
+    marks: dict[tuple[int, str], bool] = {}
 
-    def recomputed(op: int) -> bool:
-        if op not in recompute_ops:
-            recompute_ops[op] = any(ops[i].name == RANGE + "recompute" for i in classifier.chain(op))
-        return recompute_ops[op]
+    def under(op: int, mark: str) -> bool:
+        if (op, mark) not in marks:
+            marks[op, mark] = op >= 0 and any(ops[i].name == RANGE + mark for i in classifier.chain(op))
+        return marks[op, mark]
 
     seconds: dict[str, float] = defaultdict(float)
     counts: Counter = Counter()
@@ -246,25 +252,32 @@ def summarize(ops: list[Op], units: list[Unit], *, lora_r: int, vocab_size: int,
     top_ops: dict[str, Counter] = defaultdict(Counter)
     kernels: dict[str, list] = {}
     flops: dict[str, float] = defaultdict(float)
+    gemm_seconds: dict[str, float] = defaultdict(float)
     counted_gemms: set[int] = set()
+    lora_extra: Counter = Counter()
     for unit in units:
         launched_at = ops[unit.op].start if unit.op >= 0 else unit.start
-        phase = "recompute" if unit.op >= 0 and recomputed(unit.op) else phase_at(launched_at)
+        phase = "recompute" if under(unit.op, "recompute") else phase_at(launched_at)
         category = classifier.category(unit, phase)
         s = unit.duration / 1e9
+        launcher = ops[unit.op].name if unit.op >= 0 else ""
+        if launcher.startswith("aten::") and "GEMMs" not in category and under(unit.op, "lora_layer"):
+            lora_extra[launcher] += s  # a LoRA layer's casts, scaling and add (forward and recompute)
         seconds[category] += s
         counts[category] += 1
         by_phase[phase] += s
         if phase == "recompute":
             recompute[category] += s
-        top_ops[category][ops[unit.op].name if unit.op >= 0 else "(no op)"] += s
+        top_ops[category][launcher or "(no op)"] += s
         record = kernels.setdefault(unit.name[:120], [0.0, 0, Counter()])
         record[0] += s
         record[1] += 1
         record[2][category] += s
-        if unit.op >= 0 and ops[unit.op].name in LEAF_GEMMS and unit.op not in counted_gemms:
-            counted_gemms.add(unit.op)
-            flops[category] += gemm_flops(ops[unit.op].name, ops[unit.op].shapes)
+        if launcher in LEAF_GEMMS:
+            gemm_seconds[category] += s
+            if unit.op not in counted_gemms:  # an op's FLOPs once, however many kernels it launched
+                counted_gemms.add(unit.op)
+                flops[category] += gemm_flops(launcher, ops[unit.op].shapes)
     total = sum(seconds.values())
     wall = (update.end - update.start) / 1e9
     busy = _union([(u.start, u.start + u.duration) for u in units]) / 1e9
@@ -287,7 +300,8 @@ def summarize(ops: list[Op], units: list[Unit], *, lora_r: int, vocab_size: int,
                 "share": seconds[c] / total if total else 0.0,
                 "count": counts[c],
                 "mean_us": 1e6 * seconds[c] / counts[c] if counts[c] else None,
-                "tflop_per_s": flops[c] / seconds[c] / 1e12 if flops.get(c) and seconds[c] else None,
+                "gemm_seconds": gemm_seconds[c],
+                "gemm_tflop_per_s": flops[c] / gemm_seconds[c] / 1e12 if flops.get(c) and gemm_seconds[c] else None,
                 "top_ops": [[name, s] for name, s in top_ops[c].most_common(3)],
             }
             for c in CATEGORIES
@@ -301,6 +315,8 @@ def summarize(ops: list[Op], units: list[Unit], *, lora_r: int, vocab_size: int,
             }
             for p in PHASES
         ],
+        "lora_layer_other_seconds": sum(lora_extra.values()),
+        "lora_layer_other_top_ops": [[name, s] for name, s in lora_extra.most_common(4)],
         "recompute_seconds": sum(recompute.values()),
         "recompute_share": sum(recompute.values()) / total if total else 0.0,
         "recompute_by_category": {c: s for c, s in recompute.items() if s},

@@ -99,8 +99,9 @@ def around(function: Callable, context: Callable[[], contextlib.AbstractContextM
 @contextlib.contextmanager
 def update_phases(trainer: Any, phase: Callable[..., contextlib.AbstractContextManager]) -> Iterator[None]:
     """Run ``phase(name)`` around each phase of ``trainer``'s PolicyUpdate (the forward's with
-    ``tokens=`` its batch's), ``phase("logprob_head")`` around the fused head's forward and
-    ``phase("recompute")`` around each recomputed layer, for the block."""
+    ``tokens=`` its batch's), ``phase("logprob_head")`` around the fused head's forward,
+    ``phase("lora_layer")`` around each LoRA layer's forward and ``phase("recompute")`` around each
+    recomputed decoder layer, for the block."""
     import trl.trainer.utils as trl_utils
 
     from loop_trainer.training import update as update_module
@@ -130,6 +131,9 @@ def update_phases(trainer: Any, phase: Callable[..., contextlib.AbstractContextM
             stack.enter_context(patched(strategy, "backward", around(strategy.backward, lambda: phase("backward"))))
             stack.enter_context(patched(strategy, "step", around(strategy.step, lambda: phase("optimizer"))))
             stack.enter_context(patched(trl_utils, "_ChunkedLogProbFunction", MarkedHead))
+            for layer in strategy.model.modules():  # PEFT's LoRA layers: base_layer beside lora_A / lora_B
+                if hasattr(layer, "base_layer") and hasattr(layer, "lora_A"):
+                    stack.enter_context(patched(layer, "forward", around(layer.forward, lambda: phase("lora_layer"))))
             yield
     finally:
         restore()

@@ -65,6 +65,7 @@ class StageLog:
         self.gradient_addresses: dict[int, set[int]] = {}  # span seq -> gradients alive in it
         self.running_peak = 0
         self.history: dict[str, Any] | None = None
+        self.history_error: str | None = None
         self._last_tokens: int | None = None
         self._steps = 0
         self._open = 0
@@ -102,7 +103,7 @@ class StageLog:
     def span(self, stage: str, tokens: int | None = None) -> Iterator[None]:
         import torch
 
-        if self._open or stage in ("recompute", "logprob_head"):  # nested: the enclosing span measures it
+        if self._open or stage in ("recompute", "logprob_head", "lora_layer"):  # nested: the enclosing span has it
             yield
             return
         tokens = self._last_tokens if tokens is None and stage == "backward" else tokens
@@ -151,14 +152,22 @@ def memory_history(enabled: bool, log: StageLog) -> Iterator[None]:
     record = torch.cuda.memory._record_memory_history
     options: dict[str, Any] = {"context": "alloc", "stacks": "python", "max_entries": MAX_TRACE_ENTRIES}
     if "clear_history" in inspect.signature(record).parameters:
-        options["clear_history"] = True  # the GRPO run must not replay the LOOP run's history
-    record("all", **options)
+        options["clear_history"] = True  # a second watch in this process must not replay the first's history
+    try:
+        record("all", **options)
+    except Exception:  # noqa: BLE001 - the stages are worth having without the history
+        log.history_error = traceback.format_exc()[-2000:]
+        yield
+        return
     baseline = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
     weights = sum(log._tensors()["weights"].values())
     try:
         yield
-        snapshot = torch.cuda.memory._snapshot()
-        log.history = {**baseline, "weights": weights, "trace": snapshot["device_traces"][torch.cuda.current_device()]}
+        try:
+            trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+            log.history = {**baseline, "weights": weights, "trace": trace}
+        except Exception:  # noqa: BLE001 - as above
+            log.history_error = traceback.format_exc()[-2000:]
     finally:
         record(None)
 
@@ -281,11 +290,11 @@ def _result(trainer: str, log: StageLog, measured: dict[str, Any], outside: int)
     result: dict[str, Any] = {
         "trainer": trainer,
         "stages": log.records,
-        "update_seconds": measured.get("seconds"),
+        "watched_update_seconds": measured.get("seconds"),  # with the watch and the snapshot in it
         "optimizer_steps": measured.get("optimizer_steps"),
         "padded_width": measured.get("padded_width"),
         "peak_allocated_gib": log.running_peak / GIB if log.cuda else None,
-        "breakdown": None,
+        "breakdown": {"error": log.history_error} if log.history_error else None,
     }
     if log.history is not None:
         try:
