@@ -4,11 +4,16 @@ the training rollouts, and a one-line warning when the history shows a collapse 
 The signatures (each must hold for :data:`PATIENCE` consecutive iterations):
 
 * **entropy collapse** -- the policy's mean entropy over sampled tokens (``entropy``) is under
-  :data:`ENTROPY_DROP` of its start (the mean of the first :data:`PATIENCE` iterations that measured it):
-  the policy is becoming deterministic, and what it no longer samples it can no longer learn;
+  :data:`ENTROPY_DROP` of its start (the mean of the first :data:`PATIENCE` iterations that measured it)
+  while neither the success rate nor the mean reward (our environments' rewards lie in [0, 1]) has
+  risen by :data:`SUCCESS_RISE` over its start (first :data:`PATIENCE` iterations): the policy is becoming
+  deterministic without getting better, and what it no longer samples it can no longer learn (a policy
+  that learns its task also grows sure of it: SmolLM2 on ``contacts`` halves its entropy on the way to
+  success 0.7, docs/real-model.md);
 * **tied groups** -- at least :data:`TIED_LIMIT` of the task groups got the same reward on every rollout
-  (``tied_group_fraction``): their leave-one-out advantages are 0, so the update has (almost) nothing to
-  learn from and the curve goes flat;
+  (``tied_group_fraction``) while the success rate is under :data:`SOLVED`: their leave-one-out
+  advantages are 0, so the update has (almost) nothing to learn from and the curve goes flat (groups
+  that all succeed tie too, but there is nothing left to learn from them);
 * **success lost** -- no rollout succeeded, after the success rate had averaged at least
   :data:`SUCCESS_SEEN` over some :data:`PATIENCE` iterations;
 * **episodes stopped ending** -- at least :data:`TRUNCATED_LIMIT` of the episodes ended by a limit
@@ -37,14 +42,17 @@ from ..rollout import RolloutBatch
 
 PATIENCE = 3
 ENTROPY_DROP = 0.5
+SUCCESS_RISE = 0.1
 TIED_LIMIT = 0.8
+SOLVED = 0.9
 SUCCESS_SEEN = 0.05
 TRUNCATED_LIMIT = 0.8
 TRUNCATED_START = 0.4
 
 ADVICE = {
     "entropy": "try epsilon_high (clip-higher, e.g. 0.28 with epsilon 0.2) or a lower learning_rate",
-    "tied": "try dynamic_sampling_rounds (e.g. 2), more rollouts_per_task, or more varied tasks",
+    "tied": "try dynamic_sampling_rounds (e.g. 2), more rollouts_per_task, balance_tasks_by (when tasks of one "
+    "kind fill an iteration), or more varied tasks",
     "success": "try a lower learning_rate, or beta > 0 (a KL penalty to the base model; LoRA only)",
     "ending": "try a lower learning_rate, or beta > 0 (a KL penalty to the base model; LoRA only); check that "
     "finishing an episode is rewarded at least as well as running out of turns",
@@ -72,19 +80,25 @@ def collapse_signatures(history: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     if len(history) < PATIENCE:
         return found
     recent = history[-PATIENCE:]
+    successes = [_value(h, "success_rate") for h in history]
+    recent_success = statistics.fmean(successes[-PATIENCE:])  # NaN where a record has none
+    rewards = [_value(h, "reward_mean") for h in history]
+    risen = any(  # NaN compares False
+        statistics.fmean(series[-PATIENCE:]) >= statistics.fmean(series[:PATIENCE]) + SUCCESS_RISE
+        for series in (successes, rewards)
+    )
     entropies = [e for e in (_value(h, "entropy") for h in history) if not math.isnan(e)]
     recent_entropy = [_value(h, "entropy") for h in recent]
     if len(entropies) >= 2 * PATIENCE and not any(math.isnan(e) for e in recent_entropy):
         start = statistics.fmean(entropies[:PATIENCE])
-        if all(e < ENTROPY_DROP * start for e in recent_entropy):
+        if all(e < ENTROPY_DROP * start for e in recent_entropy) and not risen:
             found["entropy"] = (
                 f"policy entropy {recent_entropy[-1]:.3g} is under {ENTROPY_DROP:.0%} of its start "
                 f"({start:.3g}) for {PATIENCE} iterations"
             )
     tied = [_value(h, "tied_group_fraction") for h in recent]
-    if all(t >= TIED_LIMIT for t in tied):  # NaN compares False
+    if all(t >= TIED_LIMIT for t in tied) and not recent_success >= SOLVED:  # NaN compares False
         found["tied"] = f"{min(tied):.0%}+ of task groups tied (all rewards equal) for {PATIENCE} iterations"
-    successes = [_value(h, "success_rate") for h in history]
     earlier = successes[:-PATIENCE]
     windows = [statistics.fmean(earlier[i : i + PATIENCE]) for i in range(len(earlier) - PATIENCE + 1)]
     best = max((w for w in windows if not math.isnan(w)), default=0.0)
