@@ -135,6 +135,50 @@ def test_weighted_loss_matches_brute_force_at_every_ratio_level_for_tokens(seed)
     assert ones.loss.item() == pytest.approx(plain.loss.item(), rel=1e-12)
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("level", ["turn", "trajectory"])
+def test_clip_higher_and_weights_match_brute_force_at_the_turn_and_trajectory_levels(seed, level):
+    """Every token carries its segment's ratio (its turn's, or its trajectory's sampled tokens'), clipped to
+    [1/(1+eps), 1+eps_high], weighted by its own truncated importance weight."""
+    eps, eps_high, divisor = 0.1, 0.3, 8
+    logp, old, adv, mask = random_batch(seed)
+    logp = (old + (logp.detach() - old) * 0.3).requires_grad_(True)  # segment sums stay near the bounds
+    g = torch.Generator().manual_seed(100 + seed)
+    turn_ids = torch.where(mask.bool(), torch.randint(0, 3, mask.shape, generator=g), -1)
+    sampler = old + torch.randn(old.shape, generator=g, dtype=torch.float64) * 0.5
+    weights, _ = truncated_importance_weights(old, sampler, mask, cap=1.5)
+    out = loop_policy_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        epsilon=eps,
+        divisor=divisor,
+        ratio_level=level,
+        turn_ids=turn_ids,
+        epsilon_high=eps_high,
+        token_weights=weights,
+    )
+    total = 0.0
+    for i in range(logp.shape[0]):
+        terms = []
+        for t in range(logp.shape[1]):
+            if not mask[i, t]:
+                continue
+            segment = [
+                u
+                for u in range(logp.shape[1])
+                if mask[i, u] and (level == "trajectory" or turn_ids[i, u] == turn_ids[i, t])
+            ]
+            ratio = math.exp(sum(logp[i, u].item() - old[i, u].item() for u in segment))
+            clipped = min(max(ratio, 1 / (1 + eps)), 1 + eps_high)
+            a = adv[i].item()
+            terms.append(weights[i, t].item() * min(ratio * a, clipped * a))
+        if terms:
+            total += sum(terms) / len(terms)
+    assert out.loss.item() == pytest.approx(-total / divisor, rel=1e-10, abs=1e-12)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_tied_groups_match_brute_force(seed):
     rng = random.Random(seed)
@@ -224,3 +268,17 @@ def test_dynamic_sampling_stops_at_its_budget_and_is_off_by_default():
     off = collect_scored(lambda r, n: round_batch(mixed[:n]), scorer, groups_wanted=2, extra_rounds=0)
     advantages, keep = scorer(round_batch(mixed))
     assert off.metrics == {} and off.trained == keep.tolist() and torch.equal(off.advantages, advantages)
+
+
+def test_dynamic_sampling_with_no_tied_group_collects_no_extra_round():
+    calls = []
+
+    def collect(round_index: int, num_tasks: int) -> RolloutBatch:
+        calls.append((round_index, num_tasks))
+        return round_batch([[1, 0], [0.25, 1], [0, 0.5]][:num_tasks])
+
+    scored = collect_scored(collect, scorer, groups_wanted=3, extra_rounds=4)
+    assert calls == [(0, 3)]  # every group informative: the first round is the iteration
+    assert scored.metrics["dynamic_sampling_rounds"] == 0.0
+    assert scored.metrics["dynamic_sampling_extra_rollouts"] == 0.0
+    assert scored.metrics["informative_groups"] == 3.0 and all(scored.trained)

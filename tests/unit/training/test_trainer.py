@@ -429,3 +429,16 @@ def test_balance_tasks_by_draws_every_iteration_half_of_each_kind(tmp_path, vaul
 
     with pytest.raises(ValueError, match="balance_tasks_by: the training split has no column 'field'"):
         LOOPTrainer(model, KindsEnv(), tiny_args(tmp_path, balance_tasks_by="field"), processing_class=tok)
+
+
+def test_train_logs_the_collapse_warning_when_every_group_ties(tmp_path, vault_tiny, caplog):
+    _, model, tok = vault_tiny
+    backend = ScriptedBackend(tok, lambda prompt: "open k3")  # reward 0 everywhere: every group ties
+    args = tiny_args(tmp_path, tasks_per_iteration=2, rollouts_per_task=2, iterations=4, report_to="none")
+    trainer = LOOPTrainer(model, PreferFindEnv(), args, processing_class=tok, generation_backend=backend)
+    with caplog.at_level("WARNING", logger="loop_trainer.training.trainer"):
+        trainer.train()
+    warnings = [r.getMessage() for r in caplog.records if "learning may be collapsing" in r.getMessage()]
+    # once, at the third tied iteration (the signature must hold for 3), naming the keys to try
+    assert len(warnings) == 1 and warnings[0].startswith("iteration 3: ")
+    assert "tied" in warnings[0] and "dynamic_sampling_rounds" in warnings[0]
