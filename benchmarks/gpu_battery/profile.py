@@ -13,8 +13,8 @@
    at the peak by term (:mod:`.profile_memory`). GRPOTrainer runs one epoch (its peak repeats in
    each) and only while the section has time for it.
 
-CPU mode runs the same code on the tiny shapes (CPU ops' self time instead of kernels; tensor
-counts instead of allocator numbers).
+CPU mode runs the same code on the tiny shapes, without the MFU updates (the memory section runs
+those): CPU ops' self time instead of kernels, tensor counts instead of allocator numbers.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
@@ -223,7 +224,8 @@ def watched_in_a_process(trainer: str, spec: Any, deadline: float, started: floa
         spec_path.write_text(json.dumps(dataclasses.asdict(spec)))
         argv = [sys.executable, "-m", "benchmarks.gpu_battery.profile_memory", trainer, str(spec_path), str(out_path)]
         try:
-            done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=limit)
+            env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # as update_throughput's workers: no hub lookups
+            done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
         except subprocess.TimeoutExpired:
             return {"skipped": f"stopped after {limit:.0f} s, at the section's deadline"}
         print(done.stdout[-2000:], flush=True)
