@@ -174,7 +174,8 @@ class SlotDecoder:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            # thread_local: the decode thread captures while the event loop's thread goes on (it launches nothing)
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.logits = self._forward()
         except RuntimeError as error:  # an operation that cannot be captured (e.g. a host sync in a model)
             self.cuda_graphs, self.capture_error = False, f"{type(error).__name__}: {error}"[:500]
