@@ -3,12 +3,14 @@ steps replayed as CUDA graphs (``static_decode``) change.
 
 The policy is the LOOP section's (Qwen2.5-0.5B shape, random init, bf16, LoRA r=8 on every linear
 layer, PEFT-wrapped as LOOPTrainer builds it). Vault episodes (2 turns x 64 new tokens on a GPU) are
-collected through ``RolloutEngine`` + ``TransformersBackend`` at each concurrency, three ways with
+collected through ``RolloutEngine`` + ``TransformersBackend`` at each concurrency, four ways with
 the same seeds:
 
-- ``dynamic``: today's decode loop (the batch's KV cache concatenated at every step, eager);
+- ``dynamic``: the default decode loop (the batch's KV cache concatenated at every step, eager);
 - ``static eager``: fixed-shape slots (:mod:`loop_trainer.rollout.slot_decode`), eager;
-- ``static + CUDA graph``: the same steps captured once and replayed (``static_decode=True``).
+- ``static + CUDA graph``: the same steps captured once and replayed (``static_decode=True``);
+- ``... no cuDNN attention``: the same with PyTorch's cuDNN attention off (GPU only), whose per-shape
+  plans the first H200 profile found costly in the prefills.
 
 Reported per run: sampled tokens/s (sampled tokens / wall seconds of the collection, after a
 warm-up), milliseconds per decode step (the decode loop's busy seconds / its steps), mean rows per
@@ -16,8 +18,10 @@ step, graphs captured, and against ``dynamic``: the episodes whose sampled token
 the mean |log-prob difference| of the tokens before the first one that differs (bf16 kernels round
 differently, so a sampled token can flip; the distribution is the same).
 
-A profile (``torch.profiler``) of a short ``dynamic`` collection at the largest concurrency lists
-the operators with the most self time on the CPU and on the GPU: why an eager step is slow.
+Profiles (``torch.profiler``) of a short ``dynamic`` and, on a GPU, ``static + CUDA graph``
+collection at the largest concurrency list the operators with the most self time on the CPU and on
+the GPU: why a step is slow. And the decode loop's batched draws are checked against
+``torch.multinomial`` row by row on the section's device.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from benchmarks.gpu_battery.common import (
 from benchmarks.gpu_battery.loop_bf16 import _shaped_vault
 from benchmarks.gpu_battery.report import _f, _table
 
-VARIANTS = ("dynamic", "static eager", "static + CUDA graph")
+GRAPH, NO_CUDNN = "static + CUDA graph", "static + CUDA graph, no cuDNN attention"
+VARIANTS = ("dynamic", "static eager", GRAPH, NO_CUDNN)
 
 
 def _backend(trainer: Any, variant: str, concurrency: int) -> Any:
@@ -55,18 +60,25 @@ def _backend(trainer: Any, variant: str, concurrency: int) -> Any:
     )
     if variant == "static eager":
         backend.slot_decoder(next(trainer.model.parameters()).device).cuda_graphs = False
-    elif variant == "static + CUDA graph" and not torch.cuda.is_available():
+    elif variant in (GRAPH, NO_CUDNN) and not torch.cuda.is_available():
         return None  # graphs need CUDA; the CPU mode runs the eager slots only
     return backend
 
 
-def _collect(trainer: Any, backend: Any, concurrency: int, turns: int, new_tokens: int) -> tuple[Any, float]:
+def _collect(
+    trainer: Any, backend: Any, concurrency: int, turns: int, new_tokens: int, cudnn_attention: bool = True
+) -> tuple[Any, float]:
+    """One collection (after a warm-up). ``cudnn_attention=False``: PyTorch's SDPA may not pick cuDNN
+    (a process-wide switch, so the decode thread sees it): cuDNN builds an execution plan for every new
+    prefill shape, 15 ms of CPU per layer call in the first H200 profile."""
     import torch
 
     from loop_trainer.rollout import EpisodeLimits, RolloutEngine
 
     tasks = list(trainer.env.tasks("train"))
     limits = EpisodeLimits(max_turns=turns, max_new_tokens_per_turn=new_tokens, max_trajectory_tokens=8192)
+    cudnn_before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(cudnn_before and cudnn_attention)
     with RolloutEngine(
         trainer.env, backend, trainer.formatter, limits, max_concurrent_episodes=concurrency, show_progress=False
     ) as engine:
@@ -80,6 +92,7 @@ def _collect(trainer: Any, backend: Any, concurrency: int, turns: int, new_token
         batch = engine.collect(chosen, 1, seed=0)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+    torch.backends.cuda.enable_cudnn_sdp(cudnn_before)
     return batch, time.perf_counter() - started
 
 
@@ -111,12 +124,12 @@ def _agreement(batch: Any, reference: Any) -> dict[str, float]:
     }
 
 
-def _profile(trainer: Any, concurrency: int, new_tokens: int) -> dict[str, Any]:
-    """Top operators by self time of a short dynamic collection (1 turn)."""
+def _profile(trainer: Any, variant: str, concurrency: int, new_tokens: int) -> dict[str, Any]:
+    """Top operators by self time of a short collection (1 turn)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    backend = _backend(trainer, "dynamic", concurrency)
+    backend = _backend(trainer, variant, concurrency)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         _collect(trainer, backend, concurrency, 1, new_tokens)
@@ -136,6 +149,7 @@ def _profile(trainer: Any, concurrency: int, new_tokens: int) -> dict[str, Any]:
         ]
 
     return {
+        "variant": variant,
         "steps": backend.num_steps,
         "concurrency": concurrency,
         "new_tokens": new_tokens,
@@ -162,7 +176,7 @@ def run(mode: str) -> dict[str, Any]:
         try:
             trainer.model.eval()
             # first: a failed graph capture must not leave the profile (or the eager rows) unmeasured
-            profiled = _profile(trainer, concurrency[-1], min(16, sizes.generation_new_tokens))
+            profiles = [_profile(trainer, "dynamic", concurrency[-1], min(16, sizes.generation_new_tokens))]
             for n in concurrency:
                 reference = None
                 for variant in VARIANTS:
@@ -171,7 +185,12 @@ def run(mode: str) -> dict[str, Any]:
                         continue
                     try:
                         batch, seconds = _collect(
-                            trainer, backend, n, sizes.generation_turns, sizes.generation_new_tokens
+                            trainer,
+                            backend,
+                            n,
+                            sizes.generation_turns,
+                            sizes.generation_new_tokens,
+                            cudnn_attention=variant != NO_CUDNN,
                         )
                     except Exception as error:  # noqa: BLE001 - the other variants' rows still count
                         rows.append({"variant": variant, "concurrency": n, "error": repr(error)[:500]})
@@ -198,6 +217,12 @@ def run(mode: str) -> dict[str, Any]:
                         row.update(_agreement(batch, reference))
                     rows.append(row)
                     print(f"decode: {row}", flush=True)
+            if _backend(trainer, GRAPH, 1) is not None:  # where the graph's steps still spend their time
+                try:
+                    profiles.append(_profile(trainer, GRAPH, concurrency[-1], min(16, sizes.generation_new_tokens)))
+                except Exception as error:  # noqa: BLE001 - the rows above are measured already
+                    print(f"decode: profile of {GRAPH} failed: {error!r}", flush=True)
+            draws = _draw_check(device)
         finally:
             trainer.close()
     return {
@@ -205,7 +230,8 @@ def run(mode: str) -> dict[str, Any]:
         "turns": sizes.generation_turns,
         "new_tokens_per_turn": sizes.generation_new_tokens,
         "rows": rows,
-        "profile": profiled,
+        "profiles": profiles,
+        "draw_check": draws,
     }
 
 
@@ -257,20 +283,52 @@ def render(result: dict) -> list[str]:
     for r in failed:
         lines += [f"- {r['variant']} at {r['concurrency']}: {r.get('error') or r.get('capture_error')}"]
     lines += [""] if failed else []
-    profiled = result["profile"]
-    lines += [
-        f"### Profile of a dynamic collection ({profiled['concurrency']} episodes, 1 turn x "
-        f"{profiled['new_tokens']} tokens, {profiled['steps']} decode steps)",
-        "",
-        f"CPU self time {_f(profiled['cpu_total_ms'], 0)} ms, GPU self time {_f(profiled['device_total_ms'], 0)} ms, "
-        f"kernel launches {profiled['kernel_launches']}.",
-        "",
-    ]
-    for key, title in (("top_cpu", "most CPU self time"), ("top_device", "most GPU self time")):
-        if profiled[key]:
-            lines += [f"Operators with the {title}:", ""]
-            lines += _table(
-                ["operator", "calls", "self CPU ms", "self GPU ms"],
-                [[e["name"], e["calls"], _f(e["self_cpu_ms"], 1), _f(e["self_device_ms"], 1)] for e in profiled[key]],
-            )
+    draws = result.get("draw_check")
+    if draws:
+        lines += [
+            f"Batched draws vs `torch.multinomial` row by row on {draws['device']} ({draws['rows']} rows x "
+            f"{draws['steps']} steps, seeded): {draws['equal']} of {draws['rows'] * draws['steps']} tokens equal.",
+            "",
+        ]
+    for profiled in result.get("profiles", [result.get("profile")]):
+        if not profiled:
+            continue
+        lines += [
+            f"### Profile of a {profiled.get('variant', 'dynamic')} collection ({profiled['concurrency']} episodes, "
+            f"1 turn x {profiled['new_tokens']} tokens, {profiled['steps']} decode steps)",
+            "",
+            f"CPU self time {_f(profiled['cpu_total_ms'], 0)} ms, GPU self time "
+            f"{_f(profiled['device_total_ms'], 0)} ms, kernel launches {profiled['kernel_launches']}.",
+            "",
+        ]
+        for key, title in (("top_cpu", "most CPU self time"), ("top_device", "most GPU self time")):
+            if profiled[key]:
+                lines += [f"Operators with the {title}:", ""]
+                lines += _table(
+                    ["operator", "calls", "self CPU ms", "self GPU ms"],
+                    [
+                        [e["name"], e["calls"], _f(e["self_cpu_ms"], 1), _f(e["self_device_ms"], 1)]
+                        for e in profiled[key]
+                    ],
+                )
     return lines
+
+
+def _draw_check(device: str) -> dict[str, Any]:
+    """The decode loop's batched draws against ``torch.multinomial`` row by row, same seeds, on the
+    section's device: they must pick the same tokens (the CPU tests check it there)."""
+    import torch
+
+    from loop_trainer.rollout.continuous_batch import _draw
+
+    rows, steps, equal = 64, 4, 0
+    generator = torch.Generator(device).manual_seed(0)
+    for step in range(steps):
+        logits = torch.randn(rows, 151936, device=device, generator=generator) * 3
+        probs = torch.softmax(logits, dim=-1)
+        seeds = [1000 * step + r for r in range(rows)]
+        got = _draw(probs, [torch.Generator(device).manual_seed(s) for s in seeds], None).tolist()
+        for r, s in enumerate(seeds):
+            want = torch.multinomial(probs[r], 1, generator=torch.Generator(device).manual_seed(s)).item()
+            equal += got[r] == want
+    return {"device": device, "rows": rows, "steps": steps, "equal": equal}

@@ -31,6 +31,13 @@ def measure(spec: dict[str, Any], record: dict[str, Any], save: Any) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if spec["mode"] == "cpu" else "INFO")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+    import importlib.util
+
+    if importlib.util.find_spec("flashinfer") is None:
+        # The GPU machine's carry leaves FlashInfer out (tools/vllm_chunks.sh); vLLM 0.26's GPU sampler
+        # imports it unless its top-k/top-p sampler is switched off (our sampling uses neither). The
+        # first H200 run failed there (benchmarks/results/gpu/).
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     import torch
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM

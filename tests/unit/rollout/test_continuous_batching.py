@@ -5,10 +5,14 @@ sampled: every reply equals the same seeded request decoded alone."""
 from __future__ import annotations
 
 import asyncio
+import math
+from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 from loop_trainer.rollout import TransformersBackend
+from loop_trainer.rollout.continuous_batch import _draw
 
 PROMPTS = [
     "<|im_start|>user\nfetch code of ann<|im_end|>\n<|im_start|>assistant\n",
@@ -82,3 +86,22 @@ def test_a_weight_update_drops_the_cached_turns(vault_tiny):
             weight.div_(1.5)
     assert backend.num_reused_tokens == 0
     assert len(second.token_ids) == 4
+
+
+def test_batched_draws_are_torch_multinomials_draws_row_by_row():
+    logits = torch.randn(7, 3000, generator=torch.Generator().manual_seed(0)) * 4
+    logits[2, :1500] = -math.inf  # rows with impossible tokens
+    probs = torch.softmax(logits, dim=-1)
+    with ThreadPoolExecutor(2) as pool:
+        for executor in (None, pool):
+            for step in range(3):
+                seeds = [100 * step + r for r in range(7)]
+                got = _draw(probs, [torch.Generator().manual_seed(s) for s in seeds], executor)
+                want = [
+                    torch.multinomial(probs[r], 1, generator=torch.Generator().manual_seed(s)).item()
+                    for r, s in enumerate(seeds)
+                ]
+                assert got.tolist() == want
+    probs[3, 5] = math.nan
+    with pytest.raises(RuntimeError, match="nan"):
+        _draw(probs, [torch.Generator()] * 7, None)
