@@ -4,8 +4,6 @@ runs: every section runs on tiny shapes, and the result says it is not a GPU res
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,18 +14,8 @@ sys.path.insert(0, str(ROOT))  # the repository root, for the benchmarks package
 
 
 @pytest.fixture(scope="module")
-def cpu_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu-check")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    return done, out
+def cpu_run(gpu_check_cpu_run):
+    return gpu_check_cpu_run
 
 
 @pytest.mark.slow
@@ -42,7 +30,14 @@ def test_without_cuda_the_battery_runs_every_section_in_cpu_mode_and_says_so(cpu
         "memory": "ok",
         "update": "ok",
         "loop_bf16": "ok",
+        "decode": "ok",
+        "profile": "ok",
+        "zero3": "ok",
+        "vllm": "ok",
     }
+    for name in ("zero3", "vllm"):  # .venv has neither DeepSpeed nor vLLM: they say so, in the summary too
+        assert "skipped" in results["sections"][name]["result"]
+        assert f"**{name}: skipped**" in (out / "gpu-check.md").read_text()
 
 
 @pytest.mark.slow
@@ -64,6 +59,20 @@ def test_each_section_measured_what_it_claims(cpu_run):
     assert all(r["skipped_nonfinite_steps"] == 0 and r["sampler_logprob_diff"] < 1e-3 for r in bf16["iterations"])
     rows = sections["loop_bf16"]["generation"]["rows"]
     assert [r["concurrency"] for r in rows] == [2, 4] and all(r["sampled_tokens"] > 0 for r in rows)
+    decode = sections["decode"]
+    # no CUDA: the dynamic loop and the eager slots, at the smallest and largest concurrency
+    assert [(r["variant"], r["concurrency"]) for r in decode["rows"]] == [
+        ("dynamic", 2),
+        ("static eager", 2),
+        ("dynamic", 4),
+        ("static eager", 4),
+    ]
+    for row in decode["rows"]:
+        assert row["failed_episodes"] == 0 and row["episodes"] == row["concurrency"] and row["sampled_tokens"] > 0
+        if row["variant"] == "static eager":  # fp32 on the CPU: the slots sample what the dynamic loop does
+            assert row["identical_episodes"] == 1.0 and row["logprob_diff_max"] < 1e-5
+    assert decode["draw_check"]["equal"] == decode["draw_check"]["rows"] * decode["draw_check"]["steps"]
+    assert [p["variant"] for p in decode["profiles"]] == ["dynamic"] and decode["profiles"][0]["steps"] > 0
 
 
 def test_update_flops_follow_the_formula_in_its_docstring():

@@ -5,8 +5,6 @@ events whose answer is known."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,28 +16,10 @@ sys.path.insert(0, str(ROOT))  # the repository root, for the benchmarks package
 
 
 @pytest.mark.slow
-def test_profile_section_in_cpu_mode_accounts_for_all_the_time_and_orders_the_memory_stages(tmp_path):
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.gpu_check",
-            "--sections",
-            "profile",
-            "--mode",
-            "cpu",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+def test_profile_section_in_cpu_mode_accounts_for_all_the_time_and_orders_the_memory_stages(gpu_check_cpu_run):
+    done, out = gpu_check_cpu_run  # the battery's one CPU-mode run (tests/integration/conftest.py)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    record = json.loads((tmp_path / "gpu-check.json").read_text())["sections"]["profile"]
+    record = json.loads((out / "gpu-check.json").read_text())["sections"]["profile"]
     assert record["status"] == "ok"
     kernels, memory = record["result"]["kernels"], record["result"]["memory"]
     for part in (kernels, kernels["without_checkpointing"], memory, memory["loop"], memory["grpo"]):

@@ -104,6 +104,7 @@ def compare(
                 stop_token_ids=stop_token_ids(model, tokenizer),
                 pad_token_id=pad,
                 max_batch_size=training.generation_batch_limit,
+                static_decode=training.static_decode,
             )
             for decoding, (temp, rollouts) in decodings.items():
                 args = dataclasses.replace(

@@ -198,6 +198,7 @@ def evaluate(
                 pad_token_id=pad_token_id,
                 temperature=eval_args.temperature,
                 max_batch_size=eval_args.generation_batch_limit,
+                static_decode=eval_args.static_decode,
             )
         else:
             tokenizer = load_tokenizer_only(model_args, eval_args, env)

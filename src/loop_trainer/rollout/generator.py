@@ -146,6 +146,7 @@ class RolloutGenerator:
                 "stop_token_ids": self.backend.stop_token_ids.tolist(),
                 "pad_token_id": self.backend.pad_token_id,
                 "max_batch_size": self.backend.max_batch_size,
+                "static_decode": self.backend.static_decode,
             }
         if settings is not None:
             return TransformersBackend(**{**settings, "temperature": temperature})
@@ -191,9 +192,15 @@ def build_generator(
             "stop_token_ids": stop_token_ids,
             "pad_token_id": tokenizer.pad_token_id,
             "max_batch_size": args.generation_batch_limit,
+            "static_decode": args.static_decode,
         }
         return RolloutGenerator(
             TransformersBackend(**settings, temperature=args.temperature), transformers_settings=settings
+        )
+    if args.static_decode:
+        raise GeneratorConfigError(
+            "static_decode applies to the transformers backend; with use_vllm: true vLLM decodes with its own CUDA "
+            "graphs: remove static_decode or set use_vllm: false"
         )
     if args.vllm_mode == "server":
         url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"

@@ -93,3 +93,20 @@ def test_capacity_is_the_next_power_of_two(vault_tiny, columns, capacity):
     slots.reserve(columns)
     assert slots.capacity == capacity and slots.cuda_graphs is False  # graphs only on CUDA
     assert slots.keys[0].shape == (2, model.config.num_key_value_heads, capacity, slots.head_dim)
+
+
+def test_static_decode_is_a_recipe_key_the_generator_honours_and_refuses_with_vllm(vault_tiny, tmp_path):
+    from loop_trainer import LOOPConfig
+    from loop_trainer.rollout.generator import GeneratorConfigError, build_generator
+
+    env, model, tok = vault_tiny
+    common = {"stop_token_ids": [], "tokenizer": tok, "process_index": 0, "is_main_process": True}
+    common |= {"barrier": lambda: None, "probe_scorer": None}
+    args = LOOPConfig(output_dir=str(tmp_path / "run"), static_decode=True, use_cpu=True, report_to="none")
+    generator = build_generator(args, model, **common)
+    assert generator.backend.static_decode and generator.for_evaluation(0.0).static_decode
+    vllm = LOOPConfig(
+        output_dir=str(tmp_path / "run"), static_decode=True, use_vllm=True, use_cpu=True, report_to="none"
+    )
+    with pytest.raises(GeneratorConfigError, match="static_decode applies to the transformers backend"):
+        build_generator(vllm, model, **common)
