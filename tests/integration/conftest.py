@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.gpu_check import run_cpu_mode
 
 
 @pytest.fixture(scope="session")
@@ -18,13 +13,4 @@ def gpu_check_cpu_run(tmp_path_factory):
     are skipped in .venv; tests/vllm_deepspeed runs them in .vllm-venv): (completed process, out dir).
     Shared so the sections run once per session, whichever test reads them."""
     out = tmp_path_factory.mktemp("gpu-check")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    return done, out
+    return run_cpu_mode(out, timeout=1500), out

