@@ -319,7 +319,7 @@ def _draw_check(device: str) -> dict[str, Any]:
     section's device: they must pick the same tokens (the CPU tests check it there)."""
     import torch
 
-    from loop_trainer.rollout.continuous_batch import _draw
+    from loop_trainer.rollout.token_draws import draw_tokens
 
     rows, steps, equal = 64, 4, 0
     generator = torch.Generator(device).manual_seed(0)
@@ -327,7 +327,7 @@ def _draw_check(device: str) -> dict[str, Any]:
         logits = torch.randn(rows, 151936, device=device, generator=generator) * 3
         probs = torch.softmax(logits, dim=-1)
         seeds = [1000 * step + r for r in range(rows)]
-        got = _draw(probs, [torch.Generator(device).manual_seed(s) for s in seeds], None).tolist()
+        got = draw_tokens(probs, [torch.Generator(device).manual_seed(s) for s in seeds], None).tolist()
         for r, s in enumerate(seeds):
             want = torch.multinomial(probs[r], 1, generator=torch.Generator(device).manual_seed(s)).item()
             equal += got[r] == want

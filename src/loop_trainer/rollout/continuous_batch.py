@@ -6,8 +6,6 @@ or an opening it shares with other prompts (:mod:`.prefix_cache`).
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,6 +19,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 from .prefix_cache import KV, Anchor, PrefixCache, PrefixNode, SharedPrefixes, plan
 from .records import Completion
 from .slot_decode import SlotDecoder
+from .token_draws import draw_tokens
 
 if TYPE_CHECKING:  # the backend owns the batch; the batch only reads its settings and counts
     from .backend import TransformersBackend
@@ -245,7 +244,9 @@ class DecodeBatch:
         else:
             probs = step_logprobs.exp()
             # Threads pay off only on a large vocabulary (the draws' cost grows with rows x vocab).
-            tokens = _draw(probs, [row.generator for row in self.rows], self.pool if probs.numel() >= 1 << 18 else None)
+            tokens = draw_tokens(
+                probs, [row.generator for row in self.rows], self.pool if probs.numel() >= 1 << 18 else None
+            )
         chosen = step_logprobs.gather(1, tokens[:, None]).squeeze(1)
         keep = []
         for index, (row, token, logprob) in enumerate(zip(self.rows, tokens.tolist(), chosen.tolist(), strict=True)):
@@ -381,30 +382,3 @@ def _generator(seed: int | None, device: torch.device) -> torch.Generator:
     if seed is None:  # unseeded: a fresh seed from torch's global RNG (torch.manual_seed still repeats runs)
         seed = int(torch.randint(0, 2**62, (1,)).item())
     return torch.Generator(device).manual_seed(seed)
-
-
-def _draw(
-    probs: torch.Tensor, generators: list[torch.Generator | None], pool: ThreadPoolExecutor | None
-) -> torch.Tensor:
-    """One token per row, row r drawn with ``generators[r]``, exactly as ``torch.multinomial(probs[r],
-    1, generator=generators[r])`` draws it: the argmax of ``probs / E`` with ``E ~ Exp(1)`` noise from
-    the row's generator (multinomial's own one-sample method). Only the noise is drawn per row (the
-    rows split over ``pool``'s threads); the division and argmax are one batched pass. Unlike
-    multinomial, nothing is checked per row: its check (no inf, nan or negative probability) reads the
-    tensor back, one GPU sync per row and step; it is done once for the batch."""
-    if not bool(((probs >= 0) & (probs < math.inf)).all()):  # NaN fails both comparisons
-        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-    noise = torch.empty_like(probs)
-
-    def rows(indices: range) -> None:
-        for r in indices:
-            noise[r].exponential_(1, generator=generators[r])
-
-    count = len(generators)
-    if pool is None or count < 2:
-        rows(range(count))
-    else:
-        parts = torch.get_num_threads()  # the pool's size (backend._decode sizes it so); any split draws the same
-        bounds = [count * part // parts for part in range(parts + 1)]
-        list(pool.map(rows, [range(a, b) for a, b in itertools.pairwise(bounds)]))
-    return (probs / noise).argmax(dim=-1)

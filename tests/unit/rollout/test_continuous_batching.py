@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loop_trainer.rollout import TransformersBackend
-from loop_trainer.rollout.continuous_batch import _draw
+from loop_trainer.rollout.token_draws import draw_tokens
 
 PROMPTS = [
     "<|im_start|>user\nfetch code of ann<|im_end|>\n<|im_start|>assistant\n",
@@ -96,7 +96,7 @@ def test_batched_draws_are_torch_multinomials_draws_row_by_row():
         for executor in (None, pool):
             for step in range(3):
                 seeds = [100 * step + r for r in range(7)]
-                got = _draw(probs, [torch.Generator().manual_seed(s) for s in seeds], executor)
+                got = draw_tokens(probs, [torch.Generator().manual_seed(s) for s in seeds], executor)
                 want = [
                     torch.multinomial(probs[r], 1, generator=torch.Generator().manual_seed(s)).item()
                     for r, s in enumerate(seeds)
@@ -104,4 +104,4 @@ def test_batched_draws_are_torch_multinomials_draws_row_by_row():
                 assert got.tolist() == want
     probs[3, 5] = math.nan
     with pytest.raises(RuntimeError, match="nan"):
-        _draw(probs, [torch.Generator()] * 7, None)
+        draw_tokens(probs, [torch.Generator()] * 7, None)
