@@ -3,14 +3,16 @@ steps replayed as CUDA graphs (``static_decode``) change.
 
 The policy is the LOOP section's (Qwen2.5-0.5B shape, random init, bf16, LoRA r=8 on every linear
 layer, PEFT-wrapped as LOOPTrainer builds it). Vault episodes (2 turns x 64 new tokens on a GPU) are
-collected through ``RolloutEngine`` + ``TransformersBackend`` at each concurrency, four ways with
+collected through ``RolloutEngine`` + ``TransformersBackend`` at each concurrency, these ways with
 the same seeds:
 
 - ``dynamic``: the default decode loop (the batch's KV cache concatenated at every step, eager);
 - ``static eager``: fixed-shape slots (:mod:`loop_trainer.rollout.slot_decode`), eager;
 - ``static + CUDA graph``: the same steps captured once and replayed (``static_decode=True``);
 - ``... no cuDNN attention``: the same with PyTorch's cuDNN attention off (GPU only), whose per-shape
-  plans the first H200 profile found costly in the prefills.
+  plans the first H200 profile found costly in the prefills;
+- ``... merged adapter``: sampling from the policy's view with the LoRA adapter merged into a copy of
+  the weights (``merge_adapter_for_sampling``), dynamic (here and on a GPU) and on CUDA graphs (GPU).
 
 Reported per run: sampled tokens/s (sampled tokens / wall seconds of the collection, after a
 warm-up), milliseconds per decode step (the decode loop's busy seconds / its steps), mean rows per
@@ -42,7 +44,8 @@ from benchmarks.gpu_battery.loop_bf16 import _shaped_vault
 from benchmarks.gpu_battery.report import _f, _table
 
 GRAPH, NO_CUDNN = "static + CUDA graph", "static + CUDA graph, no cuDNN attention"
-VARIANTS = ("dynamic", "static eager", GRAPH, NO_CUDNN)
+DYNAMIC_MERGED, MERGED = "dynamic, merged adapter", "static + CUDA graph, no cuDNN attention, merged adapter"
+VARIANTS = ("dynamic", DYNAMIC_MERGED, "static eager", GRAPH, NO_CUDNN, MERGED)
 
 
 def _backend(trainer: Any, variant: str, concurrency: int) -> Any:
@@ -56,13 +59,23 @@ def _backend(trainer: Any, variant: str, concurrency: int) -> Any:
         stop_token_ids=stop_token_ids(trainer.model, trainer.tokenizer),
         pad_token_id=trainer.tokenizer.pad_token_id,
         max_batch_size=concurrency,
-        static_decode=variant != "dynamic",
+        static_decode=not variant.startswith("dynamic"),
+        merged_adapter=_merged(trainer) if "merged adapter" in variant else None,
     )
     if variant == "static eager":
         backend.slot_decoder(next(trainer.model.parameters()).device).cuda_graphs = False
-    elif variant in (GRAPH, NO_CUDNN) and not torch.cuda.is_available():
+    elif variant in (GRAPH, NO_CUDNN, MERGED) and not torch.cuda.is_available():
         return None  # graphs need CUDA; the CPU mode runs the eager slots only
     return backend
+
+
+def _merged(trainer: Any) -> Any:
+    """One merged view of the policy for every merged variant (``merge_adapter_for_sampling``)."""
+    from loop_trainer.rollout.merged_adapter import MergedAdapter
+
+    if getattr(trainer, "_battery_merged", None) is None:
+        trainer._battery_merged = MergedAdapter(trainer.model)
+    return trainer._battery_merged
 
 
 def _collect(
@@ -132,7 +145,7 @@ def _profile(trainer: Any, variant: str, concurrency: int, new_tokens: int) -> d
     backend = _backend(trainer, variant, concurrency)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
-        _collect(trainer, backend, concurrency, 1, new_tokens)
+        _collect(trainer, backend, concurrency, 1, new_tokens, cudnn_attention=variant not in (NO_CUDNN, MERGED))
     events = prof.key_averages()
     on_gpu = torch.cuda.is_available()
 
@@ -190,7 +203,7 @@ def run(mode: str) -> dict[str, Any]:
                             n,
                             sizes.generation_turns,
                             sizes.generation_new_tokens,
-                            cudnn_attention=variant != NO_CUDNN,
+                            cudnn_attention=variant not in (NO_CUDNN, MERGED),
                         )
                     except Exception as error:  # noqa: BLE001 - the other variants' rows still count
                         rows.append({"variant": variant, "concurrency": n, "error": repr(error)[:500]})
@@ -217,11 +230,11 @@ def run(mode: str) -> dict[str, Any]:
                         row.update(_agreement(batch, reference))
                     rows.append(row)
                     print(f"decode: {row}", flush=True)
-            if _backend(trainer, GRAPH, 1) is not None:  # where the graph's steps still spend their time
+            if _backend(trainer, MERGED, 1) is not None:  # where the fastest path's steps still spend their time
                 try:
-                    profiles.append(_profile(trainer, GRAPH, concurrency[-1], min(16, sizes.generation_new_tokens)))
+                    profiles.append(_profile(trainer, MERGED, concurrency[-1], min(16, sizes.generation_new_tokens)))
                 except Exception as error:  # noqa: BLE001 - the rows above are measured already
-                    print(f"decode: profile of {GRAPH} failed: {error!r}", flush=True)
+                    print(f"decode: profile of {MERGED} failed: {error!r}", flush=True)
             draws = _draw_check(device)
         finally:
             trainer.close()

@@ -29,7 +29,7 @@ from ..chat import stop_token_ids
 from ..config import EpisodeSettings, LOOPConfig, mapping_setting
 from ..envs import EnvironmentSetupError, make_environment
 from ..rollout import TransformersBackend
-from .evaluate import EvalArguments, evaluate, load_policy
+from .evaluate import EvalArguments, evaluate, load_policy, merged_sampler
 from .recipe import RecipeError, ScriptArguments, parse_recipe
 
 __all__ = ["CompareArguments", "cli", "compare", "contrasting_trajectories"]
@@ -105,6 +105,7 @@ def compare(
                 pad_token_id=pad,
                 max_batch_size=training.generation_batch_limit,
                 static_decode=training.static_decode,
+                merged_adapter=merged_sampler(model, training.merge_adapter_for_sampling),
             )
             for decoding, (temp, rollouts) in decodings.items():
                 args = dataclasses.replace(

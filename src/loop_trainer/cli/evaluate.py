@@ -35,6 +35,7 @@ from ..evaluation import Evaluator, format_metrics, write_evaluation_viewer
 from ..models.packaged import PackagedModelError, resolve_model_path
 from ..models.tiny import build_tiny_from_spec, build_word_tokenizer, is_tiny_spec, load_tokenizer
 from ..rollout import GenerationBackend, TransformersBackend
+from ..rollout.merged_adapter import MergedAdapter, MergedAdapterError, merged_for_evaluation
 from .recipe import RecipeError, ScriptArguments, parse_recipe
 
 __all__ = ["EvalArguments", "cli", "evaluate"]
@@ -167,6 +168,15 @@ def experiment_per_rollout(env: Environment, experiment: str) -> Iterator[Callab
         env.experiment_name = original
 
 
+def merged_sampler(model: Any, wanted: bool) -> MergedAdapter | None:
+    """``merge_adapter_for_sampling`` in evaluation: the policy's LoRA adapter merged for sampling (a
+    policy without an adapter samples as it is); an adapter that cannot be merged is a recipe error."""
+    try:
+        return merged_for_evaluation(model, wanted)
+    except MergedAdapterError as error:
+        raise RecipeError(str(error)) from None
+
+
 def evaluate(
     eval_args: EvalArguments,
     model_args: ModelConfig,
@@ -199,6 +209,7 @@ def evaluate(
                 temperature=eval_args.temperature,
                 max_batch_size=eval_args.generation_batch_limit,
                 static_decode=eval_args.static_decode,
+                merged_adapter=merged_sampler(model, eval_args.merge_adapter_for_sampling),
             )
         else:
             tokenizer = load_tokenizer_only(model_args, eval_args, env)

@@ -47,6 +47,13 @@ class EpisodeSettings:
         "(eager elsewhere; 5-6x the default loop's tokens/s on an H200). Holds generation_batch_limit x the "
         "longest context (rounded up to a power of two) of KV cache for the collection.",
     )
+    merge_adapter_for_sampling: bool = setting(
+        False,
+        "Transformers backend with a LoRA adapter: sample from a copy of the adapted layers with the adapter merged "
+        "in (W + scale * B @ A, rounded once to W's dtype; refreshed when the weights change), so a decode step runs "
+        "no adapter matmuls. Costs one copy of the adapted layers' weights; the trainer's log-probs still form the "
+        "ratio. Refused with use_vllm and, in training, without a LoRA adapter.",
+    )
 
     def episode_limits(self) -> EpisodeLimits:
         return EpisodeLimits(

@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .continuous_batch import DecodeBatch, Request, weights_version
+from .merged_adapter import MergedAdapter
 from .prefix_cache import PrefixCache, SharedPrefixes
 from .records import Completion, settle
 from .slot_decode import SlotDecoder
@@ -89,6 +90,7 @@ class TransformersBackend:
         max_batch_size: int = 64,
         share_prefixes: bool = True,
         static_decode: bool = False,
+        merged_adapter: MergedAdapter | None = None,
     ):
         if temperature < 0:
             raise ValueError("temperature must be >= 0 (0 = greedy, for evaluation only)")
@@ -99,6 +101,7 @@ class TransformersBackend:
         self.max_batch_size = max_batch_size
         self.share_prefixes = share_prefixes
         self.static_decode = static_decode
+        self.merged_adapter = merged_adapter
         self._slot_decoder: SlotDecoder | None = None
         self._slot_pointers: tuple[int, ...] = ()
         self._pending: list[Request] = []
@@ -132,15 +135,23 @@ class TransformersBackend:
             max_batch_size=self.max_batch_size,
             share_prefixes=self.share_prefixes,
             static_decode=self.static_decode,
+            merged_adapter=self.merged_adapter,
         )
+
+    @property
+    def sampling_model(self) -> torch.nn.Module:
+        """The module the decode loop runs: the policy itself, or its view with the LoRA adapter merged
+        (``merged_adapter``; refreshed at the start of every decode loop)."""
+        return self.model if self.merged_adapter is None else self.merged_adapter.model
 
     def slot_decoder(self, device: torch.device) -> SlotDecoder:
         """The fixed-shape decode state (``static_decode``), kept across collections so its CUDA
         graph is captured once: optimizer steps update the weights in place, where the graph reads
         them. Built anew if any parameter was replaced (its storage moved), with every slot free."""
-        pointers = tuple(parameter.data_ptr() for parameter in self.model.parameters())
+        model = self.sampling_model
+        pointers = tuple(parameter.data_ptr() for parameter in model.parameters())
         if self._slot_decoder is None or self._slot_decoder.device != device or pointers != self._slot_pointers:
-            self._slot_decoder = SlotDecoder(self.model, self.max_batch_size, device, cuda_graphs=True)
+            self._slot_decoder = SlotDecoder(model, self.max_batch_size, device, cuda_graphs=True)
             self._slot_pointers = pointers
         self._slot_decoder.free = list(range(self.max_batch_size))
         return self._slot_decoder
@@ -241,6 +252,8 @@ class TransformersBackend:
                 prefixes.clear(version)  # computed with other weights
             was_training = model.training
             model.eval()
+            if self.merged_adapter is not None:
+                self.merged_adapter.refresh()  # the policy's weights of now, merged (a no-op if unchanged)
             started = time.perf_counter()
             device = next(model.parameters()).device
             threads = torch.get_num_threads() if device.type == "cpu" else 1

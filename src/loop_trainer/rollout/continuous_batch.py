@@ -82,7 +82,7 @@ class DecodeBatch:
         return self.mergeable or not self.rows
 
     def step(self, joining: list[Request]) -> None:
-        backend, model, device = self.backend, self.backend.model, self.device
+        backend, model, device = self.backend, self.backend.sampling_model, self.device
         logits, rows = [], []
         if self.rows and self.slots is not None:
             logits.append(
@@ -110,7 +110,7 @@ class DecodeBatch:
                 row.cache_length += 1
         # The joining rows: a prefill of their prompts, or of what a prompt adds to a cached prefix
         # (computed with these weights: they may have changed since the decode loop started).
-        version = weights_version(model) if joining else 0  # 0: nothing joins, no prefix is looked up
+        version = weights_version(backend.model) if joining else 0  # 0: nothing joins, no prefix is looked up
         if self.prefixes is not None and joining and self.prefixes.weights_version != version:
             self.prefixes.clear(version)
         cached = (
@@ -152,7 +152,7 @@ class DecodeBatch:
             cache, mask, positions, input_ids = DynamicCache(), *self._prompts([prompt for prompt, _ in items])
         else:
             cache, mask, positions, input_ids = self._extensions(items)
-        out = self.backend.model(
+        out = self.backend.sampling_model(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=positions,
@@ -289,7 +289,7 @@ class DecodeBatch:
         if self.slots is None:
             self._merge(cache, mask)
             return [-1] * count
-        return [self.slots.put(_row_states(cache, mask, index)) for index in range(count)]
+        return self.slots.put_batch([_states(layer) for layer in _kv_layers(cache)], mask)
 
     def _merge(self, cache: DynamicCache, mask: torch.Tensor) -> None:
         """Add the joining rows' cache (and attention mask) under the running rows', left-padding

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from .backend import GenerationBackend, TransformersBackend
+from .merged_adapter import MergedAdapter, MergedAdapterError
 from .vllm_backend import VLLMBackend, build_colocated_llm, sleep_mode_available
 from .vllm_server import GeneratorServerError, VLLMServerBackend
 from .weight_sync import WeightSync, default_tolerance, probe_token_ids
@@ -147,6 +148,7 @@ class RolloutGenerator:
                 "pad_token_id": self.backend.pad_token_id,
                 "max_batch_size": self.backend.max_batch_size,
                 "static_decode": self.backend.static_decode,
+                "merged_adapter": self.backend.merged_adapter,
             }
         if settings is not None:
             return TransformersBackend(**{**settings, "temperature": temperature})
@@ -187,15 +189,31 @@ def build_generator(
     if custom_backend is not None:
         return RolloutGenerator(custom_backend, owns_backend=False)
     if not args.use_vllm:
+        plugin = getattr(args, "deepspeed_plugin", None)
+        if args.merge_adapter_for_sampling and plugin is not None and plugin.zero_stage == 3:
+            raise GeneratorConfigError(
+                "merge_adapter_for_sampling needs whole weights on each process, and ZeRO-3 partitions them: remove "
+                "merge_adapter_for_sampling, or use a ZeRO stage below 3"
+            )
+        try:  # one merged copy, shared by the evaluation backends (for_evaluation)
+            merged = MergedAdapter(model) if args.merge_adapter_for_sampling else None
+        except MergedAdapterError as error:
+            raise GeneratorConfigError(str(error)) from None
         settings = {
             "model": model,
             "stop_token_ids": stop_token_ids,
             "pad_token_id": tokenizer.pad_token_id,
             "max_batch_size": args.generation_batch_limit,
             "static_decode": args.static_decode,
+            "merged_adapter": merged,
         }
         return RolloutGenerator(
             TransformersBackend(**settings, temperature=args.temperature), transformers_settings=settings
+        )
+    if args.merge_adapter_for_sampling:
+        raise GeneratorConfigError(
+            "merge_adapter_for_sampling applies to the transformers backend; vLLM applies the LoRA adapter itself: "
+            "remove merge_adapter_for_sampling or set use_vllm: false"
         )
     if args.static_decode:
         raise GeneratorConfigError(

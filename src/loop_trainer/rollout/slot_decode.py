@@ -9,7 +9,7 @@ re-concatenates every layer's KV cache at every step. On an H100 a 0.5B model's 
 
 The state: ``slots`` rows, each row a sequence of its own. Slot s holds one request's keys and values
 in columns ``[0, length_s)`` of a ``[slots, kv_heads, capacity, head_dim]`` buffer per layer, so no
-row is ever padded or moved: a joining request's prefilled states are copied into a free slot, a
+row is ever padded or moved: a joining group's prefilled states are scattered into free slots (one copy per layer), a
 finished request frees its slot, and a step writes each row's new key/value at column ``length_s``
 and attends to columns ``<= length_s`` (a boolean mask computed inside the graph from the lengths).
 Idle slots compute a throw-away row. When a request needs more columns than the buffers have, they
@@ -108,15 +108,21 @@ class SlotDecoder:
         self.cache = SlotCache(self.keys, self.values, self.lengths)
         self.graph, self.logits = None, None
 
-    def put(self, states: KV) -> int:
-        """Copy a prefilled row's states (``[heads, length, dim]`` per layer) into a free slot."""
-        slot = self.free.pop()
-        length = states[0][0].shape[1]
-        self.reserve(length + 1)
-        for layer, (keys, values) in enumerate(states):
-            self.keys[layer][slot, :, :length] = keys
-            self.values[layer][slot, :, :length] = values
-        return slot
+    def put_batch(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> list[int]:
+        """Copy every row of a prefill's cache (``[rows, heads, width, dim]`` per layer, ``mask[r]``
+        marking row r's columns, padding and holes zeros) into free slots, one slot per row, without
+        its padding: one gather-scatter per layer and key/value, not one copy per row and layer."""
+        rows = mask.shape[0]
+        slots = [self.free.pop() for _ in range(rows)]
+        valid = mask.bool()
+        self.reserve(int(valid.sum(1).max()) + 1)
+        source_row, source_column = valid.nonzero(as_tuple=True)  # row-major: each row's columns in order
+        target_column = (valid.cumsum(1) - 1)[source_row, source_column]
+        target_slot = torch.tensor(slots, dtype=torch.long, device=mask.device)[source_row]
+        for layer, (keys, values) in enumerate(layers):
+            self.keys[layer][target_slot, :, target_column] = keys[source_row, :, source_column]
+            self.values[layer][target_slot, :, target_column] = values[source_row, :, source_column]
+        return slots
 
     def release(self, slot: int) -> None:
         self.free.append(slot)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from ..objective import loop_policy_loss
+from .adapter_casts import adapter_input_casts_off
 from .batching import TrainingSample, collate
 from .distribution import DistributionStrategy
 from .logprobs import token_logprobs
@@ -64,25 +65,26 @@ def run_memory_stress_test(
     samples = stress_samples(num_tokens, vocab_size, micro_batch_size)
     started = time.perf_counter()
     strategy.model.train()
-    try:
-        batch = collate(samples, pad_token_id).to(strategy.device)
-        # Not the last micro-batch of a step: under DeepSpeed a boundary would reduce (and
-        # accelerate's backward would even step) on this synthetic sample.
-        with strategy.accumulating(last=strategy.deepspeed_engine is None):
-            with autocast():
-                logprobs = token_logprobs(strategy.model, batch)
-            out = loop_policy_loss(
-                logprobs, logprobs.detach(), batch.advantages, batch.loss_mask, epsilon=epsilon, divisor=divisor
-            )
-            strategy.backward(out.loss)
-    except Exception as error:
-        if not is_out_of_memory(error):
-            raise
-        raise MemoryStressTestFailed(advice(num_tokens, len(samples), str(strategy.device), error)) from None
-    finally:
-        strategy.discard_gradients()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    with adapter_input_casts_off(strategy.model, autocast):  # as in the update, so the same peak
+        try:
+            batch = collate(samples, pad_token_id).to(strategy.device)
+            # Not the last micro-batch of a step: under DeepSpeed a boundary would reduce (and
+            # accelerate's backward would even step) on this synthetic sample.
+            with strategy.accumulating(last=strategy.deepspeed_engine is None):
+                with autocast():
+                    logprobs = token_logprobs(strategy.model, batch)
+                out = loop_policy_loss(
+                    logprobs, logprobs.detach(), batch.advantages, batch.loss_mask, epsilon=epsilon, divisor=divisor
+                )
+                strategy.backward(out.loss)
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            raise MemoryStressTestFailed(advice(num_tokens, len(samples), str(strategy.device), error)) from None
+        finally:
+            strategy.discard_gradients()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     seconds = time.perf_counter() - started
     logger.info(
         "memory stress test passed: forward+backward of %d x %d tokens in %.1fs", len(samples), num_tokens, seconds

@@ -27,6 +27,7 @@ import torch
 from ..objective import RatioLevel, loop_policy_loss, reference_kl_penalty
 from ..rollout.records import stream_seed
 from ..stabilisers import truncated_importance_weights
+from .adapter_casts import adapter_input_casts_off
 from .batching import TrainingSample, chunks, collate, minibatch_indices
 from .distribution import DistributionStrategy
 from .logprobs import token_logprobs, token_logprobs_and_entropy
@@ -120,6 +121,10 @@ class PolicyUpdate:
     def __call__(self, samples: list[TrainingSample], iteration: int) -> dict[str, float]:
         """``ppo_epochs`` passes of shuffled minibatches over ``samples``; ``iteration`` (0-based,
         the one being trained) seeds the shuffles."""
+        with adapter_input_casts_off(self.strategy.model, self.autocast):
+            return self._update(samples, iteration)
+
+    def _update(self, samples: list[TrainingSample], iteration: int) -> dict[str, float]:
         s = self.settings
         generator = torch.Generator().manual_seed(stream_seed(s.seed, iteration))
         epochs = [list(minibatch_indices(len(samples), s.minibatch_size, generator)) for _ in range(s.ppo_epochs)]

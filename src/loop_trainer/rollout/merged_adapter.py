@@ -1,0 +1,126 @@
+"""Sampling from a LoRA policy with the adapter merged into a copy of the weights it adapts
+(``merge_adapter_for_sampling``), for :class:`~loop_trainer.rollout.backend.TransformersBackend`.
+
+Why: an unmerged LoRA layer adds, to every projection of every decode step, two small matmuls in the
+adapter's float32 (SIMT kernels, not tensor cores), the casts of its input to float32 and back, a
+scaling and an add: on an H200 these were most of a CUDA-graph decode step's GPU time for a 0.5B
+model (docs/benchmarks.md). Merged, a decode step is the base model's kernels alone.
+
+How: :class:`MergedAdapter` builds a second module tree over the same parameters (nothing copied)
+except that each LoRA ``Linear`` becomes a plain ``torch.nn.Linear`` whose weight is its own tensor,
+``W + scale * B @ A`` computed in float32 and rounded once to ``W``'s dtype. :meth:`refresh` recomputes
+those weights in place whenever the policy's weights changed, so their storage (which a captured CUDA
+graph reads) never moves. The training model is never modified: the update, the trainer's
+log-probs and checkpoints see the unmerged adapter exactly as before. The sampler's distribution
+differs from the policy's only by that rounding; LOOP takes its ratio's denominator from the trainer,
+so the update is unbiased, and ``sampler_logprob_diff_*`` measures the gap every iteration.
+
+Memory: one more copy of the adapted layers' weights (for all-linear LoRA, most of the model but
+the embeddings).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from .continuous_batch import weights_version
+
+
+class MergedAdapterError(ValueError):
+    """The model cannot be sampled with its adapter merged (no LoRA adapter, or a kind this does not merge)."""
+
+
+def _lora_linear_layers(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's LoRA layers by module name; refuses the kinds :class:`MergedAdapter` cannot merge."""
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # peft is a dependency; a model without it has no adapter to merge
+        LoraLayer = LoraLinear = ()  # type: ignore[assignment,misc]
+    layers: dict[str, Any] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        if type(module) is not LoraLinear or type(module.get_base_layer()) is not torch.nn.Linear:
+            raise MergedAdapterError(
+                f"merge_adapter_for_sampling merges LoRA adapters on plain torch.nn.Linear layers; {name} is a "
+                f"{type(module).__name__} around a {type(module.get_base_layer()).__name__}: set "
+                "merge_adapter_for_sampling: false"
+            )
+        dora = any(module.use_dora.values())
+        if module.fan_in_fan_out or dora or len(module.active_adapters) != 1:
+            kinds = ("fan_in_fan_out, " if module.fan_in_fan_out else "") + ("DoRA, " if dora else "")
+            raise MergedAdapterError(
+                f"merge_adapter_for_sampling merges one plain LoRA adapter per layer; {name} has {kinds}"
+                f"active adapters {list(module.active_adapters)}: set merge_adapter_for_sampling: false"
+            )
+        layers[name] = module
+    if not layers:
+        raise MergedAdapterError(
+            "merge_adapter_for_sampling needs a LoRA adapter on the policy (set lora_r, or pass a peft_config), "
+            "or set merge_adapter_for_sampling: false"
+        )
+    return layers
+
+
+class MergedAdapter:
+    """``model``: a module tree sharing every parameter and buffer of ``policy`` (a PEFT LoRA model)
+    except the adapted layers, which are plain linear layers holding the merged weights. Call
+    :meth:`refresh` before sampling; it recomputes them only if the policy's weights changed."""
+
+    def __init__(self, policy: torch.nn.Module):
+        self.policy = policy
+        get_base_model: Any = getattr(policy, "get_base_model", None)  # a PeftModel's; else the model itself
+        base: torch.nn.Module = get_base_model() if callable(get_base_model) else policy
+        layers = _lora_linear_layers(base)
+        shared = {id(tensor): tensor for tensor in [*base.parameters(), *base.buffers()]}
+        self.model: torch.nn.Module = copy.deepcopy(base, memo=shared)  # every tensor shared, modules copied
+        self._pairs: list[tuple[Any, torch.Tensor]] = []
+        for name, lora in layers.items():
+            linear = lora.get_base_layer()
+            plain = torch.nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
+            merged = torch.empty_like(linear.weight, requires_grad=False)
+            plain.weight = torch.nn.Parameter(merged, requires_grad=False)
+            plain.bias = linear.bias  # shared (a LoRA layer leaves the bias alone)
+            self.model.set_submodule(name, plain)
+            self._pairs.append((lora, merged))
+        self.model.requires_grad_(False)
+        self.version: int | None = None
+        self.num_refreshes = 0
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Merge the adapter's current weights (a no-op while the policy's weights are unchanged)."""
+        version = weights_version(self.policy)
+        if version == self.version:
+            return
+        for lora, merged in self._pairs:
+            (adapter,) = lora.active_adapters
+            weight = lora.get_base_layer().weight
+            if adapter in lora.lora_A:
+                merged.copy_(weight.float() + lora.get_delta_weight(adapter).float())
+            else:  # the active adapter does not touch this layer
+                merged.copy_(weight)
+        self.version = version
+        self.num_refreshes += 1
+
+    def extra_bytes(self) -> int:
+        """Device memory the merged weights take."""
+        return sum(merged.numel() * merged.element_size() for _, merged in self._pairs)
+
+
+def merged_for_evaluation(model: torch.nn.Module, wanted: bool) -> MergedAdapter | None:
+    """Evaluation (``loop-eval``, ``loop-compare``): the merged view of ``model`` if ``wanted`` and it has
+    a LoRA adapter; a policy without one (the base model) samples as it is, which is what merging
+    would give."""
+    if not wanted:
+        return None
+    try:
+        return MergedAdapter(model)
+    except MergedAdapterError:
+        if any(type(module).__module__.startswith("peft.") for module in model.modules()):
+            raise  # an adapter of a kind this cannot merge: refused, not sampled unmerged
+        return None
