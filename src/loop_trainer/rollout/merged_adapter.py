@@ -42,6 +42,12 @@ def _lora_linear_layers(model: torch.nn.Module) -> dict[str, Any]:
         LoraLayer = LoraLinear = ()  # type: ignore[assignment,misc]
     layers: dict[str, Any] = {}
     for name, module in model.named_modules():
+        if hasattr(module, "_hf_hook"):
+            where = name or "the model"
+            raise MergedAdapterError(
+                f"merge_adapter_for_sampling cannot copy a model dispatched with accelerate hooks ({where} has one: "
+                "device_map offloading): load it on one device, or set merge_adapter_for_sampling: false"
+            )
         if not isinstance(module, LoraLayer):
             continue
         if type(module) is not LoraLinear or type(module.get_base_layer()) is not torch.nn.Linear:
@@ -78,6 +84,11 @@ class MergedAdapter:
         layers = _lora_linear_layers(base)
         shared = {id(tensor): tensor for tensor in [*base.parameters(), *base.buffers()]}
         self.model: torch.nn.Module = copy.deepcopy(base, memo=shared)  # every tensor shared, modules copied
+        for module in self.model.modules():
+            # A forward patched onto the instance (TRL's fused log-prob head) closes over the policy's own
+            # forward, so the copy would run the unmerged policy: the class's forward samples (the head
+            # serves the trainer's log-probs, which this view never computes).
+            module.__dict__.pop("forward", None)
         self._pairs: list[tuple[Any, torch.Tensor]] = []
         for name, lora in layers.items():
             linear = lora.get_base_layer()

@@ -39,6 +39,32 @@ def test_the_merged_view_computes_the_policy_and_shares_every_other_tensor(lora_
     assert merged.extra_bytes() == sum(m.numel() * m.element_size() for _, m in merged._pairs)
 
 
+def test_the_merged_view_runs_no_lora_layer_even_under_the_fused_log_prob_head(vault_tiny):
+    from trl.trainer import add_fused_lm_head
+
+    env, model, tok = vault_tiny
+    add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))  # as wrap_for_training does
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+    policy = get_peft_model(model, config)
+    calls = []
+    hooks = [
+        module.register_forward_hook(lambda *_: calls.append(1))
+        for name, module in policy.named_modules()
+        if name.endswith("lora_A.default")
+    ]
+    try:
+        merged = MergedAdapter(policy)
+        merged.refresh()
+        ids = opening(tok, "ann")
+        merged_logits = _logits(merged.model, ids)
+        assert calls == []  # the fused head's patched forward would have run the policy itself
+        assert torch.allclose(merged_logits, _logits(policy, ids), atol=1e-5) and len(calls) == len(hooks)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        policy.unload()
+
+
 def test_sampling_with_the_merged_adapter_gives_the_policys_replies_and_leaves_it_untouched(lora_policy):
     policy, tok = lora_policy
     before = {name: p.detach().clone() for name, p in policy.named_parameters()}
