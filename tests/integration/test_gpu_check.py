@@ -60,16 +60,18 @@ def test_each_section_measured_what_it_claims(cpu_run):
     rows = sections["loop_bf16"]["generation"]["rows"]
     assert [r["concurrency"] for r in rows] == [2, 4] and all(r["sampled_tokens"] > 0 for r in rows)
     decode = sections["decode"]
-    # no CUDA: the dynamic loop and the eager slots, at the smallest and largest concurrency
+    # no CUDA: the dynamic loop (unmerged and merged) and the eager slots, at the smallest and largest concurrency
     assert [(r["variant"], r["concurrency"]) for r in decode["rows"]] == [
         ("dynamic", 2),
+        ("dynamic, merged adapter", 2),
         ("static eager", 2),
         ("dynamic", 4),
+        ("dynamic, merged adapter", 4),
         ("static eager", 4),
     ]
     for row in decode["rows"]:
         assert row["failed_episodes"] == 0 and row["episodes"] == row["concurrency"] and row["sampled_tokens"] > 0
-        if row["variant"] == "static eager":  # fp32 on the CPU: the slots sample what the dynamic loop does
+        if row["variant"] != "dynamic":  # fp32 on the CPU: slots and merged weights sample what the dynamic loop does
             assert row["identical_episodes"] == 1.0 and row["logprob_diff_max"] < 1e-5
     assert decode["draw_check"]["equal"] == decode["draw_check"]["rows"] * decode["draw_check"]["steps"]
     assert [p["variant"] for p in decode["profiles"]] == ["dynamic"] and decode["profiles"][0]["steps"] > 0
