@@ -12,7 +12,12 @@ the same seeds:
 - ``... no cuDNN attention``: the same with PyTorch's cuDNN attention off (GPU only), whose per-shape
   plans the first H200 profile found costly in the prefills;
 - ``... merged adapter``: sampling from the policy's view with the LoRA adapter merged into a copy of
-  the weights (``merge_adapter_for_sampling``), dynamic (here and on a GPU) and on CUDA graphs (GPU).
+  the weights (``merge_adapter_for_sampling``), dynamic (here and on a GPU) and on CUDA graphs (GPU);
+- ``static + compiled CUDA graph ...``: the step run through ``torch.compile`` before it is captured
+  (``SlotDecoder.compile_step``, being measured: it fuses the modelling code's small kernels).
+
+``DECODE_VARIANTS`` ('|'-separated) runs only the named variants, at the largest concurrency and
+without profiles (a short device call).
 
 Reported per run: sampled tokens/s (sampled tokens / wall seconds of the collection, after a
 warm-up), milliseconds per decode step (the decode loop's busy seconds / its steps), mean rows per
@@ -28,6 +33,7 @@ the GPU: why a step is slow. And the decode loop's batched draws are checked aga
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -45,7 +51,18 @@ from benchmarks.gpu_battery.report import _f, _table
 
 GRAPH, NO_CUDNN = "static + CUDA graph", "static + CUDA graph, no cuDNN attention"
 DYNAMIC_MERGED, MERGED = "dynamic, merged adapter", "static + CUDA graph, no cuDNN attention, merged adapter"
-VARIANTS = ("dynamic", DYNAMIC_MERGED, "static eager", GRAPH, NO_CUDNN, MERGED)
+COMPILED = "static + compiled CUDA graph, no cuDNN attention, merged adapter"
+VARIANTS = ("dynamic", DYNAMIC_MERGED, "static eager", GRAPH, NO_CUDNN, MERGED, COMPILED)
+NO_CUDNN_VARIANTS = (NO_CUDNN, MERGED, COMPILED)
+
+
+def _selected() -> tuple[str, ...]:
+    """``DECODE_VARIANTS`` ('|'-separated names) runs only those, to fit a short device call."""
+    chosen = [name.strip() for name in os.environ.get("DECODE_VARIANTS", "").split("|") if name.strip()]
+    unknown = [name for name in chosen if name not in VARIANTS]
+    if unknown:
+        raise ValueError(f"DECODE_VARIANTS: unknown {unknown}; known: {list(VARIANTS)}")
+    return tuple(chosen) or VARIANTS
 
 
 def _backend(trainer: Any, variant: str, concurrency: int) -> Any:
@@ -64,8 +81,10 @@ def _backend(trainer: Any, variant: str, concurrency: int) -> Any:
     )
     if variant == "static eager":
         backend.slot_decoder(next(trainer.model.parameters()).device).cuda_graphs = False
-    elif variant in (GRAPH, NO_CUDNN, MERGED) and not torch.cuda.is_available():
+    elif variant in (GRAPH, NO_CUDNN, MERGED, COMPILED) and not torch.cuda.is_available():
         return None  # graphs need CUDA; the CPU mode runs the eager slots only
+    if variant == COMPILED:
+        backend.slot_decoder(next(trainer.model.parameters()).device).compile_step = True
     return backend
 
 
@@ -145,7 +164,7 @@ def _profile(trainer: Any, variant: str, concurrency: int, new_tokens: int) -> d
     backend = _backend(trainer, variant, concurrency)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
-        _collect(trainer, backend, concurrency, 1, new_tokens, cudnn_attention=variant not in (NO_CUDNN, MERGED))
+        _collect(trainer, backend, concurrency, 1, new_tokens, cudnn_attention=variant not in NO_CUDNN_VARIANTS)
     events = prof.key_averages()
     on_gpu = torch.cuda.is_available()
 
@@ -189,10 +208,17 @@ def run(mode: str) -> dict[str, Any]:
         try:
             trainer.model.eval()
             # first: a failed graph capture must not leave the profile (or the eager rows) unmeasured
-            profiles = [_profile(trainer, "dynamic", concurrency[-1], min(16, sizes.generation_new_tokens))]
+            selected = _selected()
+            restricted = selected != VARIANTS  # a short call: the largest concurrency, no profiles
+            concurrency = concurrency[-1:] if restricted else concurrency
+            profiles = (
+                [_profile(trainer, "dynamic", concurrency[-1], min(16, sizes.generation_new_tokens))]
+                if not restricted
+                else []
+            )
             for n in concurrency:
                 reference = None
-                for variant in VARIANTS:
+                for variant in selected:
                     backend = _backend(trainer, variant, n)
                     if backend is None:
                         continue
@@ -203,7 +229,7 @@ def run(mode: str) -> dict[str, Any]:
                             n,
                             sizes.generation_turns,
                             sizes.generation_new_tokens,
-                            cudnn_attention=variant not in (NO_CUDNN, MERGED),
+                            cudnn_attention=variant not in NO_CUDNN_VARIANTS,
                         )
                     except Exception as error:  # noqa: BLE001 - the other variants' rows still count
                         rows.append({"variant": variant, "concurrency": n, "error": repr(error)[:500]})
@@ -230,11 +256,12 @@ def run(mode: str) -> dict[str, Any]:
                         row.update(_agreement(batch, reference))
                     rows.append(row)
                     print(f"decode: {row}", flush=True)
-            if _backend(trainer, MERGED, 1) is not None:  # where the fastest path's steps still spend their time
+            fastest = COMPILED if COMPILED in selected else MERGED
+            if not restricted and _backend(trainer, fastest, 1) is not None:  # where the fastest path's steps still spend their time
                 try:
-                    profiles.append(_profile(trainer, MERGED, concurrency[-1], min(16, sizes.generation_new_tokens)))
+                    profiles.append(_profile(trainer, fastest, concurrency[-1], min(16, sizes.generation_new_tokens)))
                 except Exception as error:  # noqa: BLE001 - the rows above are measured already
-                    print(f"decode: profile of {MERGED} failed: {error!r}", flush=True)
+                    print(f"decode: profile of {fastest} failed: {error!r}", flush=True)
             draws = _draw_check(device)
         finally:
             trainer.close()
