@@ -257,7 +257,8 @@ def run(mode: str) -> dict[str, Any]:
                     rows.append(row)
                     print(f"decode: {row}", flush=True)
             fastest = COMPILED if COMPILED in selected else MERGED
-            if not restricted and _backend(trainer, fastest, 1) is not None:  # where the fastest path's steps still spend their time
+            # where the fastest path's steps still spend their time
+            if not restricted and _backend(trainer, fastest, 1) is not None:
                 try:
                     profiles.append(_profile(trainer, fastest, concurrency[-1], min(16, sizes.generation_new_tokens)))
                 except Exception as error:  # noqa: BLE001 - the rows above are measured already
