@@ -105,6 +105,7 @@ def compare(
                 pad_token_id=pad,
                 max_batch_size=training.generation_batch_limit,
                 static_decode=training.static_decode,
+                compile_decode_step=training.compile_decode_step,
                 merged_adapter=merged_sampler(model, training.merge_adapter_for_sampling),
             )
             for decoding, (temp, rollouts) in decodings.items():

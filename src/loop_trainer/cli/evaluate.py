@@ -35,6 +35,7 @@ from ..evaluation import Evaluator, format_metrics, write_evaluation_viewer
 from ..models.packaged import PackagedModelError, resolve_model_path
 from ..models.tiny import build_tiny_from_spec, build_word_tokenizer, is_tiny_spec, load_tokenizer
 from ..rollout import GenerationBackend, TransformersBackend
+from ..rollout.backend import COMPILE_NEEDS_STATIC
 from ..rollout.merged_adapter import MergedAdapter, MergedAdapterError, merged_for_evaluation
 from .recipe import RecipeError, ScriptArguments, parse_recipe
 
@@ -68,6 +69,8 @@ class EvalArguments(ScriptArguments, EpisodeSettings):
         super().__post_init__()  # checks every field's range
         if problem := output_dir_problem(self.output_dir):
             raise RecipeError(problem)
+        if self.compile_decode_step and not self.static_decode:
+            raise RecipeError(COMPILE_NEEDS_STATIC)
 
 
 def _resolve(model_args: ModelConfig, name: str) -> str:
@@ -209,6 +212,7 @@ def evaluate(
                 temperature=eval_args.temperature,
                 max_batch_size=eval_args.generation_batch_limit,
                 static_decode=eval_args.static_decode,
+                compile_decode_step=eval_args.compile_decode_step,
                 merged_adapter=merged_sampler(model, eval_args.merge_adapter_for_sampling),
             )
         else:

@@ -28,6 +28,12 @@ from .slot_decode import SlotDecoder
 __all__ = ["Completion", "GenerationBackend", "TemperatureView", "TransformersBackend"]
 
 
+COMPILE_NEEDS_STATIC = (
+    "compile_decode_step compiles the fixed-shape decode step of static_decode: set static_decode: true, or remove "
+    "compile_decode_step"
+)
+
+
 @runtime_checkable
 class GenerationBackend(Protocol):
     async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
@@ -76,8 +82,10 @@ class TransformersBackend:
 
     ``static_decode=True`` runs the running rows' one-token steps on fixed-shape state, replayed as
     one CUDA graph per step on a GPU (:mod:`.slot_decode`): a small model's eager step is bound by
-    kernel launches, not by the GPU. Off by default; prefills, sampling and the prefix caches are
-    the same either way.
+    kernel launches, not by the GPU; ``compile_decode_step=True`` compiles that step first. Both off
+    by default; prefills, sampling and the prefix caches are the same either way.
+    ``merged_adapter`` (:mod:`.merged_adapter`): the decode loop runs that view of the policy, with
+    its LoRA adapter merged, instead of the policy itself.
     """
 
     def __init__(
@@ -90,6 +98,7 @@ class TransformersBackend:
         max_batch_size: int = 64,
         share_prefixes: bool = True,
         static_decode: bool = False,
+        compile_decode_step: bool = False,
         merged_adapter: MergedAdapter | None = None,
     ):
         if temperature < 0:
@@ -100,7 +109,10 @@ class TransformersBackend:
         self.temperature = temperature
         self.max_batch_size = max_batch_size
         self.share_prefixes = share_prefixes
+        if compile_decode_step and not static_decode:
+            raise ValueError(COMPILE_NEEDS_STATIC)
         self.static_decode = static_decode
+        self.compile_decode_step = compile_decode_step
         self.merged_adapter = merged_adapter
         self._slot_decoder: SlotDecoder | None = None
         self._slot_pointers: tuple[int, ...] = ()
@@ -135,6 +147,7 @@ class TransformersBackend:
             max_batch_size=self.max_batch_size,
             share_prefixes=self.share_prefixes,
             static_decode=self.static_decode,
+            compile_decode_step=self.compile_decode_step,
             merged_adapter=self.merged_adapter,
         )
 
@@ -152,6 +165,7 @@ class TransformersBackend:
         pointers = tuple(parameter.data_ptr() for parameter in model.parameters())
         if self._slot_decoder is None or self._slot_decoder.device != device or pointers != self._slot_pointers:
             self._slot_decoder = SlotDecoder(model, self.max_batch_size, device, cuda_graphs=True)
+            self._slot_decoder.compile_step = self.compile_decode_step
             self._slot_pointers = pointers
         self._slot_decoder.free = list(range(self.max_batch_size))
         return self._slot_decoder

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .backend import GenerationBackend, TransformersBackend
+from .backend import COMPILE_NEEDS_STATIC, GenerationBackend, TransformersBackend
 from .merged_adapter import MergedAdapter, MergedAdapterError
 from .vllm_backend import VLLMBackend, build_colocated_llm, sleep_mode_available
 from .vllm_server import GeneratorServerError, VLLMServerBackend
@@ -148,6 +148,7 @@ class RolloutGenerator:
                 "pad_token_id": self.backend.pad_token_id,
                 "max_batch_size": self.backend.max_batch_size,
                 "static_decode": self.backend.static_decode,
+                "compile_decode_step": self.backend.compile_decode_step,
                 "merged_adapter": self.backend.merged_adapter,
             }
         if settings is not None:
@@ -188,6 +189,8 @@ def build_generator(
     training model itself."""
     if custom_backend is not None:
         return RolloutGenerator(custom_backend, owns_backend=False)
+    if args.compile_decode_step and not args.static_decode:
+        raise GeneratorConfigError(COMPILE_NEEDS_STATIC)
     if not args.use_vllm:
         plugin = getattr(args, "deepspeed_plugin", None)
         if args.merge_adapter_for_sampling and plugin is not None and plugin.zero_stage == 3:
@@ -205,6 +208,7 @@ def build_generator(
             "pad_token_id": tokenizer.pad_token_id,
             "max_batch_size": args.generation_batch_limit,
             "static_decode": args.static_decode,
+            "compile_decode_step": args.compile_decode_step,
             "merged_adapter": merged,
         }
         return RolloutGenerator(

@@ -88,8 +88,9 @@ class SlotDecoder:
         self.capture_error: str | None = None
         """Why capturing failed, if it did: the steps then run eagerly (same results, slower)."""
         self.compile_step = False
-        """Run the step through ``torch.compile`` (fusing the modelling code's small kernels) before
-        capturing it; compiled again for each capacity. Off by default: being measured."""
+        """Run the step through ``torch.compile`` (fusing the modelling code's small kernels: RMSNorm's
+        casts, rotary embeddings, the KV writes) before capturing it; compiled again for each
+        capacity (``compile_decode_step``)."""
         self._compiled: Any = None
 
     def reserve(self, columns: int) -> None:

@@ -110,3 +110,32 @@ def test_static_decode_is_a_recipe_key_the_generator_honours_and_refuses_with_vl
     )
     with pytest.raises(GeneratorConfigError, match="static_decode applies to the transformers backend"):
         build_generator(vllm, model, **common)
+
+
+def test_a_compiled_step_samples_what_the_dynamic_batch_does(vault_tiny):
+    env, model, tok = vault_tiny
+    compiled = backend_for(model, tok, max_batch_size=3, static_decode=True, compile_decode_step=True)
+    replies = run_episodes(compiled, tok, ["ann", "bob"], 2)
+    assert_same(replies, run_episodes(backend_for(model, tok, max_batch_size=3), tok, ["ann", "bob"], 2))
+    slots = compiled.slot_decoder(torch.device("cpu"))
+    assert slots.compile_step and slots._compiled is not None  # the steps ran through torch.compile
+    assert compiled.with_temperature(0.0).compile_decode_step  # evaluation decodes the same way
+
+
+def test_compile_decode_step_without_static_decode_is_refused_in_one_line(vault_tiny, tmp_path):
+    from loop_trainer import LOOPConfig
+    from loop_trainer.cli.evaluate import EvalArguments
+    from loop_trainer.cli.recipe import RecipeError
+    from loop_trainer.rollout.generator import GeneratorConfigError, build_generator
+
+    env, model, tok = vault_tiny
+    with pytest.raises(ValueError, match="set static_decode: true"):
+        backend_for(model, tok, compile_decode_step=True)
+    common = {"stop_token_ids": [], "tokenizer": tok, "process_index": 0, "is_main_process": True}
+    common |= {"barrier": lambda: None, "probe_scorer": None}
+    args = LOOPConfig(output_dir=str(tmp_path / "run"), compile_decode_step=True, use_cpu=True, report_to="none")
+    with pytest.raises(GeneratorConfigError, match="set static_decode: true") as error:
+        build_generator(args, model, **common)
+    assert "\n" not in str(error.value)
+    with pytest.raises(RecipeError, match="set static_decode: true"):
+        EvalArguments(environment="vault", output_dir=str(tmp_path / "eval"), compile_decode_step=True)
