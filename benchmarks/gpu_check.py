@@ -33,7 +33,7 @@ SECTIONS = {  # name -> (module, seconds allowed in GPU mode); the memory plan f
     "update": ("benchmarks.gpu_battery.update", 200),
     "loop_bf16": ("benchmarks.gpu_battery.loop_bf16", 240),
     "decode": ("benchmarks.gpu_battery.decode", 300),
-    "profile": ("benchmarks.gpu_battery.profile", 240),
+    "profile": ("benchmarks.gpu_battery.profile", 300),
     "zero3": ("benchmarks.gpu_battery.zero3", 240),
     "vllm": ("benchmarks.gpu_battery.vllm_generation", 420),
 }

@@ -76,6 +76,8 @@ class Spec:
     shape: str | None = None
     """A shipped model shape (``loop_trainer/models/shapes``, e.g. Qwen2.5-1.5B-Instruct): its body replaces
     hidden_size/layers/heads/kv_heads."""
+    activation_offloading: bool = False
+    """LOOP only (GPU only): ``activation_offloading`` on, as the GPU battery's third memory run."""
 
 
 # --- workload --------------------------------------------------------------------------------
@@ -251,6 +253,7 @@ def run_loop(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) ->
         ppo_epochs=spec.ppo_epochs,
         per_device_train_batch_size=spec.micro_batch,
         activation_checkpointing=spec.checkpointing,
+        activation_offloading=spec.activation_offloading,
         bf16=spec.device == "cuda",
         use_cpu=spec.device == "cpu",
         max_trajectory_tokens=max(spec.lengths),

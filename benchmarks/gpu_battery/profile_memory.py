@@ -388,7 +388,7 @@ def observe_grpo(spec: Any, trajectories: list[dict[str, Any]], output_dir: str)
 
 
 def main(argv: list[str]) -> None:
-    """``python -m benchmarks.gpu_battery.profile_memory grpo SPEC.json OUT.json``: the GRPOTrainer watch
+    """``python -m benchmarks.gpu_battery.profile_memory grpo|loop SPEC.json OUT.json``: a trainer's watch
     in a process of its own, so the section can stop it at its deadline."""
     from benchmarks.gpu_battery.common import scratch
     from benchmarks.update_throughput import Spec, make_trajectories

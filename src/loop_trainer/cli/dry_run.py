@@ -98,6 +98,7 @@ def plan_for(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCo
             lora=lora,
             bf16=model_args.dtype in (None, "auto", "bfloat16", "float16"),
             activation_checkpointing=bool(args.activation_checkpointing),
+            activation_offloading=args.activation_offloading,
             max_training_tokens=args.max_training_tokens,
             per_device_train_batch_size=args.per_device_train_batch_size,
             use_vllm=colocated,

@@ -334,6 +334,11 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
     gradient_checkpointing: bool | None = setting(
         None, "Deprecated alias of activation_checkpointing (transformers 5)."
     )
+    activation_offloading: bool = setting(
+        False,
+        "Move what the update's forward saves for the backward (with activation_checkpointing: each layer's input) "
+        "to pinned CPU memory, and back for the backward (TRL's activation offloading, SFTConfig's key). GPU only.",
+    )
     ddp_timeout: int = setting(
         1800,
         "Seconds a collective operation may wait for the other processes.",
@@ -392,6 +397,11 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
             value = getattr(self, name)
             if getattr(value, "value", value) not in choices:  # LOOP's loop has iterations, no epochs or eval loss
                 raise ValueError(f"LOOPConfig: {name} must be one of {', '.join(choices)}, got {value!r}")
+        if self.activation_offloading and (self.use_cpu or not torch.cuda.is_available()):
+            raise ValueError(
+                "LOOPConfig: activation_offloading moves the update's saved activations from the GPU to CPU memory, "
+                "and this run has no GPU (use_cpu, or none visible): remove activation_offloading"
+            )
         if self.bf16 is None:  # on where the accelerator has it; TRL's default (True) fails on CPUs
             self.bf16 = not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         if "activation_checkpointing" not in TrainingArguments.__dataclass_fields__:

@@ -78,6 +78,10 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+# TRL's activation offloader keeps the tensors of the last 5 offloads on the GPU until their copies land.
+OFFLOAD_STASH_LAYERS = 5
+
+
 def _gib(n_bytes: float) -> float:
     return n_bytes / GIB
 
@@ -91,6 +95,7 @@ def plan_memory(
     lora: dict | None = None,
     bf16: bool = True,
     activation_checkpointing: bool = True,
+    activation_offloading: bool = False,
     max_training_tokens: int = 32000,
     per_device_train_batch_size: int = 1,
     use_vllm: bool = False,
@@ -180,11 +185,14 @@ def plan_memory(
         targets = shapes if lora.get("target_modules", "all-linear") == "all-linear" else lora["target_modules"]
         per_token += sum(shapes[t.split(".")[-1]][0] for t in targets)
     if activation_checkpointing:
+        # Offloaded (TRL's offloader), a layer input stays on the GPU only while the forward's stash of the
+        # last OFFLOAD_STASH_LAYERS holds it, or once the backward has brought it back for its layer.
+        resident = min(layers, OFFLOAD_STASH_LAYERS + 1) if activation_offloading else layers
         rows.append(
             MemoryRow(
-                "checkpointed layer inputs",
-                _gib(layers * tokens * h * wb),
-                f"{layers} layers x T={tokens} x {h} x {wb} B",
+                "checkpointed layer inputs" + (" (offloaded to CPU but the stash)" if activation_offloading else ""),
+                _gib(resident * tokens * h * wb),
+                f"{resident} layers x T={tokens} x {h} x {wb} B",
                 train,
             )
         )
@@ -361,6 +369,12 @@ def _knobs(args: dict, training: float, generation: float, rows: list[MemoryRow]
         )
     if not args["activation_checkpointing"]:
         knobs.append(f"activations take {activations:.1f} GiB: set activation_checkpointing: true")
+    checkpointed = sum(r.gib for r in rows if r.name == "checkpointed layer inputs")
+    if checkpointed > 1:  # not offloaded yet (the offloaded row has another name)
+        knobs.append(
+            f"activation_offloading: true moves most of the {checkpointed:.1f} GiB of checkpointed layer inputs "
+            "to CPU memory"
+        )
     if args["per_device_train_batch_size"] > 1:
         knobs.append(f"per_device_train_batch_size: 1 (now {args['per_device_train_batch_size']}) divides activations")
     if activations > 1:

@@ -1,10 +1,13 @@
 """Activation checkpointing across the transformers versions LOOP supports: 5.18+ names it
 ``activation_checkpointing`` (``model.activation_checkpointing_enable``, ``is_activation_checkpointing``);
 5.17, the version vLLM <= 0.31 accepts, only ``gradient_checkpointing``. A GPU run on 5.17 once
-trained with checkpointing silently off because only the new names were looked for."""
+trained with checkpointing silently off because only the new names were looked for. And the
+activations checkpointing keeps, offloaded to CPU memory (``activation_offloading``)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 
@@ -42,3 +45,17 @@ def enable_checkpointing(model: Any, kwargs: dict[str, Any] | None = None) -> No
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload
         )
+
+
+def activation_offloading(model: Any, args: Any) -> Callable[[], contextlib.AbstractContextManager]:
+    """The context of the update's forward passes: ``activation_offloading`` moves the tensors they
+    save for the backward (with checkpointing, each layer's input: ``layers x tokens x hidden`` of
+    the update's peak) to pinned CPU memory on a side stream, and back for the backward. TRL's
+    offloader (SFTConfig's ``activation_offloading``), made once and entered for every forward; it
+    skips the output head, whose activations the backward needs at once. Else nothing."""
+    if not args.activation_offloading:
+        return contextlib.nullcontext
+    from trl.models import get_act_offloading_ctx_manager
+
+    offloader = get_act_offloading_ctx_manager(model, warn_if_no_head=False)
+    return lambda: offloader

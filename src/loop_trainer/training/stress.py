@@ -58,6 +58,7 @@ def run_memory_stress_test(
     pad_token_id: int,
     epsilon: float,
     divisor: float,
+    activation_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> float:
     """Forward and backward the largest micro-batch the run allows (no optimizer step; the
     gradients are discarded). Raises :class:`MemoryStressTestFailed` with the knobs to turn if it
@@ -71,7 +72,7 @@ def run_memory_stress_test(
             # Not the last micro-batch of a step: under DeepSpeed a boundary would reduce (and
             # accelerate's backward would even step) on this synthetic sample.
             with strategy.accumulating(last=strategy.deepspeed_engine is None):
-                with autocast():
+                with autocast(), activation_context():  # as the update's forward, so the same peak
                     logprobs = token_logprobs(strategy.model, batch)
                 out = loop_policy_loss(
                     logprobs, logprobs.detach(), batch.advantages, batch.loss_mask, epsilon=epsilon, divisor=divisor

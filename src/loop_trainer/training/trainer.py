@@ -46,7 +46,12 @@ from ..envs.base import Environment, load_tasks
 from ..publishing.publisher import HubPublisher
 from ..rollout import GenerationBackend, RolloutBatch
 from ..rollout.generator import require_vllm
-from .activation_checkpointing import checkpointing_kwargs, enable_checkpointing, is_checkpointing
+from .activation_checkpointing import (
+    activation_offloading,
+    checkpointing_kwargs,
+    enable_checkpointing,
+    is_checkpointing,
+)
 from .batching import TrainingSample
 from .checkpoints import CheckpointStager, read_loop_state
 from .distribution import DistributionStrategy, check_launch, check_sampling_with_training_model
@@ -311,6 +316,7 @@ class LOOPTrainer(TrainerSampling):
             strategy,
             self.accelerator.autocast,
             reference=reference,
+            activation_context=activation_offloading(self.accelerator.unwrap_model(self.model), args),
         )
         return model
 
@@ -336,6 +342,7 @@ class LOOPTrainer(TrainerSampling):
             pad_token_id=self.tokenizer.pad_token_id,
             epsilon=args.epsilon,
             divisor=args.minibatch_size,
+            activation_context=policy_update.activation_context,
         )
 
     def _enable_activation_checkpointing(self) -> None:

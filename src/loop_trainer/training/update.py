@@ -108,15 +108,19 @@ class PolicyUpdate:
         strategy: DistributionStrategy,
         autocast: Callable[[], contextlib.AbstractContextManager],
         reference: Callable[[], contextlib.AbstractContextManager] | None = None,
+        activation_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
         """``reference``: a context in which the model is the reference policy of the KL penalty
-        (the base model: the LoRA adapter disabled); needed when ``settings.beta > 0``."""
+        (the base model: the LoRA adapter disabled); needed when ``settings.beta > 0``.
+        ``activation_context``: the context of every forward whose backward follows (the minibatch
+        steps'; ``activation_offloading``: TRL's offloader of the tensors saved for the backward)."""
         if settings.beta > 0 and reference is None:
             raise ValueError("beta > 0 needs a reference policy (a LoRA adapter to disable)")
         self.settings = settings
         self.strategy = strategy
         self.autocast = autocast
         self.reference = reference
+        self.activation_context = activation_context
 
     def __call__(self, samples: list[TrainingSample], iteration: int) -> dict[str, float]:
         """``ppo_epochs`` passes of shuffled minibatches over ``samples``; ``iteration`` (0-based,
@@ -260,7 +264,7 @@ class PolicyUpdate:
                 )
                 totals["capped"] += float(capped) * float(batch.loss_mask.sum())
             with strategy.accumulating(last=i == len(micro_batches) - 1):
-                with self.autocast():
+                with self.autocast(), self.activation_context():
                     logprobs = token_logprobs(strategy.model, batch)
                 out = loop_policy_loss(
                     logprobs,

@@ -262,3 +262,20 @@ def test_transformers_backend_generation_counts_kv_cache(qwen7b):
 def test_invalid_tensor_parallel_size(qwen7b):
     with pytest.raises(ValueError, match="divide"):
         plan_memory(qwen7b, use_vllm=True, vllm_tensor_parallel_size=3, **NODE)
+
+
+def test_activation_offloading_keeps_only_the_offloaders_stash_of_layer_inputs(qwen7b):
+    from loop_trainer.models.memory_plan import OFFLOAD_STASH_LAYERS
+
+    base = plan_memory(qwen7b, lora=LORA_7B, **NODE)
+    offloaded = plan_memory(qwen7b, lora=LORA_7B, **NODE, activation_offloading=True)
+    layer_input = 32000 * 3584 * 2 / 2**30
+    assert {r.name: r.gib for r in base.rows}["checkpointed layer inputs"] == pytest.approx(28 * layer_input)
+    row = next(r for r in offloaded.rows if r.name.startswith("checkpointed layer inputs"))
+    assert "offloaded" in row.name and row.gib == pytest.approx((OFFLOAD_STASH_LAYERS + 1) * layer_input)
+    assert base.training_gib - offloaded.training_gib > (28 - OFFLOAD_STASH_LAYERS - 1) * layer_input
+    long = {**NODE, "world_size": 1, "max_training_tokens": 131072, "max_trajectory_tokens": 32000}
+    too_long = plan_memory(qwen7b, lora=LORA_7B, **long)
+    assert not too_long.fits and any("activation_offloading: true moves" in r for r in too_long.reasons)
+    offloaded_long = plan_memory(qwen7b, lora=LORA_7B, **long, activation_offloading=True)
+    assert not any("activation_offloading" in r for r in offloaded_long.reasons)  # already on: not advised

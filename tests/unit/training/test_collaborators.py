@@ -126,3 +126,39 @@ def test_loop_state_is_json(tmp_path):
     with stager.staged(tmp_path, 1, lambda: {"iteration": 1, "history": [{"loss": 0.5}]}) as staging:
         (staging / "checkpoint-1").mkdir(parents=True)
     assert json.loads((tmp_path / "checkpoint-1" / "loop_state.json").read_text())["history"] == [{"loss": 0.5}]
+
+
+def test_every_forward_a_backward_follows_runs_in_the_activation_context_and_only_those(vault_tiny):
+    """``activation_offloading`` hands TRL's offloader to the update as its activation context: it must
+    hold the saved tensors of each minibatch step's forward (so the backward brings them back), and not
+    the no-grad log-prob passes, which save nothing."""
+    _, model, tok = vault_tiny
+    update, _ = make_update(model, tok.pad_token_id)
+    entered: list[bool] = []
+
+    class Recording:
+        def __enter__(self):
+            entered.append(torch.is_grad_enabled())
+
+        def __exit__(self, *_):
+            return False
+
+    update.activation_context = Recording
+    metrics = update(samples_for(tok), iteration=0)
+    # 2 epochs x 2 minibatches x 2 micro-batches of 1, each with its gradient
+    assert len(entered) == 2 * 2 * 2 == 2 * metrics["optimizer_steps"] and all(entered)
+
+
+def test_activation_offloading_is_refused_without_a_gpu_and_builds_trls_offloader_with_one(tmp_path, vault_tiny):
+    from loop_trainer import LOOPConfig
+    from loop_trainer.training.activation_checkpointing import activation_offloading
+
+    with pytest.raises(ValueError, match="no GPU .*remove activation_offloading") as error:
+        LOOPConfig(output_dir=str(tmp_path / "run"), activation_offloading=True, use_cpu=True, report_to="none")
+    assert "\n" not in str(error.value)
+    _, model, _ = vault_tiny
+    off = SimpleNamespace(activation_offloading=False)
+    assert activation_offloading(model, off)() is not None  # a no-op context
+    if torch.cuda.is_available():  # the offloader itself needs a GPU
+        on = activation_offloading(model, SimpleNamespace(activation_offloading=True))
+        assert on() is on() and type(on()).__name__ == "OffloadActivations"  # one offloader, entered each time
