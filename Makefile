@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export WANDB_MODE ?= offline
 
-.PHONY: venv lint-venv appworld-venv vllm-venv appworld demo demo-real lint test test-compat gpu-check gpu-wheels gpu-vllm-chunks clean
+.PHONY: venv lint-venv appworld-venv vllm-venv appworld demo demo-real lint test test-compat gpu-check gpu-wheels gpu-vllm-chunks gpu-model-chunks clean
 
 # .venv is this checkout's own thin virtualenv (this checkout installed editable) on top of the cached,
 # shared dependencies: `make test` and `make demo` run the checkout they are run in (tools/checkout_venv.sh).
@@ -78,6 +78,11 @@ gpu-check:
 
 gpu-wheels:
 	@bash tools/gpu_wheels.sh
+
+# The packaged SmolLM2's GGUF in two carry-sized parts (.model-chunks/), for the battery's real_model section;
+# tools/gpu_gguf_unpack.sh joins them on the GPU machine (its header has the two device calls).
+gpu-model-chunks:
+	@bash tools/gguf_chunks.sh
 
 # vLLM for the GPU machine (requirements/gpu-vllm.lock), in two chunks under .vllm-chunks/ that two
 # consecutive device calls carry and tools/gpu_vllm_unpack.sh reassembles there (its header has the calls).

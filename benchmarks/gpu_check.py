@@ -36,6 +36,7 @@ SECTIONS = {  # name -> (module, seconds allowed in GPU mode); the memory plan f
     "profile": ("benchmarks.gpu_battery.profile", 300),
     "zero3": ("benchmarks.gpu_battery.zero3", 240),
     "vllm": ("benchmarks.gpu_battery.vllm_generation", 420),
+    "real_model": ("benchmarks.gpu_battery.real_model", 420),
 }
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets")
 

