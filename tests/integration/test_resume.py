@@ -134,3 +134,37 @@ def test_a_run_killed_between_rounds_of_dynamic_sampling_resumes_exactly(instruc
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
     keys = ("reward_mean", "num_rollouts", "num_kept", "dynamic_sampling_rounds", "dynamic_sampling_extra_rollouts")
     assert [[m[k] for k in keys] for m in metrics(killed_dir)] == [[m[k] for k in keys] for m in expected]
+
+
+@pytest.fixture(scope="module")
+def overlapped(instruct_model, tmp_path_factory):
+    """``max_staleness: 1`` on a generator with weights of its own, 3 iterations: each batch but the first
+    collected during the previous update, by the previous policy."""
+    output = tmp_path_factory.mktemp("overlapped")
+    result = drive(instruct_model, output, *OVERLAPPED)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output
+
+
+OVERLAPPED = ("--max-staleness", "1", "--iterations", "3")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_in", ["rollouts", "update", "save"])
+def test_an_overlapped_run_killed_anywhere_resumes_to_the_same_weights(instruct_model, overlapped, tmp_path, kill_in):
+    """Killed while the next batch is collected, while the update that overlaps it runs, or while a checkpoint
+    is written: the checkpoint holds the batch that was in flight, and the resumed run trains on it."""
+    assert [m["policy_staleness"] for m in metrics(overlapped)] == [0.0, 1.0, 1.0]
+    assert (overlapped / "checkpoint-2" / "next_rollouts.pt").is_file()  # iteration 3's batch, sampled by policy 2
+    assert not (overlapped / "checkpoint-3" / "next_rollouts.pt").exists()  # the last iteration has no next
+    killed = drive(instruct_model, tmp_path, *OVERLAPPED, "--kill-in", kill_in, "--kill-at", "2")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]
+    assert (tmp_path / "checkpoint-1" / "next_rollouts.pt").is_file()  # the batch that was in flight
+    resumed = drive(instruct_model, tmp_path, *OVERLAPPED, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, got = final_weights(overlapped), final_weights(tmp_path)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+    keys = ("reward_mean", "num_kept", "optimizer_steps", "policy_staleness", "sampler_logprob_diff_max")
+    assert [[m[k] for k in keys] for m in metrics(tmp_path)] == [[m[k] for k in keys] for m in metrics(overlapped)]

@@ -1,7 +1,8 @@
 """A LOOP training process for the crash tests: ``python fault_driver.py MODEL_DIR OUTPUT_DIR
-[--kill-in rollouts|round|update|save --kill-at N] [--resume] [--dynamic-sampling-rounds R]``. It SIGKILLs
-itself at the named moment of iteration N (no clean-up of any kind runs; ``round``: as dynamic sampling's
-second collection round starts), then the test resumes it."""
+[--kill-in rollouts|round|update|save --kill-at N] [--resume] [--dynamic-sampling-rounds R] [--max-staleness 1]``.
+It SIGKILLs itself at the named moment of iteration N (no clean-up of any kind runs; ``round``: as dynamic
+sampling's second collection round starts), then the test resumes it. ``--max-staleness 1`` samples on a
+generator holding its own copy of the weights (tests/support/apart.py), overlapped with the update."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--dynamic-sampling-rounds", type=int, default=0)
     parser.add_argument("--rollouts-per-task", type=int, default=4)
+    parser.add_argument("--max-staleness", type=int, default=0)
     options = parser.parse_args()
 
     env = VaultEnv(num_tasks=16)
@@ -42,6 +44,7 @@ def main() -> None:
         tasks_per_iteration=4,
         rollouts_per_task=options.rollouts_per_task,
         dynamic_sampling_rounds=options.dynamic_sampling_rounds,
+        max_staleness=options.max_staleness,
         minibatch_size=8,
         max_turns=6,
         max_new_tokens_per_turn=4,
@@ -57,7 +60,16 @@ def main() -> None:
         viewer_rollouts_per_iteration=0,
         plot_curves=False,
     )
-    trainer = LOOPTrainer(model, env, args, processing_class=tokenizer)
+    backend = None
+    if options.max_staleness:
+        from apart import ApartBackend  # tests/support, on PYTHONPATH
+
+        from loop_trainer.chat import stop_token_ids
+
+        stop = stop_token_ids(model, tokenizer)
+        # one request at a time: its log-probs do not depend on what it is batched with (they weight the update)
+        backend = ApartBackend(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id, max_batch_size=1)
+    trainer = LOOPTrainer(model, env, args, processing_class=tokenizer, generation_backend=backend)
     at_kill_iteration = lambda: trainer.state.global_step + 1 == options.kill_at  # noqa: E731
 
     if options.kill_in == "rollouts":
@@ -73,10 +85,10 @@ def main() -> None:
     elif options.kill_in == "round":
         collect = trainer.collect_rollouts
 
-        def collect_rollouts(tasks, collection_round=0):
+        def collect_rollouts(tasks, collection_round=0, iteration=None):
             if at_kill_iteration() and collection_round == 1:
                 die()
-            return collect(tasks, collection_round)
+            return collect(tasks, collection_round, iteration=iteration)
 
         trainer.collect_rollouts = collect_rollouts
     elif options.kill_in == "update":

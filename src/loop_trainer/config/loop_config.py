@@ -112,6 +112,14 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
         "Truncated importance sampling: each token's objective times min(pi_old/pi_sampler, cap). None: off.",
         above(0, "each token's objective is weighted by min(pi_old/pi_sampler, cap); None: off", none=True),
     )
+    max_staleness: int = setting(
+        0,
+        "Overlapped iterations: 1 collects iteration i+1's rollouts with policy i while iteration i's update runs "
+        "(a generator apart from the trainer: a vLLM server, or a generation_backend holding its own weights). "
+        "The behaviour policy's log-probs "
+        "weight each token by min(pi_old/pi_sampler, sampler_importance_cap or 2). 0: synchronous, the paper's.",
+        between(0, 1, "iterations a batch's behaviour policy may lag the policy it trains (0: synchronous LOOP)"),
+    )
     dynamic_sampling_rounds: int = setting(
         0,
         "Dynamic sampling (DAPO): up to this many extra rounds of new tasks until the "
@@ -397,6 +405,16 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
             value = getattr(self, name)
             if getattr(value, "value", value) not in choices:  # LOOP's loop has iterations, no epochs or eval loss
                 raise ValueError(f"LOOPConfig: {name} must be one of {', '.join(choices)}, got {value!r}")
+        if self.max_staleness and self.use_vllm and self.vllm_mode == "colocate":
+            raise ValueError(
+                "LOOPConfig: max_staleness overlaps the next collection with the update, and a colocated vLLM engine "
+                "shares the training GPU: set vllm_mode: server (a vLLM server on GPUs of its own), or max_staleness: 0"
+            )
+        if self.max_staleness and self.dynamic_sampling_rounds:
+            raise ValueError(
+                "LOOPConfig: max_staleness collects the next iteration ahead, and dynamic_sampling_rounds decides "
+                "its rounds from the rewards of this one: set one of them to 0"
+            )
         if self.activation_offloading and (self.use_cpu or not torch.cuda.is_available()):
             raise ValueError(
                 "LOOPConfig: activation_offloading moves the update's saved activations from the GPU to CPU memory, "

@@ -23,7 +23,7 @@ import torch
 
 from .backend import COMPILE_NEEDS_STATIC, GenerationBackend, TransformersBackend
 from .merged_adapter import MergedAdapter, MergedAdapterError
-from .vllm_backend import VLLMBackend, build_colocated_llm, sleep_mode_available
+from .vllm_backend import VLLMBackend, WeightLoadable, build_colocated_llm, sleep_mode_available
 from .vllm_server import GeneratorServerError, VLLMServerBackend
 from .weight_sync import WeightSync, default_tolerance, probe_token_ids
 
@@ -186,9 +186,15 @@ def build_generator(
     custom_backend: GenerationBackend | None = None,
 ) -> RolloutGenerator:
     """The run's generator: ``custom_backend`` if given, else vLLM (``use_vllm``), else the
-    training model itself."""
+    training model itself. A ``custom_backend`` with ``holds_own_weights = True`` samples from a copy
+    of the policy of its own (another process, device or machine) and implements
+    :class:`~loop_trainer.rollout.vllm_backend.WeightLoadable`: it gets the trainer's weights every
+    iteration, checked on the probe, as a vLLM engine does."""
     if custom_backend is not None:
-        return RolloutGenerator(custom_backend, owns_backend=False)
+        if not getattr(custom_backend, "holds_own_weights", False):
+            return RolloutGenerator(custom_backend, owns_backend=False)
+        sync = _checked_sync(args, model, cast(WeightLoadable, custom_backend), tokenizer, probe_scorer, None)
+        return RolloutGenerator(custom_backend, weight_sync=sync, owns_backend=False)
     if args.compile_decode_step and not args.static_decode:
         raise GeneratorConfigError(COMPILE_NEEDS_STATIC)
     if not args.use_vllm:
@@ -274,10 +280,23 @@ def build_generator(
         dtype = getattr(torch, dtype_name)
     else:
         raise GeneratorConfigError(f"vllm_mode={args.vllm_mode!r}: use colocate or server")
-    tolerance = args.vllm_sync_tolerance
-    if tolerance is None:
-        tolerance = default_tolerance(dtype)
-    probe = probe_token_ids(len(tokenizer), args.vllm_probe_tokens, avoid=set(tokenizer.all_special_ids))
-    weight_sync = WeightSync(model, backend, probe_scorer, probe, tolerance if tolerance >= 0 else None)
+    weight_sync = _checked_sync(args, model, backend, tokenizer, probe_scorer, dtype)
     barrier()
     return RolloutGenerator(backend, weight_sync=weight_sync)
+
+
+def _checked_sync(
+    args: Any,
+    model: torch.nn.Module,
+    backend: WeightLoadable,
+    tokenizer: Any,
+    probe_scorer: ProbeScorer,
+    dtype: torch.dtype | None,
+) -> WeightSync:
+    """The weight sync into ``backend``, with the probe check at ``vllm_sync_tolerance`` (default: by
+    ``dtype``, the generator's; None: the training model's)."""
+    tolerance = args.vllm_sync_tolerance
+    if tolerance is None:
+        tolerance = default_tolerance(dtype or next(model.parameters()).dtype)
+    probe = probe_token_ids(len(tokenizer), args.vllm_probe_tokens, avoid=set(tokenizer.all_special_ids))
+    return WeightSync(model, backend, probe_scorer, probe, tolerance if tolerance >= 0 else None)

@@ -69,6 +69,7 @@ RESUME_SETTINGS = (
     "sampler_importance_cap",
     "dynamic_sampling_rounds",
     "balance_tasks_by",
+    "max_staleness",
     "per_device_train_batch_size",
     "max_grad_norm",
     "bf16",

@@ -55,8 +55,9 @@ from .activation_checkpointing import (
 from .batching import TrainingSample
 from .checkpoints import CheckpointStager, read_loop_state
 from .distribution import DistributionStrategy, check_launch, check_sampling_with_training_model
-from .dynamic_sampling import collect_scored, score_rollouts
+from .dynamic_sampling import ScoredRollouts, collect_scored, score_rollouts
 from .model_loading import load_policy
+from .overlap import OverlappedRollouts, check_overlap
 from .resume import apply_setting_changes, plan_start
 from .rollout_resources import RolloutResources
 from .run_log import LOOPPrinterCallback, LOOPProgressCallback, RunLog
@@ -178,6 +179,9 @@ class LOOPTrainer(TrainerSampling):
         self._custom_backend = generation_backend
         if generation_backend is None and not use_vllm:
             check_sampling_with_training_model(self.accelerator)
+        if args.max_staleness:
+            check_overlap(generation_backend, use_vllm, self.accelerator.num_processes)
+        self.overlap = OverlappedRollouts()
         self.rollout_resources = RolloutResources(
             env,
             self.formatter,
@@ -251,6 +255,7 @@ class LOOPTrainer(TrainerSampling):
             if not any(key == "balance_tasks_by" for key, _, _ in self._resume_changes):  # else another sampler's
                 self.task_sampler.load_state_dict(state["task_sampler"])
             self.run_log.start(state["history"])
+            self.overlap.load(resume_from_checkpoint)  # max_staleness: the batch that was in flight
             apply_setting_changes(
                 self._resume_changes,
                 self.args,
@@ -359,24 +364,14 @@ class LOOPTrainer(TrainerSampling):
         iteration = self.state.global_step  # 0-based: the iteration being trained
         if self.trl_route and isinstance(self.env, TRLAgentEnvironment):
             self.env.trainer_state = self.state  # TRL's reward functions get trainer_state
+        ahead = self.overlap.take(iteration)  # max_staleness: collected during the last update, by its policy
         synced = self.generator.sync(iteration)
-
-        def collect_round(round_index: int, num_tasks: int) -> RolloutBatch:
-            tasks = [self.train_dataset[i] for i in self.task_sampler.next(num_tasks)]
-            return self.collect_rollouts(tasks, round_index)
-
-        scored = collect_scored(
-            collect_round,
-            functools.partial(
-                score_rollouts,
-                estimator=args.advantage_estimator,
-                std_normalize=args.std_normalize_advantages,
-                threshold=args.advantage_threshold,
-            ),
-            groups_wanted=args.tasks_per_iteration,
-            extra_rounds=args.dynamic_sampling_rounds,
-        )
-        self.generator.sleep()
+        scored = ahead if ahead is not None else self._collect_scored(iteration)
+        if args.max_staleness and iteration + 1 < args.iterations:  # the next batch, by this policy
+            tasks = [self.train_dataset[i] for i in self.task_sampler.next(args.tasks_per_iteration)]
+            self.overlap.start(iteration + 1, functools.partial(self._collect_scored, iteration + 1, tasks))
+        else:
+            self.generator.sleep()
         batch, advantages = scored.batch, scored.advantages
         trajectories = batch.trajectories
         assert args.max_training_tokens is not None  # LOOPConfig.__post_init__ sets it
@@ -390,6 +385,7 @@ class LOOPTrainer(TrainerSampling):
             **scored.metrics,
             **training_check_rates(self.env, batch),
             **synced,
+            "policy_staleness": float(ahead is not None),
             "num_kept": len(samples),
             "kept_fraction": len(samples) / len(trajectories) if trajectories else 0.0,
             "truncated_for_training": sum(s.truncated for s in samples),
@@ -408,6 +404,27 @@ class LOOPTrainer(TrainerSampling):
         self.state.num_input_tokens_seen += record["tokens"]
         self.run_log.rollouts(iteration + 1, batch, dict(zip(map(id, trajectories), advantages.tolist(), strict=True)))
         return record
+
+    def _collect_scored(self, iteration: int, tasks: list[Any] | None = None) -> ScoredRollouts:
+        """Iteration ``iteration``'s rollouts, scored: of ``tasks`` (drawn ahead, with ``max_staleness``), or
+        of tasks drawn now, in as many rounds as dynamic sampling takes."""
+        args = self.args
+
+        def collect_round(round_index: int, num_tasks: int) -> RolloutBatch:
+            drawn = tasks if tasks is not None else [self.train_dataset[i] for i in self.task_sampler.next(num_tasks)]
+            return self.collect_rollouts(drawn, round_index, iteration=iteration)
+
+        return collect_scored(
+            collect_round,
+            functools.partial(
+                score_rollouts,
+                estimator=args.advantage_estimator,
+                std_normalize=args.std_normalize_advantages,
+                threshold=args.advantage_threshold,
+            ),
+            groups_wanted=args.tasks_per_iteration,
+            extra_rounds=args.dynamic_sampling_rounds,
+        )
 
     def update_policy(self, samples: list[TrainingSample]) -> dict[str, float]:
         """The policy update of the current iteration on ``samples`` (see :class:`PolicyUpdate`)."""

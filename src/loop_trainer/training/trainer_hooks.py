@@ -17,12 +17,13 @@ from typing import Any
 import torch
 from datasets import Dataset
 from transformers import PreTrainedModel, Trainer
-from transformers.trainer_utils import HubStrategy
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy
 
 from ..config import LOOPConfig
 from ..envs.base import Environment
 from ..publishing.publisher import HubPublisher
 from .checkpoints import CheckpointStager
+from .overlap import OverlappedRollouts
 from .resume import resume_settings
 from .run_log import RunLog
 from .sampler import BalancedTaskSampler, TaskSampler
@@ -50,6 +51,8 @@ class TrainerHooks(Trainer):
     "new", "from_iteration"}``; kept in every later checkpoint."""
 
     run_log: RunLog
+    overlap: OverlappedRollouts
+    """``max_staleness``: the next iteration's rollouts, collected during this one's update."""
 
     # --- Checkpoints ---
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -69,8 +72,10 @@ class TrainerHooks(Trainer):
             self.state.global_step,
             loop_state,
             on_published=self._push_published_checkpoint,
-        ):
+        ) as staging:
             super()._save_checkpoint(model, trial)
+            if self.is_world_process_zero():  # max_staleness: the batch in flight belongs to the checkpoint
+                self.overlap.save(Path(staging) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
 
     def resume_settings(self) -> dict[str, Any]:
         """The settings an exact resume depends on, as recorded in every checkpoint (:mod:`.resume`)."""

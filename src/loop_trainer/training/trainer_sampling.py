@@ -68,6 +68,7 @@ class TrainerSampling(TrainerHooks):
         """Release what the trainer opened: rollout thread pools, the generator (a vLLM engine, its
         temporary files). The environment is its creator's to close. Safe to call twice; anything
         used afterwards is opened again."""
+        self.overlap.close()  # a collection in flight finishes first: it uses the generator
         self.rollout_resources.close()
 
     def __enter__(self) -> Self:
@@ -77,11 +78,14 @@ class TrainerSampling(TrainerHooks):
         self.close()
 
     # --- Rollouts ---
-    def collect_rollouts(self, tasks: list[Mapping[str, Any]], collection_round: int = 0) -> RolloutBatch:
+    def collect_rollouts(
+        self, tasks: list[Mapping[str, Any]], collection_round: int = 0, iteration: int | None = None
+    ) -> RolloutBatch:
         """Every process runs the episodes of its share of the tasks; all then see all results.
-        ``collection_round``: the iteration's round of dynamic sampling (0: its first, LOOP's only)."""
+        ``collection_round``: the iteration's round of dynamic sampling (0: its first, LOOP's only).
+        ``iteration`` (0-based; default: the one being trained): whose seed and label the rollouts get."""
         args = self.args
-        step = self.state.global_step
+        step = self.state.global_step if iteration is None else iteration
         seed = mix_seed(args.seed, step) if collection_round == 0 else mix_seed(args.seed, step, collection_round)
         return collect_across_processes(
             self.rollout_engine,
@@ -107,6 +111,7 @@ class TrainerSampling(TrainerHooks):
         split = split or args.eval_split
         if split is None:
             raise ValueError("LOOPTrainer.evaluate_policy(): give a split, or set args.eval_split")
+        self.overlap.wait()  # max_staleness: the next batch is sampled by the policy before this sync
         synced = self.generator.sync(step)  # the generator samples the policy being evaluated
         result = self.evaluator.run(
             split,

@@ -35,6 +35,23 @@ from .logprobs import token_logprobs, token_logprobs_and_entropy
 logger = logging.getLogger(__name__)
 
 
+STALE_IMPORTANCE_CAP = 2.0
+"""The cap of the behaviour-policy weights when ``max_staleness`` > 0 and ``sampler_importance_cap`` is unset."""
+
+
+def importance_cap(sampler_importance_cap: float | None, max_staleness: int) -> float | None:
+    """The cap :func:`~loop_trainer.stabilisers.truncated_importance_weights` uses, or None (no weights).
+
+    With ``max_staleness`` > 0 the rollouts of iteration i were sampled by policy i-1 (the behaviour
+    policy) and are trained at iteration i, whose policy before the update (pi_old, the trainer's
+    log-probs) is the clip's proximal policy: decoupled PPO (Hilton et al. 2021, arXiv 2110.00641).
+    Each token's objective is then weighted by min(pi_old / pi_behaviour, C), always, with C =
+    ``sampler_importance_cap`` or :data:`STALE_IMPORTANCE_CAP`."""
+    if max_staleness > 0 and sampler_importance_cap is None:
+        return STALE_IMPORTANCE_CAP
+    return sampler_importance_cap
+
+
 @dataclass(frozen=True)
 class FixedLogprobs:
     """Per-sample token log-probs held fixed through one iteration's update, keyed by sample index
@@ -74,7 +91,7 @@ class UpdateSettings:
             ratio_level=cast(RatioLevel, args.ratio_level),  # LOOPConfig checked it is one
             beta=args.beta,
             epsilon_high=args.epsilon_high,
-            sampler_importance_cap=args.sampler_importance_cap,
+            sampler_importance_cap=importance_cap(args.sampler_importance_cap, args.max_staleness),
         )
 
 

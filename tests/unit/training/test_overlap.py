@@ -1,0 +1,170 @@
+"""Overlapped iterations (``max_staleness: 1``): the next batch is sampled by the current policy on a generator
+holding weights of its own while the update runs; the update weights each token toward that behaviour policy;
+the key is refused where it cannot apply. (Exact resume over the schedule: tests/integration/test_resume.py.)"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+from trl.trainer.utils import add_fused_lm_head
+
+from loop_trainer import LOOPConfig, LOOPTrainer
+from loop_trainer.chat import stop_token_ids
+from loop_trainer.training.batching import collate
+from loop_trainer.training.update import STALE_IMPORTANCE_CAP, PolicyUpdate, UpdateSettings, importance_cap
+from support.apart import ApartBackend
+from support.updates import policy_update, samples_for
+from unit.test_stabilisers import brute_force_loss
+
+
+def config(tmp_path, **keys):
+    base = {
+        "output_dir": str(tmp_path / "run"),
+        "iterations": 3,
+        "tasks_per_iteration": 2,
+        "rollouts_per_task": 4,
+        "minibatch_size": 8,
+        "max_turns": 4,
+        "max_new_tokens_per_turn": 4,
+        "max_trajectory_tokens": 256,
+        "learning_rate": 3e-3,
+        "use_cpu": True,
+        "bf16": False,
+        "report_to": "none",
+        "save_strategy": "no",
+        "plot_curves": False,
+        "disable_tqdm": True,
+        "memory_stress_test": False,
+        "viewer_rollouts_per_iteration": 0,
+    }
+    return LOOPConfig(**{**base, **keys})
+
+
+def test_the_next_batch_is_sampled_by_this_policy_while_this_update_runs(vault_tiny, tmp_path, monkeypatch):
+    env, model, tok = vault_tiny
+    backend = ApartBackend(model, stop_token_ids=stop_token_ids(model, tok), pad_token_id=tok.pad_token_id)
+    trainer = LOOPTrainer(
+        model, env, config(tmp_path, max_staleness=1), processing_class=tok, generation_backend=backend
+    )
+    events: list[tuple[str, int, float, str]] = []  # (what, iteration, time, thread)
+    pushes: list[int] = []  # how many weight pushes had happened when each collection started
+    collect, load = trainer.collect_rollouts, backend.load_weights
+
+    def collect_rollouts(tasks, collection_round=0, iteration=None):
+        events.append(("collect", iteration, time.perf_counter(), threading.current_thread().name))
+        pushes.append(len(loaded))
+        return collect(tasks, collection_round, iteration=iteration)
+
+    loaded: list[float] = []
+
+    def load_weights(weights):
+        loaded.append(time.perf_counter())
+        load(weights)
+
+    trainer.collect_rollouts, backend.load_weights = collect_rollouts, load_weights
+    call = PolicyUpdate.__call__
+
+    def timed(update, samples, iteration):
+        events.append(("update starts", iteration, time.perf_counter(), threading.current_thread().name))
+        try:
+            return call(update, samples, iteration)
+        finally:
+            events.append(("update ends", iteration, time.perf_counter(), threading.current_thread().name))
+
+    monkeypatch.setattr(PolicyUpdate, "__call__", timed)
+    trainer.train()
+    at = {(what, i): (t, thread) for what, i, t, thread in events}
+    assert [r["policy_staleness"] for r in trainer.history] == [0.0, 1.0, 1.0]
+    for i in (1, 2):  # iteration i's batch: collected on another thread, during iteration i-1's update
+        started, thread = at[("collect", i)]
+        assert thread.startswith("loop-next-rollouts") and at[("update ends", i - 1)][0] > started
+    assert pushes == [1, 1, 2]  # each batch after exactly one push per iteration before it: by the policy before
+    assert all(r["weight_sync_logprob_diff_max"] < 1e-5 for r in trainer.history)
+    stale = trainer.history[1:]
+    assert all(r["sampler_logprob_diff_max"] > 1e-4 for r in stale if r["optimizer_steps"])  # one policy behind
+    assert all("importance_capped_fraction" in r for r in trainer.history)
+
+
+def test_the_stale_batch_trains_on_decoupled_ppo_against_a_brute_force(vault_tiny):
+    """pi_old (the trainer's log-probs before the update) is the clip's proximal policy; each token is weighted
+    by min(pi_old / pi_behaviour, 2) toward the behaviour policy that sampled it (the sampler's log-probs)."""
+    _, model, tok = vault_tiny
+    add_fused_lm_head(model)
+    samples = samples_for(tok)
+    update, _ = policy_update(model, tok.pad_token_id, sampler_importance_cap=importance_cap(None, 1))
+    fixed, _ = update.fixed_logprobs(samples)
+    behaviour = torch.Generator().manual_seed(0)
+    for i, sample in enumerate(samples):  # the sampler's log-probs: an older policy's, within +-1.5 of pi_old's
+        noise = (torch.rand(len(sample.token_ids), generator=behaviour, dtype=torch.float64) * 3 - 1.5).tolist()
+        sample.sampler_logprobs = [
+            float(lp) + n if m else 0.0 for lp, n, m in zip(fixed.old[i].tolist(), noise, sample.loss_mask, strict=True)
+        ]
+    batch = collate(samples, tok.pad_token_id)
+    old = torch.zeros_like(batch.sampler_logprobs, dtype=torch.float64)
+    for i, logprobs in fixed.old.items():
+        old[i, : logprobs.numel()] = logprobs.double()
+    mask = batch.loss_mask.double()
+    sampler = batch.sampler_logprobs.double()
+    weights = torch.where(mask.bool(), torch.clamp(torch.exp(old - sampler), max=STALE_IMPORTANCE_CAP), 1.0)
+    assert weights[mask.bool()].min() < 1 < STALE_IMPORTANCE_CAP == weights[mask.bool()].max()  # both sides, capped
+    minibatch = [0, 1]
+    step = update.minibatch_step(samples, fixed, minibatch)
+    assert step is not None
+    # the first step: the policy is still pi_old, so each ratio is 1 (a ratio toward the sampler would not be)
+    rows = torch.tensor(minibatch)
+    expected = brute_force_loss(
+        old[rows].tolist(),
+        old[rows].tolist(),
+        batch.advantages[rows].tolist(),
+        mask[rows].tolist(),
+        0.1,
+        2,
+        weights=weights[rows].tolist(),
+    )
+    assert step.loss == pytest.approx(expected, rel=1e-4)
+    assert step.ratio_mean == pytest.approx(1.0, abs=1e-5)
+    assert step.capped_fraction == pytest.approx(
+        float(((old - sampler)[rows][mask[rows].bool()] > math.log(2)).double().mean())
+    )
+
+
+def test_the_cap_defaults_to_two_with_staleness_and_is_the_keys_otherwise(tmp_path):
+    server = {"use_vllm": True, "vllm_mode": "server"}
+    assert UpdateSettings.from_args(config(tmp_path, max_staleness=1, **server), 0).sampler_importance_cap == 2.0
+    capped = config(tmp_path, max_staleness=1, sampler_importance_cap=5.0, **server)
+    assert UpdateSettings.from_args(capped, 0).sampler_importance_cap == 5.0
+    assert UpdateSettings.from_args(config(tmp_path), 0).sampler_importance_cap is None  # LOOP: no weights
+
+
+def test_max_staleness_is_refused_in_one_line_where_it_cannot_apply(vault_tiny, tmp_path):
+    env, model, tok = vault_tiny
+    cases = [
+        (
+            {"max_staleness": 1, "use_vllm": True, "vllm_mode": "colocate"},
+            "colocated vLLM engine shares the training GPU",
+        ),
+        (
+            {"max_staleness": 1, "use_vllm": True, "vllm_mode": "server", "dynamic_sampling_rounds": 2},
+            "set one of them to 0",
+        ),
+        ({"max_staleness": 2}, "max_staleness"),
+    ]
+    for keys, message in cases:
+        with pytest.raises(ValueError, match=message) as error:
+            config(tmp_path, **keys)
+        assert "\n" not in str(error.value)
+    stale = config(tmp_path, max_staleness=1)
+    with pytest.raises(ValueError, match="samples with the training model itself") as error:
+        LOOPTrainer(model, env, stale, processing_class=tok)
+    assert "\n" not in str(error.value) and "max_staleness: 0" in str(error.value)
+    with pytest.raises(ValueError, match="has no holds_own_weights"):
+        LOOPTrainer(model, env, stale, processing_class=tok, generation_backend=_PlainBackend())
+
+
+class _PlainBackend:
+    async def generate(self, prompt_ids, max_new_tokens, seed=None):
+        raise AssertionError("never sampled")
