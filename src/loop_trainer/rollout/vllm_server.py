@@ -217,13 +217,18 @@ class VLLMServerBackend:
         shutil.rmtree(target, ignore_errors=True)
         target.mkdir(parents=True)
         shard: dict[str, torch.Tensor] = {}
+        storages: set[int] = set()  # of the shard's tensors: safetensors refuses two that share memory
         size = index = 0
         for name, tensor in weights:
             tensor_bytes = tensor.numel() * tensor.element_size()
             if shard and size + tensor_bytes > self.shard_bytes:  # this tensor would overfill it
                 save_file(shard, str(target / f"part-{index:05d}.safetensors"))
-                shard, size, index = {}, 0, index + 1
-            shard[name] = tensor.detach().contiguous().cpu()
+                shard, storages, size, index = {}, set(), 0, index + 1
+            local = tensor.detach().contiguous().cpu()
+            if local.untyped_storage().data_ptr() in storages:  # a tied weight (lm_head is the embedding)
+                local = local.clone()
+            storages.add(local.untyped_storage().data_ptr())
+            shard[name] = local
             size += tensor_bytes
         if shard:
             save_file(shard, str(target / f"part-{index:05d}.safetensors"))

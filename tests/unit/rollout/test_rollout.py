@@ -626,6 +626,22 @@ def test_server_weight_shards_are_at_most_shard_bytes(fake_vllm_server, tmp_path
     assert json.loads((tmp_path / "weights" / "loop_weights.json").read_text()) == {"shards": 4}
 
 
+def test_server_weight_shards_hold_tied_weights_each_as_its_own_tensor(fake_vllm_server, tmp_path):
+    """A tied head is sent as well as the embedding it shares memory with (layerwise_weights does so for
+    vLLM): safetensors refuses two tensors sharing memory in one file, so the shard holds a copy."""
+    from safetensors.torch import load_file
+
+    embedding = torch.arange(12.0).reshape(4, 3)
+    weights = [("model.embed_tokens.weight", embedding), ("lm_head.weight", embedding), ("norm.weight", torch.ones(3))]
+    with VLLMServerBackend(fake_vllm_server, stop_token_ids=[9], sync_dir=str(tmp_path)) as backend:
+        backend.load_weights(iter(weights))
+    (shard,) = [load_file(path) for path in (tmp_path / "weights").glob("part-*.safetensors")]
+    assert torch.equal(shard["lm_head.weight"], embedding) and torch.equal(
+        shard["model.embed_tokens.weight"], embedding
+    )
+    assert embedding.untyped_storage().data_ptr() != shard["lm_head.weight"].untyped_storage().data_ptr()
+
+
 def test_weight_sync_removes_its_temporary_directory_on_close(tmp_path):
     model = torch.nn.Linear(2, 2)
     with WeightSync(model, object(), lambda ids: torch.zeros(len(ids) - 1), [1, 2], tolerance=None) as sync:
