@@ -45,6 +45,14 @@ def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(output_dir / "final" / "model.safetensors")
 
 
+def assert_same_weights(expected: Path, got: Path) -> None:
+    """The final weights of two runs, to 1e-6."""
+    want, have = final_weights(expected), final_weights(got)
+    assert want.keys() == have.keys()
+    for name in want:
+        torch.testing.assert_close(have[name], want[name], rtol=0, atol=1e-6, msg=name)
+
+
 def metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -72,10 +80,7 @@ def test_a_killed_run_resumes_to_the_same_weights(instruct_model, uninterrupted,
     resumed = drive(instruct_model, tmp_path, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
-    expected, got = final_weights(uninterrupted), final_weights(tmp_path)
-    assert expected.keys() == got.keys()
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+    assert_same_weights(uninterrupted, tmp_path)
     before, after = metrics(uninterrupted), metrics(tmp_path)
     assert [m["iteration"] for m in after] == [1, 2, 3, 4]  # continuous, nothing doubled
     for a, b in zip(before, after, strict=True):
@@ -94,9 +99,7 @@ def test_a_killed_run_resumes_to_the_same_weights(instruct_model, uninterrupted,
 def test_two_uninterrupted_runs_of_one_seed_agree(instruct_model, uninterrupted, tmp_path):
     result = drive(instruct_model, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    expected, got = final_weights(uninterrupted), final_weights(tmp_path)
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+    assert_same_weights(uninterrupted, tmp_path)
     assert any(m["optimizer_steps"] > 0 for m in metrics(tmp_path))  # the weights really moved
 
 
@@ -109,9 +112,7 @@ def test_a_run_killed_twice_still_ends_where_it_would_have(instruct_model, unint
     assert second.returncode == -signal.SIGKILL, second.stderr[-3000:]
     last = drive(instruct_model, tmp_path, "--resume")
     assert last.returncode == 0, last.stderr[-3000:]
-    expected, got = final_weights(uninterrupted), final_weights(tmp_path)
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+    assert_same_weights(uninterrupted, tmp_path)
     assert [m["reward_mean"] for m in metrics(tmp_path)] == [m["reward_mean"] for m in metrics(uninterrupted)]
 
 
@@ -129,9 +130,7 @@ def test_a_run_killed_between_rounds_of_dynamic_sampling_resumes_exactly(instruc
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     resumed = drive(instruct_model, killed_dir, *options, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    want, got = final_weights(straight), final_weights(killed_dir)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
+    assert_same_weights(straight, killed_dir)
     keys = ("reward_mean", "num_rollouts", "num_kept", "dynamic_sampling_rounds", "dynamic_sampling_extra_rollouts")
     assert [[m[k] for k in keys] for m in metrics(killed_dir)] == [[m[k] for k in keys] for m in expected]
 
@@ -163,8 +162,6 @@ def test_an_overlapped_run_killed_anywhere_resumes_to_the_same_weights(instruct_
     assert (tmp_path / "checkpoint-1" / "next_rollouts.pt").is_file()  # the batch that was in flight
     resumed = drive(instruct_model, tmp_path, *OVERLAPPED, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    expected, got = final_weights(overlapped), final_weights(tmp_path)
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+    assert_same_weights(overlapped, tmp_path)
     keys = ("reward_mean", "num_kept", "optimizer_steps", "policy_staleness", "sampler_logprob_diff_max")
     assert [[m[k] for k in keys] for m in metrics(tmp_path)] == [[m[k] for k in keys] for m in metrics(overlapped)]

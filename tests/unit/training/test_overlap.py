@@ -12,36 +12,21 @@ import pytest
 import torch
 from trl.trainer.utils import add_fused_lm_head
 
-from loop_trainer import LOOPConfig, LOOPTrainer
+from loop_trainer import LOOPTrainer
 from loop_trainer.chat import stop_token_ids
 from loop_trainer.training.batching import collate
 from loop_trainer.training.update import STALE_IMPORTANCE_CAP, PolicyUpdate, UpdateSettings, importance_cap
 from support.apart import ApartBackend
 from support.updates import policy_update, samples_for
 from unit.test_stabilisers import brute_force_loss
+from unit.training.test_trainer import tiny_args
 
 
 def config(tmp_path, **keys):
-    base = {
-        "output_dir": str(tmp_path / "run"),
-        "iterations": 3,
-        "tasks_per_iteration": 2,
-        "rollouts_per_task": 4,
-        "minibatch_size": 8,
-        "max_turns": 4,
-        "max_new_tokens_per_turn": 4,
-        "max_trajectory_tokens": 256,
-        "learning_rate": 3e-3,
-        "use_cpu": True,
-        "bf16": False,
-        "report_to": "none",
-        "save_strategy": "no",
-        "plot_curves": False,
-        "disable_tqdm": True,
-        "memory_stress_test": False,
-        "viewer_rollouts_per_iteration": 0,
-    }
-    return LOOPConfig(**{**base, **keys})
+    """test_trainer's tiny run, 3 iterations of 2 tasks, with nothing written but metrics."""
+    quiet = {"save_strategy": "no", "plot_curves": False, "memory_stress_test": False, "report_to": "none"}
+    quiet |= {"viewer_rollouts_per_iteration": 0, "use_cpu": True, "bf16": False}
+    return tiny_args(tmp_path, iterations=3, tasks_per_iteration=2, **{**quiet, **keys})
 
 
 def test_the_next_batch_is_sampled_by_this_policy_while_this_update_runs(vault_tiny, tmp_path, monkeypatch):
