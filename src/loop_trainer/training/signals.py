@@ -49,13 +49,16 @@ SUCCESS_SEEN = 0.05
 TRUNCATED_LIMIT = 0.8
 TRUNCATED_START = 0.4
 
-ADVICE = {
-    "entropy": "try epsilon_high (clip-higher, e.g. 0.28 with epsilon 0.2) or a lower learning_rate",
-    "tied": "try dynamic_sampling_rounds (e.g. 2), more rollouts_per_task, balance_tasks_by (when tasks of one "
-    "kind fill an iteration), or more varied tasks",
-    "success": "try a lower learning_rate, or beta > 0 (a KL penalty to the base model; LoRA only)",
-    "ending": "try a lower learning_rate, or beta > 0 (a KL penalty to the base model; LoRA only); check that "
-    "finishing an episode is rewarded at least as well as running out of turns",
+LOWER_STEP = "try a lower learning_rate, or beta > 0 (a KL penalty to the base model; LoRA only)"
+# each signature's advice, clause by clause: two signatures that share a clause print it once
+ADVICE: dict[str, tuple[str, ...]] = {
+    "entropy": ("try epsilon_high (clip-higher, e.g. 0.28 with epsilon 0.2) or a lower learning_rate",),
+    "tied": (
+        "try dynamic_sampling_rounds (e.g. 2), more rollouts_per_task, balance_tasks_by (when tasks of one "
+        "kind fill an iteration), or more varied tasks",
+    ),
+    "success": (LOWER_STEP,),
+    "ending": (LOWER_STEP, "check that finishing an episode is rewarded at least as well as running out of turns"),
 }
 
 
@@ -71,6 +74,11 @@ def training_check_rates(env: Environment, batch: RolloutBatch) -> dict[str, flo
 def _value(record: Mapping[str, Any], key: str) -> float:
     value = record.get(key)
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else math.nan
+
+
+def _at_least(fraction: float) -> str:
+    """The lowest fraction over the window as a floor ("81%+"), or "100%" when it never fell below all."""
+    return "100%" if fraction >= 1.0 else f"{fraction:.0%}+"
 
 
 def collapse_signatures(history: Sequence[Mapping[str, Any]]) -> dict[str, str]:
@@ -98,7 +106,7 @@ def collapse_signatures(history: Sequence[Mapping[str, Any]]) -> dict[str, str]:
             )
     tied = [_value(h, "tied_group_fraction") for h in recent]
     if all(t >= TIED_LIMIT for t in tied) and not recent_success >= SOLVED:  # NaN compares False
-        found["tied"] = f"{min(tied):.0%}+ of task groups tied (all rewards equal) for {PATIENCE} iterations"
+        found["tied"] = f"{_at_least(min(tied))} of task groups tied (all rewards equal) for {PATIENCE} iterations"
     earlier = successes[:-PATIENCE]
     windows = [statistics.fmean(earlier[i : i + PATIENCE]) for i in range(len(earlier) - PATIENCE + 1)]
     best = max((w for w in windows if not math.isnan(w)), default=0.0)
@@ -108,7 +116,7 @@ def collapse_signatures(history: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     start = statistics.fmean(truncated[:PATIENCE])
     if start <= TRUNCATED_START and all(t >= TRUNCATED_LIMIT for t in truncated[-PATIENCE:]):
         found["ending"] = (
-            f"{min(truncated[-PATIENCE:]):.0%}+ of episodes ended by a limit (max_turns, the trajectory budget) "
+            f"{_at_least(min(truncated[-PATIENCE:]))} of episodes ended by a limit (max_turns, the trajectory budget) "
             f"for {PATIENCE} iterations, {start:.0%} at the start"
         )
     return found
@@ -121,7 +129,7 @@ def collapse_warning(history: Sequence[Mapping[str, Any]]) -> str | None:
     new = [kind for kind in now if kind not in before]
     if not new:
         return None
-    advice = "; ".join(dict.fromkeys(ADVICE[kind] for kind in new))
+    advice = "; ".join(dict.fromkeys(clause for kind in new for clause in ADVICE[kind]))
     iteration = history[-1].get("iteration", len(history))
     signs = "; ".join(now[kind] for kind in new)
     advice = advice[0].upper() + advice[1:]

@@ -208,6 +208,19 @@ def test_episodes_that_stop_ending_warn():
     assert warnings_of(records) == []
 
 
+def test_signatures_that_start_together_give_each_piece_of_advice_once():
+    # the demo's seed 2 through a vLLM server (benchmarks/results/overlap-curves): solving 3 of 4 tasks,
+    # then never submitting -- success lost and every episode ended by max_turns in the same iteration
+    success = [0.2, 0.3, 0.4, 0.8, 0.8, 0.7, 0.0, 0.0, 0.0]
+    records = history([1.0] * 9, [0.1] * 9, success)
+    for record, truncated in zip(records, [0.0] * 6 + [1.0] * 3, strict=True):
+        record["truncated_fraction"] = truncated
+    (iteration, text), *more = warnings_of(records)
+    assert iteration == 9 and more == []
+    assert "success rate 0 for 3 iterations" in text and "100% of episodes ended by a limit" in text
+    assert text.count("lower learning_rate") == 1 and "finishing an episode is rewarded" in text
+
+
 def test_console_line_and_curve_show_the_signals(tmp_path):
     record = {"reward_mean": 0.5, "reward_std": 0.1, "tied_group_fraction": 0.25, "entropy": 0.4321}
     line = format_iteration(3, record)
