@@ -149,10 +149,11 @@ OVERLAPPED = ("--max-staleness", "1", "--iterations", "3")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kill_in", ["rollouts", "update", "save"])
+@pytest.mark.parametrize("kill_in", ["rollouts", "collected", "update", "save"])
 def test_an_overlapped_run_killed_anywhere_resumes_to_the_same_weights(instruct_model, overlapped, tmp_path, kill_in):
-    """Killed while the next batch is collected, while the update that overlaps it runs, or while a checkpoint
-    is written: the checkpoint holds the batch that was in flight, and the resumed run trains on it."""
+    """Killed while the next batch is collected, between that collection's end and the update on it, while the
+    update that overlaps the following collection runs, or while a checkpoint is written: the checkpoint holds
+    the batch that was in flight, and the resumed run trains on it."""
     assert [m["policy_staleness"] for m in metrics(overlapped)] == [0.0, 1.0, 1.0]
     assert (overlapped / "checkpoint-2" / "next_rollouts.pt").is_file()  # iteration 3's batch, sampled by policy 2
     assert not (overlapped / "checkpoint-3" / "next_rollouts.pt").exists()  # the last iteration has no next

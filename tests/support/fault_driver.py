@@ -1,7 +1,9 @@
 """A LOOP training process for the crash tests: ``python fault_driver.py MODEL_DIR OUTPUT_DIR
-[--kill-in rollouts|round|update|save --kill-at N] [--resume] [--dynamic-sampling-rounds R] [--max-staleness 1]``.
+[--kill-in rollouts|round|collected|update|save --kill-at N] [--resume] [--dynamic-sampling-rounds R]
+[--max-staleness 1]``.
 It SIGKILLs itself at the named moment of iteration N (no clean-up of any kind runs; ``round``: as dynamic
-sampling's second collection round starts), then the test resumes it. ``--max-staleness 1`` samples on a
+sampling's second collection round starts; ``collected``: once the batch the iteration trains on is complete, before
+its update), then the test resumes it. ``--max-staleness 1`` samples on a
 generator holding its own copy of the weights (tests/support/apart.py), overlapped with the update."""
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("output_dir")
     parser.add_argument("--iterations", type=int, default=4)
-    parser.add_argument("--kill-in", choices=["rollouts", "round", "update", "save"])
+    parser.add_argument("--kill-in", choices=["rollouts", "round", "collected", "update", "save"])
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--dynamic-sampling-rounds", type=int, default=0)
@@ -91,6 +93,27 @@ def main() -> None:
             return collect(tasks, collection_round, iteration=iteration)
 
         trainer.collect_rollouts = collect_rollouts
+    elif options.kill_in == "collected":  # the batch to train on is complete and its update has not begun
+        if options.max_staleness:  # overlapped: the batch collected during the last update has been waited for
+            take = trainer.overlap.take
+
+            def take_then_die(iteration):
+                ahead = take(iteration)
+                if ahead is not None and at_kill_iteration():
+                    die()
+                return ahead
+
+            trainer.overlap.take = take_then_die
+        else:
+            collect_scored = trainer._collect_scored
+
+            def collect_then_die(*a, **k):
+                scored = collect_scored(*a, **k)
+                if at_kill_iteration():
+                    die()
+                return scored
+
+            trainer._collect_scored = collect_then_die
     elif options.kill_in == "update":
         step = PolicyUpdate.minibatch_step
 
