@@ -32,7 +32,8 @@ from .backend import Completion, TemperatureView
 logger = logging.getLogger(__name__)
 
 SERVER_FLAGS = (
-    "--enable-lora --max-lora-rank <r> (LoRA runs), --logprobs-mode processed_logprobs, --generation-config vllm"
+    "--enable-lora --max-lora-rank <r> (LoRA runs), --logprobs-mode processed_logprobs, --generation-config vllm, "
+    "--enable-prefix-caching (vLLM's default; every turn reuses the conversation's KV cache)"
 )
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
