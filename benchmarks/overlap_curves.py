@@ -169,7 +169,9 @@ def write_results(options: argparse.Namespace, command: str, runs: list[dict[str
         "command": command,
         "software": software(("torch", "vllm", "transformers", "trl"), host=True, checkout=True),
         "cores": {"server": options.server_core, "trainer": options.trainer_core},
-        "options": {k: str(v) for k, v in vars(options).items() if k != "sync_root"},
+        # the seeds of the table: this command's and those of earlier commands whose runs joined it
+        "options": {k: str(v) for k, v in vars(options).items() if k != "sync_root"}
+        | {"seeds": str(sorted({r["seed"] for r in runs}))},
         "table": table,
         "runs": runs,
     }
