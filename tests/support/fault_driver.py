@@ -76,10 +76,15 @@ def main() -> None:
 
     if options.kill_in == "rollouts":
         make_episode, started = env.episode, []
+        per_batch = 4 * options.rollouts_per_task
+        # Overlapped, iteration N's update runs while batch N+1 is collected on another thread: that batch is
+        # counted, since global_step (moved by the main thread) may or may not have moved when an episode starts.
+        last_batch_before = options.kill_at if options.max_staleness else options.kill_at - 1
 
         def episode(task):
             started.append(task)
-            if at_kill_iteration() and len(started) > options.kill_at * 16 - 8:  # mid-collection
+            this_iteration = bool(options.max_staleness) or at_kill_iteration()
+            if this_iteration and len(started) > last_batch_before * per_batch + per_batch // 2:  # mid-collection
                 die()
             return make_episode(task)
 

@@ -14,6 +14,18 @@ def backend_for(model, tok, **kwargs) -> TransformersBackend:
     return TransformersBackend(model, stop_token_ids=[], pad_token_id=tok.pad_token_id, **kwargs)
 
 
+async def decode_loop_idle(backend: TransformersBackend) -> None:
+    """Wait until the backend's decode thread has left its loop. Replies are delivered before that loop
+    last looks for joining requests, so requests made right after a reply may join one step or two,
+    as the threads happen to run; made after this, they all join the next loop's first step."""
+
+    def left_the_loop() -> None:
+        with backend._lock:  # held by the decode loop for as long as it runs
+            pass
+
+    await asyncio.to_thread(left_the_loop)
+
+
 def opening(tok, task: str) -> list[int]:
     system = "<|im_start|>system\n" + " ".join(["tools : find open submit"] * 6) + "<|im_end|>\n"
     return tok.encode(system + f"<|im_start|>user\nfetch code of {task}<|im_end|>\n<|im_start|>assistant\n")

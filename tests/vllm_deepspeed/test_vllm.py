@@ -95,12 +95,11 @@ def test_a_cancelled_turn_is_aborted_in_the_engine(vault, llm):
 
     async def cancel_one_finish_one():
         doomed = asyncio.ensure_future(backend.generate([1, 2, 3], 450, seed=1))
-        short = asyncio.ensure_future(backend.generate([4, 5, 6], 5, seed=2))
-        await asyncio.sleep(0.5)
-        doomed.cancel()
+        short = await backend.generate([4, 5, 6], 5, seed=2)  # 5 tokens: the 450-token turn is still decoding
+        doomed.cancel()  # (a fixed sleep instead could outlast all 450 tokens on a fast GPU)
         with pytest.raises(asyncio.CancelledError):
             await doomed
-        return await short
+        return short
 
     assert len(asyncio.run(cancel_one_finish_one()).token_ids) == 5
     for _ in range(100):  # the driver aborts it before its next engine step

@@ -453,8 +453,12 @@ class BlockingEpisode(SyncEpisode):
         self._enter("step")
         try:
             if self.task_id == "hang":
+                self.env.hang_stepping.set()
                 self.env.release.wait()
                 raise RuntimeError("released")
+            # the other task finishes (and so early-stops the batch) only once the hung step is running,
+            # however the threads are scheduled
+            assert self.env.hang_stepping.wait(timeout=60)
             return super().step(reply)
         finally:
             self.running -= 1
@@ -468,11 +472,12 @@ class BlockingEpisode(SyncEpisode):
 
 
 class BlockingEnv(EchoEnv):
-    """``release`` lets the hung step return; ``closed`` is set once the hung episode is closed."""
+    """``release`` lets the hung step return; ``closed`` is set once the hung episode is closed;
+    ``hang_stepping`` once the hung step has begun."""
 
     def __init__(self, rows):
         super().__init__(rows)
-        self.release, self.closed = threading.Event(), threading.Event()
+        self.release, self.closed, self.hang_stepping = threading.Event(), threading.Event(), threading.Event()
 
     def episode(self, task):
         return BlockingEpisode(self, task)

@@ -10,7 +10,7 @@ import random
 import torch
 
 from loop_trainer.rollout.prefix_cache import PrefixNode, SharedPrefixes, anchor_length, plan
-from support.prefix_episodes import assert_same, backend_for, opening, run_episodes
+from support.prefix_episodes import assert_same, backend_for, decode_loop_idle, opening, run_episodes
 
 SYSTEM = list(range(1000, 1040))  # 40 tokens every task starts with
 
@@ -126,6 +126,7 @@ def test_a_weight_update_drops_the_shared_openings(vault_tiny):
             first = await asyncio.gather(*(backend.generate(prompt, 4, seed=s) for s in range(3)))
             with torch.no_grad():
                 weight.mul_(1.5)  # in place, like AdamW's step
+            await decode_loop_idle(backend)  # the second round joins at once: its count of shared tokens is exact
             return first + await asyncio.gather(*(backend.generate(prompt, 4, seed=s) for s in range(3, 6)))
 
         try:

@@ -39,8 +39,12 @@ def test_the_next_batch_is_sampled_by_this_policy_while_this_update_runs(vault_t
     pushes: list[int] = []  # how many weight pushes had happened when each collection started
     collect, load = trainer.collect_rollouts, backend.load_weights
 
+    collecting = {i: threading.Event() for i in range(3)}
+
     def collect_rollouts(tasks, collection_round=0, iteration=None):
         events.append(("collect", iteration, time.perf_counter(), threading.current_thread().name))
+        if iteration in collecting:
+            collecting[iteration].set()
         pushes.append(len(loaded))
         return collect(tasks, collection_round, iteration=iteration)
 
@@ -58,6 +62,11 @@ def test_the_next_batch_is_sampled_by_this_policy_while_this_update_runs(vault_t
         try:
             return call(update, samples, iteration)
         finally:
+            # A tiny update can end before the collection thread is first scheduled: hold its end until the
+            # next batch's collection has started (bounded), so only a collection that waits for the update
+            # to end fails the check below, not the machine's scheduling.
+            if iteration + 1 in collecting:
+                collecting[iteration + 1].wait(timeout=60)
             events.append(("update ends", iteration, time.perf_counter(), threading.current_thread().name))
 
     monkeypatch.setattr(PolicyUpdate, "__call__", timed)
