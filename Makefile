@@ -51,9 +51,14 @@ lint: lint-venv venv
 # tests/vllm_deepspeed need vLLM and DeepSpeed, so they run in .vllm-venv; everything else in .venv,
 # including tests/integration/test_install.py: a wheel of this checkout, installed into a fresh virtualenv, trains
 # from a directory outside the repository.
+# The .venv suite runs on TEST_WORKERS pytest-xdist workers of one torch thread each, a test file per worker at a
+# time (module fixtures are built once): the tiny models gain little from a second thread, and two threads per
+# worker would spin-wait against each other (OpenMP). 16 instead of 24 minutes on 2 cores; TEST_WORKERS=0 runs
+# it in one process (of one thread).
+TEST_WORKERS ?= 2
 test: lint venv appworld-venv vllm-venv
-	MALLOC_MMAP_THRESHOLD_=17179869184 MALLOC_TRIM_THRESHOLD_=17179869184 $(VENV_BIN)/python -m pytest -q \
-		--ignore=tests/vllm_deepspeed $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=17179869184 MALLOC_TRIM_THRESHOLD_=17179869184 $(VENV_BIN)/python -m pytest -q \
+		-n $(TEST_WORKERS) --dist loadfile --ignore=tests/vllm_deepspeed $(PYTEST_ARGS)
 	.vllm-venv/bin/python -m pytest -q tests/vllm_deepspeed $(PYTEST_ARGS)
 
 # The core tests (everything `make test` runs in .venv but the slow and AppWorld ones) against the newest

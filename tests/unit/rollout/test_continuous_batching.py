@@ -92,16 +92,21 @@ def test_batched_draws_are_torch_multinomials_draws_row_by_row():
     logits = torch.randn(7, 3000, generator=torch.Generator().manual_seed(0)) * 4
     logits[2, :1500] = -math.inf  # rows with impossible tokens
     probs = torch.softmax(logits, dim=-1)
-    with ThreadPoolExecutor(2) as pool:
-        for executor in (None, pool):
-            for step in range(3):
-                seeds = [100 * step + r for r in range(7)]
-                got = draw_tokens(probs, [torch.Generator().manual_seed(s) for s in seeds], executor)
-                want = [
-                    torch.multinomial(probs[r], 1, generator=torch.Generator().manual_seed(s)).item()
-                    for r, s in enumerate(seeds)
-                ]
-                assert got.tolist() == want
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the rows split in as many parts as torch has threads: two, even where tests run on one
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for executor in (None, pool):
+                for step in range(3):
+                    seeds = [100 * step + r for r in range(7)]
+                    got = draw_tokens(probs, [torch.Generator().manual_seed(s) for s in seeds], executor)
+                    want = [
+                        torch.multinomial(probs[r], 1, generator=torch.Generator().manual_seed(s)).item()
+                        for r, s in enumerate(seeds)
+                    ]
+                    assert got.tolist() == want
+    finally:
+        torch.set_num_threads(threads)
     probs[3, 5] = math.nan
     with pytest.raises(RuntimeError, match="nan"):
         draw_tokens(probs, [torch.Generator()] * 7, None)
