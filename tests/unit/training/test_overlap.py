@@ -124,6 +124,27 @@ def test_the_stale_batch_trains_on_decoupled_ppo_against_a_brute_force(vault_tin
     assert step.capped_fraction == pytest.approx(
         float(((old - sampler)[rows][mask[rows].bool()] > math.log(2)).double().mean())
     )
+    # the next step on the same minibatch: the policy has moved, so the ratios pi_theta / pi_old are not 1; the
+    # weights toward the sampler stay those of pi_old (fixed for the whole update)
+    moved, _ = update.fixed_logprobs(samples, minibatch)
+    logp = torch.zeros_like(old)
+    for i, logprobs in moved.old.items():
+        logp[i, : logprobs.numel()] = logprobs.double()
+    second = update.minibatch_step(samples, fixed, minibatch)
+    assert second is not None
+    ratios = torch.exp(logp - old)[rows][mask[rows].bool()]
+    assert (ratios - 1).abs().max() > 1e-2  # really off 1
+    expected = brute_force_loss(
+        logp[rows].tolist(),
+        old[rows].tolist(),
+        batch.advantages[rows].tolist(),
+        mask[rows].tolist(),
+        0.1,
+        2,
+        weights=weights[rows].tolist(),
+    )
+    assert second.loss == pytest.approx(expected, rel=1e-4)
+    assert second.ratio_mean == pytest.approx(float(ratios.mean()), rel=1e-4)
 
 
 def test_the_cap_defaults_to_two_with_staleness_and_is_the_keys_otherwise(tmp_path):
