@@ -19,6 +19,8 @@ from loop_trainer.envs import VaultEnv
 from loop_trainer.models.tiny import load_tokenizer
 from loop_trainer.training.update import PolicyUpdate
 
+TASKS_PER_ITERATION = 4
+
 
 def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
@@ -43,7 +45,7 @@ def main() -> None:
     args = LOOPConfig(
         output_dir=options.output_dir,
         iterations=options.iterations,
-        tasks_per_iteration=4,
+        tasks_per_iteration=TASKS_PER_ITERATION,
         rollouts_per_task=options.rollouts_per_task,
         dynamic_sampling_rounds=options.dynamic_sampling_rounds,
         max_staleness=options.max_staleness,
@@ -76,7 +78,7 @@ def main() -> None:
 
     if options.kill_in == "rollouts":
         make_episode, started = env.episode, []
-        per_batch = 4 * options.rollouts_per_task
+        per_batch = TASKS_PER_ITERATION * options.rollouts_per_task
         # Overlapped, iteration N's update runs while batch N+1 is collected on another thread: that batch is
         # counted, since global_step (moved by the main thread) may or may not have moved when an episode starts.
         last_batch_before = options.kill_at if options.max_staleness else options.kill_at - 1

@@ -487,7 +487,7 @@ def test_a_short_loop_run_pushes_every_save_then_the_final_adapter(tmp_path, fak
     from loop_trainer.models.tiny import build_tiny_for_environment
     from loop_trainer.publishing.publisher import HubPublisher
 
-    # As Trainer, a save skips its push while the last upload runs (tested on its own above). On a
+    # As Trainer, a save skips its push while the last upload runs (test_push_while_busy.py). On a
     # slow machine iteration 1's upload may still run at iteration 2's save: let each finish first,
     # so the count of pushes does not depend on timing.
     monkeypatch.setattr(HubPublisher, "busy", lambda self: self.wait() or False)

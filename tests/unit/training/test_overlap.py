@@ -98,9 +98,14 @@ def test_the_stale_batch_trains_on_decoupled_ppo_against_a_brute_force(vault_tin
             float(lp) + n if m else 0.0 for lp, n, m in zip(fixed.old[i].tolist(), noise, sample.loss_mask, strict=True)
         ]
     batch = collate(samples, tok.pad_token_id)
-    old = torch.zeros_like(batch.sampler_logprobs, dtype=torch.float64)
-    for i, logprobs in fixed.old.items():
-        old[i, : logprobs.numel()] = logprobs.double()
+
+    def padded(logprobs_by_row: dict[int, torch.Tensor]) -> torch.Tensor:
+        out = torch.zeros_like(batch.sampler_logprobs, dtype=torch.float64)
+        for i, logprobs in logprobs_by_row.items():
+            out[i, : logprobs.numel()] = logprobs.double()
+        return out
+
+    old = padded(fixed.old)
     mask = batch.loss_mask.double()
     sampler = batch.sampler_logprobs.double()
     weights = torch.where(mask.bool(), torch.clamp(torch.exp(old - sampler), max=STALE_IMPORTANCE_CAP), 1.0)
@@ -110,16 +115,12 @@ def test_the_stale_batch_trains_on_decoupled_ppo_against_a_brute_force(vault_tin
     assert step is not None
     # the first step: the policy is still pi_old, so each ratio is 1 (a ratio toward the sampler would not be)
     rows = torch.tensor(minibatch)
-    expected = brute_force_loss(
-        old[rows].tolist(),
-        old[rows].tolist(),
-        batch.advantages[rows].tolist(),
-        mask[rows].tolist(),
-        0.1,
-        2,
-        weights=weights[rows].tolist(),
-    )
-    assert step.loss == pytest.approx(expected, rel=1e-4)
+
+    def brute_force(logp: torch.Tensor) -> float:  # epsilon 0.1, divisor: the minibatch of 2
+        args = (logp[rows], old[rows], batch.advantages[rows], mask[rows])
+        return brute_force_loss(*(a.tolist() for a in args), 0.1, 2, weights=weights[rows].tolist())
+
+    assert step.loss == pytest.approx(brute_force(old), rel=1e-4)
     assert step.ratio_mean == pytest.approx(1.0, abs=1e-5)
     assert step.capped_fraction == pytest.approx(
         float(((old - sampler)[rows][mask[rows].bool()] > math.log(2)).double().mean())
@@ -127,23 +128,12 @@ def test_the_stale_batch_trains_on_decoupled_ppo_against_a_brute_force(vault_tin
     # the next step on the same minibatch: the policy has moved, so the ratios pi_theta / pi_old are not 1; the
     # weights toward the sampler stay those of pi_old (fixed for the whole update)
     moved, _ = update.fixed_logprobs(samples, minibatch)
-    logp = torch.zeros_like(old)
-    for i, logprobs in moved.old.items():
-        logp[i, : logprobs.numel()] = logprobs.double()
+    logp = padded(moved.old)
     second = update.minibatch_step(samples, fixed, minibatch)
     assert second is not None
     ratios = torch.exp(logp - old)[rows][mask[rows].bool()]
     assert (ratios - 1).abs().max() > 1e-2  # really off 1
-    expected = brute_force_loss(
-        logp[rows].tolist(),
-        old[rows].tolist(),
-        batch.advantages[rows].tolist(),
-        mask[rows].tolist(),
-        0.1,
-        2,
-        weights=weights[rows].tolist(),
-    )
-    assert second.loss == pytest.approx(expected, rel=1e-4)
+    assert second.loss == pytest.approx(brute_force(logp), rel=1e-4)
     assert second.ratio_mean == pytest.approx(float(ratios.mean()), rel=1e-4)
 
 
