@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import yaml
 
+from ..config.resume_policy import APPLIED_KEYS, FIXED_KEYS, RECORDED_KEYS
 from .checkpoints import (
     CheckpointError,
     check_fresh_output_dir,
@@ -33,75 +34,10 @@ from .sampler import BalancedTaskSampler, TaskSampler
 
 logger = logging.getLogger(__name__)
 
-# LOOPConfig keys recorded in every checkpoint's loop_state.json and compared on resume. Keys not listed
-# (iterations, save_steps, logging, env_timeout, max_failed_fraction, max_concurrent_episodes, evaluation,
-# the Hub, ...) change nothing a resumed run computes up to the point it ends, so they may change freely.
-RESUME_SETTINGS = (
-    # what is sampled: tasks, rollouts, episodes
-    "seed",
-    "train_split",
-    "tasks_per_iteration",
-    "rollouts_per_task",
-    "temperature",
-    "max_turns",
-    "max_new_tokens_per_turn",
-    "max_trajectory_tokens",
-    "chat_template_kwargs",
-    "early_stop_done_fraction",
-    "early_stop_task_fraction",
-    "use_vllm",
-    "max_completion_tokens",
-    "max_tool_calling_iterations",
-    "reward_weights",
-    # advantages, filtering and the update
-    "advantage_threshold",
-    "std_normalize_advantages",
-    "advantage_estimator",
-    "ratio_level",
-    "beta",
-    "minibatch_size",
-    "ppo_epochs",
-    "epsilon",
-    "max_training_tokens",
-    "kl_abort_threshold",
-    # the stabilisers (docs/stabilisers.md)
-    "epsilon_high",
-    "sampler_importance_cap",
-    "dynamic_sampling_rounds",
-    "balance_tasks_by",
-    "max_staleness",
-    "per_device_train_batch_size",
-    "max_grad_norm",
-    "bf16",
-    "fp16",
-    # the optimizer and its schedule (their state is in the checkpoint)
-    "optim",
-    "optim_args",
-    "learning_rate",
-    "lr_scheduler_type",
-    "lr_scheduler_kwargs",
-    "warmup_steps",
-    "weight_decay",
-    "adam_beta1",
-    "adam_beta2",
-    "adam_epsilon",
-)
-# Recorded besides LOOPConfig's keys: the environment (loop-train's ScriptArguments, handed to the trainer
-# as LOOPTrainer.run_settings), the size of the training split, the model and the adapter.
+# Recorded besides LOOPConfig's keys (config/resume_policy.py classifies those): the environment (loop-train's
+# ScriptArguments, handed to the trainer as LOOPTrainer.run_settings), the size of the training split, the model
+# and the adapter.
 RUN_SETTINGS = ("environment", "environment_kwargs", "num_train_tasks", "model", "adapter")
-# Settings a resume cannot apply: the checkpoint's optimizer state belongs to its optimizer.
-UNCHANGEABLE_SETTINGS = ("optim", "optim_args")
-# Applied by changing the restored optimizer and scheduler, not only by reading LOOPConfig.
-OPTIMIZER_SETTINGS = (
-    "learning_rate",
-    "lr_scheduler_type",
-    "lr_scheduler_kwargs",
-    "warmup_steps",
-    "weight_decay",
-    "adam_beta1",
-    "adam_beta2",
-    "adam_epsilon",
-)
 
 
 def jsonable(value: Any) -> Any:
@@ -114,7 +50,7 @@ def compare_settings(
 ) -> list[tuple[str, Any, Any]]:
     """The settings that differ between ``checkpoint``'s record and ``current``, as (key, old, new).
     Raises :class:`CheckpointError` naming every change unless ``allow_changes``, and for a change no
-    resume can apply (:data:`UNCHANGEABLE_SETTINGS`) even then. A checkpoint written before settings
+    resume can apply (``fixed`` in :mod:`~loop_trainer.config.resume_policy`) even then. A checkpoint written before settings
     were recorded is resumed with a warning (its weights, optimizer and sampler state are still exact;
     only the comparison is impossible)."""
     state = read_loop_state(checkpoint)
@@ -133,7 +69,7 @@ def compare_settings(
     if not changed:
         return []
     listed = ", ".join(f"{key} {_show(old)} -> {_show(new)}" for key, old, new in changed)
-    fixed = [key for key, _, _ in changed if key in UNCHANGEABLE_SETTINGS]
+    fixed = [key for key, _, _ in changed if key in FIXED_KEYS]
     if fixed:
         raise CheckpointError(
             f"resume_from_checkpoint: {', '.join(fixed)} cannot change on resume (the optimizer state "
@@ -174,7 +110,8 @@ def resume_settings(
     model: torch.nn.Module,
     run_settings: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The settings an exact resume depends on: LOOPConfig's :data:`RESUME_SETTINGS`, the
+    """The settings an exact resume depends on: LOOPConfig's recorded keys (``RECORDED_KEYS`` of
+    :mod:`~loop_trainer.config.resume_policy`), the
     environment and the size of its training split, the model and the adapter, and
     ``run_settings`` (what ``loop-train`` knows beyond LOOPConfig: ``environment_kwargs``)."""
     peft_config = getattr(model, "peft_config", None)
@@ -186,7 +123,7 @@ def resume_settings(
             for key, value in lora.items()
             if key in ADAPTER_SETTINGS
         }
-    settings = {key: getattr(args, key) for key in RESUME_SETTINGS}
+    settings = {key: getattr(args, key) for key in RECORDED_KEYS}
     settings.update(
         environment=env_name,
         num_train_tasks=num_train_tasks,
@@ -242,6 +179,12 @@ def record_setting_changes(
     return recorded, str(path)
 
 
+# What apply_setting_changes writes into restored state, by where: together the ``applied`` keys of the resume policy.
+SCHEDULE_KEYS = frozenset({"learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps"})
+OPTIMIZER_GROUP_KEYS = frozenset({"weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon"})
+TASK_ORDER_KEYS = frozenset({"seed", "balance_tasks_by"})
+
+
 def apply_setting_changes(
     changes: Sequence[tuple[str, Any, Any]],
     args: Any,
@@ -262,7 +205,7 @@ def apply_setting_changes(
         return
     groups = optimizer.param_groups
     scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)  # accelerate's wrapper
-    if changed.keys() & {"learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps"}:
+    if changed.keys() & SCHEDULE_KEYS:
         old_lr = changed.get("learning_rate", args.learning_rate)
         base_lrs = [base * args.learning_rate / old_lr if old_lr else args.learning_rate for base in scheduler.base_lrs]
         scheduler.base_lrs = base_lrs
@@ -281,7 +224,7 @@ def apply_setting_changes(
             group["betas"] = (args.adam_beta1, args.adam_beta2)
         if "adam_epsilon" in changed and "eps" in group:
             group["eps"] = args.adam_epsilon
-    if changed.keys() & {"num_train_tasks", "seed", "balance_tasks_by"}:  # a new order: the old position means nothing
+    if changed.keys() & {"num_train_tasks", *TASK_ORDER_KEYS}:  # a new order: the old position means nothing
         task_sampler.start_new_pass(num_train_tasks)
 
 

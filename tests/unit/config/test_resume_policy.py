@@ -1,0 +1,70 @@
+"""Every LOOPConfig key is classified for resume, and the classification is what resume does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from loop_trainer.config import LOOPConfig
+from loop_trainer.config.resume_policy import APPLIED_KEYS, RECORDED_KEYS, RESUME_POLICY, OnResume
+from loop_trainer.training import resume
+
+
+def test_every_key_loopconfig_takes_is_classified_and_nothing_else():
+    keys = {field.name for field in dataclasses.fields(LOOPConfig) if field.init}
+    unclassified = sorted(keys - set(RESUME_POLICY))
+    assert not unclassified, f"classify these keys in config/resume_policy.py: {unclassified}"
+    assert not sorted(set(RESUME_POLICY) - keys), "the resume policy names keys LOOPConfig does not take"
+
+
+def test_the_applied_keys_are_exactly_those_the_resume_writes_into_restored_state():
+    assert APPLIED_KEYS == resume.SCHEDULE_KEYS | resume.OPTIMIZER_GROUP_KEYS | resume.TASK_ORDER_KEYS
+
+
+@pytest.mark.parametrize(
+    "key", ["static_decode", "compile_decode_step", "merge_adapter_for_sampling", "generation_batch_limit", "vllm_mode"]
+)
+def test_the_sampling_keys_that_change_log_probs_are_recorded(key):
+    assert RESUME_POLICY[key] is OnResume.COMPARED and key in RECORDED_KEYS
+
+
+def test_free_keys_are_not_recorded():
+    assert not {key for key, kind in RESUME_POLICY.items() if kind is OnResume.FREE} & set(RECORDED_KEYS)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"static_decode": True},
+        {"compile_decode_step": True, "static_decode": True},
+        {"merge_adapter_for_sampling": True},
+        {"generation_batch_limit": 8},
+        {"max_concurrent_episodes": 3},
+        {"use_vllm": True, "vllm_mode": "server"},
+    ],
+    ids=lambda change: "+".join(change),
+)
+def test_a_lora_run_resumed_with_a_sampling_key_changed_is_refused_naming_it(vault_tiny, tmp_path, change):
+    import json
+
+    from peft import LoraConfig, get_peft_model
+
+    from loop_trainer.training.checkpoints import LOOP_STATE_FILE, CheckpointError
+
+    _, model, _ = vault_tiny
+    policy = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+    try:
+
+        def recorded(**keys):
+            args = LOOPConfig(output_dir=str(tmp_path / "run"), report_to=[], **keys)
+            return resume.resume_settings(args, env_name="vault", num_train_tasks=16, model=policy)
+
+        (tmp_path / LOOP_STATE_FILE).write_text(json.dumps({"iteration": 3, "settings": recorded()}))
+        with pytest.raises(CheckpointError, match="settings differ") as refused:
+            resume.compare_settings(tmp_path, recorded(**change), allow_changes=False)
+        for key in change:
+            assert f"{key} " in str(refused.value)
+        assert resume.compare_settings(tmp_path, recorded(), allow_changes=False) == []
+    finally:
+        policy.unload()
