@@ -114,22 +114,3 @@ def test_two_processes_match_one(runs, case):
         assert single["num_trainable"] == double["num_trainable"] == 8  # lora_A/B of q, v in 2 layers
         assert single["max_frozen_update"] == double["max_frozen_update"] == 0.0
     assert all(math.isfinite(v) for v in (single["loss"], double["loss"]))
-
-
-def test_zero3_on_several_processes_refuses_to_sample_with_the_training_model():
-    """Each decode step would be a collective forward; episodes differ in length: a deadlock."""
-    from types import SimpleNamespace
-
-    from loop_trainer.training.distribution import DistributedSetupError, check_sampling_with_training_model
-
-    accelerator = SimpleNamespace(
-        num_processes=2, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3))
-    )
-    with pytest.raises(DistributedSetupError, match="set use_vllm: true"):
-        check_sampling_with_training_model(accelerator)
-    accelerator.state.deepspeed_plugin.zero_stage = 2
-    check_sampling_with_training_model(accelerator)
-    accelerator = SimpleNamespace(
-        num_processes=1, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3))
-    )
-    check_sampling_with_training_model(accelerator)

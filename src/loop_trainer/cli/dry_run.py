@@ -16,12 +16,12 @@ from transformers import TrainingArguments
 from trl import ModelConfig
 
 from ..config import LOOPConfig
+from ..config.combinations import ConfigCombinationError, Generator, check_combinations
 from ..envs import available_environments
 from ..models.memory_plan import MemoryPlan, plan_memory
 from ..models.model_shape import ModelShape, load_model_shape
 from ..models.packaged import resolve_model_path
 from ..models.tiny import is_tiny_spec, tiny_config
-from ..rollout.generator import COLOCATED_TP_ONLY
 from .recipe import RecipeError, ScriptArguments
 
 EXIT_DOES_NOT_FIT = 3
@@ -84,8 +84,10 @@ def plan_for(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCo
         }
     # A vLLM server generates on GPUs of its own: only a colocated engine shares the trainer's.
     colocated = args.use_vllm and args.vllm_mode == "colocate"
-    if colocated and args.vllm_tensor_parallel_size != 1:
-        raise RecipeError(COLOCATED_TP_ONLY)
+    try:  # the combined-key checks on the launch being planned
+        check_combinations(args, args.launch(Generator.BUILT_IN, world))
+    except ConfigCombinationError as error:
+        raise RecipeError(str(error)) from None
     # Episodes a process runs at once bound the transformers backend's generation batch.
     episodes = -(-args.tasks_per_iteration * args.rollouts_per_task // world)
     assert args.max_training_tokens is not None  # LOOPConfig.__post_init__ sets it

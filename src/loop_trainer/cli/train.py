@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from trl import ModelConfig, get_peft_config
 
 from ..config import LOOPConfig, mapping_setting
+from ..config.combinations import ConfigCombinationError, Generator, check_combinations
 from ..envs import Environment, EnvironmentSetupError, make_environment
 from ..models.packaged import PackagedModelError, resolve_model_path
 from ..models.tiny import build_tiny_from_spec, is_tiny_spec, load_tokenizer
@@ -71,6 +72,10 @@ def load_model_and_tokenizer(model_args: ModelConfig, training_args: LOOPConfig,
 
 
 def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: ModelConfig) -> LOOPTrainer | None:
+    try:  # LOOPConfig checked what it could; loop-train samples with the built-in generator, so now all of it
+        check_combinations(training_args, training_args.launch(Generator.BUILT_IN))
+    except ConfigCombinationError as error:
+        raise RecipeError(str(error)) from None
     if script_args.dry_run:  # cli() turns the plan's verdict into the exit status
         dry_run(script_args, training_args, model_args)
         return None
@@ -108,6 +113,7 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
             WeightSyncError,
             DistributedSetupError,
             EnvironmentSetupError,
+            ConfigCombinationError,
         ) as error:
             raise RecipeError(str(error)) from None
         trainer.recipe_path = getattr(script_args, "effective_recipe", None)

@@ -11,6 +11,7 @@ construction.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from transformers import TrainingArguments
 from transformers.trainer_utils import SaveStrategy
 
 from ..objective import ADVANTAGE_ESTIMATORS, RATIO_LEVELS
+from .combinations import ConfigCombinationError, Generator, Launch, check_combinations
 from .episode import EpisodeSettings
 from .keys import only_the_training_arguments_loop_honours, refusing_unknown_keys
 from .output_dir import output_dir_problem
@@ -405,21 +407,6 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
             value = getattr(self, name)
             if getattr(value, "value", value) not in choices:  # LOOP's loop has iterations, no epochs or eval loss
                 raise ValueError(f"LOOPConfig: {name} must be one of {', '.join(choices)}, got {value!r}")
-        if self.max_staleness and self.use_vllm and self.vllm_mode == "colocate":
-            raise ValueError(
-                "LOOPConfig: max_staleness overlaps the next collection with the update, and a colocated vLLM engine "
-                "shares the training GPU: set vllm_mode: server (a vLLM server on GPUs of its own), or max_staleness: 0"
-            )
-        if self.max_staleness and self.dynamic_sampling_rounds:
-            raise ValueError(
-                "LOOPConfig: max_staleness collects the next iteration ahead, and dynamic_sampling_rounds decides "
-                "its rounds from the rewards of this one: set one of them to 0"
-            )
-        if self.activation_offloading and (self.use_cpu or not torch.cuda.is_available()):
-            raise ValueError(
-                "LOOPConfig: activation_offloading moves the update's saved activations from the GPU to CPU memory, "
-                "and this run has no GPU (use_cpu, or none visible): remove activation_offloading"
-            )
         if self.bf16 is None:  # on where the accelerator has it; TRL's default (True) fails on CPUs
             self.bf16 = not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         if "activation_checkpointing" not in TrainingArguments.__dataclass_fields__:
@@ -430,6 +417,21 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
         super().__post_init__()
         if self.max_training_tokens is None:
             self.max_training_tokens = self.max_trajectory_tokens
+        try:
+            check_combinations(self, self.launch())
+        except ConfigCombinationError as error:
+            raise ConfigCombinationError(f"LOOPConfig: {error}") from None
+
+    def launch(self, generator: Generator = Generator.UNKNOWN, num_processes: int | None = None) -> Launch:
+        """What the config knows of its launch: the processes the launcher started (``WORLD_SIZE``; the
+        trainer gives accelerate's count), the DeepSpeed ZeRO stage, whether CUDA is visible."""
+        plugin = getattr(self, "deepspeed_plugin", None)
+        return Launch(
+            num_processes=num_processes if num_processes is not None else int(os.environ.get("WORLD_SIZE", "1") or 1),
+            zero_stage=getattr(plugin, "zero_stage", None) if plugin is not None else None,
+            cuda=torch.cuda.is_available(),
+            generator=generator,
+        )
 
 
 # A GRPOConfig or TrainingArguments key given to LOOPConfig names LOOP's equivalent, not just "unexpected keyword".

@@ -181,14 +181,7 @@ def check_launch(accelerator: Accelerator) -> None:
         )
 
 
-def check_sampling_with_training_model(accelerator: Accelerator) -> None:
-    """Sampling with the training model under multi-process ZeRO-3 would deadlock: each decode
-    step is a collective forward, and episodes of different processes take different numbers of
-    turns and tokens."""
+def zero_stage(accelerator: Accelerator) -> int | None:
+    """The DeepSpeed ZeRO stage the accelerator runs, if any."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    stage = getattr(plugin, "zero_stage", None) if plugin is not None else None
-    if stage == 3 and accelerator.num_processes > 1:
-        raise DistributedSetupError(
-            f"ZeRO-3 on {accelerator.num_processes} processes cannot sample with the training model (every "
-            "forward is collective and episodes differ in length): set use_vllm: true, or use ZeRO-2/DDP"
-        )
+    return getattr(plugin, "zero_stage", None) if plugin is not None else None

@@ -33,22 +33,6 @@ logger = logging.getLogger(__name__)
 NEXT_ROLLOUTS_FILE = "next_rollouts.pt"
 
 
-def check_overlap(generation_backend: Any, use_vllm: bool, num_processes: int) -> None:
-    """Refuse ``max_staleness`` > 0 in one line where it cannot apply: the generator must hold weights of its
-    own (a vLLM server, or a ``generation_backend`` with ``holds_own_weights``), since the update changes the
-    training model's while the next batch is sampled; and one training process (the collection's
-    collectives would interleave with the update's)."""
-    if generation_backend is None and not use_vllm:
-        why = "the transformers backend samples with the training model itself (set use_vllm: true, vllm_mode: server)"
-    elif generation_backend is not None and not getattr(generation_backend, "holds_own_weights", False):
-        why = "this generation_backend samples the training model (it has no holds_own_weights = True)"
-    elif num_processes > 1:
-        why = f"this launch has {num_processes} training processes, and overlap runs on one for now"
-    else:
-        return
-    raise ValueError(f"max_staleness overlaps the next collection with the update, but {why}: or set max_staleness: 0")
-
-
 class OverlappedRollouts:
     """At most one collection ahead: :meth:`start` it for an iteration, :meth:`take` it there."""
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import yaml
 
-from ..config.resume_policy import APPLIED_KEYS, FIXED_KEYS, RECORDED_KEYS
+from ..config.resume_policy import FIXED_KEYS, RECORDED_KEYS
 from .checkpoints import (
     CheckpointError,
     check_fresh_output_dir,
@@ -50,9 +50,9 @@ def compare_settings(
 ) -> list[tuple[str, Any, Any]]:
     """The settings that differ between ``checkpoint``'s record and ``current``, as (key, old, new).
     Raises :class:`CheckpointError` naming every change unless ``allow_changes``, and for a change no
-    resume can apply (``fixed`` in :mod:`~loop_trainer.config.resume_policy`) even then. A checkpoint written before settings
-    were recorded is resumed with a warning (its weights, optimizer and sampler state are still exact;
-    only the comparison is impossible)."""
+    resume can apply (``fixed`` in :mod:`~loop_trainer.config.resume_policy`) even then. A checkpoint
+    written before settings were recorded is resumed with a warning (its weights, optimizer and sampler
+    state are still exact; only the comparison is impossible)."""
     state = read_loop_state(checkpoint)
     recorded = state.get("settings")
     if recorded is None:

@@ -25,6 +25,7 @@ accelerate/DeepSpeed wrapping, as ``Trainer.train`` builds them), ``_load_rng_st
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -42,6 +43,7 @@ from ..chat import ChatFormatter
 from ..compat.trl.arguments import environment_for, loop_config_for
 from ..compat.trl.environment import TRLAgentEnvironment
 from ..config import LOOPConfig, mapping_setting
+from ..config.combinations import Generator, check_combinations
 from ..envs.base import Environment, load_tasks
 from ..publishing.publisher import HubPublisher
 from ..rollout import GenerationBackend, RolloutBatch
@@ -54,10 +56,10 @@ from .activation_checkpointing import (
 )
 from .batching import TrainingSample
 from .checkpoints import CheckpointStager, read_loop_state
-from .distribution import DistributionStrategy, check_launch, check_sampling_with_training_model
+from .distribution import DistributionStrategy, check_launch, zero_stage
 from .dynamic_sampling import ScoredRollouts, collect_scored, score_rollouts
 from .model_loading import load_policy
-from .overlap import OverlappedRollouts, check_overlap
+from .overlap import OverlappedRollouts
 from .resume import apply_setting_changes, plan_start
 from .rollout_resources import RolloutResources
 from .run_log import LOOPPrinterCallback, LOOPProgressCallback, RunLog
@@ -177,10 +179,18 @@ class LOOPTrainer(TrainerSampling):
             self.tokenizer, chat_template_kwargs=mapping_setting(args.chat_template_kwargs, "chat_template_kwargs")
         )
         self._custom_backend = generation_backend
-        if generation_backend is None and not use_vllm:
-            check_sampling_with_training_model(self.accelerator)
-        if args.max_staleness:
-            check_overlap(generation_backend, use_vllm, self.accelerator.num_processes)
+        # The combined-key checks again, now that the process count and the generation_backend are known.
+        generator = (
+            Generator.BUILT_IN
+            if generation_backend is None
+            else Generator.OWN_WEIGHTS
+            if getattr(generation_backend, "holds_own_weights", False)
+            else Generator.SHARED_WEIGHTS
+        )
+        launch = dataclasses.replace(
+            args.launch(generator, self.accelerator.num_processes), zero_stage=zero_stage(self.accelerator)
+        )
+        check_combinations(args, launch)
         self.overlap = OverlappedRollouts()
         self.rollout_resources = RolloutResources(
             env,

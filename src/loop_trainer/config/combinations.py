@@ -1,0 +1,184 @@
+"""Every check that combines keys (or a key and the launch), in one place, run at config time.
+
+``LOOPConfig.__post_init__`` runs :func:`check_combinations` with what a config knows of its launch (the
+``WORLD_SIZE`` the launcher set, the DeepSpeed config, whether CUDA is visible), so a recipe that cannot run
+stops before any model loads, in ``--dry-run`` too. ``LOOPTrainer`` runs it again with what only it knows: the
+accelerator's process count and a ``generation_backend`` passed in Python. Each refusal is one line naming the
+keys and the fix. A single key's range is checked on its field (:mod:`.ranges`); a key against the model
+(``merge_adapter_for_sampling`` without a LoRA adapter) where the model is.
+
+The sampling parts (``static_decode``, ``compile_decode_step``, ``merge_adapter_for_sampling``) are refused
+here only when set ``true``; unset (``None``) they are decided where the generator is built, on where they
+apply, and fall back with a log line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .loop_config import LOOPConfig
+
+
+class ConfigCombinationError(ValueError):
+    """Keys that cannot go together (or cannot run on this launch); the message is one actionable line."""
+
+
+class Generator(Enum):
+    """What will sample, as far as the check knows."""
+
+    BUILT_IN = "built-in"  # the transformers backend or vLLM, as the keys say
+    OWN_WEIGHTS = "own-weights"  # a generation_backend holding a copy of the policy (holds_own_weights)
+    SHARED_WEIGHTS = "shared-weights"  # a generation_backend sampling the training model itself
+    UNKNOWN = "unknown"  # a LOOPConfig built in Python: LOOPTrainer may yet be given a generation_backend
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the checks know of where the config runs."""
+
+    num_processes: int = 1
+    zero_stage: int | None = None
+    cuda: bool = False
+    generator: Generator = Generator.UNKNOWN
+
+
+Rule = Callable[["LOOPConfig", Launch], "str | None"]
+
+COLOCATED_TP_ONLY = (
+    "vllm_tensor_parallel_size must be 1 with vllm_mode: colocate (every process runs its own engine on its own "
+    "episodes); for a model that needs tensor parallelism, generate on a vLLM server (vllm_mode: server)"
+)
+COMPILE_NEEDS_STATIC = (
+    "compile_decode_step compiles the fixed-shape decode step of static_decode: set static_decode: true, or remove "
+    "compile_decode_step"
+)
+
+
+def _samples_with_training_model(config: LOOPConfig, launch: Launch) -> bool:
+    """Known to: the built-in generator without vLLM, or a generation_backend sharing the training model."""
+    if launch.generator is Generator.BUILT_IN:
+        return not config.use_vllm
+    return launch.generator is Generator.SHARED_WEIGHTS
+
+
+def _overlap_with_colocated_vllm(config: LOOPConfig, launch: Launch) -> str | None:
+    if config.max_staleness and config.use_vllm and config.vllm_mode == "colocate" and _built_in(launch):
+        return (
+            "max_staleness overlaps the next collection with the update, and a colocated vLLM engine shares the "
+            "training GPU: set vllm_mode: server (a vLLM server on GPUs of its own), or max_staleness: 0"
+        )
+    return None
+
+
+def _overlap_with_dynamic_sampling(config: LOOPConfig, launch: Launch) -> str | None:
+    if config.max_staleness and config.dynamic_sampling_rounds:
+        return (
+            "max_staleness collects the next iteration ahead, and dynamic_sampling_rounds decides its rounds from "
+            "the rewards of this one: set one of them to 0"
+        )
+    return None
+
+
+def _overlap_needs_a_generator_with_its_own_weights(config: LOOPConfig, launch: Launch) -> str | None:
+    if not config.max_staleness or (launch.generator is Generator.UNKNOWN and not config.use_vllm):
+        return None  # a generation_backend holding its own weights may yet be passed to LOOPTrainer
+    if launch.generator is Generator.SHARED_WEIGHTS:
+        why = "this generation_backend samples the training model (it has no holds_own_weights = True)"
+    elif _built_in(launch) and not config.use_vllm:
+        why = "the transformers backend samples with the training model itself (set use_vllm: true, vllm_mode: server)"
+    elif launch.num_processes > 1:
+        why = f"this launch has {launch.num_processes} training processes, and overlap runs on one for now"
+    else:
+        return None
+    return f"max_staleness overlaps the next collection with the update, but {why}: or set max_staleness: 0"
+
+
+def _offloading_needs_a_gpu(config: LOOPConfig, launch: Launch) -> str | None:
+    if config.activation_offloading and (config.use_cpu or not launch.cuda):
+        return (
+            "activation_offloading moves the update's saved activations from the GPU to CPU memory, and this run "
+            "has no GPU (use_cpu, or none visible): remove activation_offloading"
+        )
+    return None
+
+
+def _compile_needs_static(config: LOOPConfig, launch: Launch) -> str | None:
+    if config.compile_decode_step is True and config.static_decode is False:
+        return COMPILE_NEEDS_STATIC
+    return None
+
+
+def _transformers_parts_with_vllm(config: LOOPConfig, launch: Launch) -> str | None:
+    if not config.use_vllm or not _built_in(launch):
+        return None
+    if config.merge_adapter_for_sampling is True:
+        return (
+            "merge_adapter_for_sampling applies to the transformers backend; vLLM applies the LoRA adapter itself: "
+            "remove merge_adapter_for_sampling or set use_vllm: false"
+        )
+    if config.static_decode is True or config.compile_decode_step is True:
+        key = "static_decode" if config.static_decode is True else "compile_decode_step"
+        return (
+            f"{key} applies to the transformers backend; with use_vllm: true vLLM decodes with its own CUDA "
+            f"graphs: remove {key} or set use_vllm: false"
+        )
+    return None
+
+
+def _merge_needs_whole_weights(config: LOOPConfig, launch: Launch) -> str | None:
+    if config.merge_adapter_for_sampling is True and not config.use_vllm and launch.zero_stage == 3:
+        return (
+            "merge_adapter_for_sampling needs whole weights on each process, and ZeRO-3 partitions them: remove "
+            "merge_adapter_for_sampling, or use a ZeRO stage below 3"
+        )
+    return None
+
+
+def _colocated_vllm_is_one_gpu(config: LOOPConfig, launch: Launch) -> str | None:
+    if config.use_vllm and config.vllm_mode == "colocate" and config.vllm_tensor_parallel_size != 1:
+        return COLOCATED_TP_ONLY
+    return None
+
+
+def _zero3_cannot_sample_with_the_training_model(config: LOOPConfig, launch: Launch) -> str | None:
+    # Each decode step would be a collective forward, and episodes of different processes take different
+    # numbers of turns and tokens: the processes would deadlock.
+    if launch.zero_stage == 3 and launch.num_processes > 1 and _samples_with_training_model(config, launch):
+        return (
+            f"ZeRO-3 on {launch.num_processes} processes cannot sample with the training model (every forward is "
+            "collective and episodes differ in length): set use_vllm: true, or use ZeRO-2/DDP"
+        )
+    return None
+
+
+def _built_in(launch: Launch) -> bool:
+    return launch.generator in (Generator.BUILT_IN, Generator.UNKNOWN)
+
+
+RULES: tuple[Rule, ...] = (
+    _overlap_with_colocated_vllm,
+    _overlap_with_dynamic_sampling,
+    _overlap_needs_a_generator_with_its_own_weights,
+    _offloading_needs_a_gpu,
+    _compile_needs_static,
+    _transformers_parts_with_vllm,
+    _merge_needs_whole_weights,
+    _colocated_vllm_is_one_gpu,
+    _zero3_cannot_sample_with_the_training_model,
+)
+
+
+def problems(config: LOOPConfig, launch: Launch) -> list[str]:
+    """Every rule's refusal for ``config`` on ``launch``, in the order of :data:`RULES`."""
+    return [problem for rule in RULES if (problem := rule(config, launch)) is not None]
+
+
+def check_combinations(config: LOOPConfig, launch: Launch) -> None:
+    """Raise :class:`ConfigCombinationError` with the first refusal, if any."""
+    found = problems(config, launch)
+    if found:
+        raise ConfigCombinationError(found[0])

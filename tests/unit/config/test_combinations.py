@@ -1,0 +1,101 @@
+"""The checks that combine keys, one test per rule: refused in one line naming the keys and the fix, and the
+neighbouring combinations that are fine pass. They run at config time (LOOPConfig), so --dry-run shows them."""
+
+from __future__ import annotations
+
+import pytest
+
+from loop_trainer.config import LOOPConfig
+from loop_trainer.config.combinations import RULES, ConfigCombinationError, Generator, Launch, problems
+
+
+def config(**keys):
+    return LOOPConfig(output_dir="/tmp/loop-combinations", report_to=[], **keys)
+
+
+def refused(keys, launch, match):
+    found = problems(config(**keys) if not isinstance(keys, LOOPConfig) else keys, launch)
+    assert len(found) == 1 and match in found[0], found
+    assert "\n" not in found[0]
+
+
+BUILT_IN = Launch(generator=Generator.BUILT_IN)
+
+
+def test_overlap_with_a_colocated_vllm_engine_is_refused_at_config_time():
+    with pytest.raises(ConfigCombinationError, match="LOOPConfig: max_staleness .* set vllm_mode: server"):
+        config(max_staleness=1, use_vllm=True)
+    config(max_staleness=1, use_vllm=True, vllm_mode="server")
+
+
+def test_overlap_with_dynamic_sampling_is_refused_at_config_time():
+    with pytest.raises(ConfigCombinationError, match="dynamic_sampling_rounds .* set one of them to 0"):
+        config(max_staleness=1, use_vllm=True, vllm_mode="server", dynamic_sampling_rounds=2)
+
+
+def test_overlap_needs_a_generator_holding_its_own_weights():
+    keys = config(max_staleness=1)  # a LOOPConfig in Python: a generation_backend may still come
+    assert problems(keys, Launch()) == []
+    refused(keys, BUILT_IN, "the transformers backend samples with the training model itself")
+    refused(keys, Launch(generator=Generator.SHARED_WEIGHTS), "has no holds_own_weights = True")
+    assert problems(keys, Launch(generator=Generator.OWN_WEIGHTS)) == []
+    server = config(max_staleness=1, use_vllm=True, vllm_mode="server")
+    assert problems(server, BUILT_IN) == []
+    refused(server, Launch(num_processes=2, generator=Generator.BUILT_IN), "this launch has 2 training processes")
+
+
+def test_activation_offloading_needs_a_gpu():
+    keys = config()
+    keys.activation_offloading = True
+    refused(keys, Launch(cuda=False), "activation_offloading moves the update's saved activations")
+    assert problems(keys, Launch(cuda=True)) == []
+    keys.use_cpu = True
+    refused(keys, Launch(cuda=True), "remove activation_offloading")
+
+
+def test_compile_decode_step_needs_static_decode():
+    with pytest.raises(ConfigCombinationError, match="compile_decode_step compiles .* set static_decode: true"):
+        config(compile_decode_step=True, static_decode=False)
+    config(compile_decode_step=True, static_decode=True)
+
+
+@pytest.mark.parametrize("key", ["merge_adapter_for_sampling", "static_decode", "compile_decode_step"])
+def test_the_transformers_backends_parts_are_refused_with_vllm(key):
+    keys = {key: True, **({"static_decode": True} if key == "compile_decode_step" else {})}
+    with pytest.raises(
+        ConfigCombinationError, match="(merge_adapter_for_sampling|static_decode) .*set use_vllm: false"
+    ):
+        config(use_vllm=True, vllm_mode="server", **keys)
+    backend = config(**keys)
+    backend.use_vllm = True  # with a generation_backend of the user's, use_vllm has no engine to refuse for
+    assert problems(backend, Launch(generator=Generator.OWN_WEIGHTS)) == []
+
+
+def test_merging_the_adapter_needs_whole_weights():
+    keys = config(merge_adapter_for_sampling=True)
+    refused(keys, Launch(zero_stage=3), "ZeRO-3 partitions them")
+    assert problems(keys, Launch(zero_stage=2)) == []
+
+
+def test_a_colocated_vllm_engine_spans_one_gpu():
+    with pytest.raises(ConfigCombinationError, match="vllm_tensor_parallel_size must be 1 with vllm_mode: colocate"):
+        config(use_vllm=True, vllm_tensor_parallel_size=2)
+    config(use_vllm=True, vllm_mode="server", vllm_tensor_parallel_size=2)
+
+
+def test_zero3_on_several_processes_cannot_sample_with_the_training_model():
+    keys = config()
+    refused(keys, Launch(num_processes=2, zero_stage=3, generator=Generator.BUILT_IN), "set use_vllm: true")
+    refused(keys, Launch(num_processes=2, zero_stage=3, generator=Generator.SHARED_WEIGHTS), "ZeRO-3 on 2 processes")
+    for fine in (
+        Launch(num_processes=2, zero_stage=2, generator=Generator.BUILT_IN),
+        Launch(num_processes=1, zero_stage=3, generator=Generator.BUILT_IN),
+        Launch(num_processes=2, zero_stage=3, generator=Generator.OWN_WEIGHTS),
+        Launch(num_processes=2, zero_stage=3),  # a LOOPConfig in Python: the trainer checks again
+    ):
+        assert problems(keys, fine) == []
+    assert problems(config(use_vllm=True, vllm_mode="server"), Launch(2, 3, generator=Generator.BUILT_IN)) == []
+
+
+def test_each_rule_has_its_test_above():
+    assert len(RULES) == 9, "a rule was added or removed: give it its test in this file, then update this count"
