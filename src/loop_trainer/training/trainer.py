@@ -5,22 +5,22 @@ One iteration reads top to bottom in :meth:`LOOPTrainer.run_iteration`:
     tasks -> rollouts (multi-turn, concurrent) -> leave-one-out advantages -> drop |A| < threshold
           -> policy update (old log-probs, E epochs x shuffled minibatches, one step each)
 
-The work is done by collaborators, each in its own module (see docs/architecture.md): the model
-loader (:mod:`.model_loading`), the generator (:mod:`..rollout.generator`), the rollout engine
-(:mod:`..rollout.engine`), the policy update (:mod:`.update`) over a distribution strategy
-(:mod:`.distribution`), the evaluator (:mod:`..evaluation`), the checkpoint stager (:mod:`.checkpoints`),
-the Hub publisher (:mod:`..publishing.publisher`) and the run log (:mod:`.run_log`); the trainer's base
-classes hold the ``Trainer`` overrides (:mod:`.trainer_hooks`) and the parts that sample, with
-evaluation (:mod:`.trainer_sampling`). transformers'
-``Trainer`` keeps what users rely on: accelerate/DDP/DeepSpeed set-up, the optimizer and scheduler,
-callbacks and ``report_to``, ``save_model``, checkpoint saving and rotation, the Hub repository.
+One class, in the order a run uses it: construction, the loop, the parts that sample and evaluation,
+checkpoints and the Hub. The work is done by collaborators, each in its own module with typed settings of its
+own (see docs/architecture.md): the model loader (:mod:`.model_loading`), the generator
+(:mod:`..rollout.generator`), the rollout engine (:mod:`..rollout.engine`), the policy update
+(:mod:`.update`) over a distribution strategy (:mod:`.distribution`), the evaluator (:mod:`..evaluation`),
+the checkpoint stager (:mod:`.checkpoints`), resume (:mod:`.resume`), the overlapped collection
+(:mod:`.overlap`), the Hub publisher (:mod:`..publishing.publisher`) and the run log (:mod:`.run_log`).
+transformers' ``Trainer`` keeps what users rely on: accelerate/DDP/DeepSpeed set-up, the optimizer and
+scheduler, callbacks and ``report_to``, ``save_model``, checkpoint saving and rotation, the Hub repository.
 
-Private ``transformers.Trainer`` API used by LOOPTrainer (here and in :mod:`.trainer_hooks`), each pinned by
-tests/unit/training/test_trainer_hooks.py: ``_inner_training_loop`` (overridden: LOOP's loop),
-``_init_training_state`` and ``_prepare_for_training`` (the training state, optimizer, scheduler and
-accelerate/DeepSpeed wrapping, as ``Trainer.train`` builds them), ``_load_rng_state`` (resume),
-``_save_checkpoint`` and ``_get_output_dir`` (overridden to stage checkpoints), ``_push_from_checkpoint``
-(overridden: LOOP's upload of a checkpoint). No private TRL API.
+Private ``transformers.Trainer`` API used here, each pinned by tests/unit/training/test_trainer_hooks.py and
+called with keywords: ``_inner_training_loop`` (overridden: LOOP's loop), ``_init_training_state`` and
+``_prepare_for_training`` (the training state, optimizer, scheduler and accelerate/DeepSpeed wrapping, as
+``Trainer.train`` builds them), ``_load_rng_state`` (resume), ``_save_checkpoint`` and ``_get_output_dir``
+(overridden to stage checkpoints), ``_push_from_checkpoint`` (overridden: LOOP's upload of a checkpoint). No
+private TRL API.
 """
 
 from __future__ import annotations
@@ -31,23 +31,25 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, Self
 
 import torch
 from datasets import Dataset
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
-from transformers.trainer_utils import TrainOutput
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, HubStrategy, TrainOutput
 
-from ..chat import ChatFormatter
+from ..chat import ChatFormatter, stop_token_ids
 from ..compat.trl.arguments import environment_for, loop_config_for
-from ..compat.trl.environment import TRLAgentEnvironment
 from ..config import LOOPConfig, mapping_setting
 from ..config.combinations import Generator, check_combinations
 from ..envs.base import Environment, load_tasks
+from ..evaluation import Evaluator, write_evaluation_viewer
 from ..publishing.publisher import HubPublisher
-from ..rollout import GenerationBackend, RolloutBatch
-from ..rollout.generator import require_vllm
+from ..rollout import GenerationBackend, RolloutBatch, RolloutEngine, mix_seed
+from ..rollout.generator import RolloutGenerator, build_generator, require_vllm
+from ..rollout.sharding import collect_across_processes
 from .activation_checkpointing import (
     activation_offloading,
     checkpointing_kwargs,
@@ -58,15 +60,15 @@ from .batching import TrainingSample
 from .checkpoints import CheckpointStager, read_loop_state
 from .distribution import DistributionStrategy, check_launch, zero_stage
 from .dynamic_sampling import ScoredRollouts, collect_scored, score_rollouts
+from .logprobs import sequence_logprobs
 from .model_loading import load_policy
 from .overlap import OverlappedRollouts
-from .resume import apply_setting_changes, plan_start
+from .resume import apply_setting_changes, plan_start, resume_settings
 from .rollout_resources import RolloutResources
 from .run_log import LOOPPrinterCallback, LOOPProgressCallback, RunLog
 from .sampler import task_sampler_for
 from .signals import collapse_warning, training_check_rates
 from .stress import run_memory_stress_test
-from .trainer_sampling import TrainerSampling
 from .update import PolicyUpdate, UpdateSettings
 
 logger = logging.getLogger(__name__)
@@ -79,7 +81,7 @@ def _rows_as_they_are(rows: list[Any]) -> Any:
     return rows
 
 
-class LOOPTrainer(TrainerSampling):
+class LOOPTrainer(Trainer):
     """Trains a policy with LOOP on an :class:`~loop_trainer.envs.Environment`, or on what a TRL
     multi-turn script hands ``GRPOTrainer`` (same argument names, same order).
 
@@ -108,6 +110,19 @@ class LOOPTrainer(TrainerSampling):
     _name = "LOOP"
     _tag_names = ["trl", "loop"]  # the model is tagged with these (saved in its config)
 
+    args: LOOPConfig  # any other arguments are translated into one
+    model: PreTrainedModel | torch.nn.Module  # always given or loaded
+    train_dataset: Dataset  # the training split's tasks: always passed to Trainer
+    recipe_path: str | dict[str, Any] | None = None
+    """The recipe the run came from (a path, or the effective values); uploaded as recipe.yaml."""
+    run_settings: dict[str, Any] | None = None
+    """Settings from outside LOOPConfig that shape the run, recorded in every checkpoint and compared on
+    resume like LOOPConfig's recorded keys (``config/resume_policy.py``). ``loop-train`` sets ``environment``
+    and ``environment_kwargs`` (its ScriptArguments); by default ``environment`` is ``env.name``."""
+    setting_changes: Sequence[dict[str, Any]] = ()
+    """Settings changed on resume (``resume_with_changed_settings``), oldest first: ``{"setting", "old",
+    "new", "from_iteration"}``; kept in every later checkpoint."""
+
     def __init__(
         self,
         model: str | PreTrainedModel,
@@ -132,7 +147,7 @@ class LOOPTrainer(TrainerSampling):
             name = model if isinstance(model, str) else model.config._name_or_path or "model"
             args = LOOPConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-LOOP")
         args = loop_config_for(args, train_dataset)  # a GRPOConfig is translated (compat.trl)
-        env, self.trl_route = environment_for(
+        env, self.trl_route, env_callbacks = environment_for(
             env,
             args,
             reward_funcs=reward_funcs,
@@ -173,6 +188,8 @@ class LOOPTrainer(TrainerSampling):
         for stock, ours in ((ProgressCallback, LOOPProgressCallback), (PrinterCallback, LOOPPrinterCallback)):
             if self.pop_callback(stock) is not None:
                 self.add_callback(ours)
+        for callback in env_callbacks:  # the TRL route: the trainer's state for TRL's reward functions
+            self.add_callback(callback)
         self.env = env
         env.set_tokenizer(self.tokenizer)
         self.formatter = ChatFormatter(
@@ -260,7 +277,7 @@ class LOOPTrainer(TrainerSampling):
         if args.memory_stress_test:
             self.run_memory_stress_test()
         if resume_from_checkpoint:
-            self._load_rng_state(resume_from_checkpoint)
+            self._load_rng_state(checkpoint=resume_from_checkpoint)
             state = read_loop_state(resume_from_checkpoint)
             if not any(key == "balance_tasks_by" for key, _, _ in self._resume_changes):  # else another sampler's
                 self.task_sampler.load_state_dict(state["task_sampler"])
@@ -298,7 +315,7 @@ class LOOPTrainer(TrainerSampling):
             if self.control.should_log:
                 self.log({k: float(v) for k, v in record.items() if isinstance(v, (int, float)) and k != "iteration"})
             if self.control.should_save:
-                self._save_checkpoint(model, trial)
+                self._save_checkpoint(model=model, trial=trial)
                 self.control = self.callback_handler.on_save(args, self.state, self.control)
         self.run_log.plot(force=True)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
@@ -319,9 +336,17 @@ class LOOPTrainer(TrainerSampling):
         max_optimizer_steps = args.iterations * args.ppo_epochs * math.ceil(rollouts / args.minibatch_size)
         check_launch(self.accelerator)
         self.env.prepare()
-        self._init_training_state(args.iterations, args.iterations, 1, resume_from_checkpoint, trial)
+        self._init_training_state(
+            max_steps=args.iterations,
+            num_update_steps_per_epoch=args.iterations,
+            num_train_epochs=1,
+            resume_from_checkpoint=resume_from_checkpoint,
+            trial=trial,
+        )
         self._enable_activation_checkpointing()
-        model, _ = self._prepare_for_training(max_optimizer_steps, None, resume_from_checkpoint)
+        model, _ = self._prepare_for_training(
+            max_steps=max_optimizer_steps, train_dataloader=None, resume_from_checkpoint=resume_from_checkpoint
+        )
         strategy = DistributionStrategy(
             self.accelerator, self.model_wrapped, self.optimizer, self.lr_scheduler, args.max_grad_norm
         )
@@ -372,8 +397,6 @@ class LOOPTrainer(TrainerSampling):
         policy_update = self._prepared_update()
         started = time.perf_counter()
         iteration = self.state.global_step  # 0-based: the iteration being trained
-        if self.trl_route and isinstance(self.env, TRLAgentEnvironment):
-            self.env.trainer_state = self.state  # TRL's reward functions get trainer_state
         ahead = self.overlap.take(iteration)  # max_staleness: collected during the last update, by its policy
         synced = self.generator.sync(iteration)
         scored = ahead if ahead is not None else self._collect_scored(iteration)
@@ -439,3 +462,248 @@ class LOOPTrainer(TrainerSampling):
     def update_policy(self, samples: list[TrainingSample]) -> dict[str, float]:
         """The policy update of the current iteration on ``samples`` (see :class:`PolicyUpdate`)."""
         return self._prepared_update()(samples, self.state.global_step)
+
+    # --- The parts that sample, opened on demand (and released by close()) ---
+    def _open_generator(self) -> RolloutGenerator:
+        generator = build_generator(
+            self.args,
+            self.model,
+            stop_token_ids=stop_token_ids(self.model, self.tokenizer),
+            tokenizer=self.tokenizer,
+            process_index=self.accelerator.process_index,
+            is_main_process=self.accelerator.is_main_process,
+            barrier=self.accelerator.wait_for_everyone,
+            custom_backend=self._custom_backend,
+            probe_scorer=lambda ids: sequence_logprobs(
+                self.model_wrapped, ids, self.tokenizer.pad_token_id, self.accelerator.device, self.accelerator.autocast
+            ),
+        )
+        if self.args.eval_split and self.args.eval_every:
+            generator.check_evaluation()  # eval_temperature is honoured or refused now, not at iteration N
+        return generator
+
+    @property
+    def generator(self) -> RolloutGenerator:
+        return self.rollout_resources.generator
+
+    @property
+    def rollout_engine(self) -> RolloutEngine:
+        return self.rollout_resources.engine
+
+    @property
+    def evaluator(self) -> Evaluator:
+        return self.rollout_resources.evaluator
+
+    def close(self) -> None:
+        """Release what the trainer opened: rollout thread pools, the generator (a vLLM engine, its
+        temporary files). The environment is its creator's to close. Safe to call twice; anything
+        used afterwards is opened again."""
+        self.overlap.close()  # a collection in flight finishes first: it uses the generator
+        self.rollout_resources.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+    # --- Rollouts ---
+    def collect_rollouts(
+        self, tasks: list[Mapping[str, Any]], collection_round: int = 0, iteration: int | None = None
+    ) -> RolloutBatch:
+        """Every process runs the episodes of its share of the tasks; all then see all results.
+        ``collection_round``: the iteration's round of dynamic sampling (0: its first, LOOP's only).
+        ``iteration`` (0-based; default: the one being trained): whose seed and label the rollouts get."""
+        args = self.args
+        step = self.state.global_step if iteration is None else iteration
+        seed = mix_seed(args.seed, step) if collection_round == 0 else mix_seed(args.seed, step, collection_round)
+        return collect_across_processes(
+            self.rollout_engine,
+            tasks,
+            args.rollouts_per_task,
+            num_processes=self.accelerator.num_processes,
+            process_index=self.accelerator.process_index,
+            seed=seed,
+            description=f"iteration {step + 1} rollouts"
+            + (f" (round {collection_round + 1})" if collection_round else ""),
+            max_failed_fraction=args.max_failed_fraction,
+            done_fraction=args.early_stop_done_fraction,
+            task_fraction=args.early_stop_task_fraction,
+        )
+
+    # --- Evaluation ---
+    def evaluate_policy(self, split: str | None = None) -> dict[str, float]:
+        """Roll out every task of ``split`` (default ``args.eval_split``) ``eval_rollouts_per_task``
+        times at ``eval_temperature`` (0: greedy); returns the environment's summary as ``eval_*``
+        metrics (AppWorld: TGC and SGC overall and per difficulty). No update; the latest result
+        also goes into the model card."""
+        args, step = self.args, self.state.global_step
+        split = split or args.eval_split
+        if split is None:
+            raise ValueError("LOOPTrainer.evaluate_policy(): give a split, or set args.eval_split")
+        self.overlap.wait()  # max_staleness: the next batch is sampled by the policy before this sync
+        synced = self.generator.sync(step)  # the generator samples the policy being evaluated
+        result = self.evaluator.run(
+            split,
+            rollouts_per_task=args.eval_rollouts_per_task,
+            seed=mix_seed(args.seed, 0xE7A1, step),
+            max_tasks=args.eval_max_tasks,
+        )
+        self.generator.sleep()  # not awake through the checkpoint save that may follow
+        self.latest_eval = {"split": split, "iteration": step, "metrics": dict(result.metrics)}
+        if self.is_world_process_zero() and args.viewer_rollouts_per_iteration > 0:
+            assert args.output_dir is not None  # TrainingArguments.__post_init__ gives it a default
+            write_evaluation_viewer(
+                result.rows,
+                Path(args.output_dir) / "viewer" / f"eval-{split}-iteration-{step:05d}.html",
+                title=f"{self.env.name}: {split} after iteration {step}",
+            )
+        return {**{f"eval_{key}": float(value) for key, value in result.metrics.items()}, **synced}
+
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """Trainer's ``evaluate()``, LOOP's way: episodes on ``args.eval_split`` (:meth:`evaluate_policy`)."""
+        if eval_dataset is not None or metric_key_prefix != "eval" or not self.args.eval_split:
+            raise ValueError(
+                "LOOPTrainer.evaluate() runs episodes on args.eval_split (set eval_split); it takes no "
+                "eval_dataset or metric_key_prefix: call evaluate_policy(split) for another split"
+            )
+        metrics = self.evaluate_policy()
+        self.log(metrics)
+        return metrics
+
+    # --- Checkpoints ---
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        self.create_model_card()  # the card travels with every checkpoint (and its periodic push)
+
+        def loop_state() -> dict[str, Any]:
+            return {
+                "iteration": self.state.global_step,
+                "task_sampler": self.task_sampler.state_dict(),
+                "history": self.history,
+                "settings": self.resume_settings(),
+                "setting_changes": self.setting_changes,
+            }
+
+        with self.checkpoints.staged(
+            super()._get_output_dir(trial=trial),
+            self.state.global_step,
+            loop_state,
+            on_published=self._push_published_checkpoint,
+        ) as staging:
+            super()._save_checkpoint(model=model, trial=trial)
+            if self.is_world_process_zero():  # max_staleness: the batch in flight belongs to the checkpoint
+                self.overlap.save(Path(staging) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+
+    def resume_settings(self) -> dict[str, Any]:
+        """The settings an exact resume depends on, as recorded in every checkpoint (:mod:`.resume`)."""
+        return resume_settings(
+            self.args,
+            env_name=self.env.name,
+            num_train_tasks=len(self.train_dataset),
+            model=self.accelerator.unwrap_model(self.model),
+            run_settings=self.run_settings,
+        )
+
+    def _get_output_dir(self, trial: Any) -> str:
+        staging = self.checkpoints.staging_root
+        return str(staging) if staging is not None else super()._get_output_dir(trial=trial)
+
+    def _card_context(self) -> dict[str, Any]:
+        model = self.accelerator.unwrap_model(self.model)
+        return {
+            "base_model": getattr(model.config, "_name_or_path", None) or None,
+            "hub_model_id": self.hub_model_id or self.args.hub_model_id,
+            "args": self.args,
+            "peft_config": getattr(model, "peft_config", None),
+            "environment": self.env.name,
+            "iterations_done": self.state.global_step,
+            "history": self.history,
+            "eval_metrics": self.latest_eval,
+            "recipe_path": self.recipe_path,
+            "setting_changes": self.setting_changes,
+        }
+
+    def create_model_card(  # type: ignore[override]  # TRL's signature (GRPOTrainer's), not Trainer's
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: list[str] | None = None,
+        license: str | None = None,
+        **_: Any,
+    ) -> None:
+        """Write LOOP's model card (README.md) to ``output_dir`` (before every checkpoint, and by push_to_hub)."""
+        if self.is_world_process_zero():
+            assert self.args.output_dir is not None  # TrainingArguments.__post_init__ gives it a default
+            self.publisher.write_card(self.args.output_dir, model_name=model_name, tags=tags, license=license)
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        merge_adapter: bool = False,
+        **kwargs: Any,
+    ):
+        """Upload the adapter (merged weights only with ``merge_adapter=True``), the tokenizer and
+        its chat template, the recipe, the metrics and the model card."""
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        token = token if token is not None else self.args.hub_token
+        if self.hub_model_id is None:
+            self.init_hf_repo(token=token, private=private)
+        self.save_model(_internal_call=True)
+        if not self.is_world_process_zero():
+            return None
+        assert self.hub_model_id is not None  # init_hf_repo set it on the main process
+        self.publisher.wait()  # periodic pushes first, so the final one lands last
+        return self.publisher.upload_run(
+            repo_id=self.hub_model_id,
+            token=token,
+            revision=revision if revision is not None else self.args.hub_revision,
+            commit_message=commit_message or "End of training",
+            merge_adapter=merge_adapter,
+            blocking=blocking,
+            **kwargs,
+        )
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # Called inside Trainer._save_checkpoint with the *staging* folder.
+        if not self.is_world_process_zero() or self.args.hub_strategy == HubStrategy.END:
+            return
+        if not self.args.hub_always_push and self.publisher.busy():
+            return  # as Trainer: skip this push while the last one runs, unless hub_always_push
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        assert self.hub_model_id is not None  # push_to_hub: Trainer.__init__ created the repository (main process)
+        self.publisher.track(
+            self.publisher.upload_checkpoint_model(
+                checkpoint_folder,
+                repo_id=self.hub_model_id,
+                iteration=self.state.global_step,
+                tokenizer=self.processing_class,
+            )
+        )
+
+    def _push_published_checkpoint(self, checkpoint: Path) -> None:
+        if self.hub_model_id is None:  # no repository: no upload of this checkpoint is pending
+            return
+        self.publisher.track(
+            self.publisher.upload_published_checkpoint(
+                checkpoint, repo_id=self.hub_model_id, iteration=self.state.global_step
+            )
+        )
+
+    # --- The run log ---
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        return self.run_log.history
+
+    @property
+    def metrics_path(self) -> str:
+        return str(self.run_log.metrics_path)
+
+    @property
+    def curve_path(self) -> str:
+        return str(self.run_log.curve_path)

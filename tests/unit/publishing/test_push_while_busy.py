@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from transformers.trainer_utils import HubStrategy
 
 from loop_trainer.publishing.publisher import HubPublisher
-from loop_trainer.training.trainer_hooks import TrainerHooks
+from loop_trainer.training.trainer import LOOPTrainer
 
 
 def test_a_save_skips_its_push_while_the_last_upload_runs_unless_hub_always_push():
@@ -35,7 +35,7 @@ def test_a_save_skips_its_push_while_the_last_upload_runs_unless_hub_always_push
             hub_model_id="me/loop-run",
             processing_class=None,
         )
-        TrainerHooks._push_from_checkpoint(trainer, folder)
+        LOOPTrainer._push_from_checkpoint(trainer, folder)
 
     save("checkpoint-1")
     assert started == ["checkpoint-1"] and publisher.busy()

@@ -17,11 +17,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from datasets import Dataset
+from transformers import TrainerCallback
 from trl import GRPOConfig
 
 from ...config import LOOPConfig
 from ...envs.base import Environment
-from .environment import TRLAgentEnvironment
+from .environment import TrainerStateForRewards, TRLAgentEnvironment
 from .grpo_config import loop_config_from_grpo
 
 logger = logging.getLogger(__name__)
@@ -64,8 +65,9 @@ def environment_for(
     environment_factory: Callable | Mapping[str, Callable] | None = None,
     reward_processing_classes: Any = None,
     rollout_func: Any = None,
-) -> tuple[Environment, bool]:
-    """The environment a ``LOOPTrainer(...)`` call trains on, and whether it came from TRL's arguments.
+) -> tuple[Environment, bool, list[TrainerCallback]]:
+    """The environment a ``LOOPTrainer(...)`` call trains on, whether it came from TRL's arguments, and the
+    callbacks that route needs (the trainer's state for TRL's reward functions).
 
     ``env`` is the trainer's second positional argument: an Environment, or (GRPOTrainer's order)
     the reward functions."""
@@ -111,7 +113,7 @@ def environment_for(
                     f"arguments ({meaning}); this run's rewards and turns come from the environment "
                     f"{env.name!r} (its episodes; max_turns)"
                 )
-        return env, False
+        return env, False, []
     if not given:
         raise TypeError(
             "LOOPTrainer needs an environment: a loop_trainer Environment as its second argument, or "
@@ -131,7 +133,7 @@ def environment_for(
             "eval_dataset is not evaluated during training: set eval_split='eval' and eval_every (or, "
             "in a GRPOConfig, eval_strategy='steps'); trainer.evaluate_policy('eval') runs it"
         )
-    return TRLAgentEnvironment(
+    agent = TRLAgentEnvironment(
         train_dataset,
         reward_funcs or (),
         tools=tools or (),
@@ -140,4 +142,5 @@ def environment_for(
         max_tool_calling_iterations=args.max_tool_calling_iterations,
         answer_malformed_calls=args.malformed_tool_call == "answer",
         eval_dataset=eval_dataset,
-    ), True
+    )
+    return agent, True, [TrainerStateForRewards(agent)]

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from ...envs.base import (
     Environment,
@@ -307,3 +308,17 @@ class TRLAgentEpisode(Episode):
         if self.instance is not None:
             self.env.give_back(self.key, self.instance)
             self.instance = None
+
+
+class TrainerStateForRewards(TrainerCallback):
+    """Hands the trainer's state to the environment as each iteration begins: TRL's reward functions get it as
+    ``trainer_state`` (GRPOTrainer passes it too)."""
+
+    def __init__(self, env: TRLAgentEnvironment):
+        self.env = env
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.env.trainer_state = state
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.env.trainer_state = state
