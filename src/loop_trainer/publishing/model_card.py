@@ -16,13 +16,17 @@ import os
 import re
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
+
+if TYPE_CHECKING:
+    from ..config import LOOPConfig
 
 README = "README.md"
 RECIPE_FILE = "recipe.yaml"
@@ -152,13 +156,35 @@ def is_hub_model_id(name: str | None) -> bool:
     return bool(name) and _REPO_ID.match(str(name)) is not None and not os.path.isdir(str(name))
 
 
-def hyperparameter_rows(args: Any) -> list[tuple[str, str, str]]:
+@dataclass(frozen=True)
+class CardSettings:
+    """What the card shows of the run's settings (:func:`card_settings` builds it from a LOOPConfig)."""
+
+    hyperparameters: tuple[tuple[str, str, str], ...] = ()
+    """(name, this run's value, the paper's value or "")."""
+    train_split: str = "train"
+    iterations_planned: int | None = None
+    max_turns: int = PAPER_VALUES["max_turns"]
+    max_new_tokens_per_turn: int = PAPER_VALUES["max_new_tokens_per_turn"]
+    max_trajectory_tokens: int = PAPER_VALUES["max_trajectory_tokens"]
+
+
+def card_settings(config: LOOPConfig) -> CardSettings:
+    return CardSettings(
+        hyperparameters=tuple(hyperparameter_rows(config)),
+        train_split=config.train_split,
+        iterations_planned=config.iterations,
+        max_turns=config.max_turns,
+        max_new_tokens_per_turn=config.max_new_tokens_per_turn,
+        max_trajectory_tokens=config.max_trajectory_tokens,
+    )
+
+
+def hyperparameter_rows(args: LOOPConfig) -> list[tuple[str, str, str]]:
     """(name, this run's value, the paper's value or "") for LOOP's own settings of ``args`` (the
     fields LOOPConfig adds to TrainingArguments but :data:`MACHINERY_FIELDS`, the episode settings) and
     :data:`TRAINER_FIELDS`.
     Local paths (``*_dir``) stay out of a published card."""
-    if args is None or not dataclasses.is_dataclass(args):
-        return []
     from transformers import TrainingArguments
 
     from ..config import EpisodeSettings
@@ -220,7 +246,7 @@ def write_model_card(
     *,
     base_model: str | None,
     hub_model_id: str | None = None,
-    args: Any = None,
+    settings: CardSettings | None = None,
     peft_config: Any = None,
     environment: str | None = None,
     iterations_done: int | None = None,
@@ -235,7 +261,7 @@ def write_model_card(
 ) -> Path:
     """Write ``output_dir/README.md`` and return its path.
 
-    ``args`` is the run's LOOPConfig (its LOOP settings make the hyperparameter table);
+    ``settings`` are the run's settings as the card shows them (:func:`card_settings`);
     ``peft_config`` a LoRA config (object or dict) when an adapter was trained; ``merged`` says
     the adapter was merged into full weights. ``history`` is the per-iteration metrics (the first
     and last ``reward_mean`` go into the card); ``eval_metrics`` the latest evaluation,
@@ -247,6 +273,7 @@ def write_model_card(
     from ..rollout.vllm_backend import vllm_lora_rank  # here: keeps this module's import light
 
     output_dir = Path(output_dir)
+    settings = settings or CardSettings()
     output_dir.mkdir(parents=True, exist_ok=True)
     lora = peft_config_dict(peft_config)
     weights = "merged" if (merged and lora) else "adapter" if lora else "full"
@@ -294,23 +321,23 @@ def write_model_card(
         lora_name=re.sub(r"[^\w.-]", "-", model_name),
         lora_rank_for_vllm=vllm_lora_rank(int(lora.get("r") or 16) if lora else 16),
         environment=environment,
-        train_split=getattr(args, "train_split", "train"),
+        train_split=settings.train_split,
         iterations_done=len(history or ()) if iterations_done is None else iterations_done,
-        iterations_planned=getattr(args, "iterations", None),
+        iterations_planned=settings.iterations_planned,
         eval=evaluation_summary(eval_metrics),
         reward=reward,
         has_curve=(output_dir / CURVE_FILE).is_file(),
         has_metrics=(output_dir / METRICS_FILE).is_file(),
         has_recipe=(output_dir / RECIPE_FILE).is_file(),
-        hyperparameters=hyperparameter_rows(args),
+        hyperparameters=list(settings.hyperparameters),
         setting_changes=[
             (c["setting"], format_value(c["old"]), format_value(c["new"]), c["from_iteration"])
             for c in setting_changes or ()
         ],
         lora=[(name, format_value(lora[name])) for name in LORA_FIELDS if lora and lora.get(name) not in (None, False)],
-        max_turns=getattr(args, "max_turns", PAPER_VALUES["max_turns"]),
-        max_new_tokens_per_turn=getattr(args, "max_new_tokens_per_turn", PAPER_VALUES["max_new_tokens_per_turn"]),
-        max_trajectory_tokens=getattr(args, "max_trajectory_tokens", PAPER_VALUES["max_trajectory_tokens"]),
+        max_turns=settings.max_turns,
+        max_new_tokens_per_turn=settings.max_new_tokens_per_turn,
+        max_trajectory_tokens=settings.max_trajectory_tokens,
         versions=_versions(),
         loop_citation=LOOP_CITATION,
         trl_citation=TRL_CITATION,

@@ -10,6 +10,7 @@ published (renamed into place).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +19,24 @@ from transformers.trainer_utils import HubStrategy
 from . import hub
 
 CardContext = Callable[[], dict[str, Any]]
-"""Returns what the model card describes: base_model, args, peft_config, environment, history, ..."""
+"""Returns what the model card describes: base_model, settings, peft_config, environment, history, ..."""
+
+
+@dataclass(frozen=True)
+class PublisherSettings:
+    output_dir: str
+    """Where the run's files are (the model files of each published checkpoint are copied there)."""
+    hub_strategy: HubStrategy = HubStrategy.EVERY_SAVE
+    hub_token: str | None = None
+    hub_revision: str | None = None
 
 
 class HubPublisher:
     """Writes the card, starts uploads and keeps track of those still running; the trainer owns the
     repository id."""
 
-    def __init__(self, args: Any, card_context: CardContext):
-        self.args = args
+    def __init__(self, settings: PublisherSettings, card_context: CardContext):
+        self.settings = settings
         self.card_context = card_context
         self._checkpoint_pending = False
         self.jobs: list[Any] = []
@@ -63,13 +73,13 @@ class HubPublisher:
         **card_overrides: Any,
     ) -> Any:
         """The end-of-training (or on-demand) upload of ``output_dir``'s model files."""
-        self.write_card(self.args.output_dir, **card_overrides)
+        self.write_card(self.settings.output_dir, **card_overrides)
         card = {
             **self.card_context(),
             **{k: v for k, v in card_overrides.items() if k in ("model_name", "tags", "license")},
         }
         return hub.upload_folder_contents(
-            self.args.output_dir,
+            self.settings.output_dir,
             repo_id=repo_id,
             commit_message=commit_message,
             token=token,
@@ -85,20 +95,20 @@ class HubPublisher:
     ) -> Any | None:
         """While a checkpoint is written (from the staging folder): upload its model files now; the
         whole checkpoint follows once published (:meth:`upload_published_checkpoint`)."""
-        args = self.args
+        settings = self.settings
         self._checkpoint_pending = False
-        if args.hub_strategy == HubStrategy.END:
+        if settings.hub_strategy == HubStrategy.END:
             return None
-        hub.copy_model_files(staging_folder, args.output_dir)
+        hub.copy_model_files(staging_folder, settings.output_dir)
         if tokenizer is not None:
-            tokenizer.save_pretrained(args.output_dir)
-        self._checkpoint_pending = args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS)
+            tokenizer.save_pretrained(settings.output_dir)
+        self._checkpoint_pending = settings.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS)
         return hub.upload_folder_contents(
-            args.output_dir,
+            settings.output_dir,
             repo_id=repo_id,
-            token=args.hub_token,
+            token=settings.hub_token,
             commit_message=f"Training in progress, iteration {iteration}",
-            revision=args.hub_revision,
+            revision=settings.hub_revision,
             create_repo=False,
             run_as_future=True,
         )
@@ -107,13 +117,13 @@ class HubPublisher:
         if not self._checkpoint_pending:
             return None
         self._checkpoint_pending = False
-        path_in_repo = "last-checkpoint" if self.args.hub_strategy == HubStrategy.CHECKPOINT else checkpoint.name
+        path_in_repo = "last-checkpoint" if self.settings.hub_strategy == HubStrategy.CHECKPOINT else checkpoint.name
         return hub.upload_checkpoint(
             checkpoint,
             repo_id=repo_id,
             path_in_repo=path_in_repo,
-            token=self.args.hub_token,
-            revision=self.args.hub_revision,
+            token=self.settings.hub_token,
+            revision=self.settings.hub_revision,
             run_as_future=True,
             commit_message=f"Training in progress, iteration {iteration}, checkpoint",
         )

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -88,6 +89,46 @@ def _unmerged_base(model: torch.nn.Module):
         yield clean
     else:
         yield model
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """The vLLM engine's (``use_vllm``): colocated in each training process, or a server."""
+
+    mode: str = "colocate"
+    gpu_memory_utilization: float = 0.3
+    tensor_parallel_size: int = 1
+    enable_sleep_mode: bool = False
+    max_model_length: int | None = None
+    """None: the generator's ``max_trajectory_tokens``."""
+    server_url: str = "http://0.0.0.0:8000"
+    server_timeout: float = 240.0
+    sync_dir: str | None = None
+    """Server mode: where adapters and weight shards are written for it (None: ``output_dir/weight-sync``)."""
+
+
+@dataclass(frozen=True)
+class GeneratorSettings:
+    """What samples and how (``LOOPConfig``'s sampling keys, built by ``training/settings.py``)."""
+
+    output_dir: str
+    use_vllm: bool = False
+    temperature: float = 1.0
+    seed: int = 42
+    generation_batch_limit: int = 64
+    max_concurrent_episodes: int = 256
+    max_trajectory_tokens: int = 32000
+    static_decode: bool | None = False
+    compile_decode_step: bool | None = False
+    merge_adapter_for_sampling: bool | None = False
+    bf16: bool = False
+    fp16: bool = False
+    sync_tolerance: float | None = None
+    """After each weight sync, the largest probe log-prob difference allowed (None: by dtype; negative: never stop)."""
+    probe_tokens: int = 64
+    zero_stage: int | None = None
+    """The training model's DeepSpeed ZeRO stage, if any (ZeRO-3 partitions the weights)."""
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
 
 
 ProbeScorer = Callable[[list[int]], torch.Tensor]
@@ -174,7 +215,7 @@ class RolloutGenerator:
 
 
 def build_generator(
-    args: Any,
+    settings: GeneratorSettings,
     model: torch.nn.Module,
     *,
     stop_token_ids: list[int],
@@ -193,64 +234,64 @@ def build_generator(
     if custom_backend is not None:
         if not getattr(custom_backend, "holds_own_weights", False):
             return RolloutGenerator(custom_backend, owns_backend=False)
-        sync = _checked_sync(args, model, cast(WeightLoadable, custom_backend), tokenizer, probe_scorer, None)
+        sync = _checked_sync(settings, model, cast(WeightLoadable, custom_backend), tokenizer, probe_scorer, None)
         return RolloutGenerator(custom_backend, weight_sync=sync, owns_backend=False)
-    if args.compile_decode_step and not args.static_decode:
+    if settings.compile_decode_step and not settings.static_decode:
         raise GeneratorConfigError(COMPILE_NEEDS_STATIC)
-    if not args.use_vllm:
-        plugin = getattr(args, "deepspeed_plugin", None)
-        if args.merge_adapter_for_sampling and plugin is not None and plugin.zero_stage == 3:
+    if not settings.use_vllm:
+        if settings.merge_adapter_for_sampling and settings.zero_stage == 3:
             raise GeneratorConfigError(
                 "merge_adapter_for_sampling needs whole weights on each process, and ZeRO-3 partitions them: remove "
                 "merge_adapter_for_sampling, or use a ZeRO stage below 3"
             )
         try:  # one merged copy, shared by the evaluation backends (for_evaluation)
-            merged = MergedAdapter(model) if args.merge_adapter_for_sampling else None
+            merged = MergedAdapter(model) if settings.merge_adapter_for_sampling else None
         except MergedAdapterError as error:
             raise GeneratorConfigError(str(error)) from None
-        settings = {
+        backend_settings = {
             "model": model,
             "stop_token_ids": stop_token_ids,
             "pad_token_id": tokenizer.pad_token_id,
-            "max_batch_size": args.generation_batch_limit,
-            "static_decode": args.static_decode,
-            "compile_decode_step": args.compile_decode_step,
+            "max_batch_size": settings.generation_batch_limit,
+            "static_decode": settings.static_decode,
+            "compile_decode_step": settings.compile_decode_step,
             "merged_adapter": merged,
         }
         return RolloutGenerator(
-            TransformersBackend(**settings, temperature=args.temperature), transformers_settings=settings
+            TransformersBackend(**backend_settings, temperature=settings.temperature),
+            transformers_settings=backend_settings,
         )
-    if args.merge_adapter_for_sampling:
+    if settings.merge_adapter_for_sampling:
         raise GeneratorConfigError(
             "merge_adapter_for_sampling applies to the transformers backend; vLLM applies the LoRA adapter itself: "
             "remove merge_adapter_for_sampling or set use_vllm: false"
         )
-    if args.static_decode:
+    if settings.static_decode:
         raise GeneratorConfigError(
             "static_decode applies to the transformers backend; with use_vllm: true vLLM decodes with its own CUDA "
             "graphs: remove static_decode or set use_vllm: false"
         )
-    if args.vllm_mode == "server":
-        url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+    if settings.vllm.mode == "server":
+        url = settings.vllm.server_url
         try:
             backend: VLLMServerBackend | VLLMBackend = VLLMServerBackend(
                 url,
                 stop_token_ids=stop_token_ids,
-                temperature=args.temperature,
-                sync_dir=args.vllm_sync_dir or os.path.join(args.output_dir, "weight-sync"),
-                max_concurrency=args.max_concurrent_episodes,
-                connect_timeout=args.vllm_server_timeout,
+                temperature=settings.temperature,
+                sync_dir=settings.vllm.sync_dir or os.path.join(settings.output_dir, "weight-sync"),
+                max_concurrency=settings.max_concurrent_episodes,
+                connect_timeout=settings.vllm.server_timeout,
                 is_main_process=is_main_process,
                 barrier=barrier,
             )
         except GeneratorServerError as error:
             raise GeneratorConfigError(str(error)) from None
-        dtype = torch.bfloat16 if args.bf16 else next(model.parameters()).dtype
-    elif args.vllm_mode == "colocate":
+        dtype = torch.bfloat16 if settings.bf16 else next(model.parameters()).dtype
+    elif settings.vllm.mode == "colocate":
         require_vllm()
-        if args.vllm_tensor_parallel_size != 1:
+        if settings.vllm.tensor_parallel_size != 1:
             raise GeneratorConfigError(COLOCATED_TP_ONLY)
-        sleep = bool(args.vllm_enable_sleep_mode)
+        sleep = bool(settings.vllm.enable_sleep_mode)
         if sleep and not sleep_mode_available():
             logger.warning("vllm_enable_sleep_mode: this platform has no vLLM sleep mode (CPU); the engine stays awake")
             sleep = False
@@ -260,33 +301,33 @@ def build_generator(
             lora_rank = int(getattr(next(iter(peft_config.values())), "r", 0) or 0) or None
         dtype_name = (
             "bfloat16"
-            if args.bf16
+            if settings.bf16
             else "float16"
-            if args.fp16
+            if settings.fp16
             else str(next(model.parameters()).dtype).removeprefix("torch.")
         )
         llm = build_colocated_llm(
             # Per process: a model built in memory is saved where only this process writes.
-            _model_path(model, os.path.join(args.output_dir, f"generator-init-{process_index}")),
+            _model_path(model, os.path.join(settings.output_dir, f"generator-init-{process_index}")),
             dtype=dtype_name,
-            max_model_len=args.vllm_max_model_length or args.max_trajectory_tokens,
-            max_num_seqs=args.max_concurrent_episodes,
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            seed=args.seed + process_index,
+            max_model_len=settings.vllm.max_model_length or settings.max_trajectory_tokens,
+            max_num_seqs=settings.max_concurrent_episodes,
+            gpu_memory_utilization=settings.vllm.gpu_memory_utilization,
+            seed=settings.seed + process_index,
             lora_rank=lora_rank,
             enable_sleep_mode=sleep,
         )
-        backend = VLLMBackend(llm, stop_token_ids=stop_token_ids, temperature=args.temperature, sleep_mode=sleep)
+        backend = VLLMBackend(llm, stop_token_ids=stop_token_ids, temperature=settings.temperature, sleep_mode=sleep)
         dtype = getattr(torch, dtype_name)
     else:
-        raise GeneratorConfigError(f"vllm_mode={args.vllm_mode!r}: use colocate or server")
-    weight_sync = _checked_sync(args, model, backend, tokenizer, probe_scorer, dtype)
+        raise GeneratorConfigError(f"vllm_mode={settings.vllm.mode!r}: use colocate or server")
+    weight_sync = _checked_sync(settings, model, backend, tokenizer, probe_scorer, dtype)
     barrier()
     return RolloutGenerator(backend, weight_sync=weight_sync)
 
 
 def _checked_sync(
-    args: Any,
+    settings: GeneratorSettings,
     model: torch.nn.Module,
     backend: WeightLoadable,
     tokenizer: Any,
@@ -295,8 +336,8 @@ def _checked_sync(
 ) -> WeightSync:
     """The weight sync into ``backend``, with the probe check at ``vllm_sync_tolerance`` (default: by
     ``dtype``, the generator's; None: the training model's)."""
-    tolerance = args.vllm_sync_tolerance
+    tolerance = settings.sync_tolerance
     if tolerance is None:
         tolerance = default_tolerance(dtype or next(model.parameters()).dtype)
-    probe = probe_token_ids(len(tokenizer), args.vllm_probe_tokens, avoid=set(tokenizer.all_special_ids))
+    probe = probe_token_ids(len(tokenizer), settings.probe_tokens, avoid=set(tokenizer.all_special_ids))
     return WeightSync(model, backend, probe_scorer, probe, tolerance if tolerance >= 0 else None)

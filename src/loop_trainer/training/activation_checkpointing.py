@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from ..config import LOOPConfig
 
 
 def is_checkpointing(model: Any) -> bool:
@@ -17,11 +20,12 @@ def is_checkpointing(model: Any) -> bool:
     return bool(model.is_gradient_checkpointing if flag is None else flag)
 
 
-def checkpointing_kwargs(args: Any) -> dict[str, Any]:
-    return dict(getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs or {})
+def checkpointing_kwargs(args: LOOPConfig) -> dict[str, Any]:
+    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs or {}
+    return dict(cast(dict[str, Any], kwargs))  # TrainingArguments parsed a JSON string into a dict
 
 
-def update_checkpointing_kwargs(args: Any, **changes: Any) -> None:
+def update_checkpointing_kwargs(args: LOOPConfig, **changes: Any) -> None:
     """Set ``changes`` in the config's checkpointing kwargs, under the name this transformers reads."""
     name = (
         "activation_checkpointing_kwargs"
@@ -47,13 +51,13 @@ def enable_checkpointing(model: Any, kwargs: dict[str, Any] | None = None) -> No
         )
 
 
-def activation_offloading(model: Any, args: Any) -> Callable[[], contextlib.AbstractContextManager]:
+def activation_offloading(model: Any, enabled: bool) -> Callable[[], contextlib.AbstractContextManager]:
     """The context of the update's forward passes: ``activation_offloading`` moves the tensors they
     save for the backward (with checkpointing, each layer's input: ``layers x tokens x hidden`` of
     the update's peak) to pinned CPU memory on a side stream, and back for the backward. TRL's
     offloader (SFTConfig's ``activation_offloading``), made once and entered for every forward; it
     skips the output head, whose activations the backward needs at once. Else nothing."""
-    if not args.activation_offloading:
+    if not enabled:
         return contextlib.nullcontext
     from trl.models import get_act_offloading_ctx_manager
 

@@ -15,13 +15,14 @@ import json
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
-from ..config.resume_policy import FIXED_KEYS, RECORDED_KEYS
+from ..config.resume_policy import FIXED_KEYS
 from .checkpoints import (
     CheckpointError,
     check_fresh_output_dir,
@@ -33,6 +34,29 @@ from .checkpoints import (
 from .sampler import BalancedTaskSampler, TaskSampler
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StartSettings:
+    """What deciding how a run starts needs: where it writes, and what a fresh run or a resume may do."""
+
+    output_dir: str
+    overwrite_output_dir: bool = False
+    resume_with_changed_settings: bool = False
+    should_save: bool = True
+    """False on the processes that write nothing (all but the main one, unless save_on_each_node)."""
+
+
+@dataclass(frozen=True)
+class OptimizerHyperparameters:
+    """This run's optimizer and schedule settings, written into the restored state on a permitted change."""
+
+    learning_rate: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_epsilon: float
+
 
 # Recorded besides LOOPConfig's keys (config/resume_policy.py classifies those): the environment (loop-train's
 # ScriptArguments, handed to the trainer as LOOPTrainer.run_settings), the size of the training split, the model
@@ -103,15 +127,15 @@ CHANGED_MARK = "# LOOP resumed with a changed setting:"
 
 
 def resume_settings(
-    args: Any,
+    recorded_keys: Mapping[str, Any],
     *,
     env_name: str,
     num_train_tasks: int,
     model: torch.nn.Module,
     run_settings: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The settings an exact resume depends on: LOOPConfig's recorded keys (``RECORDED_KEYS`` of
-    :mod:`~loop_trainer.config.resume_policy`), the
+    """The settings an exact resume depends on: ``recorded_keys``, LOOPConfig's recorded keys with their values
+    (``RECORDED_KEYS`` of :mod:`~loop_trainer.config.resume_policy`), the
     environment and the size of its training split, the model and the adapter, and
     ``run_settings`` (what ``loop-train`` knows beyond LOOPConfig: ``environment_kwargs``)."""
     peft_config = getattr(model, "peft_config", None)
@@ -123,7 +147,7 @@ def resume_settings(
             for key, value in lora.items()
             if key in ADAPTER_SETTINGS
         }
-    settings = {key: getattr(args, key) for key in RECORDED_KEYS}
+    settings = dict(recorded_keys)
     settings.update(
         environment=env_name,
         num_train_tasks=num_train_tasks,
@@ -187,7 +211,7 @@ TASK_ORDER_KEYS = frozenset({"seed", "balance_tasks_by"})
 
 def apply_setting_changes(
     changes: Sequence[tuple[str, Any, Any]],
-    args: Any,
+    new: OptimizerHyperparameters,
     optimizer: Any,
     lr_scheduler: Any,
     task_sampler: TaskSampler | BalancedTaskSampler,
@@ -198,16 +222,16 @@ def apply_setting_changes(
 ) -> None:
     """Make changed settings take effect where the checkpoint's state would restore the old ones:
     the optimizer's hyperparameters and the scheduler's base learning rates, and the task sampler's
-    position when the seed or the training split's size changed. Everything else LOOP reads from
-    ``args`` each iteration."""
+    position when the seed or the training split's size changed. Everything else LOOP reads afresh
+    each iteration."""
     changed = {key: old for key, old, _ in changes}
     if not changed:
         return
     groups = optimizer.param_groups
     scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)  # accelerate's wrapper
     if changed.keys() & SCHEDULE_KEYS:
-        old_lr = changed.get("learning_rate", args.learning_rate)
-        base_lrs = [base * args.learning_rate / old_lr if old_lr else args.learning_rate for base in scheduler.base_lrs]
+        old_lr = changed.get("learning_rate", new.learning_rate)
+        base_lrs = [base * new.learning_rate / old_lr if old_lr else new.learning_rate for base in scheduler.base_lrs]
         scheduler.base_lrs = base_lrs
         lambdas = getattr(scheduler, "lr_lambdas", None)  # the new schedule's (LambdaLR does not save them)
         for index, group in enumerate(groups):
@@ -218,18 +242,18 @@ def apply_setting_changes(
         names = {id(parameter): name for name, parameter in named_parameters.items()}
         for group in groups:
             if any(names.get(id(parameter)) in decay_parameters for parameter in group["params"]):
-                group["weight_decay"] = args.weight_decay
+                group["weight_decay"] = new.weight_decay
     for group in groups:
         if changed.keys() & {"adam_beta1", "adam_beta2"} and "betas" in group:
-            group["betas"] = (args.adam_beta1, args.adam_beta2)
+            group["betas"] = (new.adam_beta1, new.adam_beta2)
         if "adam_epsilon" in changed and "eps" in group:
-            group["eps"] = args.adam_epsilon
+            group["eps"] = new.adam_epsilon
     if changed.keys() & {"num_train_tasks", *TASK_ORDER_KEYS}:  # a new order: the old position means nothing
         task_sampler.start_new_pass(num_train_tasks)
 
 
 def plan_start(
-    args: Any,
+    settings: StartSettings,
     resume_from_checkpoint: str | bool | None,
     model: torch.nn.Module,
     current_settings: Callable[[], dict[str, Any]],
@@ -242,17 +266,17 @@ def plan_start(
     unless ``overwrite_output_dir`` (then that run is deleted); a resume checks the checkpoint fits
     the model and compares settings. Returns (checkpoint or None, the changes to apply, every change
     recorded so far, the recipe to publish)."""
-    checkpoint = resolve(resume_from_checkpoint, args.output_dir)
+    checkpoint = resolve(resume_from_checkpoint, settings.output_dir)
     if checkpoint is None:
-        previous = check_fresh_output_dir(args.output_dir, args.overwrite_output_dir)
+        previous = check_fresh_output_dir(settings.output_dir, settings.overwrite_output_dir)
         barrier()
-        if is_main_process and args.should_save:
-            clear_previous_run(args.output_dir, previous)
+        if is_main_process and settings.should_save:
+            clear_previous_run(settings.output_dir, previous)
         barrier()
         return None, [], [], recipe
     check_matches(checkpoint, model)
-    changes = compare_settings(checkpoint, current_settings(), args.resume_with_changed_settings)
+    changes = compare_settings(checkpoint, current_settings(), settings.resume_with_changed_settings)
     recorded, recipe = record_setting_changes(
-        checkpoint, changes, recipe=recipe, output_dir=args.output_dir, write=is_main_process
+        checkpoint, changes, recipe=recipe, output_dir=settings.output_dir, write=is_main_process
     )
     return checkpoint, changes, recorded, recipe

@@ -67,9 +67,20 @@ from .resume import apply_setting_changes, plan_start, resume_settings
 from .rollout_resources import RolloutResources
 from .run_log import LOOPPrinterCallback, LOOPProgressCallback, RunLog
 from .sampler import task_sampler_for
+from .settings import (
+    card_settings,
+    collection_settings,
+    evaluation_settings,
+    generator_settings,
+    optimizer_hyperparameters,
+    publisher_settings,
+    recorded_keys,
+    start_settings,
+    update_settings,
+)
 from .signals import collapse_warning, training_check_rates
 from .stress import run_memory_stress_test
-from .update import PolicyUpdate, UpdateSettings
+from .update import PolicyUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +243,9 @@ class LOOPTrainer(Trainer):
             save_rollouts=args.save_rollouts,
         )
         self.checkpoints = CheckpointStager(args.should_save, self.accelerator.wait_for_everyone, args.save_total_limit)
-        self.publisher = HubPublisher(args, self._card_context)
+        self.publisher = HubPublisher(publisher_settings(args), self._card_context)
+        self.collection_settings = collection_settings(args)
+        self.evaluation_settings = evaluation_settings(args)
         self.policy_update: PolicyUpdate | None = None
         self.latest_eval: dict[str, Any] | None = None
 
@@ -253,7 +266,7 @@ class LOOPTrainer(Trainer):
         differ from the checkpoint's (:meth:`resume_settings`) unless
         ``args.resume_with_changed_settings``, which applies and records them."""
         plan = plan_start(
-            self.args,
+            start_settings(self.args),
             resume_from_checkpoint,
             self.model,
             self.resume_settings,
@@ -285,7 +298,7 @@ class LOOPTrainer(Trainer):
             self.overlap.load(resume_from_checkpoint)  # max_staleness: the batch that was in flight
             apply_setting_changes(
                 self._resume_changes,
-                self.args,
+                optimizer_hyperparameters(self.args),
                 self.optimizer,
                 self.lr_scheduler,
                 self.task_sampler,
@@ -352,11 +365,13 @@ class LOOPTrainer(Trainer):
         )
         reference = (lambda: self.accelerator.unwrap_model(self.model).disable_adapter()) if args.beta > 0 else None
         self.policy_update = PolicyUpdate(
-            UpdateSettings.from_args(args, self.tokenizer.pad_token_id),
+            update_settings(args, self.tokenizer.pad_token_id),
             strategy,
             self.accelerator.autocast,
             reference=reference,
-            activation_context=activation_offloading(self.accelerator.unwrap_model(self.model), args),
+            activation_context=activation_offloading(
+                self.accelerator.unwrap_model(self.model), args.activation_offloading
+            ),
         )
         return model
 
@@ -466,7 +481,7 @@ class LOOPTrainer(Trainer):
     # --- The parts that sample, opened on demand (and released by close()) ---
     def _open_generator(self) -> RolloutGenerator:
         generator = build_generator(
-            self.args,
+            dataclasses.replace(generator_settings(self.args), zero_stage=zero_stage(self.accelerator)),
             self.model,
             stop_token_ids=stop_token_ids(self.model, self.tokenizer),
             tokenizer=self.tokenizer,
@@ -514,21 +529,23 @@ class LOOPTrainer(Trainer):
         """Every process runs the episodes of its share of the tasks; all then see all results.
         ``collection_round``: the iteration's round of dynamic sampling (0: its first, LOOP's only).
         ``iteration`` (0-based; default: the one being trained): whose seed and label the rollouts get."""
-        args = self.args
+        settings = self.collection_settings
         step = self.state.global_step if iteration is None else iteration
-        seed = mix_seed(args.seed, step) if collection_round == 0 else mix_seed(args.seed, step, collection_round)
+        seed = (
+            mix_seed(settings.seed, step) if collection_round == 0 else mix_seed(settings.seed, step, collection_round)
+        )
         return collect_across_processes(
             self.rollout_engine,
             tasks,
-            args.rollouts_per_task,
+            settings.rollouts_per_task,
             num_processes=self.accelerator.num_processes,
             process_index=self.accelerator.process_index,
             seed=seed,
             description=f"iteration {step + 1} rollouts"
             + (f" (round {collection_round + 1})" if collection_round else ""),
-            max_failed_fraction=args.max_failed_fraction,
-            done_fraction=args.early_stop_done_fraction,
-            task_fraction=args.early_stop_task_fraction,
+            max_failed_fraction=settings.max_failed_fraction,
+            done_fraction=settings.early_stop_done_fraction,
+            task_fraction=settings.early_stop_task_fraction,
         )
 
     # --- Evaluation ---
@@ -537,25 +554,25 @@ class LOOPTrainer(Trainer):
         times at ``eval_temperature`` (0: greedy); returns the environment's summary as ``eval_*``
         metrics (AppWorld: TGC and SGC overall and per difficulty). No update; the latest result
         also goes into the model card."""
-        args, step = self.args, self.state.global_step
-        split = split or args.eval_split
+        settings, step = self.evaluation_settings, self.state.global_step
+        split = split or settings.split
         if split is None:
             raise ValueError("LOOPTrainer.evaluate_policy(): give a split, or set args.eval_split")
         self.overlap.wait()  # max_staleness: the next batch is sampled by the policy before this sync
         synced = self.generator.sync(step)  # the generator samples the policy being evaluated
         result = self.evaluator.run(
             split,
-            rollouts_per_task=args.eval_rollouts_per_task,
-            seed=mix_seed(args.seed, 0xE7A1, step),
-            max_tasks=args.eval_max_tasks,
+            rollouts_per_task=settings.rollouts_per_task,
+            seed=mix_seed(settings.seed, 0xE7A1, step),
+            max_tasks=settings.max_tasks,
         )
         self.generator.sleep()  # not awake through the checkpoint save that may follow
         self.latest_eval = {"split": split, "iteration": step, "metrics": dict(result.metrics)}
-        if self.is_world_process_zero() and args.viewer_rollouts_per_iteration > 0:
-            assert args.output_dir is not None  # TrainingArguments.__post_init__ gives it a default
+        if self.is_world_process_zero() and settings.viewer:
+            assert self.args.output_dir is not None  # TrainingArguments.__post_init__ gives it a default
             write_evaluation_viewer(
                 result.rows,
-                Path(args.output_dir) / "viewer" / f"eval-{split}-iteration-{step:05d}.html",
+                Path(self.args.output_dir) / "viewer" / f"eval-{split}-iteration-{step:05d}.html",
                 title=f"{self.env.name}: {split} after iteration {step}",
             )
         return {**{f"eval_{key}": float(value) for key, value in result.metrics.items()}, **synced}
@@ -599,7 +616,7 @@ class LOOPTrainer(Trainer):
     def resume_settings(self) -> dict[str, Any]:
         """The settings an exact resume depends on, as recorded in every checkpoint (:mod:`.resume`)."""
         return resume_settings(
-            self.args,
+            recorded_keys(self.args),
             env_name=self.env.name,
             num_train_tasks=len(self.train_dataset),
             model=self.accelerator.unwrap_model(self.model),
@@ -615,7 +632,7 @@ class LOOPTrainer(Trainer):
         return {
             "base_model": getattr(model.config, "_name_or_path", None) or None,
             "hub_model_id": self.hub_model_id or self.args.hub_model_id,
-            "args": self.args,
+            "settings": card_settings(self.args),
             "peft_config": getattr(model, "peft_config", None),
             "environment": self.env.name,
             "iterations_done": self.state.global_step,

@@ -20,7 +20,6 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
 
 import torch
 
@@ -77,22 +76,6 @@ class UpdateSettings:
     """Upper clip bound 1 + epsilon_high (clip-higher); None: LOOP's 1 + epsilon."""
     sampler_importance_cap: float | None = None
     """Each token's objective times min(pi_old / pi_sampler, cap); None: no correction (LOOP)."""
-
-    @classmethod
-    def from_args(cls, args: Any, pad_token_id: int) -> UpdateSettings:
-        return cls(
-            epsilon=args.epsilon,
-            minibatch_size=args.minibatch_size,
-            ppo_epochs=args.ppo_epochs,
-            micro_batch_size=args.per_device_train_batch_size,
-            kl_abort_threshold=args.kl_abort_threshold,
-            seed=args.seed,
-            pad_token_id=pad_token_id,
-            ratio_level=cast(RatioLevel, args.ratio_level),  # LOOPConfig checked it is one
-            beta=args.beta,
-            epsilon_high=args.epsilon_high,
-            sampler_importance_cap=importance_cap(args.sampler_importance_cap, args.max_staleness),
-        )
 
 
 @dataclass

@@ -25,6 +25,7 @@ from huggingface_hub.utils._http import default_client_factory
 
 from loop_trainer.config import LOOPConfig
 from loop_trainer.publishing import hub
+from loop_trainer.publishing.model_card import card_settings
 
 REPO = "loop-user/vault-loop"
 TOKEN = "hf_fake_token_for_tests"
@@ -218,7 +219,7 @@ def card_kwargs(tmp_path, built, **overrides):
     kwargs = {
         "base_model": "Qwen/Qwen2.5-7B-Instruct",
         "hub_model_id": REPO,
-        "args": loop_args(tmp_path),
+        "settings": card_settings(loop_args(tmp_path)),
         "peft_config": built["peft_config"],
         "environment": "vault",
         "iterations_done": 3,
@@ -313,7 +314,7 @@ def test_model_card_not_evaluated_and_local_base(tmp_path):
         tmp_path / "out",
         base_model="tiny:vault",
         hub_model_id=None,
-        args=args,
+        settings=card_settings(args),
         peft_config=None,
         environment="vault",
         iterations_done=0,
@@ -343,13 +344,16 @@ def test_card_follows_the_config_and_any_environment_summary(tmp_path):
     args = MazeConfig(output_dir=str(tmp_path / "args"), report_to="none", disable_tqdm=True, minibatch_size=8)
     summary = {"split": "val", "iteration": 4, "metrics": {"solved": 0.125, "steps_mean": 17.5}}
     text = hub.write_model_card(
-        tmp_path / "out", base_model=None, args=args, environment="maze", eval_metrics=summary
+        tmp_path / "out", base_model=None, settings=card_settings(args), environment="maze", eval_metrics=summary
     ).read_text()
     assert "| `maze_size` | 9 |  |" in text and "| `minibatch_size` | 8 | 32 |" in text
     assert "| `solved` | 0.125 |" in text and "| `steps_mean` | 17.5 |" in text
     with pytest.raises(ValueError, match="eval_metrics must be .*got keys \\['iteration', 'split', 'tgc'\\]"):
         hub.write_model_card(
-            tmp_path / "out", base_model=None, args=args, eval_metrics={"split": "dev", "iteration": 1, "tgc": 41.2}
+            tmp_path / "out",
+            base_model=None,
+            settings=card_settings(args),
+            eval_metrics={"split": "dev", "iteration": 1, "tgc": 41.2},
         )
 
 

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 from transformers.trainer_utils import HubStrategy
 
-from loop_trainer.publishing.publisher import HubPublisher
+from loop_trainer.publishing.publisher import HubPublisher, PublisherSettings
 from loop_trainer.training.trainer import LOOPTrainer
 
 
 def test_a_save_skips_its_push_while_the_last_upload_runs_unless_hub_always_push():
-    publisher = HubPublisher(args=None, card_context=dict)
+    publisher = HubPublisher(PublisherSettings(output_dir="unused"), card_context=dict)
     started: list[str] = []
 
     def upload_checkpoint_model(folder, **_):

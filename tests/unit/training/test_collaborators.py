@@ -157,8 +157,7 @@ def test_activation_offloading_is_refused_without_a_gpu_and_builds_trls_offloade
         LOOPConfig(output_dir=str(tmp_path / "run"), activation_offloading=True, use_cpu=True, report_to="none")
     assert "\n" not in str(error.value)
     _, model, _ = vault_tiny
-    off = SimpleNamespace(activation_offloading=False)
-    assert activation_offloading(model, off)() is not None  # a no-op context
+    assert activation_offloading(model, False)() is not None  # a no-op context
     if torch.cuda.is_available():  # the offloader itself needs a GPU
-        on = activation_offloading(model, SimpleNamespace(activation_offloading=True))
+        on = activation_offloading(model, True)
         assert on() is on() and type(on()).__name__ == "OffloadActivations"  # one offloader, entered each time

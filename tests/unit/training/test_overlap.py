@@ -15,7 +15,8 @@ from trl.trainer.utils import add_fused_lm_head
 from loop_trainer import LOOPTrainer
 from loop_trainer.chat import stop_token_ids
 from loop_trainer.training.batching import collate
-from loop_trainer.training.update import STALE_IMPORTANCE_CAP, PolicyUpdate, UpdateSettings, importance_cap
+from loop_trainer.training.settings import update_settings
+from loop_trainer.training.update import STALE_IMPORTANCE_CAP, PolicyUpdate, importance_cap
 from support.apart import ApartBackend
 from support.updates import policy_update, samples_for
 from unit.test_stabilisers import brute_force_loss
@@ -139,10 +140,10 @@ def test_the_stale_batch_trains_on_decoupled_ppo_against_a_brute_force(vault_tin
 
 def test_the_cap_defaults_to_two_with_staleness_and_is_the_keys_otherwise(tmp_path):
     server = {"use_vllm": True, "vllm_mode": "server"}
-    assert UpdateSettings.from_args(config(tmp_path, max_staleness=1, **server), 0).sampler_importance_cap == 2.0
+    assert update_settings(config(tmp_path, max_staleness=1, **server), 0).sampler_importance_cap == 2.0
     capped = config(tmp_path, max_staleness=1, sampler_importance_cap=5.0, **server)
-    assert UpdateSettings.from_args(capped, 0).sampler_importance_cap == 5.0
-    assert UpdateSettings.from_args(config(tmp_path), 0).sampler_importance_cap is None  # LOOP: no weights
+    assert update_settings(capped, 0).sampler_importance_cap == 5.0
+    assert update_settings(config(tmp_path), 0).sampler_importance_cap is None  # LOOP: no weights
 
 
 def test_max_staleness_is_refused_in_one_line_where_it_cannot_apply(vault_tiny, tmp_path):

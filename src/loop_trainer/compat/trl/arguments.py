@@ -56,7 +56,7 @@ def _is_reward_funcs(value: Any) -> bool:
 
 def environment_for(
     env: Any,
-    args: Any,
+    args: LOOPConfig,
     *,
     reward_funcs: Any = None,
     train_dataset: Dataset | None = None,

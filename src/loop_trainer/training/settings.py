@@ -1,0 +1,176 @@
+"""Each collaborator's typed, frozen settings, built from a :class:`~loop_trainer.LOOPConfig` here and nowhere
+else. A collaborator takes its own settings type (defined in its own module) and never the whole config, so it
+can be built and tested from its settings alone and mypy checks every key it reads.
+
+    LOOPConfig ──▶ update_settings      ──▶ PolicyUpdate            (training/update.py)
+               ──▶ generator_settings   ──▶ build_generator         (rollout/generator.py)
+               ──▶ collection_settings  ──▶ the iteration's rollouts (collect_across_processes)
+               ──▶ evaluation_settings  ──▶ LOOPTrainer.evaluate_policy / Evaluator
+               ──▶ start_settings, optimizer_hyperparameters, recorded_keys ──▶ resume (training/resume.py)
+               ──▶ publisher_settings   ──▶ HubPublisher            (publishing/publisher.py)
+               ──▶ card_settings        ──▶ the model card          (publishing/model_card.py)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+from transformers.trainer_utils import HubStrategy
+
+from ..config import LOOPConfig
+from ..config.resume_policy import RECORDED_KEYS
+from ..objective import RatioLevel
+from ..publishing.model_card import CardSettings
+from ..publishing.model_card import card_settings as card_settings
+from ..publishing.publisher import PublisherSettings
+from ..rollout.generator import GeneratorSettings, VLLMSettings
+from .resume import OptimizerHyperparameters, StartSettings
+from .update import UpdateSettings, importance_cap
+
+__all__ = [
+    "CardSettings",
+    "CollectionSettings",
+    "EvaluationSettings",
+    "card_settings",
+    "collection_settings",
+    "evaluation_settings",
+    "generator_settings",
+    "optimizer_hyperparameters",
+    "publisher_settings",
+    "recorded_keys",
+    "start_settings",
+    "update_settings",
+]
+
+
+@dataclass(frozen=True)
+class CollectionSettings:
+    """One iteration's collection across processes."""
+
+    seed: int
+    rollouts_per_task: int
+    max_failed_fraction: float
+    early_stop_done_fraction: float
+    early_stop_task_fraction: float
+
+
+@dataclass(frozen=True)
+class EvaluationSettings:
+    """Periodic evaluation during training."""
+
+    split: str | None
+    every: int
+    rollouts_per_task: int
+    temperature: float
+    max_tasks: int | None
+    seed: int
+    viewer: bool
+    """Write each evaluation's viewer page (``viewer_rollouts_per_iteration`` > 0)."""
+
+    @property
+    def periodic(self) -> bool:
+        return bool(self.split and self.every)
+
+
+def update_settings(config: LOOPConfig, pad_token_id: int) -> UpdateSettings:
+    return UpdateSettings(
+        epsilon=config.epsilon,
+        minibatch_size=config.minibatch_size,
+        ppo_epochs=config.ppo_epochs,
+        micro_batch_size=config.per_device_train_batch_size,
+        kl_abort_threshold=config.kl_abort_threshold,
+        seed=config.seed,
+        pad_token_id=pad_token_id,
+        ratio_level=cast(RatioLevel, config.ratio_level),  # LOOPConfig checked it is one
+        beta=config.beta,
+        epsilon_high=config.epsilon_high,
+        sampler_importance_cap=importance_cap(config.sampler_importance_cap, config.max_staleness),
+    )
+
+
+def generator_settings(config: LOOPConfig) -> GeneratorSettings:
+    assert config.output_dir is not None  # TrainingArguments.__post_init__ gives it a default
+    return GeneratorSettings(
+        use_vllm=config.use_vllm,
+        temperature=config.temperature,
+        seed=config.seed,
+        output_dir=config.output_dir,
+        generation_batch_limit=config.generation_batch_limit,
+        max_concurrent_episodes=config.max_concurrent_episodes,
+        max_trajectory_tokens=config.max_trajectory_tokens,
+        static_decode=config.static_decode,
+        compile_decode_step=config.compile_decode_step,
+        merge_adapter_for_sampling=config.merge_adapter_for_sampling,
+        bf16=bool(config.bf16),
+        fp16=config.fp16,
+        sync_tolerance=config.vllm_sync_tolerance,
+        probe_tokens=config.vllm_probe_tokens,
+        vllm=VLLMSettings(
+            mode=config.vllm_mode,
+            gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+            tensor_parallel_size=config.vllm_tensor_parallel_size,
+            enable_sleep_mode=config.vllm_enable_sleep_mode,
+            max_model_length=config.vllm_max_model_length,
+            server_url=config.vllm_server_base_url or f"http://{config.vllm_server_host}:{config.vllm_server_port}",
+            server_timeout=config.vllm_server_timeout,
+            sync_dir=config.vllm_sync_dir,
+        ),
+    )
+
+
+def collection_settings(config: LOOPConfig) -> CollectionSettings:
+    return CollectionSettings(
+        seed=config.seed,
+        rollouts_per_task=config.rollouts_per_task,
+        max_failed_fraction=config.max_failed_fraction,
+        early_stop_done_fraction=config.early_stop_done_fraction,
+        early_stop_task_fraction=config.early_stop_task_fraction,
+    )
+
+
+def evaluation_settings(config: LOOPConfig) -> EvaluationSettings:
+    return EvaluationSettings(
+        split=config.eval_split,
+        every=config.eval_every,
+        rollouts_per_task=config.eval_rollouts_per_task,
+        temperature=config.eval_temperature,
+        max_tasks=config.eval_max_tasks,
+        seed=config.seed,
+        viewer=config.viewer_rollouts_per_iteration > 0,
+    )
+
+
+def start_settings(config: LOOPConfig) -> StartSettings:
+    assert config.output_dir is not None  # TrainingArguments.__post_init__ gives it a default
+    return StartSettings(
+        output_dir=config.output_dir,
+        overwrite_output_dir=config.overwrite_output_dir,
+        resume_with_changed_settings=config.resume_with_changed_settings,
+        should_save=config.should_save,
+    )
+
+
+def optimizer_hyperparameters(config: LOOPConfig) -> OptimizerHyperparameters:
+    return OptimizerHyperparameters(
+        learning_rate=config.learning_rate,
+        weight_decay=config.weight_decay,
+        adam_beta1=config.adam_beta1,
+        adam_beta2=config.adam_beta2,
+        adam_epsilon=config.adam_epsilon,
+    )
+
+
+def recorded_keys(config: LOOPConfig) -> dict[str, Any]:
+    """The keys every checkpoint records and a resume compares, with this run's values."""
+    return {key: getattr(config, key) for key in RECORDED_KEYS}
+
+
+def publisher_settings(config: LOOPConfig) -> PublisherSettings:
+    assert config.output_dir is not None  # TrainingArguments.__post_init__ gives it a default
+    return PublisherSettings(
+        output_dir=config.output_dir,
+        hub_strategy=HubStrategy(config.hub_strategy),
+        hub_token=config.hub_token,
+        hub_revision=config.hub_revision,
+    )
