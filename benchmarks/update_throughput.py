@@ -366,7 +366,7 @@ def run_grpo(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) ->
         if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
         else "gradient_checkpointing"
     )
-    # LOOP's optimizer settings (its defaults, which run_loop uses)
+    # LOOP's optimizer settings (its defaults, which run_loop uses), and checkpointing under that name
     settings: dict[str, Any] = {
         name: LOOPConfig.__dataclass_fields__[name].default
         for name in ("learning_rate", "weight_decay", "max_grad_norm", "lr_scheduler_type")
