@@ -39,7 +39,7 @@ def load_policy(adapter: Path | None) -> tuple[torch.nn.Module, Any]:
 
     path = resolve_model_path(MODEL)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if adapter is not None:
         from peft import PeftModel
 

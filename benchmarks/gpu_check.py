@@ -25,6 +25,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import ROOT, cpu_model, git_commit, software
 
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"gpu-check: {mode.upper()} mode on {device}", flush=True)
     options.out.mkdir(parents=True, exist_ok=True)
-    results = {
+    results: dict[str, Any] = {  # the JSON
         "mode": mode,
         "device": device or "cpu",
         "gpu_result": mode != "cpu",

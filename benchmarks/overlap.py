@@ -34,7 +34,7 @@ from typing import Any
 
 from benchmarks.common import command_line, software
 
-DEMO = {
+DEMO: dict[str, Any] = {  # LOOPConfig keyword arguments
     "tasks_per_iteration": 16,
     "rollouts_per_task": 6,
     "minibatch_size": 32,
@@ -274,12 +274,12 @@ def main(argv: list[str] | None = None) -> None:
         "phase_bound": runs[0]["steady_iteration_seconds"]
         / max(runs[0]["steady_rollout_seconds"], runs[0]["steady_update_seconds"]),
     }
-    for run in runs:
+    for mode in runs:
         print(
-            f"max_staleness {run['max_staleness']}: {run['iterations']} iterations in {run['wall_seconds']:.1f} s, "
-            f"{run['iterations_per_hour']:.0f}/hour (rollouts {run['rollout_seconds_mean']:.2f} s, update "
-            f"{run['update_seconds_mean']:.2f} s per iteration; {run['sampled_tokens']} sampled tokens, "
-            f"{run['sampled_tokens_per_rollout_second']:.0f} per rollout second)"
+            f"max_staleness {mode['max_staleness']}: {mode['iterations']} iterations in {mode['wall_seconds']:.1f} s, "
+            f"{mode['iterations_per_hour']:.0f}/hour (rollouts {mode['rollout_seconds_mean']:.2f} s, update "
+            f"{mode['update_seconds_mean']:.2f} s per iteration; {mode['sampled_tokens']} sampled tokens, "
+            f"{mode['sampled_tokens_per_rollout_second']:.0f} per rollout second)"
         )
     print(
         f"overlapped / synchronous iterations per hour: {result['speedup']:.2f}x; sampled tokens per hour: "

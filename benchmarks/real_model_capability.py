@@ -80,6 +80,7 @@ def train(env_kwargs: dict[str, Any], steps: int, lr: float, batch: int, adapter
     policy = get_peft_model(model, lora)
     formatter = ChatFormatter(tokenizer)
     stop_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert isinstance(stop_id, int)  # one token in, one id out
     tasks = list(ContactsEnv(**env_kwargs).tasks("train"))
     demos = [demonstration(task, formatter, stop_id) for task in tasks]
     lengths = [len(ids) for ids, _ in demos]
@@ -90,7 +91,9 @@ def train(env_kwargs: dict[str, Any], steps: int, lr: float, batch: int, adapter
     )
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    rng, order, losses = random.Random(seed), [], []
+    rng = random.Random(seed)
+    order: list[int] = []
+    losses: list[float] = []
     policy.train()
     started = time.perf_counter()
     for step in range(steps):
@@ -113,7 +116,7 @@ def train(env_kwargs: dict[str, Any], steps: int, lr: float, batch: int, adapter
         losses.append(loss.item())
         print(f"step {step + 1}/{steps}  loss {losses[-1]:.4f}  {time.perf_counter() - started:.0f}s", flush=True)
     seconds = time.perf_counter() - started
-    policy.save_pretrained(adapter_dir)
+    policy.save_pretrained(str(adapter_dir))
     tokenizer.save_pretrained(adapter_dir)
     epochs = steps * batch / len(demos)
     return {

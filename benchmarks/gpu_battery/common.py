@@ -18,7 +18,7 @@ H100_BF16_DENSE_PEAK = 989.4e12  # H100 SXM5, bf16 dense tensor-core FLOP/s (NVI
 PEAKS = {"H100": H100_BF16_DENSE_PEAK, "H200": H100_BF16_DENSE_PEAK}  # the H200 has the H100's compute
 
 # CPU mode: a Qwen2 body small enough for seconds on 2 cores, with Qwen2.5's real vocabulary.
-TINY_CONFIG = {
+TINY_CONFIG: dict[str, Any] = {  # a config.json's values
     "model_type": "qwen2",
     "hidden_size": 64,
     "intermediate_size": 128,

@@ -52,10 +52,12 @@ GAP_METRICS = (
 def _shaped_vault(num_tasks: int) -> Any:
     from loop_trainer.envs import VaultEnv
     from loop_trainer.envs.base import Episode, Score, as_score
+    from loop_trainer.envs.vault import VaultEpisode
 
     class ShapedEpisode(Episode):
-        def __init__(self, inner: Episode):
-            self.inner, self.replies = inner, []
+        def __init__(self, inner: VaultEpisode):
+            self.inner = inner
+            self.replies: list[str] = []
 
         def start(self):
             return self.inner.start()

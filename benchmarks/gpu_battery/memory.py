@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Any
+from typing import Any, TypedDict
 
 from benchmarks.gpu_battery.common import (
     GIB,
@@ -45,7 +45,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def matmul_flops_per_s(device: str) -> dict[str, float]:
+class MatmulRate(TypedDict):
+    n: int
+    dtype: str
+    seconds: float
+    flops_per_s: float
+
+
+def matmul_flops_per_s(device: str) -> MatmulRate:
     """A square bf16 matmul (8192^3 on CUDA; 1024^3 float32 on CPU): 3 warm-ups, 10 timed."""
     import torch
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.gpu_battery.profile_marks import RANGE
@@ -230,6 +230,20 @@ def _union(intervals: list[tuple[int, int]]) -> int:
     return total
 
 
+@dataclass
+class _Kernel:
+    """One kernel name's launches in the update: seconds, count, and seconds by category."""
+
+    seconds: float = 0.0
+    count: int = 0
+    by_category: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+
+def _largest(seconds: dict[str, float], n: int) -> list[tuple[str, float]]:
+    """The ``n`` largest entries, the largest first (ties in insertion order, as ``Counter.most_common``)."""
+    return sorted(seconds.items(), key=lambda item: item[1], reverse=True)[:n]
+
+
 def summarize(ops: list[Op], units: list[Unit], *, lora_r: int, vocab_size: int, top: int = 15) -> dict[str, Any]:
     """Seconds per category, per phase and for the recomputation; the busy fraction; the top kernels."""
     update = next((op for op in ops if op.name == RANGE + "update"), None)
@@ -249,12 +263,12 @@ def summarize(ops: list[Op], units: list[Unit], *, lora_r: int, vocab_size: int,
     counts: Counter = Counter()
     by_phase: dict[str, float] = defaultdict(float)
     recompute: dict[str, float] = defaultdict(float)
-    top_ops: dict[str, Counter] = defaultdict(Counter)
-    kernels: dict[str, list] = {}
+    top_ops: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    kernels: dict[str, _Kernel] = {}
     flops: dict[str, float] = defaultdict(float)
     gemm_seconds: dict[str, float] = defaultdict(float)
     counted_gemms: set[int] = set()
-    lora_extra: Counter = Counter()
+    lora_extra: dict[str, float] = defaultdict(float)
     for unit in units:
         launched_at = ops[unit.op].start if unit.op >= 0 else unit.start
         phase = "recompute" if under(unit.op, "recompute") else phase_at(launched_at)
@@ -269,10 +283,10 @@ def summarize(ops: list[Op], units: list[Unit], *, lora_r: int, vocab_size: int,
         if phase == "recompute":
             recompute[category] += s
         top_ops[category][launcher or "(no op)"] += s
-        record = kernels.setdefault(unit.name[:120], [0.0, 0, Counter()])
-        record[0] += s
-        record[1] += 1
-        record[2][category] += s
+        kernel = kernels.setdefault(unit.name[:120], _Kernel())
+        kernel.seconds += s
+        kernel.count += 1
+        kernel.by_category[category] += s
         if launcher in LEAF_GEMMS:
             gemm_seconds[category] += s
             if unit.op not in counted_gemms:  # an op's FLOPs once, however many kernels it launched
@@ -302,7 +316,7 @@ def summarize(ops: list[Op], units: list[Unit], *, lora_r: int, vocab_size: int,
                 "mean_us": 1e6 * seconds[c] / counts[c] if counts[c] else None,
                 "gemm_seconds": gemm_seconds[c],
                 "gemm_tflop_per_s": flops[c] / gemm_seconds[c] / 1e12 if flops.get(c) and gemm_seconds[c] else None,
-                "top_ops": [[name, s] for name, s in top_ops[c].most_common(3)],
+                "top_ops": [[name, s] for name, s in _largest(top_ops[c], 3)],
             }
             for c in CATEGORIES
         ],
@@ -316,18 +330,18 @@ def summarize(ops: list[Op], units: list[Unit], *, lora_r: int, vocab_size: int,
             for p in PHASES
         ],
         "lora_layer_other_seconds": sum(lora_extra.values()),
-        "lora_layer_other_top_ops": [[name, s] for name, s in lora_extra.most_common(4)],
+        "lora_layer_other_top_ops": [[name, s] for name, s in _largest(lora_extra, 4)],
         "recompute_seconds": sum(recompute.values()),
         "recompute_share": sum(recompute.values()) / total if total else 0.0,
         "recompute_by_category": {c: s for c, s in recompute.items() if s},
         "top_kernels": [
             {
                 "name": name,
-                "seconds": r[0],
-                "share": r[0] / total if total else 0.0,
-                "count": r[1],
-                "category": r[2].most_common(1)[0][0],
+                "seconds": kernel.seconds,
+                "share": kernel.seconds / total if total else 0.0,
+                "count": kernel.count,
+                "category": _largest(kernel.by_category, 1)[0][0],
             }
-            for name, r in sorted(kernels.items(), key=lambda item: -item[1][0])[:top]
+            for name, kernel in sorted(kernels.items(), key=lambda item: -item[1].seconds)[:top]
         ],
     }

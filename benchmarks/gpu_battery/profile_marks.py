@@ -49,20 +49,26 @@ def _recomputed_layer(call: _LayerCall, args: tuple, kwargs: dict) -> Any:
         return call.function(*args, **kwargs)
 
 
+class _MarkingCheckpointing:
+    """A layer's ``_gradient_checkpointing_func``, wrapped: the original, handed the layer's function as
+    a :class:`_LayerCall`."""
+
+    def __init__(self, original: Callable, on_recompute: Callable[[], contextlib.AbstractContextManager]):
+        self.original, self.on_recompute = original, on_recompute
+
+    def __call__(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        return self.original(_LayerCall(function, self.on_recompute), *args, **kwargs)
+
+
 def mark_checkpointed_layers(model: Any, on_recompute: Callable[[], contextlib.AbstractContextManager]) -> Callable:
     """Wrap every module's ``_gradient_checkpointing_func`` (transformers sets one per layer when
     checkpointing is enabled); returns the function that restores them."""
     wrapped: list[tuple[Any, Callable]] = []
     for module in model.modules():
         original = module.__dict__.get("_gradient_checkpointing_func")
-        if original is None or getattr(original, "_marks_recompute", False):
+        if original is None or isinstance(original, _MarkingCheckpointing):
             continue
-
-        def checkpointing(function: Callable, *args: Any, _original: Callable = original, **kwargs: Any) -> Any:
-            return _original(_LayerCall(function, on_recompute), *args, **kwargs)
-
-        checkpointing._marks_recompute = True  # type: ignore[attr-defined]
-        module._gradient_checkpointing_func = checkpointing
+        module._gradient_checkpointing_func = _MarkingCheckpointing(original, on_recompute)
         wrapped.append((module, original))
 
     def restore() -> None:
@@ -102,16 +108,16 @@ def update_phases(trainer: Any, phase: Callable[..., contextlib.AbstractContextM
     ``tokens=`` its batch's), ``phase("logprob_head")`` around the fused head's forward,
     ``phase("lora_layer")`` around each LoRA layer's forward and ``phase("recompute")`` around each
     recomputed decoder layer, for the block."""
-    import trl.trainer.utils as trl_utils
+    # The fused head (trl.trainer.add_fused_lm_head) runs TRL's public autograd Function
+    # trl.kernels.ChunkedLogProbFunction, looking its apply up on each call.
+    from trl.kernels import ChunkedLogProbFunction
 
     from loop_trainer.training import update as update_module
 
     policy_update = trainer.policy_update
     strategy = policy_update.strategy
-    head = trl_utils._ChunkedLogProbFunction
-
-    class MarkedHead:  # the fused head's Function, its forward inside a range
-        apply = staticmethod(around(head.apply, lambda: phase("logprob_head")))
+    # its forward inside a range
+    marked_head = staticmethod(around(ChunkedLogProbFunction.apply, lambda: phase("logprob_head")))
 
     token_logprobs = update_module.token_logprobs
 
@@ -130,7 +136,7 @@ def update_phases(trainer: Any, phase: Callable[..., contextlib.AbstractContextM
             stack.enter_context(patched(update_module, "token_logprobs", forward))
             stack.enter_context(patched(strategy, "backward", around(strategy.backward, lambda: phase("backward"))))
             stack.enter_context(patched(strategy, "step", around(strategy.step, lambda: phase("optimizer"))))
-            stack.enter_context(patched(trl_utils, "_ChunkedLogProbFunction", MarkedHead))
+            stack.enter_context(patched(ChunkedLogProbFunction, "apply", marked_head))
             for layer in strategy.model.modules():  # PEFT's LoRA layers: base_layer beside lora_A / lora_B
                 if hasattr(layer, "base_layer") and hasattr(layer, "lora_A"):
                     stack.enter_context(patched(layer, "forward", around(layer.forward, lambda: phase("lora_layer"))))

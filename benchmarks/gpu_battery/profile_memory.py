@@ -24,7 +24,6 @@ import inspect
 import json
 import sys
 import traceback
-import types
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -312,7 +311,7 @@ def observe_loop(spec: Any, trajectories: list[dict[str, Any]], output_dir: str)
 
     log = StageLog(spec.device)
 
-    class ObservedLOOPTrainer(loop_trainer.LOOPTrainer):  # type: ignore[misc, valid-type]
+    class ObservedLOOPTrainer(loop_trainer.LOOPTrainer):
         def __init__(self, model: Any, *args: Any, **kwargs: Any):
             log.model = model
             log.point("model built")
@@ -345,7 +344,7 @@ def observe_grpo(spec: Any, trajectories: list[dict[str, Any]], output_dir: str)
     log = StageLog(spec.device)
     restores: list[Any] = []
 
-    class ObservedGRPOTrainer(trl.GRPOTrainer):  # type: ignore[misc, valid-type]
+    class ObservedGRPOTrainer(trl.GRPOTrainer):
         def __init__(self, *args: Any, **kwargs: Any):
             log.model = kwargs.get("model")
             log.point("model built")
@@ -358,16 +357,14 @@ def observe_grpo(spec: Any, trajectories: list[dict[str, Any]], output_dir: str)
             optimizer = super().create_optimizer(*args, **kwargs)
             log.optimizer = optimizer
             log.point("optimizer created")
-            step = optimizer.step
-
-            def observed_step(_optimizer: Any, *step_args: Any, **step_kwargs: Any) -> Any:
-                with log.span("optimizer"):
-                    return step(*step_args, **step_kwargs)
-
-            # a bound method: torch's LR scheduler re-wraps optimizer.step through its __func__
-            optimizer.step = types.MethodType(observed_step, optimizer)
+            # each step inside an "optimizer" span, opened and closed by torch's step hooks
+            step_span = contextlib.ExitStack()
+            optimizer.register_step_pre_hook(lambda *_: step_span.enter_context(log.span("optimizer")))
+            optimizer.register_step_post_hook(lambda *_: step_span.close())
             return optimizer
 
+        # The training forward has no public hook: TRL's private log-prob helper is watched (the old
+        # log-probs, update_throughput.completion_logprobs, are watched below).
         def _get_per_token_logps_and_entropies(self, model: Any, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
             restores.append(mark_checkpointed_layers(model, contextlib.nullcontext))
             stage = "forward" if torch.is_grad_enabled() else "old_logprobs"
@@ -378,8 +375,18 @@ def observe_grpo(spec: Any, trajectories: list[dict[str, Any]], output_dir: str)
             with memory_history(log.cuda, log):
                 return super().train(*args, **kwargs)
 
+    completion_logprobs = update_throughput.completion_logprobs
+
+    def observed_old_logprobs(model: Any, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        restores.append(mark_checkpointed_layers(model, contextlib.nullcontext))
+        with log.span("old_logprobs", tokens=int(input_ids.numel())):
+            return completion_logprobs(model, input_ids, *args, **kwargs)
+
     try:
-        with patched(trl, "GRPOTrainer", ObservedGRPOTrainer):
+        with (
+            patched(trl, "GRPOTrainer", ObservedGRPOTrainer),
+            patched(update_throughput, "completion_logprobs", observed_old_logprobs),
+        ):
             measured = update_throughput.run_grpo(spec, trajectories, output_dir)
     finally:
         for restore in reversed(restores):

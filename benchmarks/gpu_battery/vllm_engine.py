@@ -55,7 +55,8 @@ def measure(spec: dict[str, Any], record: dict[str, Any], save: Any) -> None:
 
     def load_policy() -> Any:
         model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype, attn_implementation="sdpa")
-        return model.to(device).eval()
+        # PreTrainedModel.to is functools.wraps(Module.to), which typeshed types without binding self
+        return model.to(device).eval()  # type: ignore[arg-type]
 
     def scorer(model: Any) -> Any:
         """The policy's log-probs of a probe at temperature 1 (plain logits: the probe is 64 tokens)."""

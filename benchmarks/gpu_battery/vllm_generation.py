@@ -44,13 +44,13 @@ def engine_variants(mode: str, max_batch: int) -> list[tuple[str, dict[str, Any]
     """(name, extra build_colocated_llm arguments, at most seconds) in the order they are tried."""
     if mode == "cpu":
         return [("eager (CPU)", {}, 600)]
-    graphs = {
+    graphs: dict[str, Any] = {  # vLLM's compilation_config
         "mode": "NONE",  # no Dynamo, no Inductor
         "cudagraph_mode": "FULL_DECODE_ONLY",
         "max_cudagraph_capture_size": max_batch,
         "cudagraph_specialize_lora": False,
     }
-    variants = [
+    variants: list[tuple[str, dict[str, Any], int]] = [
         ("CUDA graphs, no torch.compile", {"compilation_config": graphs}, 240),
         ("eager", {"enforce_eager": True}, 200),
     ]

@@ -204,7 +204,7 @@ def _plan(sizes: Zero3Sizes, device: str, gpu_gib: float, episodes: int) -> dict
     from loop_trainer.models.model_shape import ModelShape
 
     shape = ModelShape.from_config(shape_config(sizes.shape), sizes.shape)
-    settings = {
+    settings: dict[str, Any] = {  # plan_memory's keyword arguments
         "world_size": 1,
         "gpu_memory_gib": gpu_gib,
         "lora": {"r": LORA_R, "target_modules": "all-linear", "dropout": 0.0},
