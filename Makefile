@@ -37,7 +37,7 @@ demo-real: venv
 	$(VENV_BIN)/loop-train --config recipes/smollm2-135m-contacts.yaml
 	$(VENV_BIN)/loop-compare --config recipes/smollm2-135m-contacts.yaml --max_tasks 32 --sampled_rollouts_per_task 2
 
-# ruff's linter and formatter (check only: `ruff format` rewrites), and mypy on src/loop_trainer; their
+# ruff's linter and formatter (check only: `ruff format` rewrites), and mypy on src/loop_trainer and benchmarks; their
 # configuration is in pyproject.toml. mypy type-checks against .venv's packages; the stub packages it
 # needs are in .lint-venv/stubs, which reach it through .venv's python's sys.path (tools/ensure_lint_venv.sh).
 LINT_PATHS := src tests benchmarks examples
