@@ -34,10 +34,11 @@ def opening(tok, task: str) -> list[int]:
 def run_episodes(backend, tok, tasks, rollouts, *, update_between_turns=None):
     """Each task's rollouts start from the same opening, two turns each; seeds per (task, rollout, turn).
 
-    ``update_between_turns`` runs once, after every episode's first turn and before any second turn.
-    A barrier, not a call per episode: the backend decodes on its own thread, so an update made while
-    another episode's row is decoding would land on a step that depends on wall-clock timing (it did,
-    on a slower machine: one row's second token saw a second update its first token had not)."""
+    ``update_between_turns`` runs once, after every episode's first turn and before any second turn,
+    and the backend is then told its weights changed (``weights_changed``). A barrier, not a call per
+    episode: the backend decodes on its own thread, so an update made while another episode's row is
+    decoding would land on a step that depends on wall-clock timing (it did, on a slower machine: one
+    row's second token saw a second update its first token had not)."""
     observation = tok.encode("<|im_end|>\n<|im_start|>user\nann id k1<|im_end|>\n<|im_start|>assistant\n")
     episodes = len(tasks) * rollouts
     first_turns_done: list[None] = []
@@ -47,6 +48,7 @@ def run_episodes(backend, tok, tasks, rollouts, *, update_between_turns=None):
         first_turns_done.append(None)
         if len(first_turns_done) == episodes:
             await update_between_turns()
+            backend.weights_changed()
             updated.set()
         await updated.wait()
 

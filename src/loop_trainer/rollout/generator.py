@@ -99,8 +99,9 @@ class RolloutGenerator:
 
     Built once per run (:func:`build_generator`): the training model itself (transformers), a
     colocated vLLM engine, a vLLM server, or a backend the user passed. :meth:`sync` pushes the
-    policy into a separate engine when it is behind, :meth:`sleep` frees its memory for the update,
-    :meth:`for_evaluation` samples the same policy at another temperature."""
+    policy into a separate engine when it is behind (and tells a transformers backend its weights
+    changed), :meth:`sleep` frees its memory for the update, :meth:`for_evaluation` samples the same
+    policy at another temperature."""
 
     def __init__(
         self,
@@ -117,11 +118,20 @@ class RolloutGenerator:
         self._version = -1
 
     def sync(self, version: int) -> dict[str, float]:
-        """Push the policy of iteration ``version`` into the generator if it is behind; returns the
-        sync's metrics (nothing when no separate engine holds weights)."""
-        if self.weight_sync is None or self._version == version:
+        """Bring the generator to the policy of iteration ``version`` if it is behind: push it into a
+        separate engine, and bump a transformers backend's weights version (what it cached and merged
+        was computed with earlier weights). Returns the sync's metrics (nothing when no separate engine
+        holds weights)."""
+        if self._version == version:
+            return {}
+        if self.weight_sync is None:
+            if isinstance(self.backend, TransformersBackend):
+                self.backend.weights_changed()
+            self._version = version
             return {}
         report = self.weight_sync(version)
+        if isinstance(self.backend, TransformersBackend):  # one holding weights of its own, just loaded
+            self.backend.weights_changed()
         self._version = version
         logger.info(
             "generator synced to iteration %d in %.2f s (probe log-prob diff max %.2e)",

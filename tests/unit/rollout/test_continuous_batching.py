@@ -77,6 +77,7 @@ def test_a_weight_update_drops_the_cached_turns(vault_tiny):
         first = await backend.generate(prompt, 4, seed=1)
         with torch.no_grad():
             weight.mul_(1.5)  # an optimizer step between the turns (in place, like AdamW's)
+        backend.weights_changed()
         return await backend.generate(prompt + first.token_ids + observation, 4, seed=2)
 
     try:

@@ -30,7 +30,7 @@ def _logits(model, ids):
 def test_the_merged_view_computes_the_policy_and_shares_every_other_tensor(lora_policy):
     policy, tok = lora_policy
     merged = MergedAdapter(policy)
-    merged.refresh()
+    merged.refresh(0)
     ids = opening(tok, "ann")
     assert torch.allclose(_logits(merged.model, ids), _logits(policy, ids), atol=1e-5)
     own = {id(p) for p in merged.model.parameters()} - {id(p) for p in policy.parameters()}
@@ -54,7 +54,7 @@ def test_the_merged_view_runs_no_lora_layer_even_under_the_fused_log_prob_head(v
     ]
     try:
         merged = MergedAdapter(policy)
-        merged.refresh()
+        merged.refresh(0)
         ids = opening(tok, "ann")
         merged_logits = _logits(merged.model, ids)
         assert calls == []  # the fused head's patched forward would have run the policy itself
@@ -80,16 +80,16 @@ def test_sampling_with_the_merged_adapter_gives_the_policys_replies_and_leaves_i
 def test_an_in_place_update_is_merged_at_the_next_decode_loop_into_the_same_storage(lora_policy):
     policy, tok = lora_policy
     merged = MergedAdapter(policy)
-    merged.refresh()
+    merged.refresh(0)
     pointers = [m.data_ptr() for _, m in merged._pairs]
-    merged.refresh()
-    assert merged.num_refreshes == 1  # unchanged weights: nothing recomputed
+    merged.refresh(0)
+    assert merged.num_refreshes == 1  # unchanged weights (the same version): nothing recomputed
     lora_b = next(p for name, p in policy.named_parameters() if "lora_B" in name)
     with torch.no_grad():
-        lora_b.mul_(3.0)  # in place, as AdamW's step
+        lora_b.mul_(3.0)  # in place, as AdamW's step; its changer bumps the version
     ids = opening(tok, "bob")
     assert not torch.allclose(_logits(merged.model, ids), _logits(policy, ids), atol=1e-3)  # stale until refreshed
-    merged.refresh()
+    merged.refresh(1)
     assert merged.num_refreshes == 2 and [m.data_ptr() for _, m in merged._pairs] == pointers  # a graph stays valid
     assert torch.allclose(_logits(merged.model, ids), _logits(policy, ids), atol=1e-5)
 
@@ -101,7 +101,7 @@ def test_bf16_weights_are_merged_in_float32_and_rounded_once(vault_tiny):
     policy = get_peft_model(model, config, autocast_adapter_dtype=True)  # float32 adapter on bf16 weights
     try:
         merged = MergedAdapter(policy)
-        merged.refresh()
+        merged.refresh(0)
         lora, weight = merged._pairs[0]
         expected = (lora.get_base_layer().weight.float() + lora.get_delta_weight("default").float()).bfloat16()
         assert weight.dtype == torch.bfloat16 and torch.equal(weight, expected)

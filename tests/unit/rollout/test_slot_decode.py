@@ -139,3 +139,40 @@ def test_compile_decode_step_without_static_decode_is_refused_in_one_line(vault_
     assert "\n" not in str(error.value)
     with pytest.raises(RecipeError, match="set static_decode: true"):
         EvalArguments(environment="vault", output_dir=str(tmp_path / "eval"), compile_decode_step=True)
+
+
+def test_a_failing_compile_falls_back_to_the_plain_step_only_when_it_was_not_asked_for(vault_tiny, monkeypatch, caplog):
+    from loop_trainer.rollout import TransformersBackend
+
+    env, model, tok = vault_tiny
+
+    def broken_compile(function, **kwargs):
+        def compiled(*args, **kw):
+            raise RuntimeError("the compiler failed")
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    prompts, limits, seeds = [opening(tok, "ann"), opening(tok, "bob")], [3, 5], [1, 2]
+    asked = backend_for(model, tok, static_decode=True, compile_decode_step=True)
+    with pytest.raises(RuntimeError, match="the compiler failed"):
+        asked.sample(prompts, limits, seeds)  # compile_decode_step: true is required: its failure reaches the rows
+    by_default = TransformersBackend(  # as build_transformers_backend makes it on a GPU by default
+        model,
+        stop_token_ids=[],
+        pad_token_id=tok.pad_token_id,
+        static_decode=True,
+        compile_decode_step=True,
+        compile_falls_back=True,
+    )
+    with caplog.at_level("WARNING"):
+        replies = by_default.sample(prompts, limits, seeds)
+    monkeypatch.undo()
+    for got, want in zip(replies, backend_for(model, tok).sample(prompts, limits, seeds), strict=True):
+        assert got.token_ids == want.token_ids
+        assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5)
+    slots = by_default.slot_decoder(torch.device("cpu"))
+    assert not slots.compile_step and slots.compile_error == "RuntimeError: the compiler failed"
+    assert [r.getMessage() for r in caplog.records if "compile_decode_step" in r.getMessage()] == [
+        "compile_decode_step: torch.compile failed, the step runs uncompiled: RuntimeError: the compiler failed"
+    ]
