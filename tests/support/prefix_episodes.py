@@ -7,11 +7,17 @@ import asyncio
 
 import torch
 
-from loop_trainer.rollout import TransformersBackend
+from loop_trainer.rollout import TransformersBackend, TransformersSamplingSettings, build_transformers_backend
+
+PARTS_OFF = {"static_decode": False, "compile_decode_step": False, "merge_adapter": False}
 
 
-def backend_for(model, tok, **kwargs) -> TransformersBackend:
-    return TransformersBackend(model, stop_token_ids=[], pad_token_id=tok.pad_token_id, **kwargs)
+def backend_for(model, tok, **settings) -> TransformersBackend:
+    """A backend built as the generator builds one, with every part of the decode loop off unless
+    ``settings`` turns it on (whatever the device: the features are compared with the plain loop)."""
+    return build_transformers_backend(
+        model, TransformersSamplingSettings(**(PARTS_OFF | settings)), stop_token_ids=[], pad_token_id=tok.pad_token_id
+    )
 
 
 async def decode_loop_idle(backend: TransformersBackend) -> None:

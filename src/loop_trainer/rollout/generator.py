@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .backend import COMPILE_NEEDS_STATIC, GenerationBackend, TransformersBackend
-from .merged_adapter import MergedAdapter, MergedAdapterError
+from .backend import GenerationBackend, TransformersBackend, build_transformers_backend
+from .sampling_parts import SamplingPartsError, TransformersSamplingSettings
 from .vllm_backend import VLLMBackend, WeightLoadable, build_colocated_llm, sleep_mode_available
 from .vllm_server import GeneratorServerError, VLLMServerBackend
 from .weight_sync import WeightSync, default_tolerance, probe_token_ids
@@ -103,18 +103,10 @@ class RolloutGenerator:
     changed), :meth:`sleep` frees its memory for the update, :meth:`for_evaluation` samples the same
     policy at another temperature."""
 
-    def __init__(
-        self,
-        backend: GenerationBackend,
-        *,
-        weight_sync: WeightSync | None = None,
-        transformers_settings: dict[str, Any] | None = None,
-        owns_backend: bool = True,
-    ):
+    def __init__(self, backend: GenerationBackend, *, weight_sync: WeightSync | None = None, owns_backend: bool = True):
         self.backend = backend
         self.owns_backend = owns_backend
         self.weight_sync = weight_sync
-        self._transformers_settings = transformers_settings
         self._version = -1
 
     def sync(self, version: int) -> dict[str, float]:
@@ -148,21 +140,8 @@ class RolloutGenerator:
 
     def for_evaluation(self, temperature: float) -> GenerationBackend:
         """The same policy sampled at ``temperature`` (0: greedy)."""
-        if hasattr(self.backend, "with_temperature"):
+        if hasattr(self.backend, "with_temperature"):  # the transformers backend's shares the weights' version
             return self.backend.with_temperature(temperature)
-        settings = self._transformers_settings
-        if settings is None and isinstance(self.backend, TransformersBackend):
-            settings = {
-                "model": self.backend.model,
-                "stop_token_ids": self.backend.stop_token_ids.tolist(),
-                "pad_token_id": self.backend.pad_token_id,
-                "max_batch_size": self.backend.max_batch_size,
-                "static_decode": self.backend.static_decode,
-                "compile_decode_step": self.backend.compile_decode_step,
-                "merged_adapter": self.backend.merged_adapter,
-            }
-        if settings is not None:
-            return TransformersBackend(**{**settings, "temperature": temperature})
         raise GeneratorConfigError(
             f"generation_backend {type(self.backend).__name__} has no with_temperature(temperature) method, so "
             "eval_temperature cannot be honoured: add the method, or set eval_every: 0"
@@ -205,40 +184,43 @@ def build_generator(
             return RolloutGenerator(custom_backend, owns_backend=False)
         sync = _checked_sync(args, model, cast(WeightLoadable, custom_backend), tokenizer, probe_scorer, None)
         return RolloutGenerator(custom_backend, weight_sync=sync, owns_backend=False)
-    if args.compile_decode_step and not args.static_decode:
-        raise GeneratorConfigError(COMPILE_NEEDS_STATIC)
     if not args.use_vllm:
         plugin = getattr(args, "deepspeed_plugin", None)
-        if args.merge_adapter_for_sampling and plugin is not None and plugin.zero_stage == 3:
-            raise GeneratorConfigError(
-                "merge_adapter_for_sampling needs whole weights on each process, and ZeRO-3 partitions them: remove "
-                "merge_adapter_for_sampling, or use a ZeRO stage below 3"
-            )
-        try:  # one merged copy, shared by the evaluation backends (for_evaluation)
-            merged = MergedAdapter(model) if args.merge_adapter_for_sampling else None
-        except MergedAdapterError as error:
-            raise GeneratorConfigError(str(error)) from None
-        settings = {
-            "model": model,
-            "stop_token_ids": stop_token_ids,
-            "pad_token_id": tokenizer.pad_token_id,
-            "max_batch_size": args.generation_batch_limit,
-            "static_decode": args.static_decode,
-            "compile_decode_step": args.compile_decode_step,
-            "merged_adapter": merged,
-        }
-        return RolloutGenerator(
-            TransformersBackend(**settings, temperature=args.temperature), transformers_settings=settings
+        settings = TransformersSamplingSettings(
+            temperature=args.temperature,
+            max_batch_size=args.generation_batch_limit,
+            static_decode=args.static_decode,
+            compile_decode_step=args.compile_decode_step,
+            merge_adapter=args.merge_adapter_for_sampling,
         )
+        try:  # one merged copy, shared by the evaluation backends (for_evaluation)
+            transformers_backend = build_transformers_backend(
+                model,
+                settings,
+                stop_token_ids=stop_token_ids,
+                pad_token_id=tokenizer.pad_token_id,
+                zero3=plugin is not None and plugin.zero_stage == 3,
+                device=getattr(args, "device", None),
+            )
+        except SamplingPartsError as error:
+            raise GeneratorConfigError(str(error)) from None
+        return RolloutGenerator(transformers_backend)
+    # The transformers backend's parts: refused where asked for, off (one note) by default.
     if args.merge_adapter_for_sampling:
         raise GeneratorConfigError(
             "merge_adapter_for_sampling applies to the transformers backend; vLLM applies the LoRA adapter itself: "
             "remove merge_adapter_for_sampling or set use_vllm: false"
         )
-    if args.static_decode:
+    if args.static_decode or args.compile_decode_step:
+        key = "static_decode" if args.static_decode else "compile_decode_step"
         raise GeneratorConfigError(
-            "static_decode applies to the transformers backend; with use_vllm: true vLLM decodes with its own CUDA "
-            "graphs: remove static_decode or set use_vllm: false"
+            f"{key} applies to the transformers backend; with use_vllm: true vLLM decodes with its own CUDA "
+            f"graphs: remove {key} or set use_vllm: false"
+        )
+    if None in (args.static_decode, args.compile_decode_step, args.merge_adapter_for_sampling):
+        logger.info(
+            "static_decode, compile_decode_step and merge_adapter_for_sampling are off: they are the transformers "
+            "backend's; vLLM decodes with its own CUDA graphs and applies the LoRA adapter itself"
         )
     if args.vllm_mode == "server":
         url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"

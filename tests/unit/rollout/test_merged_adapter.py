@@ -69,7 +69,7 @@ def test_sampling_with_the_merged_adapter_gives_the_policys_replies_and_leaves_i
     policy, tok = lora_policy
     before = {name: p.detach().clone() for name, p in policy.named_parameters()}
     for static in (False, True):
-        merged = backend_for(policy, tok, max_batch_size=3, static_decode=static, merged_adapter=MergedAdapter(policy))
+        merged = backend_for(policy, tok, max_batch_size=3, static_decode=static, merge_adapter=True)
         replies = run_episodes(merged, tok, ["ann", "bob"], 2)
         assert_same(replies, run_episodes(backend_for(policy, tok, max_batch_size=3), tok, ["ann", "bob"], 2))
         assert merged.merged_adapter is not None and merged.merged_adapter.num_refreshes == 1

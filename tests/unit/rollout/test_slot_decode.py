@@ -9,7 +9,6 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from loop_trainer.rollout import TransformersBackend
 from loop_trainer.rollout.slot_decode import MIN_CAPACITY, SlotDecoder
 from support.prefix_episodes import assert_same, backend_for, opening, run_episodes
 
@@ -74,7 +73,7 @@ def test_a_lora_wrapped_policy_decodes_the_same_on_slots(vault_tiny):
 
 def test_slots_are_reused_and_a_replaced_parameter_rebuilds_them(vault_tiny):
     env, model, tok = vault_tiny
-    backend = TransformersBackend(model, stop_token_ids=[], pad_token_id=tok.pad_token_id, static_decode=True)
+    backend = backend_for(model, tok, static_decode=True)
     first = backend.slot_decoder(torch.device("cpu"))
     assert backend.slot_decoder(torch.device("cpu")) is first  # kept across collections
     weight = next(model.parameters())
