@@ -341,10 +341,14 @@ class Ours:
         }
 
     def _transformers_backend(self, n: int) -> Any:
-        from loop_trainer.rollout import TransformersBackend
+        from loop_trainer.rollout import TransformersSamplingSettings, build_transformers_backend
 
-        return TransformersBackend(
-            self.model, stop_token_ids=[], pad_token_id=self.tokenizer.pad_token_id, temperature=1.0, max_batch_size=n
+        # the dynamic decode loop the recorded results measured, whatever the device
+        settings = TransformersSamplingSettings(
+            max_batch_size=n, static_decode=False, compile_decode_step=False, merge_adapter=False
+        )
+        return build_transformers_backend(
+            self.model, settings, stop_token_ids=[], pad_token_id=self.tokenizer.pad_token_id
         )
 
     def run(self, world: LatencyWorld, n: int) -> dict[str, Any]:

@@ -169,15 +169,15 @@ def appworld_workload(args: argparse.Namespace) -> Workload:
 # --- one collection -----------------------------------------------------------------------------
 def collect(workload: Workload, tasks: list[Any], share: bool, seed: int) -> dict[str, Any]:
     from loop_trainer.chat import ChatFormatter, stop_token_ids
-    from loop_trainer.rollout import RolloutEngine, TransformersBackend
+    from loop_trainer.rollout import RolloutEngine, TransformersSamplingSettings, build_transformers_backend
 
     model, tokenizer = workload.model, workload.tokenizer
-    backend = TransformersBackend(
-        model,
-        stop_token_ids=stop_token_ids(model, tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        temperature=1.0,
-        share_prefixes=share,
+    # the dynamic decode loop with and without sharing, whatever the device
+    settings = TransformersSamplingSettings(
+        share_prefixes=share, static_decode=False, compile_decode_step=False, merge_adapter=False
+    )
+    backend = build_transformers_backend(
+        model, settings, stop_token_ids=stop_token_ids(model, tokenizer), pad_token_id=tokenizer.pad_token_id
     )
     rollouts = workload.rollouts
     with RolloutEngine(workload.env, backend, ChatFormatter(tokenizer), workload.limits, show_progress=False) as engine:

@@ -117,7 +117,7 @@ def _collect(
         chosen = [tasks[i % len(tasks)] for i in range(concurrency)]
         pad = trainer.tokenizer.pad_token_id
         backend.sample([[pad] * 8] * concurrency, [2] * concurrency)  # warm-up (and the first graph capture)
-        backend.num_steps, backend.busy_seconds = 0, 0.0
+        backend.counters.num_steps, backend.counters.busy_seconds = 0, 0.0
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         started = time.perf_counter()

@@ -116,17 +116,26 @@ def run_bf16(trainer: Any, iterations: int = 2) -> dict[str, Any]:
 
 def run_generation(trainer: Any, concurrency: list[int], turns: int, new_tokens: int) -> list[dict[str, Any]]:
     from loop_trainer.chat import stop_token_ids
-    from loop_trainer.rollout import EpisodeLimits, RolloutEngine, TransformersBackend
+    from loop_trainer.rollout import (
+        EpisodeLimits,
+        RolloutEngine,
+        TransformersSamplingSettings,
+        build_transformers_backend,
+    )
 
     tokenizer = trainer.tokenizer
     rows = []
     tasks = list(trainer.env.tasks("train"))
     for n in concurrency:
-        backend = TransformersBackend(
+        # the dynamic decode loop this section has always measured (decode.py measures the other parts)
+        settings = TransformersSamplingSettings(
+            max_batch_size=n, static_decode=False, compile_decode_step=False, merge_adapter=False
+        )
+        backend = build_transformers_backend(
             trainer.model,
+            settings,
             stop_token_ids=stop_token_ids(trainer.model, tokenizer),
             pad_token_id=tokenizer.pad_token_id,
-            max_batch_size=n,
         )
         limits = EpisodeLimits(max_turns=turns, max_new_tokens_per_turn=new_tokens, max_trajectory_tokens=8192)
         with RolloutEngine(

@@ -7,11 +7,17 @@ import asyncio
 
 import torch
 
-from loop_trainer.rollout import TransformersBackend
+from loop_trainer.rollout import TransformersBackend, TransformersSamplingSettings, build_transformers_backend
+
+PARTS_OFF = {"static_decode": False, "compile_decode_step": False, "merge_adapter": False}
 
 
-def backend_for(model, tok, **kwargs) -> TransformersBackend:
-    return TransformersBackend(model, stop_token_ids=[], pad_token_id=tok.pad_token_id, **kwargs)
+def backend_for(model, tok, **settings) -> TransformersBackend:
+    """A backend built as the generator builds one, with every part of the decode loop off unless
+    ``settings`` turns it on (whatever the device: the features are compared with the plain loop)."""
+    return build_transformers_backend(
+        model, TransformersSamplingSettings(**(PARTS_OFF | settings)), stop_token_ids=[], pad_token_id=tok.pad_token_id
+    )
 
 
 async def decode_loop_idle(backend: TransformersBackend) -> None:
@@ -34,10 +40,11 @@ def opening(tok, task: str) -> list[int]:
 def run_episodes(backend, tok, tasks, rollouts, *, update_between_turns=None):
     """Each task's rollouts start from the same opening, two turns each; seeds per (task, rollout, turn).
 
-    ``update_between_turns`` runs once, after every episode's first turn and before any second turn.
-    A barrier, not a call per episode: the backend decodes on its own thread, so an update made while
-    another episode's row is decoding would land on a step that depends on wall-clock timing (it did,
-    on a slower machine: one row's second token saw a second update its first token had not)."""
+    ``update_between_turns`` runs once, after every episode's first turn and before any second turn,
+    and the backend is then told its weights changed (``weights_changed``). A barrier, not a call per
+    episode: the backend decodes on its own thread, so an update made while another episode's row is
+    decoding would land on a step that depends on wall-clock timing (it did, on a slower machine: one
+    row's second token saw a second update its first token had not)."""
     observation = tok.encode("<|im_end|>\n<|im_start|>user\nann id k1<|im_end|>\n<|im_start|>assistant\n")
     episodes = len(tasks) * rollouts
     first_turns_done: list[None] = []
@@ -47,6 +54,7 @@ def run_episodes(backend, tok, tasks, rollouts, *, update_between_turns=None):
         first_turns_done.append(None)
         if len(first_turns_done) == episodes:
             await update_between_turns()
+            backend.weights_changed()
             updated.set()
         await updated.wait()
 

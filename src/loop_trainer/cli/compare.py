@@ -25,11 +25,9 @@ from typing import Any
 
 from trl import ModelConfig
 
-from ..chat import stop_token_ids
 from ..config import EpisodeSettings, LOOPConfig, mapping_setting
 from ..envs import EnvironmentSetupError, make_environment
-from ..rollout import TransformersBackend
-from .evaluate import EvalArguments, evaluate, load_policy, merged_sampler
+from .evaluate import EvalArguments, evaluate, load_policy, sampling_backend
 from .recipe import RecipeError, ScriptArguments, parse_recipe
 
 __all__ = ["CompareArguments", "cli", "compare", "contrasting_trajectories"]
@@ -98,16 +96,7 @@ def compare(
                 **episode,
             )
             model, tokenizer = load_policy(policy_args, base, env)
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-            backend = TransformersBackend(
-                model,
-                stop_token_ids=stop_token_ids(model, tokenizer),
-                pad_token_id=pad,
-                max_batch_size=training.generation_batch_limit,
-                static_decode=training.static_decode,
-                compile_decode_step=training.compile_decode_step,
-                merged_adapter=merged_sampler(model, training.merge_adapter_for_sampling),
-            )
+            backend = sampling_backend(model, tokenizer, training)
             for decoding, (temp, rollouts) in decodings.items():
                 args = dataclasses.replace(
                     base,

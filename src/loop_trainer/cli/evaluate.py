@@ -35,8 +35,8 @@ from ..evaluation import Evaluator, format_metrics, write_evaluation_viewer
 from ..models.packaged import PackagedModelError, resolve_model_path
 from ..models.tiny import build_tiny_from_spec, build_word_tokenizer, is_tiny_spec, load_tokenizer
 from ..rollout import GenerationBackend, TransformersBackend
-from ..rollout.backend import COMPILE_NEEDS_STATIC
-from ..rollout.merged_adapter import MergedAdapter, MergedAdapterError, merged_for_evaluation
+from ..rollout.backend import build_transformers_backend
+from ..rollout.sampling_parts import COMPILE_NEEDS_STATIC, SamplingPartsError, TransformersSamplingSettings
 from .recipe import RecipeError, ScriptArguments, parse_recipe
 
 __all__ = ["EvalArguments", "cli", "evaluate"]
@@ -69,7 +69,8 @@ class EvalArguments(ScriptArguments, EpisodeSettings):
         super().__post_init__()  # checks every field's range
         if problem := output_dir_problem(self.output_dir):
             raise RecipeError(problem)
-        if self.compile_decode_step and not self.static_decode:
+        static = self.static_decode if self.static_decode is not None else torch.cuda.is_available()  # unset: by device
+        if self.compile_decode_step is True and not static:
             raise RecipeError(COMPILE_NEEDS_STATIC)
 
 
@@ -171,12 +172,28 @@ def experiment_per_rollout(env: Environment, experiment: str) -> Iterator[Callab
         env.experiment_name = original
 
 
-def merged_sampler(model: Any, wanted: bool) -> MergedAdapter | None:
-    """``merge_adapter_for_sampling`` in evaluation: the policy's LoRA adapter merged for sampling (a
-    policy without an adapter samples as it is); an adapter that cannot be merged is a recipe error."""
+def sampling_backend(
+    model: Any, tokenizer: Any, settings: EpisodeSettings, temperature: float = 1.0
+) -> TransformersBackend:
+    """The transformers backend evaluation samples ``model`` with, built as training builds it (its fast parts
+    on with CUDA unless a key turns them off). ``merge_adapter_for_sampling`` applies to a policy with a LoRA
+    adapter; a policy without one samples as it is. A part that cannot apply is a recipe error."""
+    merge = settings.merge_adapter_for_sampling if getattr(model, "peft_config", None) else False
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     try:
-        return merged_for_evaluation(model, wanted)
-    except MergedAdapterError as error:
+        return build_transformers_backend(
+            model,
+            TransformersSamplingSettings(
+                temperature=temperature,
+                max_batch_size=settings.generation_batch_limit,
+                static_decode=settings.static_decode,
+                compile_decode_step=settings.compile_decode_step,
+                merge_adapter=merge,
+            ),
+            stop_token_ids=stop_token_ids(model, tokenizer),
+            pad_token_id=pad_token_id,
+        )
+    except SamplingPartsError as error:
         raise RecipeError(str(error)) from None
 
 
@@ -204,17 +221,7 @@ def evaluate(
     try:
         if generation_backend is None:
             model, tokenizer = load_policy(model_args, eval_args, env)
-            pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-            generation_backend = TransformersBackend(
-                model,
-                stop_token_ids=stop_token_ids(model, tokenizer),
-                pad_token_id=pad_token_id,
-                temperature=eval_args.temperature,
-                max_batch_size=eval_args.generation_batch_limit,
-                static_decode=eval_args.static_decode,
-                compile_decode_step=eval_args.compile_decode_step,
-                merged_adapter=merged_sampler(model, eval_args.merge_adapter_for_sampling),
-            )
+            generation_backend = sampling_backend(model, tokenizer, eval_args, eval_args.temperature)
         else:
             tokenizer = load_tokenizer_only(model_args, eval_args, env)
             # The temperature is honoured (the backend samples at it) or refused, never recorded but ignored.

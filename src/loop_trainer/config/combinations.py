@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from ..rollout.sampling_parts import COMPILE_NEEDS_STATIC
+
 if TYPE_CHECKING:
     from .loop_config import LOOPConfig
 
@@ -51,10 +53,6 @@ Rule = Callable[["LOOPConfig", Launch], "str | None"]
 COLOCATED_TP_ONLY = (
     "vllm_tensor_parallel_size must be 1 with vllm_mode: colocate (every process runs its own engine on its own "
     "episodes); for a model that needs tensor parallelism, generate on a vLLM server (vllm_mode: server)"
-)
-COMPILE_NEEDS_STATIC = (
-    "compile_decode_step compiles the fixed-shape decode step of static_decode: set static_decode: true, or remove "
-    "compile_decode_step"
 )
 
 
@@ -107,7 +105,10 @@ def _offloading_needs_a_gpu(config: LOOPConfig, launch: Launch) -> str | None:
 
 
 def _compile_needs_static(config: LOOPConfig, launch: Launch) -> str | None:
-    if config.compile_decode_step is True and config.static_decode is False:
+    # static_decode unset is on only with CUDA (rollout/sampling_parts.py decides it where the generator is built)
+    if config.compile_decode_step is True and (
+        config.static_decode is False or (config.static_decode is None and not launch.cuda)
+    ):
         return COMPILE_NEEDS_STATIC
     return None
 

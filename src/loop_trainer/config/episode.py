@@ -41,24 +41,28 @@ class EpisodeSettings:
         "Most sequences the transformers backend samples in one batch.",
         at_least(1, "the most sequences the transformers backend samples in one batch"),
     )
-    static_decode: bool = setting(
-        False,
+    static_decode: bool | None = setting(
+        None,
         "Transformers backend: decode steps on fixed-shape KV slots, replayed as one CUDA graph per step on a GPU "
         "(eager elsewhere; 5-6x the default loop's tokens/s on an H200). Holds generation_batch_limit x the "
-        "longest context (rounded up to a power of two) of KV cache for the collection.",
+        "longest context (rounded up to a power of two) of KV cache for the collection. None (default): on with "
+        "CUDA where the model's KV cache allows it, off on a CPU; false turns it off; true requires it.",
     )
-    compile_decode_step: bool = setting(
-        False,
+    compile_decode_step: bool | None = setting(
+        None,
         "With static_decode: run the fixed-shape decode step through torch.compile before it is captured, fusing the "
         "modelling code's small kernels (compiled once per KV capacity; 1.4-1.9x static_decode's tokens/s on an "
-        "H200). Refused without static_decode.",
+        "H200). None (default): on with CUDA where static_decode is on and torch.compile can run (else off, one log "
+        "line), off on a CPU; false turns it off; true requires it (refused without static_decode).",
     )
-    merge_adapter_for_sampling: bool = setting(
-        False,
+    merge_adapter_for_sampling: bool | None = setting(
+        None,
         "Transformers backend with a LoRA adapter: sample from a copy of the adapted layers with the adapter merged "
         "in (W + scale * B @ A, rounded once to W's dtype; refreshed when the weights change), so a decode step runs "
         "no adapter matmuls. Costs one copy of the adapted layers' weights; the trainer's log-probs still form the "
-        "ratio. Refused with use_vllm and, in training, without a LoRA adapter.",
+        "ratio. None (default): on with CUDA where the policy has a LoRA adapter and whole weights (not ZeRO-3), "
+        "off on a CPU; false turns it off; true requires it (refused with use_vllm, without a LoRA adapter, with "
+        "ZeRO-3).",
     )
 
     def episode_limits(self) -> EpisodeLimits:

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .backend import COMPILE_NEEDS_STATIC, GenerationBackend, TransformersBackend
-from .merged_adapter import MergedAdapter, MergedAdapterError
+from .backend import GenerationBackend, TransformersBackend, build_transformers_backend
+from .sampling_parts import SamplingPartsError, TransformersSamplingSettings
 from .vllm_backend import VLLMBackend, WeightLoadable, build_colocated_llm, sleep_mode_available
 from .vllm_server import GeneratorServerError, VLLMServerBackend
 from .weight_sync import WeightSync, default_tolerance, probe_token_ids
@@ -32,12 +32,6 @@ if TYPE_CHECKING:
     from peft import PeftModel
 
 logger = logging.getLogger(__name__)
-
-
-COLOCATED_TP_ONLY = (
-    "vllm_tensor_parallel_size must be 1 with vllm_mode: colocate (every process runs its own engine on its own "
-    "episodes); for a model that needs tensor parallelism, generate on a vLLM server (vllm_mode: server)"
-)
 
 
 class VLLMNotInstalledError(ImportError):
@@ -128,6 +122,8 @@ class GeneratorSettings:
     probe_tokens: int = 64
     zero_stage: int | None = None
     """The training model's DeepSpeed ZeRO stage, if any (ZeRO-3 partitions the weights)."""
+    device: torch.device | None = None
+    """Where the training model samples (the transformers backend decides its fast parts by it)."""
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
 
 
@@ -140,29 +136,31 @@ class RolloutGenerator:
 
     Built once per run (:func:`build_generator`): the training model itself (transformers), a
     colocated vLLM engine, a vLLM server, or a backend the user passed. :meth:`sync` pushes the
-    policy into a separate engine when it is behind, :meth:`sleep` frees its memory for the update,
-    :meth:`for_evaluation` samples the same policy at another temperature."""
+    policy into a separate engine when it is behind (and tells a transformers backend its weights
+    changed), :meth:`sleep` frees its memory for the update, :meth:`for_evaluation` samples the same
+    policy at another temperature."""
 
-    def __init__(
-        self,
-        backend: GenerationBackend,
-        *,
-        weight_sync: WeightSync | None = None,
-        transformers_settings: dict[str, Any] | None = None,
-        owns_backend: bool = True,
-    ):
+    def __init__(self, backend: GenerationBackend, *, weight_sync: WeightSync | None = None, owns_backend: bool = True):
         self.backend = backend
         self.owns_backend = owns_backend
         self.weight_sync = weight_sync
-        self._transformers_settings = transformers_settings
         self._version = -1
 
     def sync(self, version: int) -> dict[str, float]:
-        """Push the policy of iteration ``version`` into the generator if it is behind; returns the
-        sync's metrics (nothing when no separate engine holds weights)."""
-        if self.weight_sync is None or self._version == version:
+        """Bring the generator to the policy of iteration ``version`` if it is behind: push it into a
+        separate engine, and bump a transformers backend's weights version (what it cached and merged
+        was computed with earlier weights). Returns the sync's metrics (nothing when no separate engine
+        holds weights)."""
+        if self._version == version:
+            return {}
+        if self.weight_sync is None:
+            if isinstance(self.backend, TransformersBackend):
+                self.backend.weights_changed()
+            self._version = version
             return {}
         report = self.weight_sync(version)
+        if isinstance(self.backend, TransformersBackend):  # one holding weights of its own, just loaded
+            self.backend.weights_changed()
         self._version = version
         logger.info(
             "generator synced to iteration %d in %.2f s (probe log-prob diff max %.2e)",
@@ -179,21 +177,8 @@ class RolloutGenerator:
 
     def for_evaluation(self, temperature: float) -> GenerationBackend:
         """The same policy sampled at ``temperature`` (0: greedy)."""
-        if hasattr(self.backend, "with_temperature"):
+        if hasattr(self.backend, "with_temperature"):  # the transformers backend's shares the weights' version
             return self.backend.with_temperature(temperature)
-        settings = self._transformers_settings
-        if settings is None and isinstance(self.backend, TransformersBackend):
-            settings = {
-                "model": self.backend.model,
-                "stop_token_ids": self.backend.stop_token_ids.tolist(),
-                "pad_token_id": self.backend.pad_token_id,
-                "max_batch_size": self.backend.max_batch_size,
-                "static_decode": self.backend.static_decode,
-                "compile_decode_step": self.backend.compile_decode_step,
-                "merged_adapter": self.backend.merged_adapter,
-            }
-        if settings is not None:
-            return TransformersBackend(**{**settings, "temperature": temperature})
         raise GeneratorConfigError(
             f"generation_backend {type(self.backend).__name__} has no with_temperature(temperature) method, so "
             "eval_temperature cannot be honoured: add the method, or set eval_every: 0"
@@ -236,40 +221,31 @@ def build_generator(
             return RolloutGenerator(custom_backend, owns_backend=False)
         sync = _checked_sync(settings, model, cast(WeightLoadable, custom_backend), tokenizer, probe_scorer, None)
         return RolloutGenerator(custom_backend, weight_sync=sync, owns_backend=False)
-    if settings.compile_decode_step and not settings.static_decode:
-        raise GeneratorConfigError(COMPILE_NEEDS_STATIC)
     if not settings.use_vllm:
-        if settings.merge_adapter_for_sampling and settings.zero_stage == 3:
-            raise GeneratorConfigError(
-                "merge_adapter_for_sampling needs whole weights on each process, and ZeRO-3 partitions them: remove "
-                "merge_adapter_for_sampling, or use a ZeRO stage below 3"
-            )
+        sampling = TransformersSamplingSettings(
+            temperature=settings.temperature,
+            max_batch_size=settings.generation_batch_limit,
+            static_decode=settings.static_decode,
+            compile_decode_step=settings.compile_decode_step,
+            merge_adapter=settings.merge_adapter_for_sampling,
+        )
         try:  # one merged copy, shared by the evaluation backends (for_evaluation)
-            merged = MergedAdapter(model) if settings.merge_adapter_for_sampling else None
-        except MergedAdapterError as error:
+            transformers_backend = build_transformers_backend(
+                model,
+                sampling,
+                stop_token_ids=stop_token_ids,
+                pad_token_id=tokenizer.pad_token_id,
+                zero3=settings.zero_stage == 3,
+                device=settings.device,
+            )
+        except SamplingPartsError as error:
             raise GeneratorConfigError(str(error)) from None
-        backend_settings = {
-            "model": model,
-            "stop_token_ids": stop_token_ids,
-            "pad_token_id": tokenizer.pad_token_id,
-            "max_batch_size": settings.generation_batch_limit,
-            "static_decode": settings.static_decode,
-            "compile_decode_step": settings.compile_decode_step,
-            "merged_adapter": merged,
-        }
-        return RolloutGenerator(
-            TransformersBackend(**backend_settings, temperature=settings.temperature),
-            transformers_settings=backend_settings,
-        )
-    if settings.merge_adapter_for_sampling:
-        raise GeneratorConfigError(
-            "merge_adapter_for_sampling applies to the transformers backend; vLLM applies the LoRA adapter itself: "
-            "remove merge_adapter_for_sampling or set use_vllm: false"
-        )
-    if settings.static_decode:
-        raise GeneratorConfigError(
-            "static_decode applies to the transformers backend; with use_vllm: true vLLM decodes with its own CUDA "
-            "graphs: remove static_decode or set use_vllm: false"
+        return RolloutGenerator(transformers_backend)
+    # The transformers backend's parts set true with vLLM are refused at config time (config/combinations.py).
+    if None in (settings.static_decode, settings.compile_decode_step, settings.merge_adapter_for_sampling):
+        logger.info(
+            "static_decode, compile_decode_step and merge_adapter_for_sampling are off: they are the transformers "
+            "backend's; vLLM decodes with its own CUDA graphs and applies the LoRA adapter itself"
         )
     if settings.vllm.mode == "server":
         url = settings.vllm.server_url
@@ -289,8 +265,7 @@ def build_generator(
         dtype = torch.bfloat16 if settings.bf16 else next(model.parameters()).dtype
     elif settings.vllm.mode == "colocate":
         require_vllm()
-        if settings.vllm.tensor_parallel_size != 1:
-            raise GeneratorConfigError(COLOCATED_TP_ONLY)
+        # vllm_tensor_parallel_size != 1 with a colocated engine is refused at config time (config/combinations.py)
         sleep = bool(settings.vllm.enable_sleep_mode)
         if sleep and not sleep_mode_available():
             logger.warning("vllm_enable_sleep_mode: this platform has no vLLM sleep mode (CPU); the engine stays awake")

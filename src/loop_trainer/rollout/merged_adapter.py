@@ -9,11 +9,12 @@ model (docs/benchmarks.md). Merged, a decode step is the base model's kernels al
 How: :class:`MergedAdapter` builds a second module tree over the same parameters (nothing copied)
 except that each LoRA ``Linear`` becomes a plain ``torch.nn.Linear`` whose weight is its own tensor,
 ``W + scale * B @ A`` computed in float32 and rounded once to ``W``'s dtype. :meth:`refresh` recomputes
-those weights in place whenever the policy's weights changed, so their storage (which a captured CUDA
-graph reads) never moves. The training model is never modified: the update, the trainer's
-log-probs and checkpoints see the unmerged adapter exactly as before. The sampler's distribution
-differs from the policy's only by that rounding; LOOP takes its ratio's denominator from the trainer,
-so the update is unbiased, and ``sampler_logprob_diff_*`` measures the gap every iteration.
+those weights in place whenever the policy's weights version changed (the backend's, bumped by whoever
+changes the weights), so their storage (which a captured CUDA graph reads) never moves. The training
+model is never modified: the update, the trainer's log-probs and checkpoints see the unmerged adapter
+exactly as before. The sampler's distribution differs from the policy's only by that rounding; LOOP
+takes its ratio's denominator from the trainer, so the update is unbiased, and
+``sampler_logprob_diff_*`` measures the gap every iteration.
 
 Memory: one more copy of the adapted layers' weights (for all-linear LoRA, most of the model but
 the embeddings).
@@ -25,8 +26,6 @@ import copy
 from typing import Any
 
 import torch
-
-from .continuous_batch import weights_version
 
 
 class MergedAdapterError(ValueError):
@@ -72,10 +71,21 @@ def _lora_linear_layers(model: torch.nn.Module) -> dict[str, Any]:
     return layers
 
 
+def merge_problem(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s adapter cannot be merged for sampling (one line), or None if it can."""
+    get_base_model: Any = getattr(model, "get_base_model", None)
+    try:
+        _lora_linear_layers(get_base_model() if callable(get_base_model) else model)
+    except MergedAdapterError as error:
+        return str(error)
+    return None
+
+
 class MergedAdapter:
     """``model``: a module tree sharing every parameter and buffer of ``policy`` (a PEFT LoRA model)
     except the adapted layers, which are plain linear layers holding the merged weights. Call
-    :meth:`refresh` before sampling; it recomputes them only if the policy's weights changed."""
+    :meth:`refresh` with the policy's weights version before sampling; it recomputes them only if the
+    version changed."""
 
     def __init__(self, policy: torch.nn.Module):
         self.policy = policy
@@ -103,9 +113,9 @@ class MergedAdapter:
         self.num_refreshes = 0
 
     @torch.no_grad()
-    def refresh(self) -> None:
-        """Merge the adapter's current weights (a no-op while the policy's weights are unchanged)."""
-        version = weights_version(self.policy)
+    def refresh(self, version: int) -> None:
+        """Merge the adapter's current weights, those of weights version ``version`` (a no-op if the
+        last refresh was of that version)."""
         if version == self.version:
             return
         for lora, merged in self._pairs:
@@ -121,17 +131,3 @@ class MergedAdapter:
     def extra_bytes(self) -> int:
         """Device memory the merged weights take."""
         return sum(merged.numel() * merged.element_size() for _, merged in self._pairs)
-
-
-def merged_for_evaluation(model: torch.nn.Module, wanted: bool) -> MergedAdapter | None:
-    """Evaluation (``loop-eval``, ``loop-compare``): the merged view of ``model`` if ``wanted`` and it has
-    a LoRA adapter; a policy without one (the base model) samples as it is, which is what merging
-    would give."""
-    if not wanted:
-        return None
-    try:
-        return MergedAdapter(model)
-    except MergedAdapterError:
-        if any(type(module).__module__.startswith("peft.") for module in model.modules()):
-            raise  # an adapter of a kind this cannot merge: refused, not sampled unmerged
-        return None

@@ -16,13 +16,13 @@ the per-episode :class:`PrefixCache` relies on).
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
+from .kv_layout import KV
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]
-"""One row's key and value states per layer, ``[heads, length, dim]`` each."""
+Hit = tuple[int, KV]
+"""A cached prefix a prompt extends: its length in tokens and its states."""
 
 MIN_SHARED_TOKENS = 16
 """A prefix is prefilled on its own only if it adds this many tokens to the prefix it extends: below
@@ -36,7 +36,8 @@ class PrefixCache:
     An entry is keyed by the tokens it holds (the prompt and the reply but its last token, which was
     never fed), is used once, and the oldest entries go beyond ``capacity``. The entries are only
     valid for the weights they were computed with: the backend keeps them for one event loop (one
-    ``RolloutEngine.collect``) and drops them as soon as any parameter is modified in place.
+    ``RolloutEngine.collect``) and drops them at the first look-up under another weights version
+    (:class:`PrefixReuse`).
     """
 
     def __init__(self, capacity: int, weights_version: int):
@@ -56,7 +57,7 @@ class PrefixCache:
         while len(self.entries) > self.capacity:
             self._drop(next(iter(self.entries)))
 
-    def pop(self, prompt: list[int]) -> tuple[int, KV] | None:
+    def pop(self, prompt: list[int]) -> Hit | None:
         """The longest entry that ``prompt`` extends by at least one token, removed."""
         for length in sorted(self.lengths, reverse=True):
             if length < len(prompt) and (key := tuple(prompt[:length])) in self.entries:
@@ -105,6 +106,70 @@ class SharedPrefixes:
         if best is not None:
             self.entries.move_to_end(best)
         return best
+
+
+class PrefixReuse:
+    """The decode loop's prefix caches, as one part: what a joining prompt need not prefill again.
+    ``turns``: the previous turns' caches (None: none kept, e.g. :meth:`~.backend.TransformersBackend.sample`);
+    ``shared``: openings several prompts share (None: ``share_prefixes`` off). Both None where the
+    model's cache cannot be cut per row (:class:`~.kv_layout.KVLayout`). Every entry holds for the
+    weights version it was computed with and is dropped at the first look-up under another one."""
+
+    def __init__(self, turns: PrefixCache | None = None, shared: SharedPrefixes | None = None):
+        self.turns, self.shared = turns, shared
+
+    @property
+    def keeps_turns(self) -> bool:
+        """Finished rows hand their states to :meth:`keep`."""
+        return self.turns is not None
+
+    def previous_turns(self, prompts: Sequence[list[int]], version: int) -> list[Hit | None]:
+        """Per prompt, the longest previous turn it extends (taken out of the cache), or None."""
+        if self.turns is None:
+            return [None] * len(prompts)
+        if self.turns.weights_version != version:
+            self.turns.clear(version)  # computed with other weights
+        return [self.turns.pop(prompt) for prompt in prompts]
+
+    def shared_openings(
+        self,
+        prompts: Sequence[list[int]],
+        version: int,
+        prefill: Callable[[list[tuple[list[int], Hit | None]]], list[KV]],
+    ) -> list[Hit | None]:
+        """Per prompt, the shared prefix it extends, its KV cache computed now or earlier in the
+        collection, or None: the prefixes ``prompts`` share are prefilled once, level by level, with
+        ``prefill`` (prompts, each whole or extending a hit, alike within a call -> each one's states)."""
+        if self.shared is None or not prompts:
+            return [None] * len(prompts)
+        if self.shared.weights_version != version:
+            self.shared.clear(version)
+        nodes, anchors = plan(prompts, self.shared)
+        for level in sorted({node.level for node in nodes}):
+            batch = [node for node in nodes if node.level == level]
+            for with_parent in (False, True):
+                part = [node for node in batch if (node.parent is not None) is with_parent]
+                if not part:
+                    continue
+                states = prefill([(list(node.tokens), self._anchor_hit(node.parent)) for node in part])
+                for node, node_states in zip(part, states, strict=True):
+                    node.states = node_states
+                    self.shared.put(node.tokens, node_states)
+        return [self._anchor_hit(anchor) for anchor in anchors]
+
+    def keep(self, tokens: tuple[int, ...], states: KV) -> None:
+        """A finished row's cache (its prompt and its reply but the last token), for its next turn."""
+        if self.turns is not None:
+            self.turns.put(tokens, states)
+
+    def _anchor_hit(self, anchor: Anchor) -> Hit | None:
+        if anchor is None:
+            return None
+        if isinstance(anchor, PrefixNode):
+            assert anchor.states is not None, "a node is prefilled before what extends it"
+            return len(anchor.tokens), anchor.states
+        assert self.shared is not None
+        return len(anchor), self.shared.entries[anchor]
 
 
 @dataclass(eq=False)

@@ -1,5 +1,5 @@
 """What the rollout engine takes and returns: a backend's completion, episode limits, the batch of an iteration's
-trajectories (with its summary statistics), seeds, and the engine's errors."""
+trajectories (with its summary statistics), seeds, and the engine's errors; the transformers backend's counters."""
 
 from __future__ import annotations
 
@@ -20,6 +20,27 @@ class Completion:
     """Log-prob of each sampled id under the sampling distribution (temperature applied)."""
     stopped: bool
     """True if the reply ended with a stop token, False if it hit ``max_new_tokens``."""
+
+
+@dataclass
+class DecodeCounters:
+    """What a :class:`~loop_trainer.rollout.backend.TransformersBackend`'s decode loop did, summed over its
+    life. The backend owns them (and shows each as an attribute of its own); the decode loop adds to them."""
+
+    num_batches: int = 0
+    """Prefills: groups of requests that joined the decode loop together (and shared prefixes prefilled)."""
+    num_sequences: int = 0
+    num_steps: int = 0
+    """Decode steps (a step feeds every running row one token, and prefills the rows joining)."""
+    num_step_rows: int = 0
+    """Rows summed over decode steps: ``num_step_rows / num_steps`` is the mean batch."""
+    max_running: int = 0
+    num_reused_tokens: int = 0
+    """Prompt tokens not prefilled again: their KV cache was kept from the episode's previous turn."""
+    num_shared_tokens: int = 0
+    """Prompt tokens not prefilled again: a prefix shared with other prompts was prefilled once."""
+    busy_seconds: float = 0.0
+    """Wall seconds the decode loop ran."""
 
 
 def settle(future: asyncio.Future[Completion], result: Completion | BaseException) -> None:

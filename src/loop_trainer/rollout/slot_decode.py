@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from .prefix_cache import KV
+from .kv_layout import KV
 
 MIN_CAPACITY = 256
 logger = logging.getLogger(__name__)
@@ -91,6 +91,11 @@ class SlotDecoder:
         """Run the step through ``torch.compile`` (fusing the modelling code's small kernels: RMSNorm's
         casts, rotary embeddings, the KV writes) before capturing it; compiled again for each
         capacity (``compile_decode_step``)."""
+        self.compile_falls_back = False
+        """If compiling fails, log one line and run the step uncompiled from then on (``compile_decode_step``
+        on by default, not asked for); otherwise the error reaches the rows."""
+        self.compile_error: str | None = None
+        """Why compiling failed, if it did and the step fell back."""
         self._compiled: Any = None
 
     def reserve(self, columns: int) -> None:
@@ -150,12 +155,12 @@ class SlotDecoder:
         self.input_ids[:, 0].copy_(self.staging[0], non_blocking=True)
         self.lengths.copy_(self.staging[1], non_blocking=True)
         if not self.cuda_graphs:
-            logits = self._step_function()()
+            logits = self._run_step()
         else:
             if self.graph is None:
                 self._capture()
             if self.graph is None:  # capture failed: eager from now on
-                logits = self._step_function()()
+                logits = self._run_step()
             else:
                 assert self.logits is not None
                 self.graph.replay()
@@ -181,16 +186,33 @@ class SlotDecoder:
             self._compiled = torch.compile(self._forward, dynamic=False)
         return self._compiled
 
+    def _run_step(self) -> torch.Tensor:
+        """One step, outside a graph capture: compiled if :attr:`compile_step`; a failed compilation
+        falls back to the uncompiled step where :attr:`compile_falls_back` allows (running the step again
+        writes the same keys and values at the same columns)."""
+        step = self._step_function()
+        if not (self.compile_step and self.compile_falls_back):
+            return step()
+        try:
+            return step()
+        except Exception as error:  # noqa: BLE001 - any compiler failure: the uncompiled step computes the same
+            self.compile_step, self._compiled = False, None
+            self.compile_error = f"{type(error).__name__}: {error}"[:500]
+            logger.warning(
+                "compile_decode_step: torch.compile failed, the step runs uncompiled: %s", self.compile_error
+            )
+            return self._forward()
+
     def _capture(self) -> None:
         # Warm-up runs on a side stream before capture, as CUDA graphs require; they compute this very
         # step (the same keys and values written at the same columns), so they change nothing.
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        step = self._step_function()
         with torch.cuda.stream(stream):
             for _ in range(2):  # with compile_step, the first compiles
-                step()
+                self._run_step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        step = self._step_function()  # uncompiled if compiling failed in the warm-up
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: the decode thread captures while the event loop's thread goes on (it launches nothing)

@@ -481,7 +481,9 @@ class LOOPTrainer(Trainer):
     # --- The parts that sample, opened on demand (and released by close()) ---
     def _open_generator(self) -> RolloutGenerator:
         generator = build_generator(
-            dataclasses.replace(generator_settings(self.args), zero_stage=zero_stage(self.accelerator)),
+            dataclasses.replace(
+                generator_settings(self.args), zero_stage=zero_stage(self.accelerator), device=self.accelerator.device
+            ),
             self.model,
             stop_token_ids=stop_token_ids(self.model, self.tokenizer),
             tokenizer=self.tokenizer,

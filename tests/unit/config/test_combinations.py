@@ -57,6 +57,10 @@ def test_compile_decode_step_needs_static_decode():
     with pytest.raises(ConfigCombinationError, match="compile_decode_step compiles .* set static_decode: true"):
         config(compile_decode_step=True, static_decode=False)
     config(compile_decode_step=True, static_decode=True)
+    unset = config(static_decode=True)
+    unset.compile_decode_step, unset.static_decode = True, None  # static_decode unset: on with CUDA only
+    refused(unset, Launch(cuda=False), "set static_decode: true")
+    assert problems(unset, Launch(cuda=True)) == []
 
 
 @pytest.mark.parametrize("key", ["merge_adapter_for_sampling", "static_decode", "compile_decode_step"])

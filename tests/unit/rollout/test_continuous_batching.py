@@ -13,6 +13,7 @@ import torch
 
 from loop_trainer.rollout import TransformersBackend
 from loop_trainer.rollout.token_draws import draw_tokens
+from support.prefix_episodes import backend_for as plain_backend
 
 PROMPTS = [
     "<|im_start|>user\nfetch code of ann<|im_end|>\n<|im_start|>assistant\n",
@@ -23,7 +24,7 @@ PROMPTS = [
 
 def backend_for(model, tok, **kwargs) -> TransformersBackend:
     # No stop tokens: every reply is exactly its limit long, so the schedule below is exact.
-    return TransformersBackend(model, stop_token_ids=[], pad_token_id=tok.pad_token_id, **kwargs)
+    return plain_backend(model, tok, **kwargs)
 
 
 def assert_same_reply(got, expected):
@@ -77,6 +78,7 @@ def test_a_weight_update_drops_the_cached_turns(vault_tiny):
         first = await backend.generate(prompt, 4, seed=1)
         with torch.no_grad():
             weight.mul_(1.5)  # an optimizer step between the turns (in place, like AdamW's)
+        backend.weights_changed()
         return await backend.generate(prompt + first.token_ids + observation, 4, seed=2)
 
     try:

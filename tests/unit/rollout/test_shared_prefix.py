@@ -126,6 +126,7 @@ def test_a_weight_update_drops_the_shared_openings(vault_tiny):
             first = await asyncio.gather(*(backend.generate(prompt, 4, seed=s) for s in range(3)))
             with torch.no_grad():
                 weight.mul_(1.5)  # in place, like AdamW's step
+            backend.weights_changed()
             await decode_loop_idle(backend)  # the second round joins at once: its count of shared tokens is exact
             return first + await asyncio.gather(*(backend.generate(prompt, 4, seed=s) for s in range(3, 6)))
 

@@ -5,11 +5,12 @@ update and a LoRA-wrapped model."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from loop_trainer.rollout import TransformersBackend
 from loop_trainer.rollout.slot_decode import MIN_CAPACITY, SlotDecoder
 from support.prefix_episodes import assert_same, backend_for, opening, run_episodes
 
@@ -74,7 +75,7 @@ def test_a_lora_wrapped_policy_decodes_the_same_on_slots(vault_tiny):
 
 def test_slots_are_reused_and_a_replaced_parameter_rebuilds_them(vault_tiny):
     env, model, tok = vault_tiny
-    backend = TransformersBackend(model, stop_token_ids=[], pad_token_id=tok.pad_token_id, static_decode=True)
+    backend = backend_for(model, tok, static_decode=True)
     first = backend.slot_decoder(torch.device("cpu"))
     assert backend.slot_decoder(torch.device("cpu")) is first  # kept across collections
     weight = next(model.parameters())
@@ -97,19 +98,17 @@ def test_capacity_is_the_next_power_of_two(vault_tiny, columns, capacity):
 
 def test_static_decode_is_a_recipe_key_the_generator_honours_and_refuses_with_vllm(vault_tiny, tmp_path):
     from loop_trainer import LOOPConfig
-    from loop_trainer.rollout.generator import GeneratorConfigError, build_generator
+    from loop_trainer.rollout.generator import build_generator
+    from loop_trainer.training.settings import generator_settings
 
     env, model, tok = vault_tiny
     common = {"stop_token_ids": [], "tokenizer": tok, "process_index": 0, "is_main_process": True}
     common |= {"barrier": lambda: None, "probe_scorer": None}
     args = LOOPConfig(output_dir=str(tmp_path / "run"), static_decode=True, use_cpu=True, report_to="none")
-    generator = build_generator(args, model, **common)
+    generator = build_generator(generator_settings(args), model, **common)
     assert generator.backend.static_decode and generator.for_evaluation(0.0).static_decode
-    vllm = LOOPConfig(
-        output_dir=str(tmp_path / "run"), static_decode=True, use_vllm=True, use_cpu=True, report_to="none"
-    )
-    with pytest.raises(GeneratorConfigError, match="static_decode applies to the transformers backend"):
-        build_generator(vllm, model, **common)
+    with pytest.raises(ValueError, match="static_decode applies to the transformers backend"):  # at config time
+        LOOPConfig(output_dir=str(tmp_path / "run"), static_decode=True, use_vllm=True, use_cpu=True, report_to="none")
 
 
 def test_a_compiled_step_samples_what_the_dynamic_batch_does(vault_tiny):
@@ -127,15 +126,57 @@ def test_compile_decode_step_without_static_decode_is_refused_in_one_line(vault_
     from loop_trainer.cli.evaluate import EvalArguments
     from loop_trainer.cli.recipe import RecipeError
     from loop_trainer.rollout.generator import GeneratorConfigError, build_generator
+    from loop_trainer.training.settings import generator_settings
 
     env, model, tok = vault_tiny
     with pytest.raises(ValueError, match="set static_decode: true"):
         backend_for(model, tok, compile_decode_step=True)
     common = {"stop_token_ids": [], "tokenizer": tok, "process_index": 0, "is_main_process": True}
     common |= {"barrier": lambda: None, "probe_scorer": None}
-    args = LOOPConfig(output_dir=str(tmp_path / "run"), compile_decode_step=True, use_cpu=True, report_to="none")
-    with pytest.raises(GeneratorConfigError, match="set static_decode: true") as error:
-        build_generator(args, model, **common)
-    assert "\n" not in str(error.value)
+    for static in (False, None):  # unset, static_decode is off on a CPU
+        with pytest.raises(ValueError, match="LOOPConfig: compile_decode_step .*set static_decode: true") as error:
+            LOOPConfig(output_dir=str(tmp_path / "run"), compile_decode_step=True, static_decode=static, report_to=[])
+        assert "\n" not in str(error.value)
+    # a generator built from settings alone resolves the parts itself, and refuses the same way
+    settings = generator_settings(LOOPConfig(output_dir=str(tmp_path / "run"), report_to=[]))
+    with pytest.raises(GeneratorConfigError, match="set static_decode: true"):
+        build_generator(dataclasses.replace(settings, compile_decode_step=True), model, **common)
     with pytest.raises(RecipeError, match="set static_decode: true"):
         EvalArguments(environment="vault", output_dir=str(tmp_path / "eval"), compile_decode_step=True)
+
+
+def test_a_failing_compile_falls_back_to_the_plain_step_only_when_it_was_not_asked_for(vault_tiny, monkeypatch, caplog):
+    from loop_trainer.rollout import TransformersBackend
+
+    env, model, tok = vault_tiny
+
+    def broken_compile(function, **kwargs):
+        def compiled(*args, **kw):
+            raise RuntimeError("the compiler failed")
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    prompts, limits, seeds = [opening(tok, "ann"), opening(tok, "bob")], [3, 5], [1, 2]
+    asked = backend_for(model, tok, static_decode=True, compile_decode_step=True)
+    with pytest.raises(RuntimeError, match="the compiler failed"):
+        asked.sample(prompts, limits, seeds)  # compile_decode_step: true is required: its failure reaches the rows
+    by_default = TransformersBackend(  # as build_transformers_backend makes it on a GPU by default
+        model,
+        stop_token_ids=[],
+        pad_token_id=tok.pad_token_id,
+        static_decode=True,
+        compile_decode_step=True,
+        compile_falls_back=True,
+    )
+    with caplog.at_level("WARNING"):
+        replies = by_default.sample(prompts, limits, seeds)
+    monkeypatch.undo()
+    for got, want in zip(replies, backend_for(model, tok).sample(prompts, limits, seeds), strict=True):
+        assert got.token_ids == want.token_ids
+        assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5)
+    slots = by_default.slot_decoder(torch.device("cpu"))
+    assert not slots.compile_step and slots.compile_error == "RuntimeError: the compiler failed"
+    assert [r.getMessage() for r in caplog.records if "compile_decode_step" in r.getMessage()] == [
+        "compile_decode_step: torch.compile failed, the step runs uncompiled: RuntimeError: the compiler failed"
+    ]
