@@ -59,9 +59,9 @@ class OptimizerHyperparameters:
 
 
 # Recorded besides LOOPConfig's keys (config/resume_policy.py classifies those): the environment (loop-train's
-# ScriptArguments, handed to the trainer as LOOPTrainer.run_settings), the size of the training split, the model
-# and the adapter.
-RUN_SETTINGS = ("environment", "environment_kwargs", "num_train_tasks", "model", "adapter")
+# ScriptArguments, handed to the trainer as LOOPTrainer.run_settings), the size of the training split, the model,
+# the adapter, and the transformers sampler's fast parts as resolved (their keys unset are decided by the device).
+RUN_SETTINGS = ("environment", "environment_kwargs", "num_train_tasks", "model", "adapter", "sampling_parts")
 
 
 def jsonable(value: Any) -> Any:

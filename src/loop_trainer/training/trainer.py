@@ -47,7 +47,7 @@ from ..config.combinations import Generator, check_combinations
 from ..envs.base import Environment, load_tasks
 from ..evaluation import Evaluator, write_evaluation_viewer
 from ..publishing.publisher import HubPublisher
-from ..rollout import GenerationBackend, RolloutBatch, RolloutEngine, mix_seed
+from ..rollout import GenerationBackend, RolloutBatch, RolloutEngine, TransformersBackend, mix_seed
 from ..rollout.generator import RolloutGenerator, build_generator, require_vllm
 from ..rollout.sharding import collect_across_processes
 from .activation_checkpointing import (
@@ -622,8 +622,20 @@ class LOOPTrainer(Trainer):
             env_name=self.env.name,
             num_train_tasks=len(self.train_dataset),
             model=self.accelerator.unwrap_model(self.model),
-            run_settings=self.run_settings,
+            run_settings={"sampling_parts": self.sampling_parts(), **(self.run_settings or {})},
         )
+
+    def sampling_parts(self) -> dict[str, bool] | None:
+        """The transformers backend's fast parts as resolved for this run (unset keys are decided by the device,
+        so a resume on another kind of machine would sample differently): recorded and compared on resume."""
+        backend = self.generator.backend
+        if not isinstance(backend, TransformersBackend):
+            return None
+        return {
+            "static_decode": backend.static_decode,
+            "compile_decode_step": backend.compile_decode_step,
+            "merge_adapter_for_sampling": backend.merged_adapter is not None,
+        }
 
     def _get_output_dir(self, trial: Any) -> str:
         staging = self.checkpoints.staging_root
