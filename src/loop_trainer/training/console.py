@@ -7,17 +7,22 @@ line with bar fragments. Then each iteration is one plain line, ``iteration i/N:
 (:func:`.run_log.format_iteration`), that ``grep '^iteration '`` finds. ``disable_tqdm: true`` turns
 the bars off everywhere.
 
-transformers' own "Writing model shards" bar is kept out of every checkpoint (:func:`quiet_transformers_bars`).
+``loop-train`` also prints a short banner (model, environment, iterations, output_dir) and one line as
+each start-up stage begins (:class:`StartupLog`): loading the model, then warming up (optimizer, memory
+stress test) before iteration 1. transformers' own "Writing model shards" bar is kept out of every
+checkpoint and final save (:func:`quiet_transformers_bars`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
+from transformers import TrainerCallback
 from transformers.utils import logging as transformers_logging
 
 
@@ -94,3 +99,67 @@ class IterationClock:
         if self.started is None or done <= 0:
             return None
         return (time.monotonic() - self.started) / done * max(0, max_steps - global_step)
+
+
+def is_main_launch_process() -> bool:
+    """The process that prints loop-train's start-up lines: rank 0 of a distributed launch (torchrun,
+    accelerate and deepspeed set ``RANK``), or the only process. Read before the trainer exists."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def progress_description(disable_tqdm: bool | None) -> str:
+    """The banner's line on what the run prints while it goes."""
+    if disable_tqdm:
+        return "one line per iteration (progress bars off: disable_tqdm)"
+    if not progress_bars_visible():
+        return "one line per iteration (no progress bars: the output is not a terminal)"
+    return "progress bars, and one line per iteration"
+
+
+class StartupLog(TrainerCallback):
+    """loop-train's banner and its start-up stages, one line as each begins, each with how long the
+    previous one took: the start-up before iteration 1 (loading the model, warming up) is no silent gap.
+    Add it to the trainer (``add_callback``) for the last line, printed when training begins. Prints
+    nothing when ``enabled`` is false (the other processes of a distributed launch)."""
+
+    def __init__(self, enabled: bool = True, stream: IO[str] | None = None):
+        self.enabled = enabled
+        self.stream = stream
+        self._stage: str | None = None
+        self._since = time.monotonic()
+
+    def print(self, line: str) -> None:
+        if self.enabled:
+            print(line, file=self.stream if self.stream is not None else sys.stdout, flush=True)
+
+    def banner(
+        self,
+        *,
+        model: str | None,
+        environment: str,
+        iterations: int,
+        rollouts: str,
+        output_dir: str,
+        resume: str | None,
+        progress: str,
+    ) -> None:
+        self.print(f"loop-train: LOOP on environment '{environment}', model {model}")
+        count = f"{iterations} iteration{'s' if iterations != 1 else ''}"
+        self.print(f"  {count} of {rollouts}" + (f", resuming from {resume}" if resume else ""))
+        self.print(f"  output_dir: {output_dir}")
+        self.print(f"  console: {progress}")
+
+    def stage(self, name: str, detail: str = "") -> None:
+        """Stage ``name`` (``loading the model``) begins; the line says how long the previous stage took."""
+        now = time.monotonic()
+        done = f"{self._stage} took {now - self._since:.1f} s; " if self._stage is not None else ""
+        self.print(f"{done}{name}{f' ({detail})' if detail else ''} ...")
+        self._stage, self._since = name, now
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._stage is None:
+            return
+        first, last = state.global_step + 1, state.max_steps
+        iterations = f"iterations {first}-{last}" if first < last else f"iteration {first}"
+        self.print(f"{self._stage} took {time.monotonic() - self._since:.1f} s; training {iterations}")
+        self._stage = None
