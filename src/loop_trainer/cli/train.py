@@ -22,7 +22,7 @@ from trl import ModelConfig, get_peft_config
 from ..config import LOOPConfig, mapping_setting
 from ..envs import Environment, EnvironmentSetupError, make_environment
 from ..models.packaged import PackagedModelError, resolve_model_path
-from ..models.tiny import build_tiny_from_spec, is_tiny_spec, load_tokenizer
+from ..models.tiny import INSTRUCT_PREFIX, build_tiny_from_spec, is_tiny_spec, load_tokenizer
 from ..rollout import RolloutFailureBudgetExceeded
 from ..rollout.generator import GeneratorConfigError, VLLMNotInstalledError
 from ..rollout.weight_sync import WeightSyncError
@@ -103,7 +103,7 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
     except (ValueError, EnvironmentSetupError) as error:
         raise RecipeError(str(error)) from None
     try:  # loop-train created the environment, so it closes it, on every path
-        startup.stage("loading the model", "and starting vLLM" if training_args.use_vllm else "")
+        startup.stage("loading the model", loading_detail(model_args, training_args))
         # No bars of transformers' model loading (or a packaged model's conversion) in a log file, or with
         # disable_tqdm.
         quiet = training_args.disable_tqdm or not progress_bars_visible()
@@ -172,6 +172,16 @@ def print_banner(
         resume=None if is_fresh(resume) else str(resume),
         progress=progress_description(training_args.disable_tqdm),
     )
+
+
+def loading_detail(model_args: ModelConfig, training_args: LOOPConfig) -> str:
+    """What loading the model involves, where it is more than reading weights (the loading stage's line)."""
+    parts = []
+    if (model_args.model_name_or_path or "").startswith(INSTRUCT_PREFIX):
+        parts.append("a tiny model, warmed up on the environment's demonstrations")
+    if training_args.use_vllm:
+        parts.append("and starting vLLM")
+    return "; ".join(parts)
 
 
 def warm_up_detail(training_args: LOOPConfig) -> str:
