@@ -37,6 +37,7 @@ from ..models.tiny import build_tiny_from_spec, build_word_tokenizer, is_tiny_sp
 from ..rollout import GenerationBackend, TransformersBackend
 from ..rollout.backend import build_transformers_backend
 from ..rollout.sampling_parts import COMPILE_NEEDS_STATIC, SamplingPartsError, TransformersSamplingSettings
+from ..training.activation_checkpointing import peft_wrapping
 from .recipe import RecipeError, ScriptArguments, parse_recipe
 
 __all__ = ["EvalArguments", "cli", "evaluate"]
@@ -117,7 +118,8 @@ def load_policy(model_args: ModelConfig, eval_args: EvalArguments, env: Environm
         from peft import PeftModel
 
         try:
-            model = PeftModel.from_pretrained(model, eval_args.adapter)
+            with peft_wrapping():  # no FutureWarning from PEFT reading transformers' old checkpointing name
+                model = PeftModel.from_pretrained(model, eval_args.adapter)
         except (OSError, ValueError, RuntimeError, KeyError) as error:
             lines = [line.strip() for line in str(error).splitlines() if line.strip()]
             reason = next((line for line in lines if "size mismatch" in line), lines[0] if lines else repr(error))

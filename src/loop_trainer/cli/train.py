@@ -10,6 +10,7 @@ ModelConfig) and ``main(script_args, training_args, model_args)`` runs the job.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -22,11 +23,18 @@ from ..config import LOOPConfig, mapping_setting
 from ..config.combinations import ConfigCombinationError, Generator, check_combinations
 from ..envs import Environment, EnvironmentSetupError, make_environment
 from ..models.packaged import PackagedModelError, resolve_model_path
-from ..models.tiny import build_tiny_from_spec, is_tiny_spec, load_tokenizer
+from ..models.tiny import INSTRUCT_PREFIX, build_tiny_from_spec, is_tiny_spec, load_tokenizer
 from ..rollout import RolloutFailureBudgetExceeded
 from ..rollout.generator import GeneratorConfigError, VLLMNotInstalledError
 from ..rollout.weight_sync import WeightSyncError
 from ..training.checkpoints import CheckpointError, check_fresh_output_dir, is_fresh, last_complete_checkpoint
+from ..training.console import (
+    StartupLog,
+    is_main_launch_process,
+    progress_bars_visible,
+    progress_description,
+    quiet_transformers_bars,
+)
 from ..training.distribution import DistributedSetupError
 from ..training.stress import MemoryStressTestFailed
 from ..training.trainer import LOOPTrainer
@@ -91,6 +99,8 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
         raise RecipeError(
             f"output_dir {training_args.output_dir!r} cannot be created: {error.strerror or error}"
         ) from None
+    startup = StartupLog(enabled=is_main_launch_process())
+    print_banner(startup, script_args, training_args, model_args)
     try:
         env = make_environment(
             script_args.environment, **mapping_setting(script_args.environment_kwargs, "environment_kwargs")
@@ -98,24 +108,30 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
     except (ValueError, EnvironmentSetupError) as error:
         raise RecipeError(str(error)) from None
     try:  # loop-train created the environment, so it closes it, on every path
-        model, tokenizer = load_model_and_tokenizer(model_args, training_args, env)
-        try:
-            trainer = LOOPTrainer(
-                model=model,
-                env=env,
-                args=training_args,
-                processing_class=tokenizer,
-                peft_config=get_peft_config(model_args),
-            )
-        except (
-            VLLMNotInstalledError,
-            GeneratorConfigError,
-            WeightSyncError,
-            DistributedSetupError,
-            EnvironmentSetupError,
-            ConfigCombinationError,
-        ) as error:
-            raise RecipeError(str(error)) from None
+        startup.stage("loading the model", loading_detail(model_args, training_args))
+        # No bars of transformers' model loading (or a packaged model's conversion) in a log file, or with
+        # disable_tqdm.
+        quiet = training_args.disable_tqdm or not progress_bars_visible()
+        with quiet_transformers_bars() if quiet else contextlib.nullcontext():
+            model, tokenizer = load_model_and_tokenizer(model_args, training_args, env)
+            try:
+                trainer = LOOPTrainer(
+                    model=model,
+                    env=env,
+                    args=training_args,
+                    processing_class=tokenizer,
+                    peft_config=get_peft_config(model_args),
+                    callbacks=[startup],
+                )
+            except (
+                VLLMNotInstalledError,
+                GeneratorConfigError,
+                WeightSyncError,
+                DistributedSetupError,
+                EnvironmentSetupError,
+                ConfigCombinationError,
+            ) as error:
+                raise RecipeError(str(error)) from None
         trainer.recipe_path = getattr(script_args, "effective_recipe", None)
         # Recorded in each checkpoint and compared on resume, like LOOPConfig's settings.
         trainer.run_settings = {
@@ -123,6 +139,7 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
             "environment_kwargs": script_args.environment_kwargs or {},
         }
         with trainer:
+            startup.stage("warming up", warm_up_detail(training_args))  # startup's on_train_begin ends it
             try:
                 trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
             except (
@@ -133,14 +150,54 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
                 GeneratorConfigError,
             ) as error:
                 raise RecipeError(str(error)) from None
-            trainer.save_model(training_args.output_dir, _internal_call=True)  # the push is the next line's
-            if training_args.push_to_hub:
-                trainer.push_to_hub()
+            with quiet_transformers_bars():  # no "Writing model shards" bar
+                trainer.save_model(training_args.output_dir, _internal_call=True)  # the push is the next line's
+                if training_args.push_to_hub:
+                    trainer.push_to_hub()
     finally:
         close_environment(env)
     if trainer.is_world_process_zero():
         print(summary(trainer))
     return trainer
+
+
+def print_banner(
+    startup: StartupLog, script_args: ScriptArguments, training_args: LOOPConfig, model_args: ModelConfig
+) -> None:
+    """The run in four lines, before anything is loaded: what trains on what, how long, where it writes,
+    and what the console shows while it goes."""
+    resume = training_args.resume_from_checkpoint
+    if not is_fresh(resume) and (resume is True or resume in ("true", "True", "last")):
+        resume = "the newest checkpoint"
+    startup.banner(
+        model=model_args.model_name_or_path,
+        environment=script_args.environment,
+        iterations=training_args.iterations,
+        rollouts=f"{training_args.tasks_per_iteration} tasks x {training_args.rollouts_per_task} rollouts",
+        output_dir=str(training_args.output_dir),
+        resume=None if is_fresh(resume) else str(resume),
+        progress=progress_description(training_args.disable_tqdm),
+    )
+
+
+def loading_detail(model_args: ModelConfig, training_args: LOOPConfig) -> str:
+    """What loading the model involves, where it is more than reading weights (the loading stage's line)."""
+    parts = []
+    if (model_args.model_name_or_path or "").startswith(INSTRUCT_PREFIX):
+        parts.append("a tiny model, warmed up on the environment's demonstrations")
+    if training_args.use_vllm:
+        parts.append("and starting vLLM")
+    return "; ".join(parts)
+
+
+def warm_up_detail(training_args: LOOPConfig) -> str:
+    """What happens between the model load and iteration 1 (the warm-up stage's line)."""
+    parts = ["optimizer"]
+    if not is_fresh(training_args.resume_from_checkpoint):
+        parts.append("checkpoint")
+    if training_args.memory_stress_test:
+        parts.append(f"memory stress test at {training_args.max_training_tokens} tokens")
+    return ", ".join(parts)
 
 
 def close_environment(env: Environment) -> None:

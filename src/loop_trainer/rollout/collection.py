@@ -61,7 +61,9 @@ async def collect_batch(
     finished: dict[tuple[int, int], Trajectory] = {}
     per_task = Counter[int]()
     pending = set(running)
-    with tqdm(total=total, desc=description, disable=not show_progress, leave=False) as bar:
+    # disable=None: no bar where it would not be seen as one (stderr not a terminal: a log file gets no
+    # carriage-return fragments); a notebook still gets its widget.
+    with tqdm(total=total, desc=description, disable=None if show_progress else True, leave=False) as bar:
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)

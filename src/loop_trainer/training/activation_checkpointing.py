@@ -1,23 +1,48 @@
 """Activation checkpointing across the transformers versions LOOP supports: 5.18+ names it
 ``activation_checkpointing`` (``model.activation_checkpointing_enable``, ``is_activation_checkpointing``);
 5.17, the version vLLM <= 0.31 accepts, only ``gradient_checkpointing``. A GPU run on 5.17 once
-trained with checkpointing silently off because only the new names were looked for. And the
-activations checkpointing keeps, offloaded to CPU memory (``activation_offloading``)."""
+trained with checkpointing silently off because only the new names were looked for. LOOP reads the
+name the installed transformers has, so none of its calls triggers 5.18+'s FutureWarning about the old
+one (:func:`peft_wrapping`: PEFT's wrapping reads the old name itself). And the activations
+checkpointing keeps, offloaded to CPU memory (``activation_offloading``)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from ..config import LOOPConfig
 
+_OLD_NAME_WARNING = r"`is_gradient_checkpointing` is deprecated"
+
 
 def is_checkpointing(model: Any) -> bool:
-    """Whether ``model`` (a PreTrainedModel, or a PEFT model around one) recomputes activations."""
+    """Whether ``model`` (a PreTrainedModel, or a PEFT model around one) recomputes activations; read
+    under 5.18+'s name where the model has it (the old one warns there), else 5.17's."""
     flag = getattr(model, "is_activation_checkpointing", None)
     return bool(model.is_gradient_checkpointing if flag is None else flag)
+
+
+@contextlib.contextmanager
+def peft_wrapping() -> Iterator[None]:
+    """Around PEFT's wrapping of a model (``get_peft_model``, ``PeftModel.from_pretrained``): without the
+    FutureWarning it triggers on transformers 5.18+, where PEFT (0.21) reads ``model.is_gradient_checkpointing``,
+    the deprecated alias of ``is_activation_checkpointing`` (the same value). Only that warning, only inside
+    the block: any other warning of the wrapping still shows."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_OLD_NAME_WARNING, category=FutureWarning)
+        yield
+
+
+def get_peft_model(model: Any, peft_config: Any, **kwargs: Any) -> Any:
+    """``peft.get_peft_model`` inside :func:`peft_wrapping`."""
+    from peft import get_peft_model as wrap
+
+    with peft_wrapping():
+        return wrap(model, peft_config, **kwargs)
 
 
 def checkpointing_kwargs(args: LOOPConfig) -> dict[str, Any]:

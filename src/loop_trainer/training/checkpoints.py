@@ -28,6 +28,8 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .console import quiet_transformers_bars
+
 logger = logging.getLogger(__name__)
 
 LOOP_STATE_FILE = "loop_state.json"
@@ -301,7 +303,8 @@ class CheckpointStager:
         on_published: Callable[[Path], None] = lambda _: None,
     ) -> Iterator[Path]:
         """Inside the block the Trainer writes ``checkpoint-<iteration>`` under the yielded staging
-        root; on leaving it the checkpoint gets ``loop_state()`` and is published atomically."""
+        root (without transformers' progress bars); on leaving it the checkpoint gets ``loop_state()``
+        and is published atomically."""
         final_root = Path(output_dir)
         staging = staging_root(final_root)
         if self.is_main_process:
@@ -309,7 +312,8 @@ class CheckpointStager:
         self.barrier()
         self.staging_root = staging
         try:
-            yield staging
+            with quiet_transformers_bars():  # no "Writing model shards" bar at every checkpoint
+                yield staging
         finally:
             self.staging_root = None
         self.barrier()

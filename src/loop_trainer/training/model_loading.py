@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoProcessor, PreTrainedModel, P
 from trl.trainer import add_fused_lm_head
 
 from ..config import LOOPConfig, mapping_setting
-from .activation_checkpointing import update_checkpointing_kwargs
+from .activation_checkpointing import get_peft_model, update_checkpointing_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def wrap_for_training(model: PreTrainedModel, args: LOOPConfig, peft_config: Any
     zero3 = args.deepspeed_plugin is not None and args.deepspeed_plugin.zero_stage == 3
     policy: Any = model  # the model, or the PeftModel around it
     if peft_config is not None:
-        from peft import PeftConfig, get_peft_model
+        from peft import PeftConfig
 
         if not isinstance(peft_config, PeftConfig):
             raise TypeError(

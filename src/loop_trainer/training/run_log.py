@@ -1,5 +1,5 @@
 """The run log: metrics.jsonl (one object per iteration), the learning curve, the viewer pages of each
-iteration's rollouts, saved rollouts, and the console line per iteration."""
+iteration's rollouts, saved rollouts, and the console line per iteration (where it goes: :mod:`.console`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from datasets import Dataset
+from tqdm.auto import tqdm
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from ..viewer import write_viewer
+from .console import IterationClock, format_duration, progress_bars_visible
 
 if TYPE_CHECKING:
     from ..rollout import RolloutBatch
@@ -109,15 +111,19 @@ def plot_learning_curve(history: Sequence[Mapping[str, Any]], path: str | os.Pat
     return path
 
 
-def format_iteration(iteration: int, record: Mapping[str, Any]) -> str:
-    """One readable line per iteration for the console (the full record goes to metrics.jsonl)."""
+def format_iteration(
+    iteration: int, record: Mapping[str, Any], total: int | None = None, eta: float | None = None
+) -> str:
+    """One readable line per iteration for the console (the full record goes to metrics.jsonl):
+    ``iteration 3/120: reward ... 2.1s  ETA 4m10s`` (``total`` and ``eta`` in seconds, when known)."""
 
     def number(key: str, spec: str = ".3f") -> str:
         value = record.get(key)
         return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
     line = (
-        f"iteration {iteration}: reward {number('reward_mean')} ± {number('reward_std', '.2f')}"
+        f"iteration {iteration}{f'/{total}' if total else ''}: reward {number('reward_mean')} ± "
+        f"{number('reward_std', '.2f')}"
         f"  success {number('success_rate', '.2f')}"
         f"  kept {number('num_kept', '.0f')}/{number('num_rollouts', '.0f')}"
         f"  tied {number('tied_group_fraction', '.2f')}  entropy {number('entropy', '.3f')}"
@@ -125,22 +131,53 @@ def format_iteration(iteration: int, record: Mapping[str, Any]) -> str:
         f"  {number('seconds', '.1f')}s"
     )
     failed = record.get("num_failed") or 0
-    return line + (f"  FAILED {failed:.0f}" if failed else "")
+    line += f"  FAILED {failed:.0f}" if failed else ""
+    return line + (f"  ETA {format_duration(eta)}" if eta is not None else "")
 
 
 class _IterationLine:
-    """Print :func:`format_iteration` instead of transformers' raw dict of every logged value."""
+    """Print :func:`format_iteration`, with the iteration count and the ETA, instead of transformers' raw
+    dict of every logged value: above the progress bar when there is one, else as a plain line of its own."""
+
+    training_bar: Any = None
+    clock: IterationClock | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001 - TrainerCallback signature
+        self.clock = IterationClock()
+        self.clock.start(state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001 - TrainerCallback signature
         if not state.is_world_process_zero or not logs or "reward_mean" not in logs:
             return
-        line = format_iteration(state.global_step, logs)
-        bar = getattr(self, "training_bar", None)
-        bar.write(line) if bar is not None else print(line)
+        eta = self.clock.eta(state.global_step, state.max_steps) if self.clock is not None else None
+        line = format_iteration(state.global_step, logs, total=state.max_steps, eta=eta)
+        if self.training_bar is not None:
+            self.training_bar.write(line)
+        else:
+            print(line, flush=True)
 
 
 class LOOPProgressCallback(_IterationLine, ProgressCallback):
-    """transformers' progress bar over iterations, with one readable line per iteration."""
+    """transformers' progress bar over iterations, with one readable line per iteration; only where the
+    bar can be seen (:func:`.console.progress_bars_visible`): in a log file, the lines alone."""
+
+    def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001 - TrainerCallback signature
+        super().on_train_begin(args, state, control, **kwargs)  # the clock (_IterationLine's)
+        self.training_bar = None
+        if state.is_world_process_zero and progress_bars_visible():
+            # from the iteration a resumed run starts at
+            self.training_bar = tqdm(total=state.max_steps, initial=state.global_step, dynamic_ncols=True)
+        self.current_step = state.global_step
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001 - TrainerCallback signature
+        if self.training_bar is not None:
+            self.training_bar.update(state.global_step - self.current_step)
+        self.current_step = state.global_step
+
+    def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001 - TrainerCallback signature
+        if self.training_bar is not None:
+            self.training_bar.close()
+        self.training_bar = None
 
 
 class LOOPPrinterCallback(_IterationLine, PrinterCallback):
