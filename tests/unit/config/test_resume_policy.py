@@ -9,6 +9,7 @@ import pytest
 from loop_trainer.config import LOOPConfig
 from loop_trainer.config.resume_policy import APPLIED_KEYS, RECORDED_KEYS, RESUME_POLICY, OnResume
 from loop_trainer.training import resume
+from loop_trainer.training.settings import recorded_keys
 
 
 def test_every_key_loopconfig_takes_is_classified_and_nothing_else():
@@ -58,7 +59,7 @@ def test_a_lora_run_resumed_with_a_sampling_key_changed_is_refused_naming_it(vau
 
         def recorded(**keys):
             args = LOOPConfig(output_dir=str(tmp_path / "run"), report_to=[], **keys)
-            return resume.resume_settings(args, env_name="vault", num_train_tasks=16, model=policy)
+            return resume.resume_settings(recorded_keys(args), env_name="vault", num_train_tasks=16, model=policy)
 
         (tmp_path / LOOP_STATE_FILE).write_text(json.dumps({"iteration": 3, "settings": recorded()}))
         with pytest.raises(CheckpointError, match="settings differ") as refused:
