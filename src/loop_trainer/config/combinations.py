@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from ..rollout.sampling_parts import COMPILE_NEEDS_STATIC
+from ..rollout.sampling_parts import COMPILE_NEEDS_STATIC, MERGE_NEEDS_WHOLE_WEIGHTS
 
 if TYPE_CHECKING:
     from .loop_config import LOOPConfig
@@ -132,10 +132,7 @@ def _transformers_parts_with_vllm(config: LOOPConfig, launch: Launch) -> str | N
 
 def _merge_needs_whole_weights(config: LOOPConfig, launch: Launch) -> str | None:
     if config.merge_adapter_for_sampling is True and not config.use_vllm and launch.zero_stage == 3:
-        return (
-            "merge_adapter_for_sampling needs whole weights on each process, and ZeRO-3 partitions them: remove "
-            "merge_adapter_for_sampling, or use a ZeRO stage below 3"
-        )
+        return MERGE_NEEDS_WHOLE_WEIGHTS
     return None
 
 

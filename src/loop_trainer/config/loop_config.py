@@ -429,7 +429,7 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
         return Launch(
             num_processes=num_processes if num_processes is not None else int(os.environ.get("WORLD_SIZE", "1") or 1),
             zero_stage=getattr(plugin, "zero_stage", None) if plugin is not None else None,
-            cuda=torch.cuda.is_available(),
+            cuda=torch.cuda.is_available() and not self.use_cpu,
             generator=generator,
         )
 

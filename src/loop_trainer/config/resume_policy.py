@@ -16,10 +16,11 @@ The sampling keys are classified by measurement, not by intent: on a CPU, ``stat
 ``compile_decode_step``, ``merge_adapter_for_sampling``, ``generation_batch_limit`` (and so
 ``max_concurrent_episodes``, which sets who is batched together) each change the sampler's log-probs in the
 last bits (up to 4.8e-7 on the tiny vault model, tokens equal over short episodes; the same run repeated is
-bitwise equal), and those log-probs enter the objective's importance weights: they are ``compared``. Which engine
-samples (``use_vllm``, ``vllm_mode``, ``vllm_tensor_parallel_size``, ``vllm_max_model_length``) is compared
-too. Where the vLLM server listens, its memory share and sleep mode are ``free``: vLLM's sampling is not
-batch-invariant, so a run sampled by vLLM resumes float-close at best.
+bitwise equal), and those log-probs enter the objective's importance weights: they are ``compared``, and so
+are their values as resolved for the device (``sampling_parts``, recorded by the trainer). Which engine
+samples (``use_vllm``, ``vllm_mode``, ``vllm_max_model_length``) is compared too. Where the vLLM server
+listens, its memory share and sleep mode are ``free``: vLLM's sampling is not batch-invariant, so a run
+sampled by vLLM resumes float-close at best.
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ _COMPARED = (
     # the sampler: which engine, and the parts that change its log-probs in the last bits (measured)
     "use_vllm",
     "vllm_mode",
-    "vllm_tensor_parallel_size",
     "vllm_max_model_length",
     "static_decode",
     "compile_decode_step",
@@ -163,7 +163,9 @@ _FREE = (
     "activation_offloading",
     "vllm_gpu_memory_utilization",
     "vllm_enable_sleep_mode",
-    # where the vLLM server is, and where weights are written for it
+    # where the vLLM server is, and where weights are written for it; a colocated engine spans one GPU (refused
+    # otherwise) and a server's tensor parallelism is its own launch flag, so this key shapes no sampling
+    "vllm_tensor_parallel_size",
     "vllm_server_base_url",
     "vllm_server_host",
     "vllm_server_port",

@@ -158,7 +158,7 @@ def is_hub_model_id(name: str | None) -> bool:
 
 @dataclass(frozen=True)
 class CardSettings:
-    """What the card shows of the run's settings (:func:`card_settings` builds it from a LOOPConfig)."""
+    """What the card shows of the run's settings (``training/settings.py`` builds it from a LOOPConfig)."""
 
     hyperparameters: tuple[tuple[str, str, str], ...] = ()
     """(name, this run's value, the paper's value or "")."""
@@ -167,17 +167,6 @@ class CardSettings:
     max_turns: int = PAPER_VALUES["max_turns"]
     max_new_tokens_per_turn: int = PAPER_VALUES["max_new_tokens_per_turn"]
     max_trajectory_tokens: int = PAPER_VALUES["max_trajectory_tokens"]
-
-
-def card_settings(config: LOOPConfig) -> CardSettings:
-    return CardSettings(
-        hyperparameters=tuple(hyperparameter_rows(config)),
-        train_split=config.train_split,
-        iterations_planned=config.iterations,
-        max_turns=config.max_turns,
-        max_new_tokens_per_turn=config.max_new_tokens_per_turn,
-        max_trajectory_tokens=config.max_trajectory_tokens,
-    )
 
 
 def hyperparameter_rows(args: LOOPConfig) -> list[tuple[str, str, str]]:
@@ -261,7 +250,7 @@ def write_model_card(
 ) -> Path:
     """Write ``output_dir/README.md`` and return its path.
 
-    ``settings`` are the run's settings as the card shows them (:func:`card_settings`);
+    ``settings`` are the run's settings as the card shows them (``training/settings.py``'s ``card_settings``);
     ``peft_config`` a LoRA config (object or dict) when an adapter was trained; ``merged`` says
     the adapter was merged into full weights. ``history`` is the per-iteration metrics (the first
     and last ``reward_mean`` go into the card); ``eval_metrics`` the latest evaluation,

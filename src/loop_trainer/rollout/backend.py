@@ -446,8 +446,8 @@ def build_transformers_backend(
         zero3=zero3,
         compile_problem=compile_problem(cuda),
     )
-    for note in resolved.notes:
-        logger.warning(note)
+    for note in resolved.notes:  # a part left unset that does not apply here: the default, not a problem
+        logger.info(note)
     parts = resolved.settings
     return TransformersBackend(
         model,

@@ -91,7 +91,6 @@ class VLLMSettings:
 
     mode: str = "colocate"
     gpu_memory_utilization: float = 0.3
-    tensor_parallel_size: int = 1
     enable_sleep_mode: bool = False
     max_model_length: int | None = None
     """None: the generator's ``max_trajectory_tokens``."""
@@ -112,9 +111,10 @@ class GeneratorSettings:
     generation_batch_limit: int = 64
     max_concurrent_episodes: int = 256
     max_trajectory_tokens: int = 32000
-    static_decode: bool | None = False
-    compile_decode_step: bool | None = False
-    merge_adapter_for_sampling: bool | None = False
+    static_decode: bool | None = None
+    """The transformers backend's fast parts: None decides each by where it can apply (rollout/sampling_parts.py)."""
+    compile_decode_step: bool | None = None
+    merge_adapter_for_sampling: bool | None = None
     bf16: bool = False
     fp16: bool = False
     sync_tolerance: float | None = None
@@ -169,6 +169,13 @@ class RolloutGenerator:
             report.logprob_diff_max,
         )
         return report.metrics()
+
+    def policy_updated(self) -> None:
+        """The training model's weights changed (an optimizer step): a backend sampling the training model itself
+        forgets what it cached and merged with the old ones now, whether or not an iteration number moves (an
+        iteration driven by hand keeps ``global_step``). A separate engine is brought up to date by :meth:`sync`."""
+        if self.weight_sync is None and isinstance(self.backend, TransformersBackend):
+            self.backend.weights_changed()
 
     def sleep(self) -> None:
         """Free the engine's memory for the update (GPU sleep mode; a no-op elsewhere)."""

@@ -100,6 +100,7 @@ class MergedAdapter:
             # serves the trainer's log-probs, which this view never computes).
             module.__dict__.pop("forward", None)
         self._pairs: list[tuple[Any, torch.Tensor]] = []
+        self._plain: list[torch.nn.Linear] = []
         for name, lora in layers.items():
             linear = lora.get_base_layer()
             plain = torch.nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
@@ -108,6 +109,7 @@ class MergedAdapter:
             plain.bias = linear.bias  # shared (a LoRA layer leaves the bias alone)
             self.model.set_submodule(name, plain)
             self._pairs.append((lora, merged))
+            self._plain.append(plain)
         self.model.requires_grad_(False)
         self.version: int | None = None
         self.num_refreshes = 0
@@ -118,6 +120,7 @@ class MergedAdapter:
         last refresh was of that version)."""
         if version == self.version:
             return
+        self._follow_the_policys_placement()
         for lora, merged in self._pairs:
             (adapter,) = lora.active_adapters
             weight = lora.get_base_layer().weight
@@ -127,6 +130,17 @@ class MergedAdapter:
                 merged.copy_(weight)
         self.version = version
         self.num_refreshes += 1
+
+    def _follow_the_policys_placement(self) -> None:
+        """Reallocate a merged weight whose layer's weight has moved to another device or dtype since the copy
+        was made (DeepSpeed places and casts the model after the generator is built): the shared tensors moved
+        with the policy, the merged ones are this copy's own. Before any decode step, so no graph reads them."""
+        for index, ((lora, merged), plain) in enumerate(zip(self._pairs, self._plain, strict=True)):
+            weight = lora.get_base_layer().weight
+            if merged.device != weight.device or merged.dtype != weight.dtype:
+                moved = torch.empty_like(weight, requires_grad=False)
+                plain.weight = torch.nn.Parameter(moved, requires_grad=False)
+                self._pairs[index] = (lora, moved)
 
     def extra_bytes(self) -> int:
         """Device memory the merged weights take."""

@@ -88,8 +88,10 @@ def resolve_sampling_parts(
     notes: list[str] = []
 
     static = settings.static_decode
-    if static is None:
-        static = device_is_cuda
+    if static is None:  # a ZeRO-3 forward gathers its parameters through hooks: nothing to capture in a graph
+        static = device_is_cuda and not zero3
+        if device_is_cuda and zero3:
+            notes.append("static_decode and compile_decode_step off: ZeRO-3 gathers the weights at every forward")
 
     compile_step = settings.compile_decode_step
     falls_back = False

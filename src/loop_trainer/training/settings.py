@@ -5,7 +5,8 @@ can be built and tested from its settings alone and mypy checks every key it rea
     LOOPConfig ──▶ update_settings      ──▶ PolicyUpdate            (training/update.py)
                ──▶ generator_settings   ──▶ build_generator         (rollout/generator.py)
                ──▶ collection_settings  ──▶ the iteration's rollouts (collect_across_processes)
-               ──▶ evaluation_settings  ──▶ LOOPTrainer.evaluate_policy / Evaluator
+               ──▶ episode_settings     ──▶ the rollout engine and the Evaluator (rollout_resources.py)
+               ──▶ evaluation_settings  ──▶ periodic evaluation (LOOPTrainer.evaluate_policy)
                ──▶ start_settings, optimizer_hyperparameters, recorded_keys ──▶ resume (training/resume.py)
                ──▶ publisher_settings   ──▶ HubPublisher            (publishing/publisher.py)
                ──▶ card_settings        ──▶ the model card          (publishing/model_card.py)
@@ -13,16 +14,16 @@ can be built and tested from its settings alone and mypy checks every key it rea
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, cast
 
 from transformers.trainer_utils import HubStrategy
 
-from ..config import LOOPConfig
+from ..config import EpisodeSettings, LOOPConfig
 from ..config.resume_policy import RECORDED_KEYS
 from ..objective import RatioLevel
-from ..publishing.model_card import CardSettings
-from ..publishing.model_card import card_settings as card_settings
+from ..publishing.model_card import CardSettings, hyperparameter_rows
 from ..publishing.publisher import PublisherSettings
 from ..rollout.generator import GeneratorSettings, VLLMSettings
 from .resume import OptimizerHyperparameters, StartSettings
@@ -34,6 +35,7 @@ __all__ = [
     "EvaluationSettings",
     "card_settings",
     "collection_settings",
+    "episode_settings",
     "evaluation_settings",
     "generator_settings",
     "optimizer_hyperparameters",
@@ -109,7 +111,6 @@ def generator_settings(config: LOOPConfig) -> GeneratorSettings:
         vllm=VLLMSettings(
             mode=config.vllm_mode,
             gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-            tensor_parallel_size=config.vllm_tensor_parallel_size,
             enable_sleep_mode=config.vllm_enable_sleep_mode,
             max_model_length=config.vllm_max_model_length,
             server_url=config.vllm_server_base_url or f"http://{config.vllm_server_host}:{config.vllm_server_port}",
@@ -164,6 +165,22 @@ def optimizer_hyperparameters(config: LOOPConfig) -> OptimizerHyperparameters:
 def recorded_keys(config: LOOPConfig) -> dict[str, Any]:
     """The keys every checkpoint records and a resume compares, with this run's values."""
     return {key: getattr(config, key) for key in RECORDED_KEYS}
+
+
+def episode_settings(config: LOOPConfig) -> EpisodeSettings:
+    """The episode limits and concurrency, as loop-eval has them (not the whole config)."""
+    return EpisodeSettings(**{field.name: getattr(config, field.name) for field in dataclasses.fields(EpisodeSettings)})
+
+
+def card_settings(config: LOOPConfig) -> CardSettings:
+    return CardSettings(
+        hyperparameters=tuple(hyperparameter_rows(config)),
+        train_split=config.train_split,
+        iterations_planned=config.iterations,
+        max_turns=config.max_turns,
+        max_new_tokens_per_turn=config.max_new_tokens_per_turn,
+        max_trajectory_tokens=config.max_trajectory_tokens,
+    )
 
 
 def publisher_settings(config: LOOPConfig) -> PublisherSettings:

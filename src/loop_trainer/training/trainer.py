@@ -70,6 +70,7 @@ from .sampler import task_sampler_for
 from .settings import (
     card_settings,
     collection_settings,
+    episode_settings,
     evaluation_settings,
     generator_settings,
     optimizer_hyperparameters,
@@ -219,13 +220,17 @@ class LOOPTrainer(Trainer):
             args.launch(generator, self.accelerator.num_processes), zero_stage=zero_stage(self.accelerator)
         )
         check_combinations(args, launch)
+        self.env_callbacks = env_callbacks
+        self.collection_settings = collection_settings(args)
+        self.evaluation_settings = evaluation_settings(args)
+        self._sampling_parts: dict[str, bool] | None = None
         self.overlap = OverlappedRollouts()
         self.rollout_resources = RolloutResources(
             env,
             self.formatter,
-            args,
+            episode_settings(args),
             open_generator=self._open_generator,
-            eval_temperature=args.eval_temperature,
+            eval_temperature=self.evaluation_settings.temperature,
             num_processes=self.accelerator.num_processes,
             process_index=self.accelerator.process_index,
             show_progress=not args.disable_tqdm and self.accelerator.is_local_main_process,
@@ -244,8 +249,6 @@ class LOOPTrainer(Trainer):
         )
         self.checkpoints = CheckpointStager(args.should_save, self.accelerator.wait_for_everyone, args.save_total_limit)
         self.publisher = HubPublisher(publisher_settings(args), self._card_context)
-        self.collection_settings = collection_settings(args)
-        self.evaluation_settings = evaluation_settings(args)
         self.policy_update: PolicyUpdate | None = None
         self.latest_eval: dict[str, Any] | None = None
 
@@ -315,7 +318,8 @@ class LOOPTrainer(Trainer):
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             record = self.run_iteration()
             self.state.global_step += 1
-            if args.eval_split and args.eval_every and self.state.global_step % args.eval_every == 0:
+            evaluation = self.evaluation_settings
+            if evaluation.periodic and self.state.global_step % evaluation.every == 0:
                 record.update(self.evaluate_policy())
             sampler = self.task_sampler
             self.state.epoch = sampler.epoch + sampler.position / sampler.num_tasks
@@ -356,6 +360,8 @@ class LOOPTrainer(Trainer):
             resume_from_checkpoint=resume_from_checkpoint,
             trial=trial,
         )
+        for callback in self.env_callbacks:  # the environment sees the state, also when iterations are driven by hand
+            callback.on_train_begin(args, self.state, self.control)
         self._enable_activation_checkpointing()
         model, _ = self._prepare_for_training(
             max_steps=max_optimizer_steps, train_dataloader=None, resume_from_checkpoint=resume_from_checkpoint
@@ -442,6 +448,8 @@ class LOOPTrainer(Trainer):
         }
         update_started = time.perf_counter()
         record.update(policy_update(samples, iteration) if samples else {"optimizer_steps": 0})
+        if samples:
+            self.generator.policy_updated()
         record["update_seconds"] = time.perf_counter() - update_started
         assert self.optimizer is not None  # prepare_for_iterations created it
         record["learning_rate"] = self.optimizer.param_groups[0]["lr"]
@@ -476,7 +484,9 @@ class LOOPTrainer(Trainer):
 
     def update_policy(self, samples: list[TrainingSample]) -> dict[str, float]:
         """The policy update of the current iteration on ``samples`` (see :class:`PolicyUpdate`)."""
-        return self._prepared_update()(samples, self.state.global_step)
+        metrics = self._prepared_update()(samples, self.state.global_step)
+        self.generator.policy_updated()
+        return metrics
 
     # --- The parts that sample, opened on demand (and released by close()) ---
     def _open_generator(self) -> RolloutGenerator:
@@ -495,7 +505,14 @@ class LOOPTrainer(Trainer):
                 self.model_wrapped, ids, self.tokenizer.pad_token_id, self.accelerator.device, self.accelerator.autocast
             ),
         )
-        if self.args.eval_split and self.args.eval_every:
+        backend = generator.backend
+        if isinstance(backend, TransformersBackend):
+            self._sampling_parts = {
+                "static_decode": backend.static_decode,
+                "compile_decode_step": backend.compile_decode_step,
+                "merge_adapter_for_sampling": backend.merged_adapter is not None,
+            }
+        if self.evaluation_settings.periodic:
             generator.check_evaluation()  # eval_temperature is honoured or refused now, not at iteration N
         return generator
 
@@ -627,15 +644,9 @@ class LOOPTrainer(Trainer):
 
     def sampling_parts(self) -> dict[str, bool] | None:
         """The transformers backend's fast parts as resolved for this run (unset keys are decided by the device,
-        so a resume on another kind of machine would sample differently): recorded and compared on resume."""
-        backend = self.generator.backend
-        if not isinstance(backend, TransformersBackend):
-            return None
-        return {
-            "static_decode": backend.static_decode,
-            "compile_decode_step": backend.compile_decode_step,
-            "merge_adapter_for_sampling": backend.merged_adapter is not None,
-        }
+        so a resume on another kind of machine would sample differently): recorded and compared on resume. Read
+        when the generator is built (the trainer builds it at construction), so asking never reopens one."""
+        return self._sampling_parts
 
     def _get_output_dir(self, trial: Any) -> str:
         staging = self.checkpoints.staging_root

@@ -25,7 +25,7 @@ from huggingface_hub.utils._http import default_client_factory
 
 from loop_trainer.config import LOOPConfig
 from loop_trainer.publishing import hub
-from loop_trainer.publishing.model_card import card_settings
+from loop_trainer.training.settings import card_settings
 
 REPO = "loop-user/vault-loop"
 TOKEN = "hf_fake_token_for_tests"

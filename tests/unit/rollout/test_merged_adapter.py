@@ -110,6 +110,32 @@ def test_bf16_weights_are_merged_in_float32_and_rounded_once(vault_tiny):
         model.float()
 
 
+def test_a_policy_placed_after_the_copy_was_made_is_followed_at_the_next_refresh(vault_tiny):
+    # DeepSpeed places and casts the model after the generator (and this copy) is built: the shared tensors move
+    # with the policy, the merged ones must follow before they are sampled with.
+    env, model, tok = vault_tiny
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], lora_dropout=0.0, init_lora_weights=False)
+    policy = get_peft_model(model, config, autocast_adapter_dtype=False)
+    try:
+        merged = MergedAdapter(policy)
+        policy.to(torch.bfloat16)
+        merged.refresh(0)
+        lora, weight = merged._pairs[0]
+        assert weight.dtype == torch.bfloat16 and merged.model.get_submodule(merged_name(merged)).weight is weight
+        expected = (lora.get_base_layer().weight.float() + lora.get_delta_weight("default").float()).bfloat16()
+        assert torch.equal(weight, expected)
+        ids = opening(tok, "ann")
+        assert torch.allclose(_logits(merged.model, ids).float(), _logits(policy, ids).float(), atol=0.1)
+    finally:
+        policy.unload()
+        model.float()
+
+
+def merged_name(merged: MergedAdapter) -> str:
+    plain = merged._plain[0]
+    return next(name for name, module in merged.model.named_modules() if module is plain)
+
+
 def test_policies_it_cannot_merge_are_refused_in_one_line(vault_tiny):
     from loop_trainer.cli.evaluate import sampling_backend
     from loop_trainer.cli.recipe import RecipeError
