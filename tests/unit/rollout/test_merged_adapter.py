@@ -121,7 +121,8 @@ def test_a_policy_placed_after_the_copy_was_made_is_followed_at_the_next_refresh
         policy.to(torch.bfloat16)
         merged.refresh(0)
         lora, weight = merged._pairs[0]
-        assert weight.dtype == torch.bfloat16 and merged.model.get_submodule(merged_name(merged)).weight is weight
+        sampled = merged.model.get_submodule(merged_name(merged)).weight
+        assert weight.dtype == torch.bfloat16 and sampled.data_ptr() == weight.data_ptr()
         expected = (lora.get_base_layer().weight.float() + lora.get_delta_weight("default").float()).bfloat16()
         assert torch.equal(weight, expected)
         ids = opening(tok, "ann")

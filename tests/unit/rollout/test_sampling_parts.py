@@ -5,7 +5,7 @@ generator's sync and shared by the evaluation backend. The resolver is pure, so 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import dataclasses
 
 import pytest
 import torch
@@ -38,8 +38,11 @@ def test_by_default_every_part_is_on_with_cuda_and_off_on_a_cpu():
 
 def test_a_default_part_that_cannot_apply_is_off_with_one_note():
     zero3 = resolve_sampling_parts(AUTO, device_is_cuda=True, zero3=True)
-    assert parts(zero3) == (True, True, False)
-    assert zero3.notes == ("merge_adapter_for_sampling off: ZeRO-3 partitions the weights it would merge",)
+    assert parts(zero3) == (False, False, False)  # a ZeRO-3 forward gathers its weights: no graph, no merge
+    assert zero3.notes == (
+        "static_decode and compile_decode_step off: ZeRO-3 gathers the weights at every forward",
+        "merge_adapter_for_sampling off: ZeRO-3 partitions the weights it would merge",
+    )
     bare = resolve_sampling_parts(AUTO, device_is_cuda=True, merge_problem=NO_LORA)
     assert parts(bare) == (True, True, False) and len(bare.notes) == 1 and NO_LORA in bare.notes[0]
     no_triton = resolve_sampling_parts(AUTO, device_is_cuda=True, compile_problem="torch.compile needs triton")
@@ -87,7 +90,7 @@ def test_the_builder_resolves_the_parts_for_the_models_device(vault_tiny, caplog
         on_cpu = build_transformers_backend(policy, **common)
         assert (on_cpu.static_decode, on_cpu.compile_decode_step, on_cpu.merged_adapter) == (False, False, None)
         # a CUDA device (only resolved here, nothing decodes): the fast path, the adapter merged
-        with caplog.at_level("WARNING"):
+        with caplog.at_level("INFO"):
             on_gpu = build_transformers_backend(policy, device=torch.device("cuda"), **common)
         assert on_gpu.static_decode and on_gpu.merged_adapter is not None
         notes = [r.getMessage() for r in caplog.records if "compile_decode_step" in r.getMessage()]
@@ -105,12 +108,12 @@ def test_the_builder_resolves_the_parts_for_the_models_device(vault_tiny, caplog
 def _generator(model, tok, tmp_path, zero_stage=None, **keys):
     from loop_trainer import LOOPConfig
     from loop_trainer.rollout.generator import build_generator
+    from loop_trainer.training.settings import generator_settings
 
     args = LOOPConfig(output_dir=str(tmp_path / "run"), use_cpu=True, report_to="none", **keys)
-    if zero_stage is not None:  # what TrainingArguments sets under DeepSpeed, without DeepSpeed
-        args.deepspeed_plugin = SimpleNamespace(zero_stage=zero_stage)
+    settings = dataclasses.replace(generator_settings(args), zero_stage=zero_stage)  # as the trainer gives it
     common = {"stop_token_ids": [], "tokenizer": tok, "process_index": 0, "is_main_process": True}
-    return build_generator(args, model, barrier=lambda: None, probe_scorer=None, **common)
+    return build_generator(settings, model, barrier=lambda: None, probe_scorer=None, **common)
 
 
 def test_sync_bumps_the_weights_version_the_evaluation_backend_shares(vault_tiny, tmp_path):

@@ -134,11 +134,12 @@ def test_driving_iterations_by_hand_still_checkpoints_activations(tmp_path, vaul
 def test_iterations_driven_by_hand_sample_each_update_s_weights(tmp_path, vault_tiny):
     # global_step does not move without train(); the training model's sampler must still see each update.
     _, model, tok = vault_tiny
-    args = tiny_args(tmp_path, tasks_per_iteration=2, rollouts_per_task=2, iterations=1, max_turns=1)
+    # advantage_threshold 0 keeps tied groups too: every iteration steps the optimizer (weight decay moves weights)
+    args = tiny_args(tmp_path, tasks_per_iteration=2, rollouts_per_task=2, iterations=1, advantage_threshold=0.0)
     trainer = LOOPTrainer(model, PreferFindEnv(), args, processing_class=tok)
     backend = trainer.generator.backend
     versions, steps = [backend.weights_version], []
-    for _ in range(3):
+    for _ in range(2):
         steps.append(trainer.run_iteration()["optimizer_steps"])
         versions.append(backend.weights_version)
         assert steps[-1] == 0 or versions[-1] > versions[-2]
