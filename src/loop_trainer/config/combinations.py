@@ -57,10 +57,9 @@ COLOCATED_TP_ONLY = (
 
 
 def _samples_with_training_model(config: LOOPConfig, launch: Launch) -> bool:
-    """Known to: the built-in generator without vLLM, or a generation_backend sharing the training model."""
-    if launch.generator is Generator.BUILT_IN:
-        return not config.use_vllm
-    return launch.generator is Generator.SHARED_WEIGHTS
+    """Known to: the built-in generator without vLLM (the transformers backend's forward passes). A
+    generation_backend of the user's is theirs to run: it may call no model of this process at all."""
+    return launch.generator is Generator.BUILT_IN and not config.use_vllm
 
 
 def _overlap_with_colocated_vllm(config: LOOPConfig, launch: Launch) -> str | None:
