@@ -15,12 +15,12 @@ tests/unit/config/test_resume_policy.py fails on a key that is not (a new key ca
 The sampling keys are classified by measurement, not by intent: on a CPU, ``static_decode``,
 ``compile_decode_step``, ``merge_adapter_for_sampling``, ``generation_batch_limit`` (and so
 ``max_concurrent_episodes``, which sets who is batched together) each change the sampler's log-probs in the
-last bits (up to 4.8e-7 on the tiny vault model, tokens equal over short episodes; the same run repeated is
-bitwise equal), and those log-probs enter the objective's importance weights: they are ``compared``, and so
-are their values as resolved for the device (``sampling_parts``, recorded by the trainer). Which engine
-samples (``use_vllm``, ``vllm_mode``, ``vllm_max_model_length``) is compared too. Where the vLLM server
-listens, its memory share and sleep mode are ``free``: vLLM's sampling is not batch-invariant, so a run
-sampled by vLLM resumes float-close at best.
+last bits (up to 9.5e-7 on the tiny vault model with LoRA, tokens equal over short episodes; the same run
+repeated is bitwise equal: ``python -m benchmarks.sampling_keys``), and those log-probs enter the objective's
+importance weights: they are ``compared``, and so are their values as resolved for the device
+(``sampling_parts``, recorded by the trainer). Which engine samples (``use_vllm``, ``vllm_mode``,
+``vllm_max_model_length``) is compared too. Where the vLLM server listens, its memory share and sleep mode
+are ``free``: vLLM's sampling is not batch-invariant, so a run sampled by vLLM resumes float-close at best.
 """
 
 from __future__ import annotations
