@@ -244,8 +244,6 @@ def apply_setting_changes(
             if any(names.get(id(parameter)) in decay_parameters for parameter in group["params"]):
                 group["weight_decay"] = new.weight_decay
     for group in groups:
-        if not changed.keys() & OPTIMIZER_GROUP_KEYS:
-            break
         if changed.keys() & {"adam_beta1", "adam_beta2"} and "betas" in group:
             group["betas"] = (new.adam_beta1, new.adam_beta2)
         if "adam_epsilon" in changed and "eps" in group:
