@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import time
@@ -157,9 +158,17 @@ class RolloutEngine:
 
         return close
 
-    async def run_episode(self, task: Mapping[str, Any], group: int = 0, seed: int | None = None) -> Trajectory:
-        """One episode, start to score. Never raises except on cancellation. With a ``seed``, turn t
-        samples with seed ``mix_seed(seed, t)`` whatever else runs at the same time."""
+    async def run_episode(
+        self,
+        task: Mapping[str, Any],
+        group: int = 0,
+        seed: int | None = None,
+        *,
+        backend: GenerationBackend | None = None,
+    ) -> Trajectory:
+        """One episode, start to score, sampled by ``backend`` (default: the engine's). Never raises except on
+        cancellation. With a ``seed``, turn t samples with seed ``mix_seed(seed, t)`` whatever else runs at the
+        same time."""
         started = time.perf_counter()
         trajectory = Trajectory(task_id=str(task["task_id"]), group=group)
         episode: Episode | None = None
@@ -181,6 +190,7 @@ class RolloutEngine:
                     trajectory.ending = "trajectory_budget"
                     break
                 completion = await self._generate(
+                    backend or self.backend,
                     trajectory,
                     min(self.limits.max_new_tokens_per_turn, room),
                     None if seed is None else mix_seed(seed, turn),
@@ -263,18 +273,20 @@ class RolloutEngine:
             cleaned.append({**message, "content": content})
         return cleaned
 
-    async def _generate(self, trajectory: Trajectory, max_new_tokens: int, seed: int | None) -> Completion:
+    async def _generate(
+        self, backend: GenerationBackend, trajectory: Trajectory, max_new_tokens: int, seed: int | None
+    ) -> Completion:
         # A generator failure (an OOM, a dropped connection to a server) is retried once: the
         # same seed gives the same reply. A second failure fails the rollout, counted and logged.
         try:
-            return await self.backend.generate(trajectory.token_ids, max_new_tokens, seed=seed)
+            return await backend.generate(trajectory.token_ids, max_new_tokens, seed=seed)
         except Exception as error:  # noqa: BLE001
             logger.warning(
                 "generation for task %s failed (%s: %s); retrying once", trajectory.task_id, type(error).__name__, error
             )
             self.generation_retries += 1
         try:
-            return await self.backend.generate(trajectory.token_ids, max_new_tokens, seed=seed)
+            return await backend.generate(trajectory.token_ids, max_new_tokens, seed=seed)
         except Exception as error:  # noqa: BLE001
             raise GenerationError(f"generation failed twice: {type(error).__name__}: {error}") from error
 
@@ -289,6 +301,7 @@ class RolloutEngine:
         task_fraction: float = 1.0,
         max_failed_fraction: float = 1.0,
         description: str = "rollouts",
+        backend: GenerationBackend | None = None,
     ) -> RolloutBatch:
         """Run ``rollouts_per_task`` episodes of every task.
 
@@ -299,11 +312,14 @@ class RolloutEngine:
         With a ``seed``, rollout k of the task whose id in ``group_ids`` is g samples with seed
         ``mix_seed(seed, g, k)``: the same trajectories whatever the timing, the batching or the
         number of processes the tasks are split over.
+
+        ``backend`` samples this batch instead of the engine's own (a view of one policy version, when the
+        generator holds several: ``max_staleness`` above 1).
         """
         if self._closed:
             raise RuntimeError("this RolloutEngine was closed; create a new one to collect again")
         return await collect_batch(
-            self.run_episode,
+            self.run_episode if backend is None else functools.partial(self.run_episode, backend=backend),
             tasks,
             rollouts_per_task,
             max_concurrent_episodes=self.max_concurrent_episodes,
