@@ -36,6 +36,9 @@ class Trajectory:
     sampler_logprobs: list[float] = field(default_factory=list)
     turn_ids: list[int] = field(default_factory=list)
     """Per token: the assistant turn (0, 1, ...) a sampled token belongs to; -1 where not sampled."""
+    turn_versions: list[int] = field(default_factory=list)
+    """Per assistant turn: the policy version (the iteration whose weights) that sampled it; set by the trainer
+    (``max_staleness``: a batch may be sampled by an older policy than the one it trains)."""
     prompt_length: int = 0
     """Tokens of the opening prompt (before the first reply)."""
     reward: float = 0.0

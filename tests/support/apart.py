@@ -38,3 +38,28 @@ class ApartBackend(TransformersBackend):
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         pass
+
+
+class VersionedApartBackend(ApartBackend):
+    """An :class:`ApartBackend` holding several policy versions at once (``max_staleness`` above 1; HoldsVersions):
+    each load keeps a copy of that version, which its view samples, as a vLLM server keeps one LoRA adapter per
+    version."""
+
+    def __init__(self, model: torch.nn.Module, **kwargs):
+        super().__init__(model, **kwargs)
+        self.view_kwargs = kwargs
+        self.views: dict[int, TransformersBackend] = {}
+        self.released: list[int] = []
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        super().load_weights(weights)  # the newest version: what the probe check reads
+        assert version is not None, "a generator holding versions is told which one it loads"
+        self.views[version] = TransformersBackend(copy.deepcopy(self.model).eval(), **self.view_kwargs)
+
+    def at_version(self, version: int) -> TransformersBackend:
+        return self.views[version]
+
+    def release_versions_below(self, version: int) -> None:
+        for old in sorted(v for v in self.views if v < version):
+            del self.views[old]
+            self.released.append(old)

@@ -1,10 +1,11 @@
 """A LOOP training process for the crash tests: ``python fault_driver.py MODEL_DIR OUTPUT_DIR
 [--kill-in rollouts|round|collected|update|save --kill-at N] [--resume] [--dynamic-sampling-rounds R]
-[--max-staleness 1]``.
+[--max-staleness K]``, alone or under ``torch.distributed.run`` (gloo: each process collects its share).
 It SIGKILLs itself at the named moment of iteration N (no clean-up of any kind runs; ``round``: as dynamic
 sampling's second collection round starts; ``collected``: once the batch the iteration trains on is complete, before
 its update), then the test resumes it. ``--max-staleness 1`` samples on a
-generator holding its own copy of the weights (tests/support/apart.py), overlapped with the update."""
+generator holding its own copy of the weights (tests/support/apart.py), overlapped with the update; above 1, one
+holding a copy per policy version."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import argparse
 import os
 import signal
 
+from accelerate import PartialState
 from transformers import AutoModelForCausalLM
 
 from loop_trainer import LOOPConfig, LOOPTrainer
@@ -39,6 +41,10 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=0)
     options = parser.parse_args()
 
+    distributed = {}
+    if "WORLD_SIZE" in os.environ:  # torchrun on CPUs: DDP over gloo, set up before the config (docs/scaling.md)
+        PartialState(cpu=True, backend="gloo")
+        distributed = {"accelerator_config": {"use_configured_state": True}}
     env = VaultEnv(num_tasks=16)
     model = AutoModelForCausalLM.from_pretrained(options.model)
     tokenizer = load_tokenizer(options.model)
@@ -63,16 +69,18 @@ def main() -> None:
         report_to=[],
         viewer_rollouts_per_iteration=0,
         plot_curves=False,
+        **distributed,
     )
     backend = None
     if options.max_staleness:
-        from apart import ApartBackend  # tests/support, on PYTHONPATH
+        from apart import ApartBackend, VersionedApartBackend  # tests/support, on PYTHONPATH
 
         from loop_trainer.chat import stop_token_ids
 
         stop = stop_token_ids(model, tokenizer)
         # one request at a time: its log-probs do not depend on what it is batched with (they weight the update)
-        backend = ApartBackend(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id, max_batch_size=1)
+        apart = VersionedApartBackend if options.max_staleness > 1 else ApartBackend
+        backend = apart(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id, max_batch_size=1)
     trainer = LOOPTrainer(model, env, args, processing_class=tokenizer, generation_backend=backend)
     at_kill_iteration = lambda: trainer.state.global_step + 1 == options.kill_at  # noqa: E731
 

@@ -195,3 +195,93 @@ def test_two_iteration_loop_run_in_server_mode(vault, server, tmp_path):
         assert record["sampler_logprob_diff_max"] < 1e-3  # the server sampled the policy being trained
         assert record["optimizer_steps"] >= 1
     assert backend.model == backend.adapter_name(1)
+
+
+def test_server_keeps_one_adapter_per_policy_version_until_released(vault, server, tmp_path):
+    """max_staleness above 1: each version stays loaded under its own name, its view samples it whatever was loaded
+    after it, and releasing unloads it and deletes its directory."""
+    env, model, tokenizer, _ = vault
+    probe = probe_token_ids(len(tokenizer), 48)
+    peft_model = get_peft_model(type(model).from_pretrained(vault[3]).float(), LORA).eval()
+    backend = VLLMServerBackend(
+        server, stop_token_ids=[tokenizer.eos_token_id], sync_dir=str(tmp_path / "versions"), keep_versions=True
+    )
+    sync = WeightSync(
+        peft_model, backend, lambda ids: logprobs_of(peft_model, ids), probe, tolerance=1e-3, keep_versions=True
+    )
+    generator = torch.Generator().manual_seed(1)
+    snapshots = {}
+    for version in (0, 1, 2):
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+        assert sync(version).logprob_diff_max <= 1e-3
+        snapshots[version] = {n: p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" in n}
+    names = {m["id"] for m in requests.get(server + "/v1/models").json()["data"]}
+    assert {backend.adapter_name(v) for v in (0, 1, 2)} <= names
+    tasks = list(env.tasks("train"))[:2]
+    for version in (0, 1):  # an older version's view samples that version, not the newest
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if name in snapshots[version]:
+                    param.copy_(snapshots[version][name])
+        batch = collect(env, backend.at_version(version), tokenizer, tasks, rollouts=1, seed=3)
+        assert batch.trajectories and not batch.failed
+        for trajectory in batch.trajectories:
+            mask = torch.tensor(trajectory.loss_mask[1:], dtype=torch.bool)
+            torch.testing.assert_close(
+                torch.tensor(trajectory.sampler_logprobs[1:])[mask],
+                logprobs_of(peft_model, trajectory.token_ids)[mask],
+                atol=1e-3,
+                rtol=0,
+            )
+    sync.release_versions_below(2)
+    names = {m["id"] for m in requests.get(server + "/v1/models").json()["data"]}
+    assert backend.adapter_name(2) in names and not {backend.adapter_name(v) for v in (0, 1)} & names
+    assert sorted(p.name for p in (tmp_path / "versions").glob("adapter-*")) == ["adapter-2"]
+    with pytest.raises(KeyError):
+        backend.at_version(0)
+    sync.release_versions_below(3)
+    backend.close()
+
+
+def test_an_overlapped_run_two_versions_deep_on_the_server(vault, server, tmp_path):
+    env, _, tokenizer, path = vault
+    policy = type(vault[1]).from_pretrained(path).float()
+    args = LOOPConfig(
+        output_dir=str(tmp_path),
+        iterations=4,
+        tasks_per_iteration=4,
+        rollouts_per_task=3,
+        minibatch_size=4,
+        ppo_epochs=1,
+        max_turns=4,
+        max_new_tokens_per_turn=12,
+        max_trajectory_tokens=400,
+        learning_rate=3e-3,
+        advantage_threshold=0.0,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=server,
+        max_staleness=2,
+        bf16=False,
+        report_to=[],
+        save_strategy="no",
+        plot_curves=False,
+        viewer_rollouts_per_iteration=0,
+        memory_stress_test=False,
+        disable_tqdm=True,
+        max_concurrent_episodes=16,
+        seed=4,
+    )
+    trainer = LOOPTrainer(policy, env, args, processing_class=tokenizer, peft_config=LORA)
+    backend = trainer.generator.backend
+    assert isinstance(backend, VLLMServerBackend) and backend.keep_versions
+    trainer.train()
+    assert [r["policy_staleness"] for r in trainer.history] == [0.0, 1.0, 2.0, 2.0]
+    assert all(r["weight_sync_logprob_diff_max"] <= 1e-3 for r in trainer.history)
+    assert all(r["optimizer_steps"] >= 1 for r in trainer.history)
+    names = {m["id"] for m in requests.get(server + "/v1/models").json()["data"]}
+    run = {backend.adapter_name(v) for v in range(4)}
+    assert run & names == {backend.adapter_name(3)}  # the versions no batch needed were unloaded

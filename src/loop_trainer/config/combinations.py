@@ -87,8 +87,6 @@ def _overlap_needs_a_generator_with_its_own_weights(config: LOOPConfig, launch: 
         why = "this generation_backend samples the training model (it has no holds_own_weights = True)"
     elif _built_in(launch) and not config.use_vllm:
         why = "the transformers backend samples with the training model itself (set use_vllm: true, vllm_mode: server)"
-    elif launch.num_processes > 1:
-        why = f"this launch has {launch.num_processes} training processes, and overlap runs on one for now"
     else:
         return None
     return f"max_staleness overlaps the next collection with the update, but {why}: or set max_staleness: 0"

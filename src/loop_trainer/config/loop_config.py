@@ -25,6 +25,12 @@ from .keys import only_the_training_arguments_loop_honours, refusing_unknown_key
 from .output_dir import output_dir_problem
 from .ranges import above, any_number, at_least, between, check_ranges, setting, steps_or_fraction
 
+MAX_STALENESS_LIMIT = 8
+"""The deepest overlap supported (``max_staleness``). Each step of lag is a batch the checkpoint holds and a
+saving iteration waits for, a policy version the generator keeps loaded, and a step further between the policy
+that sampled a token and the one trained on it, which the capped weights min(pi_old / pi_behaviour, C) correct
+less well the further they drift; prime-rl's async level stops at 8 too."""
+
 
 @dataclass
 @only_the_training_arguments_loop_honours
@@ -116,11 +122,16 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
     )
     max_staleness: int = setting(
         0,
-        "Overlapped iterations: 1 collects iteration i+1's rollouts with policy i while iteration i's update runs "
-        "(a generator apart from the trainer: a vLLM server, or a generation_backend holding its own weights). "
-        "The behaviour policy's log-probs "
-        "weight each token by min(pi_old/pi_sampler, sampler_importance_cap or 2). 0: synchronous, the paper's.",
-        between(0, 1, "iterations a batch's behaviour policy may lag the policy it trains (0: synchronous LOOP)"),
+        "Overlapped iterations: k collects the next k iterations' rollouts while this iteration's update runs, "
+        "iteration j's by policy j-k (a generator apart from the trainer: a vLLM server, or a generation_backend "
+        "holding its own weights; above 1, one holding several versions: LoRA adapters on a vLLM server). The "
+        "behaviour policy's log-probs weight each token by min(pi_old/pi_sampler, sampler_importance_cap or 2). "
+        "0: synchronous, the paper's.",
+        between(
+            0,
+            MAX_STALENESS_LIMIT,
+            "iterations a batch's behaviour policy may lag the policy it trains (0: synchronous LOOP)",
+        ),
     )
     dynamic_sampling_rounds: int = setting(
         0,

@@ -24,9 +24,9 @@ import torch
 
 from .backend import GenerationBackend, TransformersBackend, build_transformers_backend
 from .sampling_parts import SamplingPartsError, TransformersSamplingSettings
-from .vllm_backend import VLLMBackend, WeightLoadable, build_colocated_llm, sleep_mode_available
+from .vllm_backend import VLLMBackend, WeightLoadable, build_colocated_llm, holds_versions, sleep_mode_available
 from .vllm_server import GeneratorServerError, VLLMServerBackend
-from .weight_sync import WeightSync, default_tolerance, probe_token_ids
+from .weight_sync import WeightSync, default_tolerance, is_peft, probe_token_ids
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -120,6 +120,9 @@ class GeneratorSettings:
     sync_tolerance: float | None = None
     """After each weight sync, the largest probe log-prob difference allowed (None: by dtype; negative: never stop)."""
     probe_tokens: int = 64
+    keep_versions: bool = False
+    """Hold several policy versions at once (``max_staleness`` above 1): each batch samples the version it was
+    queued with (:class:`~.vllm_backend.HoldsVersions`)."""
     zero_stage: int | None = None
     """The training model's DeepSpeed ZeRO stage, if any (ZeRO-3 partitions the weights)."""
     device: torch.device | None = None
@@ -140,11 +143,38 @@ class RolloutGenerator:
     changed), :meth:`sleep` frees its memory for the update, :meth:`for_evaluation` samples the same
     policy at another temperature."""
 
-    def __init__(self, backend: GenerationBackend, *, weight_sync: WeightSync | None = None, owns_backend: bool = True):
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        *,
+        weight_sync: WeightSync | None = None,
+        owns_backend: bool = True,
+        keep_versions: bool = False,
+    ):
         self.backend = backend
         self.owns_backend = owns_backend
         self.weight_sync = weight_sync
+        self.keep_versions = keep_versions
         self._version = -1
+
+    @property
+    def version(self) -> int:
+        """The policy version last synced (-1: none yet)."""
+        return self._version
+
+    def sampler(self, version: int) -> GenerationBackend:
+        """What samples a batch queued under policy ``version``: that version's view when the generator holds
+        several (``keep_versions``), else the generator itself, which must hold that version now."""
+        if self.keep_versions:
+            return cast("GenerationBackend", self.backend.at_version(version))  # type: ignore[attr-defined]
+        if version != self._version:
+            raise RuntimeError(f"the generator holds policy {self._version}, not policy {version}")
+        return self.backend
+
+    def release_versions_below(self, version: int) -> None:
+        """``keep_versions``: no batch will sample the versions below ``version`` again; let them go."""
+        if self.keep_versions and self.weight_sync is not None:
+            self.weight_sync.release_versions_below(version)
 
     def sync(self, version: int) -> dict[str, float]:
         """Bring the generator to the policy of iteration ``version`` if it is behind: push it into a
@@ -226,8 +256,16 @@ def build_generator(
     if custom_backend is not None:
         if not getattr(custom_backend, "holds_own_weights", False):
             return RolloutGenerator(custom_backend, owns_backend=False)
+        if settings.keep_versions and not holds_versions(custom_backend):
+            raise GeneratorConfigError(
+                f"max_staleness above 1 samples several policy versions at once, and generation_backend "
+                f"{type(custom_backend).__name__} has no at_version(version) and release_versions_below(version) "
+                "(rollout.vllm_backend.HoldsVersions): add them, or set max_staleness: 1"
+            )
         sync = _checked_sync(settings, model, cast(WeightLoadable, custom_backend), tokenizer, probe_scorer, None)
-        return RolloutGenerator(custom_backend, weight_sync=sync, owns_backend=False)
+        return RolloutGenerator(
+            custom_backend, weight_sync=sync, owns_backend=False, keep_versions=settings.keep_versions
+        )
     if not settings.use_vllm:
         sampling = TransformersSamplingSettings(
             temperature=settings.temperature,
@@ -256,6 +294,12 @@ def build_generator(
         )
     if settings.vllm.mode == "server":
         url = settings.vllm.server_url
+        if settings.keep_versions and not is_peft(model):
+            raise GeneratorConfigError(
+                "max_staleness above 1 keeps several policy versions on the vLLM server at once, each a LoRA "
+                "adapter, and a server holds one set of full weights: train an adapter (use_peft: true), or set "
+                "max_staleness: 1"
+            )
         try:
             backend: VLLMServerBackend | VLLMBackend = VLLMServerBackend(
                 url,
@@ -266,6 +310,7 @@ def build_generator(
                 connect_timeout=settings.vllm.server_timeout,
                 is_main_process=is_main_process,
                 barrier=barrier,
+                keep_versions=settings.keep_versions,
             )
         except GeneratorServerError as error:
             raise GeneratorConfigError(str(error)) from None
@@ -305,7 +350,7 @@ def build_generator(
         raise GeneratorConfigError(f"vllm_mode={settings.vllm.mode!r}: use colocate or server")
     weight_sync = _checked_sync(settings, model, backend, tokenizer, probe_scorer, dtype)
     barrier()
-    return RolloutGenerator(backend, weight_sync=weight_sync)
+    return RolloutGenerator(backend, weight_sync=weight_sync, keep_versions=settings.keep_versions)
 
 
 def _checked_sync(
@@ -322,4 +367,6 @@ def _checked_sync(
     if tolerance is None:
         tolerance = default_tolerance(dtype or next(model.parameters()).dtype)
     probe = probe_token_ids(len(tokenizer), settings.probe_tokens, avoid=set(tokenizer.all_special_ids))
-    return WeightSync(model, backend, probe_scorer, probe, tolerance if tolerance >= 0 else None)
+    return WeightSync(
+        model, backend, probe_scorer, probe, tolerance if tolerance >= 0 else None, keep_versions=settings.keep_versions
+    )

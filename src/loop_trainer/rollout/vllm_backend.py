@@ -49,6 +49,26 @@ class WeightLoadable(Protocol):
         """Undo :meth:`sleep` (``tags``: "weights" first, then "kv_cache")."""
 
 
+class HoldsVersions(Protocol):
+    """A generator holding several policy versions at once (``max_staleness`` above 1): a batch queued under
+    policy i-2 is still being sampled when policy i arrives. Loading a version (``load_adapter``/``load_weights``
+    of :class:`WeightLoadable`) keeps the ones before it; each batch samples through the view of the version it
+    was queued with; the trainer releases the versions no batch in flight needs any more. Full weights arrive as
+    ``load_weights(weights, version=version)``, so the generator knows which version they are."""
+
+    def at_version(self, version: int) -> Any:
+        """A :class:`~loop_trainer.rollout.GenerationBackend` sampling policy ``version`` (loaded, not
+        released), whatever is loaded after it."""
+
+    def release_versions_below(self, version: int) -> None:
+        """Forget every version below ``version`` (no batch will sample them again)."""
+
+
+def holds_versions(backend: object) -> bool:
+    """Whether ``backend`` implements :class:`HoldsVersions`."""
+    return callable(getattr(backend, "at_version", None)) and callable(getattr(backend, "release_versions_below", None))
+
+
 @dataclass
 class _Submission:
     request_id: str

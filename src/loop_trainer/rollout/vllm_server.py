@@ -6,7 +6,9 @@ episodes' turns as token-id completions requests, concurrently; the server batch
 continuously. Weights travel through a directory both sides can read (``vllm_sync_dir``, e.g. on
 the shared filesystem of a cluster):
 
-* LoRA: the main process saves the adapter there and hot-swaps it with ``/v1/load_lora_adapter``.
+* LoRA: the main process saves the adapter there and hot-swaps it with ``/v1/load_lora_adapter``. With
+  ``keep_versions`` (``max_staleness`` above 1) each policy version stays loaded under its own name beside the
+  later ones until the trainer releases it, and a batch's requests name the version it was queued with.
 * Full weights: the main process writes the layer-by-layer stream in shards of at most
   ``shard_bytes`` (2 GiB; a single tensor larger than that gets a shard of its own) and the server
   reloads them in place (``/collective_rpc`` ``reload_weights``, a dev-mode endpoint).
@@ -54,6 +56,8 @@ class VLLMServerBackend:
         barrier: blocks until every training process reaches it (``accelerator.wait_for_everyone``).
         shard_bytes: the largest weight shard written for a full reload (a bigger single tensor
             is written alone).
+        keep_versions: keep every loaded adapter until :meth:`release_versions_below` (several policy
+            versions sampled at once: ``max_staleness`` above 1); full weights are one version only.
 
     It owns an HTTP session and the threads that wait on requests: release them with
     :meth:`close` or ``with VLLMServerBackend(...) as backend:``. The server itself is not ours.
@@ -72,6 +76,7 @@ class VLLMServerBackend:
         is_main_process: bool = True,
         barrier: Callable[[], None] = lambda: None,
         shard_bytes: int = 2 << 30,
+        keep_versions: bool = False,
     ):
         self.base_url = base_url.rstrip("/")
         self.stop_token_ids = sorted(set(stop_token_ids))
@@ -81,6 +86,8 @@ class VLLMServerBackend:
         self.is_main_process = is_main_process
         self.barrier = barrier
         self.shard_bytes = shard_bytes
+        self.keep_versions = keep_versions
+        self._versions: dict[int, str] = {}  # with keep_versions: the adapters loaded, by policy version
         self.session = requests.Session()
         self.session.mount("http://", HTTPAdapter(pool_maxsize=max_concurrency))
         self.session.mount("https://", HTTPAdapter(pool_maxsize=max_concurrency))
@@ -148,13 +155,34 @@ class VLLMServerBackend:
     def with_temperature(self, temperature: float) -> TemperatureView:
         return TemperatureView(self, temperature)
 
+    def at_version(self, version: int) -> AdapterView:
+        """Sampling policy ``version``'s adapter, whatever is loaded after it (``keep_versions``)."""
+        name = self._versions.get(version)
+        if name is None:
+            raise KeyError(
+                f"policy version {version} is not loaded on the vLLM server (loaded: {sorted(self._versions)})"
+            )
+        return AdapterView(self, name)
+
+    def release_versions_below(self, version: int) -> None:
+        """Unload the adapters of the versions below ``version`` (their directories are the weight sync's)."""
+        for old in [v for v in self._versions if v < version]:
+            name = self._versions.pop(old)
+            if self.is_main_process:
+                self._request("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+
     async def _submit(
-        self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None, temperature: float
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        seed: int | None,
+        temperature: float,
+        model: str | None = None,
     ) -> Completion:
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         payload = {
-            "model": self.model,
+            "model": model or self.model,
             "prompt": list(prompt_ids),
             "max_tokens": max_new_tokens,
             "temperature": temperature,
@@ -189,6 +217,7 @@ class VLLMServerBackend:
         name = self.adapter_name(version)
         if self.is_main_process:
             request = {"lora_name": name, "lora_path": str(adapter_dir)}
+            replaced = False
             try:
                 self._request("POST", "/v1/load_lora_adapter", request)
             except GeneratorServerError as error:
@@ -197,16 +226,27 @@ class VLLMServerBackend:
                 # A resumed run re-sends a version the server still holds: replace it.
                 self._request("POST", "/v1/unload_lora_adapter", {"lora_name": name})
                 self._request("POST", "/v1/load_lora_adapter", request)
-            if self._adapter is not None and self._adapter != name:
+                replaced = True
+            if self._adapter is not None and self._adapter != name and not self.keep_versions:
                 self._request("POST", "/v1/unload_lora_adapter", {"lora_name": self._adapter})
-            self._request("POST", "/reset_prefix_cache")
+            # Cached prefixes are keyed by adapter: a new name never hits an old one's, and the versions kept
+            # (keep_versions) keep theirs. A name reloaded with other weights must not.
+            if replaced or not self.keep_versions:
+                self._request("POST", "/reset_prefix_cache")
         self.barrier()
         self._adapter = self.model = name
+        if self.keep_versions:
+            self._versions[version] = name
 
     def adapter_dir(self, version: int) -> Path:
         return self.sync_dir / f"adapter-{version}"
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.keep_versions:
+            raise GeneratorServerError(
+                "a vLLM server holds one set of full weights, so it cannot keep several policy versions: "
+                "train a LoRA adapter (use_peft: true), or set max_staleness: 1"
+            )
         target = self.sync_dir / "weights"
         if not self.is_main_process:
             for _ in weights:  # take part in the ZeRO-3 gathers
@@ -269,3 +309,14 @@ class VLLMServerBackend:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class AdapterView:
+    """One policy version's adapter on the server, as a :class:`~loop_trainer.rollout.GenerationBackend`: its
+    requests name that adapter whatever was loaded after it."""
+
+    def __init__(self, server: VLLMServerBackend, adapter: str):
+        self.server, self.adapter = server, adapter
+
+    async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
+        return await self.server._submit(prompt_ids, max_new_tokens, seed, self.server.temperature, self.adapter)

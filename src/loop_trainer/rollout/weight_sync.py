@@ -121,6 +121,8 @@ class WeightSync:
         workdir: where a colocated engine's adapters are saved; by default a temporary directory
             that :meth:`close` (or leaving ``with WeightSync(...) as sync:``) removes. A given
             ``workdir`` is the caller's and is left in place.
+        keep_versions: the generator holds several versions (:class:`~.vllm_backend.HoldsVersions`): an
+            adapter's directory stays until :meth:`release_versions_below` (the generator may read it again).
     """
 
     def __init__(
@@ -131,8 +133,11 @@ class WeightSync:
         probe_ids: list[int],
         tolerance: float | None,
         workdir: str | None = None,
+        keep_versions: bool = False,
     ):
         self.model = model
+        self.keep_versions = keep_versions
+        self._kept: dict[int, Path] = {}
         self.generator = generator
         self.trainer_logprobs = trainer_logprobs
         self.probe_ids = probe_ids
@@ -153,12 +158,28 @@ class WeightSync:
             write = getattr(self.generator, "is_main_process", True)
             save_adapter(self.model, directory, write=write)
             self.generator.load_adapter(str(directory), version)
-            if write and self._previous is not None and self._previous != directory:
+            if self.keep_versions:
+                self._kept[version] = directory
+            elif write and self._previous is not None and self._previous != directory:
                 shutil.rmtree(self._previous, ignore_errors=True)
             self._previous = directory
+        elif self.keep_versions:  # a generator holding several versions keeps the earlier ones beside this one
+            self.generator.load_weights(layerwise_weights(self.model), version=version)  # type: ignore[call-arg]
         else:
             self.generator.load_weights(layerwise_weights(self.model))
         self.generator.wake_up(tags=["kv_cache"])
+
+    def release_versions_below(self, version: int) -> None:
+        """``keep_versions``: the generator forgets the versions below ``version``, and their adapters'
+        directories go."""
+        release = getattr(self.generator, "release_versions_below", None)
+        if release is not None:
+            release(version)
+        write = getattr(self.generator, "is_main_process", True)
+        for old in [v for v in self._kept if v < version]:
+            directory = self._kept.pop(old)
+            if write:
+                shutil.rmtree(directory, ignore_errors=True)
 
     def compare(self) -> tuple[float, float]:
         """(max, mean) |generator - trainer| log-prob over the probe."""

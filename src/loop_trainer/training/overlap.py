@@ -1,93 +1,187 @@
-"""Overlapped iterations (``max_staleness: 1``): iteration i+1's rollouts are collected while iteration i's
-update runs.
+"""Overlapped iterations (``max_staleness: k``): the batches of the next k iterations are collected while this
+iteration's update runs.
 
 The schedule, with a generator apart from the trainer (a vLLM server on GPUs of its own)::
 
-    iteration 0:  collect B0 with pi_0 | sync pi_0 | start B1 with pi_0 ........ | update on B0 -> pi_1
-    iteration i:  wait for B_i (pi_{i-1}) | sync pi_i | start B_{i+1} with pi_i ... | update on B_i -> pi_{i+1}
+    iteration 0:  collect B0 with pi_0 | sync pi_0 | queue B1 .. Bk with pi_0 ............ | update on B0 -> pi_1
+    iteration i:  take B_i (pi_{i-k}) | sync pi_i | queue B_{i+k} with pi_i ............. | update on B_i -> pi_{i+1}
 
-So a batch is always trained one iteration after the policy that sampled it: its behaviour policy is
-pi_{i-1}, the policy before the update (pi_old, the trainer's log-probs of the batch) is pi_i, and the
-update weights each token by min(pi_old / pi_behaviour, C) (:func:`.update.importance_cap`). The
-generator's weights change only between collections: a sync, an evaluation or a checkpoint first waits
-for the collection in flight.
+So batch j is sampled by policy ``max(0, j - k)``, whatever the timing: the schedule is a function of the
+iteration numbers alone, so a seed repeats and a resumed run continues the uninterrupted one. The queued batches
+are collected one after another on one thread, in order. With k = 1 the generator holds one policy, synced at
+each iteration boundary once the batch it sampled is complete; with k above 1 it holds every version a queued
+batch still needs (a LoRA adapter per version on a vLLM server; :class:`~..rollout.vllm_backend.HoldsVersions`),
+each batch sampling through its version's view, and the versions no queued batch needs are released.
 
-Checkpoints: the batch in flight belongs to the checkpoint. Saving after iteration i waits for B_{i+1}
-and writes it (``next_rollouts.pt``) beside the weights; the task sampler's state already includes its
-tasks. A resumed run trains on that batch instead of collecting it again, so it repeats the
-uninterrupted run exactly wherever it was stopped.
+Several training processes: each collects its share of every queued batch on its own thread, over HTTP, and runs
+no collective there; the shares are gathered on the main thread when the batch is taken, at the iteration boundary
+(:func:`~..rollout.sharding.gather_shares`), where the weight sync (ZeRO-3's gathers included) also runs. Every
+process queues the same iterations, so they meet at the same gathers.
+
+Checkpoints own every batch in flight: saving after iteration i waits for the queued batches, gathers them and
+writes them (``next_rollouts.pt``) beside the weights; the task sampler's state already counts their tasks. A
+resumed run trains on them instead of collecting them again (it could not: the policies that sampled them are
+not in the checkpoint), so it repeats the uninterrupted run wherever it was stopped.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from ..rollout import RolloutBatch
+from ..trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
 
 NEXT_ROLLOUTS_FILE = "next_rollouts.pt"
 
 
-class OverlappedRollouts:
-    """At most one collection ahead: :meth:`start` it for an iteration, :meth:`take` it there."""
+@dataclass
+class QueuedBatch:
+    """One iteration's batch, queued ahead."""
 
-    def __init__(self) -> None:
+    iteration: int
+    """The iteration (0-based) that trains on it."""
+    version: int
+    """The policy that samples it (the iteration whose weights it is)."""
+    share: Future[RolloutBatch] | None = None
+    """This process's share, being collected (None once gathered)."""
+    gathered: RolloutBatch | None = None
+    """Every process's trajectories: after :meth:`OverlappedRollouts.take` or ``settle``, or from a checkpoint."""
+
+
+class OverlappedRollouts:
+    """Up to ``max_staleness`` batches queued ahead: :meth:`start` one for an iteration, :meth:`take` it there.
+
+    ``gather`` turns this process's share of a batch into everyone's (a collective, run only by :meth:`take` and
+    :meth:`settle`, which the main thread calls on every process)."""
+
+    def __init__(self, max_staleness: int = 1, gather: Callable[[RolloutBatch], RolloutBatch] = lambda b: b) -> None:
+        self.max_staleness = max_staleness
+        self.gather = gather
         self._executor: ThreadPoolExecutor | None = None
-        self._iteration: int | None = None
-        self._future: Future[Any] | None = None
+        self._queue: list[QueuedBatch] = []
 
     @property
-    def iteration(self) -> int | None:
-        """The iteration whose rollouts are in flight or ready, if any."""
-        return self._iteration
+    def iterations(self) -> list[int]:
+        """The iterations whose batches are queued (in flight or ready), in order."""
+        return [queued.iteration for queued in self._queue]
 
-    def start(self, iteration: int, collect: Callable[[], Any]) -> None:
-        """Run ``collect()`` (iteration ``iteration``'s collection) on a thread of its own."""
-        if self._future is not None:
-            raise RuntimeError(f"the rollouts of iteration {self._iteration + 1} are still pending")  # type: ignore[operator]
+    def to_queue(self, iteration: int, num_iterations: int) -> range:
+        """The iterations to queue at ``iteration``'s boundary (the run has ``num_iterations``): those after the
+        last one queued (or ``iteration``), up to ``iteration + max_staleness``."""
+        after = max([iteration, *self.iterations])
+        return range(after + 1, min(iteration + self.max_staleness, num_iterations - 1) + 1)
+
+    def oldest_version(self, default: int) -> int:
+        """The oldest policy a queued batch is sampled by (``default`` when none is queued)."""
+        return min([q.version for q in self._queue if q.share is not None], default=default)
+
+    def start(self, iteration: int, version: int, collect: Callable[[], RolloutBatch]) -> None:
+        """Queue iteration ``iteration``'s batch, sampled by policy ``version``: ``collect()`` returns this
+        process's share; it runs on the collection thread after the batches queued before it."""
+        if len(self._queue) >= self.max_staleness:
+            raise RuntimeError(f"{len(self._queue)} batches are queued already (max_staleness {self.max_staleness})")
+        if self._queue and iteration <= self._queue[-1].iteration:
+            raise RuntimeError(
+                f"iteration {iteration + 1}'s batch is queued after iteration {self.iterations[-1] + 1}'s"
+            )
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="loop-next-rollouts")
-        self._iteration, self._future = iteration, self._executor.submit(collect)
+        self._queue.append(QueuedBatch(iteration, version, share=self._executor.submit(collect)))
 
-    def take(self, iteration: int) -> Any | None:
-        """Iteration ``iteration``'s rollouts (waiting for them), or None if none were collected ahead."""
-        if self._future is None or self._iteration != iteration:
+    def take(self, iteration: int) -> tuple[RolloutBatch, int] | None:
+        """Iteration ``iteration``'s batch, everyone's (waiting for it; gathering it is a collective), and the
+        policy that sampled it; None if it was not queued."""
+        if not self._queue or self._queue[0].iteration != iteration:
             return None
+        queued = self._queue[0]
         try:
-            return self._future.result()
+            batch = self._gathered(queued)
         finally:
-            self._future, self._iteration = None, None
+            self._queue.pop(0)
+        return batch, queued.version
+
+    def _gathered(self, queued: QueuedBatch) -> RolloutBatch:
+        if queued.gathered is None:
+            assert queued.share is not None  # a queued batch has one or the other
+            share = queued.share.result()
+            queued.gathered, queued.share = self.gather(share), None
+        return queued.gathered
 
     def wait(self) -> None:
-        """Let the collection in flight finish (before the generator's weights change); its errors
-        surface at :meth:`take`."""
-        if self._future is not None:
-            self._future.exception()
+        """Let every queued collection finish (before the generator's weights change under it); their errors
+        surface at :meth:`take`. No collective."""
+        for queued in self._queue:
+            if queued.share is not None:
+                queued.share.exception()
+
+    def settle(self) -> None:
+        """Wait for every queued batch and gather it (a collective: every process calls it, as a checkpoint is
+        saved)."""
+        for queued in self._queue:
+            self._gathered(queued)
 
     def save(self, directory: Path) -> None:
-        """Write the rollouts collected ahead (waiting for them) into a checkpoint ``directory``."""
-        if self._future is None:
+        """Write the queued batches into a checkpoint ``directory`` (after :meth:`settle`; nothing if none)."""
+        if not self._queue:
             return
-        torch.save({"iteration": self._iteration, "rollouts": self._future.result()}, directory / NEXT_ROLLOUTS_FILE)
+        self.settle()
+        batches = [{"iteration": q.iteration, "version": q.version, "rollouts": q.gathered} for q in self._queue]
+        torch.save({"batches": batches}, directory / NEXT_ROLLOUTS_FILE)
 
     def load(self, checkpoint: str | Path) -> None:
-        """The rollouts a checkpoint holds for its next iteration, as if collected ahead (nothing if none)."""
+        """The batches a checkpoint holds for its next iterations, as if queued (nothing if none)."""
         path = Path(checkpoint) / NEXT_ROLLOUTS_FILE
         if not path.is_file():
             return
         saved = torch.load(path, weights_only=False)  # our own checkpoint: trajectories, not tensors only
-        future: Future[Any] = Future()
-        future.set_result(saved["rollouts"])
-        self._iteration, self._future = int(saved["iteration"]), future
-        logger.info("resumed with iteration %d's rollouts from the checkpoint", self._iteration + 1)
+        # A checkpoint written before max_staleness went beyond 1 holds one batch, sampled by the policy before it.
+        batches = saved.get("batches") or [{**saved, "version": int(saved["iteration"]) - 1}]
+        if len(batches) > self.max_staleness:
+            raise ValueError(
+                f"the checkpoint {checkpoint} holds {len(batches)} batches collected ahead, more than max_staleness "
+                f"{self.max_staleness}: resume with max_staleness: {len(batches)} or more"
+            )
+        self._queue = [QueuedBatch(int(b["iteration"]), int(b["version"]), gathered=b["rollouts"]) for b in batches]
+        logger.info(
+            "resumed with the batches of iterations %s from the checkpoint",
+            ", ".join(str(i + 1) for i in self.iterations),
+        )
 
     def close(self) -> None:
         self.wait()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+def tag_versions(trajectories: Sequence[Trajectory], version: int) -> None:
+    """Every sampled turn of ``trajectories`` was sampled by policy ``version``."""
+    for trajectory in trajectories:
+        trajectory.turn_versions = [version] * trajectory.num_turns
+
+
+def staleness_metrics(trajectories: Sequence[Trajectory], iteration: int) -> dict[str, float]:
+    """How many iterations each sampled token's policy lags the one trained at ``iteration``, over the batch's
+    sampled tokens: the mean (``policy_staleness``), the least and the most."""
+    lags: dict[int, int] = {}  # lag -> sampled tokens
+    for trajectory in trajectories:
+        for turn in trajectory.turn_ids:
+            if turn >= 0:
+                lag = iteration - trajectory.turn_versions[turn]
+                lags[lag] = lags.get(lag, 0) + 1
+    tokens = sum(lags.values())
+    if not tokens:
+        return {"policy_staleness": 0.0, "policy_staleness_min": 0.0, "policy_staleness_max": 0.0}
+    return {
+        "policy_staleness": sum(lag * n for lag, n in lags.items()) / tokens,
+        "policy_staleness_min": float(min(lags)),
+        "policy_staleness_max": float(max(lags)),
+    }

@@ -108,6 +108,7 @@ def generator_settings(config: LOOPConfig) -> GeneratorSettings:
         fp16=config.fp16,
         sync_tolerance=config.vllm_sync_tolerance,
         probe_tokens=config.vllm_probe_tokens,
+        keep_versions=config.max_staleness > 1,
         vllm=VLLMSettings(
             mode=config.vllm_mode,
             gpu_memory_utilization=config.vllm_gpu_memory_utilization,

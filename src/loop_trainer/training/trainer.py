@@ -49,7 +49,7 @@ from ..evaluation import Evaluator, write_evaluation_viewer
 from ..publishing.publisher import HubPublisher
 from ..rollout import GenerationBackend, RolloutBatch, RolloutEngine, TransformersBackend, mix_seed
 from ..rollout.generator import RolloutGenerator, build_generator, require_vllm
-from ..rollout.sharding import collect_across_processes
+from ..rollout.sharding import collect_across_processes, collect_share, gather_shares
 from .activation_checkpointing import (
     activation_offloading,
     checkpointing_kwargs,
@@ -62,7 +62,7 @@ from .distribution import DistributionStrategy, check_launch, zero_stage
 from .dynamic_sampling import ScoredRollouts, collect_scored, score_rollouts
 from .logprobs import sequence_logprobs
 from .model_loading import load_policy
-from .overlap import OverlappedRollouts
+from .overlap import OverlappedRollouts, staleness_metrics, tag_versions
 from .resume import apply_setting_changes, plan_start, resume_settings
 from .rollout_resources import RolloutResources
 from .run_log import LOOPPrinterCallback, LOOPProgressCallback, RunLog
@@ -224,7 +224,9 @@ class LOOPTrainer(Trainer):
         self.collection_settings = collection_settings(args)
         self.evaluation_settings = evaluation_settings(args)
         self._sampling_parts: dict[str, bool] | None = None
-        self.overlap = OverlappedRollouts()
+        self.overlap = OverlappedRollouts(
+            args.max_staleness, functools.partial(gather_shares, num_processes=self.accelerator.num_processes)
+        )
         self.rollout_resources = RolloutResources(
             env,
             self.formatter,
@@ -298,7 +300,7 @@ class LOOPTrainer(Trainer):
             if not any(key == "balance_tasks_by" for key, _, _ in self._resume_changes):  # else another sampler's
                 self.task_sampler.load_state_dict(state["task_sampler"])
             self.run_log.start(state["history"])
-            self.overlap.load(resume_from_checkpoint)  # max_staleness: the batch that was in flight
+            self.overlap.load(resume_from_checkpoint)  # max_staleness: the batches that were in flight
             apply_setting_changes(
                 self._resume_changes,
                 optimizer_hyperparameters(self.args),
@@ -418,13 +420,17 @@ class LOOPTrainer(Trainer):
         policy_update = self._prepared_update()
         started = time.perf_counter()
         iteration = self.state.global_step  # 0-based: the iteration being trained
-        ahead = self.overlap.take(iteration)  # max_staleness: collected during the last update, by its policy
+        # max_staleness: collected ahead, during earlier updates, by an earlier policy (gathered here: a collective)
+        ahead = self.overlap.take(iteration)
         synced = self.generator.sync(iteration)
-        scored = ahead if ahead is not None else self._collect_scored(iteration)
-        if args.max_staleness and iteration + 1 < args.iterations:  # the next batch, by this policy
-            tasks = [self.train_dataset[i] for i in self.task_sampler.next(args.tasks_per_iteration)]
-            self.overlap.start(iteration + 1, functools.partial(self._collect_scored, iteration + 1, tasks))
+        if ahead is None:
+            scored, version = self._collect_scored(iteration), iteration
         else:
+            scored, version = self._score(lambda _round, _num_tasks: ahead[0]), ahead[1]
+        if args.max_staleness:
+            tag_versions(scored.batch.trajectories, version)
+            self._queue_ahead(iteration)
+        if not self.overlap.iterations:
             self.generator.sleep()
         batch, advantages = scored.batch, scored.advantages
         trajectories = batch.trajectories
@@ -439,7 +445,7 @@ class LOOPTrainer(Trainer):
             **scored.metrics,
             **training_check_rates(self.env, batch),
             **synced,
-            "policy_staleness": float(ahead is not None),
+            **(staleness_metrics(trajectories, iteration) if args.max_staleness else {"policy_staleness": 0.0}),
             "num_kept": len(samples),
             "kept_fraction": len(samples) / len(trajectories) if trajectories else 0.0,
             "truncated_for_training": sum(s.truncated for s in samples),
@@ -461,15 +467,19 @@ class LOOPTrainer(Trainer):
         self.run_log.rollouts(iteration + 1, batch, dict(zip(map(id, trajectories), advantages.tolist(), strict=True)))
         return record
 
-    def _collect_scored(self, iteration: int, tasks: list[Any] | None = None) -> ScoredRollouts:
-        """Iteration ``iteration``'s rollouts, scored: of ``tasks`` (drawn ahead, with ``max_staleness``), or
-        of tasks drawn now, in as many rounds as dynamic sampling takes."""
-        args = self.args
+    def _collect_scored(self, iteration: int) -> ScoredRollouts:
+        """Iteration ``iteration``'s rollouts, collected now and scored, in as many rounds as dynamic sampling
+        takes."""
 
         def collect_round(round_index: int, num_tasks: int) -> RolloutBatch:
-            drawn = tasks if tasks is not None else [self.train_dataset[i] for i in self.task_sampler.next(num_tasks)]
+            drawn = [self.train_dataset[i] for i in self.task_sampler.next(num_tasks)]
             return self.collect_rollouts(drawn, round_index, iteration=iteration)
 
+        return self._score(collect_round)
+
+    def _score(self, collect_round: Callable[[int, int], RolloutBatch]) -> ScoredRollouts:
+        """The rollouts ``collect_round(round, num_tasks)`` returns, scored (:func:`collect_scored`)."""
+        args = self.args
         return collect_scored(
             collect_round,
             functools.partial(
@@ -480,6 +490,37 @@ class LOOPTrainer(Trainer):
             ),
             groups_wanted=args.tasks_per_iteration,
             extra_rounds=args.dynamic_sampling_rounds,
+        )
+
+    def _queue_ahead(self, iteration: int) -> None:
+        """``max_staleness``: queue the batches of the next iterations up to ``iteration + max_staleness``, sampled
+        by this policy (just synced), their tasks drawn now; let the generator forget the versions no queued batch
+        needs."""
+        args = self.args
+        for ahead in self.overlap.to_queue(iteration, args.iterations):
+            tasks = [self.train_dataset[i] for i in self.task_sampler.next(args.tasks_per_iteration)]
+            sampler = self.generator.sampler(iteration)
+            self.overlap.start(ahead, iteration, functools.partial(self._collect_share, tasks, ahead, sampler))
+        self.generator.release_versions_below(self.overlap.oldest_version(default=iteration))
+
+    def _collect_share(
+        self, tasks: list[Mapping[str, Any]], iteration: int, sampler: GenerationBackend
+    ) -> RolloutBatch:
+        """This process's share of iteration ``iteration``'s batch, sampled by ``sampler``; on the collection
+        thread, so no collective (the shares are gathered when the batch is taken)."""
+        settings = self.collection_settings
+        return collect_share(
+            self.rollout_engine,
+            tasks,
+            settings.rollouts_per_task,
+            num_processes=self.accelerator.num_processes,
+            process_index=self.accelerator.process_index,
+            seed=mix_seed(settings.seed, iteration),
+            description=f"iteration {iteration + 1} rollouts",
+            max_failed_fraction=settings.max_failed_fraction,
+            backend=sampler,
+            done_fraction=settings.early_stop_done_fraction,
+            task_fraction=settings.early_stop_task_fraction,
         )
 
     def update_policy(self, samples: list[TrainingSample]) -> dict[str, float]:
@@ -622,6 +663,7 @@ class LOOPTrainer(Trainer):
                 "setting_changes": self.setting_changes,
             }
 
+        self.overlap.settle()  # max_staleness: the batches in flight belong to the checkpoint (gathered: collective)
         with self.checkpoints.staged(
             super()._get_output_dir(trial=trial),
             self.state.global_step,
@@ -629,7 +671,7 @@ class LOOPTrainer(Trainer):
             on_published=self._push_published_checkpoint,
         ) as staging:
             super()._save_checkpoint(model=model, trial=trial)
-            if self.is_world_process_zero():  # max_staleness: the batch in flight belongs to the checkpoint
+            if self.is_world_process_zero():
                 self.overlap.save(Path(staging) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
 
     def resume_settings(self) -> dict[str, Any]:

@@ -4,6 +4,7 @@ the key is refused where it cannot apply. (Exact resume over the schedule: tests
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 import time
@@ -17,7 +18,7 @@ from loop_trainer.chat import stop_token_ids
 from loop_trainer.training.batching import collate
 from loop_trainer.training.settings import update_settings
 from loop_trainer.training.update import STALE_IMPORTANCE_CAP, PolicyUpdate, importance_cap
-from support.apart import ApartBackend
+from support.apart import ApartBackend, VersionedApartBackend
 from support.updates import policy_update, samples_for
 from unit.test_stabilisers import brute_force_loss
 from unit.training.test_trainer import tiny_args
@@ -27,7 +28,7 @@ def config(tmp_path, **keys):
     """test_trainer's tiny run, 3 iterations of 2 tasks, with nothing written but metrics."""
     quiet = {"save_strategy": "no", "plot_curves": False, "memory_stress_test": False, "report_to": "none"}
     quiet |= {"viewer_rollouts_per_iteration": 0, "use_cpu": True, "bf16": False}
-    return tiny_args(tmp_path, iterations=3, tasks_per_iteration=2, **{**quiet, **keys})
+    return tiny_args(tmp_path, **{"iterations": 3, "tasks_per_iteration": 2, **quiet, **keys})
 
 
 def test_the_next_batch_is_sampled_by_this_policy_while_this_update_runs(vault_tiny, tmp_path, monkeypatch):
@@ -38,16 +39,23 @@ def test_the_next_batch_is_sampled_by_this_policy_while_this_update_runs(vault_t
     )
     events: list[tuple[str, int, float, str]] = []  # (what, iteration, time, thread)
     pushes: list[int] = []  # how many weight pushes had happened when each collection started
-    collect, load = trainer.collect_rollouts, backend.load_weights
+    collect, collect_share, load = trainer.collect_rollouts, trainer._collect_share, backend.load_weights
 
     collecting = {i: threading.Event() for i in range(3)}
 
-    def collect_rollouts(tasks, collection_round=0, iteration=None):
+    def note_start(iteration):
         events.append(("collect", iteration, time.perf_counter(), threading.current_thread().name))
         if iteration in collecting:
             collecting[iteration].set()
         pushes.append(len(loaded))
+
+    def collect_rollouts(tasks, collection_round=0, iteration=None):  # iteration 0's, collected in place
+        note_start(iteration)
         return collect(tasks, collection_round, iteration=iteration)
+
+    def collect_ahead(tasks, iteration, sampler):  # a later iteration's share, on the collection thread
+        note_start(iteration)
+        return collect_share(tasks, iteration, sampler)
 
     loaded: list[float] = []
 
@@ -55,7 +63,11 @@ def test_the_next_batch_is_sampled_by_this_policy_while_this_update_runs(vault_t
         loaded.append(time.perf_counter())
         load(weights)
 
-    trainer.collect_rollouts, backend.load_weights = collect_rollouts, load_weights
+    trainer.collect_rollouts, trainer._collect_share, backend.load_weights = (
+        collect_rollouts,
+        collect_ahead,
+        load_weights,
+    )
     call = PolicyUpdate.__call__
 
     def timed(update, samples, iteration):
@@ -157,7 +169,7 @@ def test_max_staleness_is_refused_in_one_line_where_it_cannot_apply(vault_tiny, 
             {"max_staleness": 1, "use_vllm": True, "vllm_mode": "server", "dynamic_sampling_rounds": 2},
             "set one of them to 0",
         ),
-        ({"max_staleness": 2}, "max_staleness"),
+        ({"max_staleness": 9}, "max_staleness"),
     ]
     for keys, message in cases:
         with pytest.raises(ValueError, match=message) as error:
@@ -169,8 +181,118 @@ def test_max_staleness_is_refused_in_one_line_where_it_cannot_apply(vault_tiny, 
     assert "\n" not in str(error.value) and "max_staleness: 0" in str(error.value)
     with pytest.raises(ValueError, match="has no holds_own_weights"):
         LOOPTrainer(model, env, stale, processing_class=tok, generation_backend=_PlainBackend())
+    # above 1, the generator must hold several versions at once
+    one_version = ApartBackend(model, stop_token_ids=stop_token_ids(model, tok), pad_token_id=tok.pad_token_id)
+    with pytest.raises(ValueError, match="has no at_version") as error:
+        LOOPTrainer(model, env, config(tmp_path, max_staleness=2), processing_class=tok, generation_backend=one_version)
+    assert "\n" not in str(error.value) and "max_staleness: 1" in str(error.value)
 
 
 class _PlainBackend:
     async def generate(self, prompt_ids, max_new_tokens, seed=None):
         raise AssertionError("never sampled")
+
+
+def test_two_steps_of_staleness_sample_each_batch_by_the_policy_two_iterations_back(vault_tiny, tmp_path):
+    """max_staleness: 2 on a generator holding several versions: batch j is sampled by policy max(0, j - 2), through
+    that version's view, whatever was loaded since; the versions no queued batch needs are released."""
+    env, model, tok = vault_tiny
+    backend = VersionedApartBackend(
+        model, stop_token_ids=stop_token_ids(model, tok), pad_token_id=tok.pad_token_id, max_batch_size=1
+    )
+    trainer = LOOPTrainer(
+        model, env, config(tmp_path, max_staleness=2, iterations=5), processing_class=tok, generation_backend=backend
+    )
+    sampled_by: dict[int, int] = {}  # iteration -> the version whose view sampled its batch
+    checked: list[float] = []
+    collect_share = trainer._collect_share
+
+    def collect_ahead(tasks, iteration, sampler):
+        (version,) = [v for v, view in backend.views.items() if view is sampler]
+        sampled_by[iteration] = version
+        share = collect_share(tasks, iteration, sampler)
+        # the sampler's log-probs are that version's (a copy the trainer has moved on from since)
+        trajectory = next(t for t in share.trajectories if t.num_sampled_tokens)
+        ids = torch.tensor([trajectory.token_ids])
+        with torch.no_grad():
+            logits = sampler.model(input_ids=ids).logits[0, :-1].float()
+        logprobs = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None]).squeeze(1)
+        mask = torch.tensor(trajectory.loss_mask[1:], dtype=torch.bool)
+        checked.append(float((logprobs[mask] - torch.tensor(trajectory.sampler_logprobs[1:])[mask]).abs().max()))
+        assert all(v == version for v in trajectory.turn_versions)
+        return share
+
+    trainer._collect_share = collect_ahead
+    trainer.train()
+    assert sampled_by == {1: 0, 2: 0, 3: 1, 4: 2}
+    assert max(checked) < 1e-4
+    assert [r["policy_staleness"] for r in trainer.history] == [0.0, 1.0, 2.0, 2.0, 2.0]
+    assert all(r["policy_staleness_max"] == r["policy_staleness_min"] == r["policy_staleness"] for r in trainer.history)
+    assert backend.released == [0, 1, 2, 3]  # each once no queued batch needed it (the last ones at the end)
+
+
+def test_a_batch_of_mixed_versions_trains_on_each_tokens_own_behaviour_policy(vault_tiny):
+    """Tokens sampled by different policies in one batch (whole trajectories of different versions, and one
+    trajectory whose turns came from two versions, as a rollout continued across a weight update): each token
+    is weighted by min(pi_old / pi_its_own_behaviour, 2), the behaviour log-probs computed here from the two
+    policies themselves."""
+    _, model, tok = vault_tiny
+    policies = []
+    for seed in (1, 2):  # two older versions: the policy with its weights moved two different ways
+        older = copy.deepcopy(model).eval()
+        noise = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in older.parameters():
+                p.add_(torch.randn(p.shape, generator=noise) * 0.1)
+        policies.append(older)
+    add_fused_lm_head(model)
+    samples = samples_for(tok)
+    update, _ = policy_update(
+        model, tok.pad_token_id, sampler_importance_cap=importance_cap(None, 2), minibatch_size=len(samples)
+    )
+    fixed, _ = update.fixed_logprobs(samples)
+
+    def logprobs_of(policy, token_ids):
+        ids = torch.tensor([token_ids])
+        with torch.no_grad():
+            logits = policy(input_ids=ids).logits[0, :-1].double()
+        return [0.0, *torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None]).squeeze(1).tolist()]
+
+    versions = []  # per sample, per token: which older policy sampled it
+    for i, sample in enumerate(samples):
+        by = [logprobs_of(p, sample.token_ids) for p in policies]
+        if i == len(samples) - 1:  # its reply's first half by one version, the rest by the other
+            first = sample.loss_mask.index(1)
+            half = first + sum(sample.loss_mask) // 2
+            turn = [0 if k < half else 1 for k in range(len(sample.token_ids))]
+        else:
+            turn = [i % 2] * len(sample.token_ids)
+        sample.sampler_logprobs = [
+            by[v][k] if m else 0.0 for k, (v, m) in enumerate(zip(turn, sample.loss_mask, strict=True))
+        ]
+        versions.append(turn)
+    last = samples[-1]
+    assert len({v for v, m in zip(versions[-1], last.loss_mask, strict=True) if m}) == 2  # really mixed
+    batch = collate(samples, tok.pad_token_id)
+    old = torch.zeros_like(batch.sampler_logprobs, dtype=torch.float64)
+    behaviour = torch.zeros_like(old)
+    for i, sample in enumerate(samples):
+        old[i, : len(sample.token_ids)] = fixed.old[i].double()
+        behaviour[i, : len(sample.token_ids)] = torch.tensor(sample.sampler_logprobs, dtype=torch.float64)
+    mask = batch.loss_mask.double()
+    weights = torch.where(mask.bool(), torch.clamp(torch.exp(old - behaviour), max=STALE_IMPORTANCE_CAP), 1.0)
+    assert weights[mask.bool()].min() < 0.9 and (weights[mask.bool()] == STALE_IMPORTANCE_CAP).any()
+    rows = torch.arange(len(samples))
+    step = update.minibatch_step(samples, fixed, rows.tolist())
+    assert step is not None
+    args = (old[rows], old[rows], batch.advantages[rows], mask[rows])  # first step: the policy is pi_old
+    expected = brute_force_loss(*(a.tolist() for a in args), 0.1, len(samples), weights=weights[rows].tolist())
+    assert step.loss == pytest.approx(expected, rel=1e-4)
+    # without each token's own behaviour policy (every token weighted toward the first version) it would differ
+    first = torch.zeros_like(old)
+    for i, sample in enumerate(samples):
+        first[i, : len(sample.token_ids)] = torch.tensor(logprobs_of(policies[0], sample.token_ids))
+    wrong = torch.where(mask.bool(), torch.clamp(torch.exp(old - first), max=STALE_IMPORTANCE_CAP), 1.0)
+    assert brute_force_loss(*(a.tolist() for a in args), 0.1, len(samples), weights=wrong.tolist()) != pytest.approx(
+        step.loss, rel=1e-3
+    )
