@@ -42,8 +42,11 @@ def main() -> None:
     options = parser.parse_args()
 
     distributed = {}
-    if "WORLD_SIZE" in os.environ:  # torchrun on CPUs: DDP over gloo, set up before the config (docs/scaling.md)
-        PartialState(cpu=True, backend="gloo")
+    if "WORLD_SIZE" in os.environ:  # torchrun/accelerate on CPUs, over gloo, set up before the config (docs/scaling.md)
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+            PartialState(backend="gloo")  # accelerate picks DeepSpeed only without cpu=True
+        else:
+            PartialState(cpu=True, backend="gloo")  # DDP
         distributed = {"accelerator_config": {"use_configured_state": True}}
     env = VaultEnv(num_tasks=16)
     model = AutoModelForCausalLM.from_pretrained(options.model)
