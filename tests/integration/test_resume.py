@@ -19,17 +19,21 @@ from loop_trainer.net import free_local_port
 DRIVER = Path(__file__).resolve().parents[1] / "support" / "fault_driver.py"
 
 
-@pytest.fixture(scope="module")
-def instruct_model(tmp_path_factory):
-    """The demo's warm-started tiny model, saved once for every process of this module."""
+def save_instruct_model(path: Path) -> Path:
+    """The demo's warm-started tiny model, saved to ``path`` for the driver processes."""
     from loop_trainer.envs import VaultEnv
     from loop_trainer.models.tiny import build_tiny_from_spec
 
     model, tokenizer = build_tiny_from_spec("tiny-instruct:vault", VaultEnv(num_tasks=16), seed=0)
-    path = tmp_path_factory.mktemp("tiny-instruct")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def instruct_model(tmp_path_factory):
+    """Saved once for every process of this module."""
+    return save_instruct_model(tmp_path_factory.mktemp("tiny-instruct"))
 
 
 def drive(model: Path, output_dir: Path, *options: str, processes: int = 1) -> subprocess.CompletedProcess[str]:
@@ -175,72 +179,3 @@ def test_an_overlapped_run_killed_anywhere_resumes_to_the_same_weights(instruct_
     assert_same_weights(overlapped, tmp_path)
     keys = ("reward_mean", "num_kept", "optimizer_steps", "policy_staleness", "sampler_logprob_diff_max")
     assert [[m[k] for k in keys] for m in metrics(tmp_path)] == [[m[k] for k in keys] for m in metrics(overlapped)]
-
-
-TWO_STEPS = ("--max-staleness", "2", "--iterations", "4")
-
-
-@pytest.fixture(scope="module")
-def two_steps(instruct_model, tmp_path_factory):
-    """``max_staleness: 2``: batches 1 and 2 sampled by policy 0, batch 3 by policy 1; a generator holding a copy
-    of each version a queued batch needs."""
-    output = tmp_path_factory.mktemp("two-steps")
-    result = drive(instruct_model, output, *TWO_STEPS)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return output
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kill_in", ["collected", "update"])
-def test_two_steps_of_staleness_killed_resume_with_both_batches_in_flight(instruct_model, two_steps, tmp_path, kill_in):
-    assert [m["policy_staleness"] for m in metrics(two_steps)] == [0.0, 1.0, 2.0, 2.0]
-    killed = drive(instruct_model, tmp_path, *TWO_STEPS, "--kill-in", kill_in, "--kill-at", "3")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
-    held = torch.load(tmp_path / "checkpoint-2" / "next_rollouts.pt", weights_only=False)["batches"]
-    assert [(b["iteration"], b["version"]) for b in held] == [(2, 0), (3, 1)]  # iterations 3 and 4, by policies 0, 1
-    resumed = drive(instruct_model, tmp_path, *TWO_STEPS, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_same_weights(two_steps, tmp_path)
-    keys = ("reward_mean", "num_kept", "optimizer_steps", "policy_staleness", "sampler_logprob_diff_max")
-    assert [[m[k] for k in keys] for m in metrics(tmp_path)] == [[m[k] for k in keys] for m in metrics(two_steps)]
-
-
-@pytest.fixture(scope="module")
-def overlapped_on_two_processes(instruct_model, tmp_path_factory):
-    output = tmp_path_factory.mktemp("overlapped-2")
-    result = drive(instruct_model, output, *OVERLAPPED, processes=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return output
-
-
-@pytest.mark.slow
-def test_overlap_on_two_processes_matches_one(overlapped, overlapped_on_two_processes):
-    """Each process collects its share of the next batch on its own thread while the update (DDP, gloo) runs;
-    the shares are gathered at the iteration boundary. The same tasks and seeds, so the same trajectories; the
-    update is data-parallel, so the weights agree to float rounding."""
-    one, two = metrics(overlapped), metrics(overlapped_on_two_processes)
-    keys = ("reward_mean", "num_rollouts", "num_kept", "optimizer_steps", "policy_staleness", "sampled_tokens")
-    assert [[m[k] for k in keys] for m in two] == [[m[k] for k in keys] for m in one]
-    assert [m["loss"] for m in two] == pytest.approx([m["loss"] for m in one], abs=1e-5)
-    want, have = final_weights(overlapped), final_weights(overlapped_on_two_processes)
-    for name in want:
-        torch.testing.assert_close(have[name], want[name], rtol=0, atol=1e-5, msg=name)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kill_in", ["collected", "update"])
-def test_overlap_on_two_processes_killed_resumes_to_the_same_weights(
-    instruct_model, overlapped_on_two_processes, tmp_path, kill_in
-):
-    killed = drive(instruct_model, tmp_path, *OVERLAPPED, "--kill-in", kill_in, "--kill-at", "2", processes=2)
-    assert killed.returncode != 0, killed.stderr[-3000:]  # one process killed; the launcher stops the other
-    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]
-    assert (tmp_path / "checkpoint-1" / "next_rollouts.pt").is_file()
-    resumed = drive(instruct_model, tmp_path, *OVERLAPPED, "--resume", processes=2)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_same_weights(overlapped_on_two_processes, tmp_path)
-    keys = ("reward_mean", "num_kept", "optimizer_steps", "policy_staleness")
-    assert [[m[k] for k in keys] for m in metrics(tmp_path)] == [
-        [m[k] for k in keys] for m in metrics(overlapped_on_two_processes)
-    ]

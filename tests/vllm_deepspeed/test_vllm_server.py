@@ -157,12 +157,10 @@ def test_server_weight_sync_lora_hot_swap_and_full_reload(vault, server, tmp_pat
     assert original(3).logprob_diff_max <= 1e-3
 
 
-def test_two_iteration_loop_run_in_server_mode(vault, server, tmp_path):
-    env, _, tokenizer, path = vault
-    policy = type(vault[1]).from_pretrained(path).float()
-    args = LOOPConfig(
+def server_run(tmp_path, server: str, **keys) -> LOOPConfig:
+    """A short LOOP run of the tiny vault model sampling on the server, nothing written but metrics."""
+    return LOOPConfig(
         output_dir=str(tmp_path),
-        iterations=2,
         tasks_per_iteration=4,
         rollouts_per_task=3,
         minibatch_size=4,
@@ -184,7 +182,14 @@ def test_two_iteration_loop_run_in_server_mode(vault, server, tmp_path):
         disable_tqdm=True,
         max_concurrent_episodes=16,
         seed=4,
+        **keys,
     )
+
+
+def test_two_iteration_loop_run_in_server_mode(vault, server, tmp_path):
+    env, _, tokenizer, path = vault
+    policy = type(vault[1]).from_pretrained(path).float()
+    args = server_run(tmp_path, server, iterations=2)
     trainer = LOOPTrainer(policy, env, args, processing_class=tokenizer, peft_config=LORA)
     backend = trainer.generator.backend
     assert isinstance(backend, VLLMServerBackend)
@@ -249,32 +254,7 @@ def test_server_keeps_one_adapter_per_policy_version_until_released(vault, serve
 def test_an_overlapped_run_two_versions_deep_on_the_server(vault, server, tmp_path):
     env, _, tokenizer, path = vault
     policy = type(vault[1]).from_pretrained(path).float()
-    args = LOOPConfig(
-        output_dir=str(tmp_path),
-        iterations=4,
-        tasks_per_iteration=4,
-        rollouts_per_task=3,
-        minibatch_size=4,
-        ppo_epochs=1,
-        max_turns=4,
-        max_new_tokens_per_turn=12,
-        max_trajectory_tokens=400,
-        learning_rate=3e-3,
-        advantage_threshold=0.0,
-        use_vllm=True,
-        vllm_mode="server",
-        vllm_server_base_url=server,
-        max_staleness=2,
-        bf16=False,
-        report_to=[],
-        save_strategy="no",
-        plot_curves=False,
-        viewer_rollouts_per_iteration=0,
-        memory_stress_test=False,
-        disable_tqdm=True,
-        max_concurrent_episodes=16,
-        seed=4,
-    )
+    args = server_run(tmp_path, server, iterations=4, max_staleness=2)
     trainer = LOOPTrainer(policy, env, args, processing_class=tokenizer, peft_config=LORA)
     backend = trainer.generator.backend
     assert isinstance(backend, VLLMServerBackend) and backend.keep_versions

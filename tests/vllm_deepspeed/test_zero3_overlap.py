@@ -37,6 +37,9 @@ def drive(model: Path, output_dir: Path, zero3: bool) -> None:
         "OMP_NUM_THREADS": "1",
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache / "torch-extensions")),
     }
+    # The colocated vLLM tests before this one leave a distributed environment in this process's variables.
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED"):
+        environment.pop(name, None)
     launcher = [sys.executable]
     if zero3:
         launcher += ["-m", "accelerate.commands.launch", "--config_file", str(ZERO3_CONFIG), "--num_processes", "2"]
