@@ -85,7 +85,8 @@ def plan_for(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCo
     # A vLLM server generates on GPUs of its own: only a colocated engine shares the trainer's.
     colocated = args.use_vllm and args.vllm_mode == "colocate"
     try:  # the combined-key checks on the launch being planned
-        check_combinations(args, args.launch(Generator.BUILT_IN, world))
+        launch = args.launch(Generator.BUILT_IN, world)
+        check_combinations(args, dataclasses.replace(launch, lora=bool(model_args.use_peft)))
     except ConfigCombinationError as error:
         raise RecipeError(str(error)) from None
     # Episodes a process runs at once bound the transformers backend's generation batch.
@@ -173,5 +174,20 @@ def dry_run(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCon
     )
     if args.use_vllm and args.vllm_mode == "server":
         plan.notes.append("generation runs on the vLLM server's own GPUs (vllm_mode: server), not planned here")
+    if args.max_staleness:
+        plan.notes.append(overlap_note(args))
     print(plan.format())
     return 0 if plan.fits else EXIT_DOES_NOT_FIT
+
+
+def overlap_note(args: LOOPConfig) -> str:
+    """What ``max_staleness`` asks of the launch (docs/overlap.md)."""
+    k = args.max_staleness
+    batches = "the batch" if k == 1 else f"the {k} batches"
+    note = (
+        f"max_staleness {k}: iteration j's rollouts are sampled by policy j-{k} while the update runs here; "
+        f"every checkpoint also holds {batches} in flight (next_rollouts.pt)"
+    )
+    if k > 1 and args.use_vllm and args.vllm_mode == "server":
+        note += f"; the server holds up to {k + 1} LoRA adapters at once: start it with --max-loras {k + 1}"
+    return note

@@ -11,6 +11,7 @@ ModelConfig) and ``main(script_args, training_args, model_args)`` runs the job.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -81,7 +82,8 @@ def load_model_and_tokenizer(model_args: ModelConfig, training_args: LOOPConfig,
 
 def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: ModelConfig) -> LOOPTrainer | None:
     try:  # LOOPConfig checked what it could; loop-train samples with the built-in generator, so now all of it
-        check_combinations(training_args, training_args.launch(Generator.BUILT_IN))
+        launch = dataclasses.replace(training_args.launch(Generator.BUILT_IN), lora=bool(model_args.use_peft))
+        check_combinations(training_args, launch)
     except ConfigCombinationError as error:
         raise RecipeError(str(error)) from None
     if script_args.dry_run:  # cli() turns the plan's verdict into the exit status

@@ -46,6 +46,8 @@ class Launch:
     zero_stage: int | None = None
     cuda: bool = False
     generator: Generator = Generator.UNKNOWN
+    lora: bool | None = None
+    """Whether a LoRA adapter is trained (None: not known yet, e.g. a LOOPConfig built before its model)."""
 
 
 Rule = Callable[["LOOPConfig", Launch], "str | None"]
@@ -90,6 +92,17 @@ def _overlap_needs_a_generator_with_its_own_weights(config: LOOPConfig, launch: 
     else:
         return None
     return f"max_staleness overlaps the next collection with the update, but {why}: or set max_staleness: 0"
+
+
+def _several_versions_on_a_server_need_adapters(config: LOOPConfig, launch: Launch) -> str | None:
+    server = config.use_vllm and config.vllm_mode == "server" and _built_in(launch)
+    if config.max_staleness > 1 and server and launch.lora is False:
+        return (
+            f"max_staleness: {config.max_staleness} keeps several policy versions on the vLLM server at once, each a "
+            "LoRA adapter, and a server holds one set of full weights: train an adapter (use_peft: true), or set "
+            "max_staleness: 1"
+        )
+    return None
 
 
 def _offloading_needs_a_gpu(config: LOOPConfig, launch: Launch) -> str | None:
@@ -158,6 +171,7 @@ RULES: tuple[Rule, ...] = (
     _overlap_with_colocated_vllm,
     _overlap_with_dynamic_sampling,
     _overlap_needs_a_generator_with_its_own_weights,
+    _several_versions_on_a_server_need_adapters,
     _offloading_needs_a_gpu,
     _compile_needs_static,
     _transformers_parts_with_vllm,

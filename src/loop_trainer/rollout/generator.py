@@ -26,7 +26,7 @@ from .backend import GenerationBackend, TransformersBackend, build_transformers_
 from .sampling_parts import SamplingPartsError, TransformersSamplingSettings
 from .vllm_backend import VLLMBackend, WeightLoadable, build_colocated_llm, holds_versions, sleep_mode_available
 from .vllm_server import GeneratorServerError, VLLMServerBackend
-from .weight_sync import WeightSync, default_tolerance, is_peft, probe_token_ids
+from .weight_sync import WeightSync, default_tolerance, probe_token_ids
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -294,12 +294,6 @@ def build_generator(
         )
     if settings.vllm.mode == "server":
         url = settings.vllm.server_url
-        if settings.keep_versions and not is_peft(model):
-            raise GeneratorConfigError(
-                "max_staleness above 1 keeps several policy versions on the vLLM server at once, each a LoRA "
-                "adapter, and a server holds one set of full weights: train an adapter (use_peft: true), or set "
-                "max_staleness: 1"
-            )
         try:
             backend: VLLMServerBackend | VLLMBackend = VLLMServerBackend(
                 url,

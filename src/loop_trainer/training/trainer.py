@@ -50,6 +50,7 @@ from ..publishing.publisher import HubPublisher
 from ..rollout import GenerationBackend, RolloutBatch, RolloutEngine, TransformersBackend, mix_seed
 from ..rollout.generator import RolloutGenerator, build_generator, require_vllm
 from ..rollout.sharding import collect_across_processes, collect_share, gather_shares
+from ..rollout.weight_sync import is_peft
 from .activation_checkpointing import (
     activation_offloading,
     checkpointing_kwargs,
@@ -217,7 +218,9 @@ class LOOPTrainer(Trainer):
             else Generator.SHARED_WEIGHTS
         )
         launch = dataclasses.replace(
-            args.launch(generator, self.accelerator.num_processes), zero_stage=zero_stage(self.accelerator)
+            args.launch(generator, self.accelerator.num_processes),
+            zero_stage=zero_stage(self.accelerator),
+            lora=is_peft(self.model),
         )
         check_combinations(args, launch)
         self.env_callbacks = env_callbacks

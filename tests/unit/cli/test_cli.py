@@ -265,6 +265,26 @@ def test_shipped_recipes_plan_to_fit(recipe, capsys):
         assert "vLLM reservation" not in out and "vLLM server's own GPUs" in out
 
 
+def test_the_overlapped_32b_recipe_plans_its_server_and_checkpoints(capsys):
+    recipe = ["--config", "recipes/appworld/qwen2.5-32b-instruct.yaml", "--max_staleness", "2"]
+    assert cli([*recipe, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("FITS") and "max_staleness: 2" in out
+    assert "policy j-2" in out and "the 2 batches in flight" in out and "--max-loras 3" in out
+    assert cli([*recipe, "--use_peft", "false", "--dry-run"]) == 2  # full weights: one version on a server
+    err = capsys.readouterr().err
+    assert "use_peft: true" in err and "max_staleness: 1" in err and "Traceback" not in err
+
+
+def test_the_7b_recipe_split_over_its_node_plans_to_fit_overlapped(capsys):
+    """The 7B recipe's header: 4 GPUs train (ZeRO-3) while a vLLM server on the other 4 samples ahead."""
+    split = ["--vllm_mode", "server", "--max_staleness", "2", "--plan_gpus", "4"]
+    assert cli(["--config", "recipes/appworld/qwen2.5-7b-instruct.yaml", *split, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("FITS") and "4 GPUs x 80 GiB, ZeRO-3" in out
+    assert "vLLM reservation" not in out and "--max-loras 3" in out
+
+
 @pytest.mark.parametrize(
     ("flags", "knob"),
     [

@@ -46,6 +46,14 @@ def test_overlap_needs_a_generator_holding_its_own_weights():
     assert problems(config(max_staleness=8), Launch(num_processes=2, generator=Generator.OWN_WEIGHTS)) == []
 
 
+def test_several_versions_on_a_server_need_lora_adapters():
+    server = config(max_staleness=2, use_vllm=True, vllm_mode="server")
+    refused(server, Launch(generator=Generator.BUILT_IN, lora=False), "train an adapter (use_peft: true)")
+    assert problems(server, Launch(generator=Generator.BUILT_IN, lora=True)) == []
+    assert problems(server, Launch(generator=Generator.BUILT_IN)) == []  # not known yet: the trainer checks again
+    assert problems(config(max_staleness=1, use_vllm=True, vllm_mode="server"), Launch(lora=False)) == []
+
+
 def test_activation_offloading_needs_a_gpu():
     keys = config()
     keys.activation_offloading = True
@@ -105,4 +113,4 @@ def test_zero3_on_several_processes_cannot_sample_with_the_training_model():
 
 
 def test_each_rule_has_its_test_above():
-    assert len(RULES) == 9, "a rule was added or removed: give it its test in this file, then update this count"
+    assert len(RULES) == 10, "a rule was added or removed: give it its test in this file, then update this count"
