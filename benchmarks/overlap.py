@@ -17,6 +17,11 @@ and the bound the synchronous run's own phases set: (its iteration) / (its longe
         --out benchmarks/results/overlap-cpu-balanced.json                  # an update as long as the collection
     .vllm-venv/bin/python -m benchmarks.overlap --recipe recipes/smollm2-135m-contacts.yaml \
         --model-dir ~/.cache/loop_trainer/models/smollm2-135m-instruct-0.1.2   # ~4 min an iteration on 2 cores
+    .vllm-venv/bin/python -m benchmarks.overlap --processes 2 --staleness 0 1 2 --trainer-cores 1 \
+        --out benchmarks/results/overlap-cpu-2-processes.json    # 2 training processes (torchrun, gloo, DDP)
+
+With ``--processes N`` each mode is a ``torch.distributed.run`` launch of N training processes (DDP over gloo),
+all pinned to ``--trainer-cores``, each collecting its share of every batch from the one server.
 """
 
 from __future__ import annotations
@@ -91,7 +96,13 @@ def wait_for(url: str, process: subprocess.Popen, log: Path, timeout: float = 60
 
 
 def run_mode(
-    model_dir: str, url: str, staleness: int, iterations: int, workdir: Path, ppo_epochs: int = 2
+    model_dir: str,
+    url: str,
+    staleness: int,
+    iterations: int,
+    workdir: Path,
+    ppo_epochs: int = 2,
+    distributed: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
@@ -115,6 +126,7 @@ def run_mode(
         memory_stress_test=False,
         viewer_rollouts_per_iteration=0,
         **{**DEMO, "ppo_epochs": ppo_epochs},
+        **(distributed or {}),
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir).float()
     from peft import LoraConfig
@@ -126,6 +138,50 @@ def run_mode(
     started = time.perf_counter()
     trainer.train()
     return summary(staleness, trainer.history, time.perf_counter() - started)
+
+
+def run_processes(
+    processes: int,
+    cores: str,
+    model_dir: str,
+    url: str,
+    staleness: int,
+    iterations: int,
+    workdir: Path,
+    ppo_epochs: int,
+) -> dict[str, Any]:
+    """:func:`run_mode` as ``processes`` training processes (torchrun, gloo), pinned to ``cores``; rank 0's summary."""
+    from loop_trainer.net import free_local_port
+
+    where = workdir / f"processes-{staleness}"
+    where.mkdir(parents=True, exist_ok=True)
+    job = {"model_dir": model_dir, "url": url, "staleness": staleness, "iterations": iterations}
+    job |= {"workdir": str(where), "ppo_epochs": ppo_epochs}
+    command = ["taskset", "-c", cores, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node"]
+    command += [str(processes), "--master_addr", "127.0.0.1", "--master_port", str(free_local_port())]
+    command += ["-m", "benchmarks.overlap", "--worker", json.dumps(job)]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    started = time.perf_counter()
+    subprocess.run(command, check=True, env=environment)
+    result = json.loads((where / "summary.json").read_text())
+    result["launch_seconds"] = time.perf_counter() - started  # with the processes' start-up and model loading
+    return result
+
+
+def worker(job: dict[str, Any]) -> None:
+    """One training process of :func:`run_processes` (its process group set up before the config)."""
+    import torch
+    from accelerate import PartialState
+
+    torch.set_num_threads(1)
+    state = PartialState(cpu=True, backend="gloo")
+    distributed = {"accelerator_config": {"use_configured_state": True}}
+    workdir = Path(job["workdir"])
+    result = run_mode(
+        job["model_dir"], job["url"], job["staleness"], job["iterations"], workdir, job["ppo_epochs"], distributed
+    )
+    if state.is_main_process:
+        (workdir / "summary.json").write_text(json.dumps({**result, "num_processes": state.num_processes}))
 
 
 def server_flags(url: str, sync_dir: Path, staleness: int) -> dict[str, Any]:
@@ -210,8 +266,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--server-core", type=int, default=0)
     parser.add_argument("--trainer-core", type=int, default=1)
+    parser.add_argument("--processes", type=int, default=1, help="training processes (torchrun, gloo, DDP)")
+    parser.add_argument(
+        "--trainer-cores",
+        default=None,
+        help="with --processes: the cores they share, as taskset lists them (default: --trainer-core)",
+    )
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1], help="the max_staleness of each mode")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # a training process of --processes (JSON job)
     parser.add_argument("--out", type=Path)
     options = parser.parse_args(argv)
+    if options.worker:
+        worker(json.loads(options.worker))
+        return
     os.sched_setaffinity(0, {options.trainer_core})  # before any thread: they all inherit it
     import torch
 
@@ -241,6 +308,11 @@ def main(argv: list[str] | None = None) -> None:
             lora_rank, max_model_len = 8, 512
 
             def run(staleness: int, iterations: int, where: Path) -> dict[str, Any]:
+                if options.processes > 1:
+                    cores = options.trainer_cores or str(options.trainer_core)
+                    return run_processes(
+                        options.processes, cores, model_dir, url, staleness, iterations, where, options.ppo_epochs
+                    )
                 return run_mode(model_dir, url, staleness, iterations, where, options.ppo_epochs)
 
         port, log = free_local_port(), workdir / "server.log"
@@ -250,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
             wait_for(url, server, log)
             # a discarded iteration first: the server's first requests and adapter load would land on one mode
             run(0, 1, workdir / "warm-up")
-            runs = [run(staleness, options.iterations, workdir) for staleness in (0, 1)]
+            runs = [run(staleness, options.iterations, workdir) for staleness in options.staleness]
         except Exception:
             print(f"the vLLM server's log ends:\n{log.read_text()[-60000:]}", file=sys.stderr)
             raise
@@ -262,9 +334,17 @@ def main(argv: list[str] | None = None) -> None:
         "workload": options.recipe
         or f"the demo's shape, tiny-instruct:vault with LoRA r=8, {options.ppo_epochs} PPO epochs",
         "software": software(("torch", "vllm", "transformers", "trl"), host=True, checkout=True),
-        "cores": {"server": options.server_core, "trainer": options.trainer_core},
+        "cores": {
+            "server": options.server_core,
+            "trainer": options.trainer_cores if options.processes > 1 else options.trainer_core,
+        },
+        "num_processes": options.processes,
         "runs": runs,
         "speedup": runs[1]["iterations_per_hour"] / runs[0]["iterations_per_hour"],
+        # every overlapped mode against the synchronous one (runs[0] is the first --staleness, 0 by default)
+        "speedups": {
+            str(mode["max_staleness"]): mode["iterations_per_hour"] / runs[0]["iterations_per_hour"] for mode in runs
+        },
         # the same ratio per sampled token: the two modes' policies differ, and so does their work
         "speedup_per_sampled_token": (runs[1]["sampled_tokens"] / runs[1]["wall_seconds"])
         / (runs[0]["sampled_tokens"] / runs[0]["wall_seconds"]),
