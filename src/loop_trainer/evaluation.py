@@ -21,7 +21,7 @@ from .chat import ChatFormatter
 from .config import EpisodeSettings
 from .envs.base import Environment, load_tasks
 from .rollout import GenerationBackend, RolloutEngine, mix_seed
-from .rollout.sharding import collect_across_processes
+from .rollout.sharding import collect_share, gather_shares
 from .trajectory import Trajectory
 from .viewer import write_viewer
 
@@ -117,7 +117,7 @@ class Evaluator:
             description = f"evaluation on {split}" + (
                 f" ({k + 1}/{rollouts_per_task})" if rollouts_per_task > 1 else ""
             )
-            batch = collect_across_processes(
+            share = collect_share(
                 self.engine,
                 tasks,
                 1,
@@ -126,6 +126,7 @@ class Evaluator:
                 seed=None if seed is None else mix_seed(seed, k),
                 description=description,
             )
+            batch = gather_shares(share, self.num_processes)
             for trajectory in sorted((*batch.trajectories, *batch.failed), key=lambda t: t.group):
                 trajectory.rollout = k
                 rows.append(evaluation_row(trajectory))

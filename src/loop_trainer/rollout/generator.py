@@ -157,11 +157,6 @@ class RolloutGenerator:
         self.keep_versions = keep_versions
         self._version = -1
 
-    @property
-    def version(self) -> int:
-        """The policy version last synced (-1: none yet)."""
-        return self._version
-
     def sampler(self, version: int) -> GenerationBackend:
         """What samples a batch queued under policy ``version``: that version's view when the generator holds
         several (``keep_versions``), else the generator itself, which must hold that version now."""

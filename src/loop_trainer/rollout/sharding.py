@@ -20,36 +20,6 @@ from .backend import GenerationBackend
 from .engine import RolloutBatch, RolloutEngine
 
 
-def collect_across_processes(
-    engine: RolloutEngine,
-    tasks: Sequence[Mapping[str, Any]],
-    rollouts_per_task: int,
-    *,
-    num_processes: int,
-    process_index: int,
-    seed: int | None,
-    description: str,
-    max_failed_fraction: float = 1.0,
-    done_fraction: float = 1.0,
-    task_fraction: float = 1.0,
-) -> RolloutBatch:
-    """Run ``rollouts_per_task`` episodes of this process's tasks; return everyone's, with each
-    trajectory's ``group`` set to its task's index in ``tasks``."""
-    share = collect_share(
-        engine,
-        tasks,
-        rollouts_per_task,
-        num_processes=num_processes,
-        process_index=process_index,
-        seed=seed,
-        description=description,
-        max_failed_fraction=max_failed_fraction,
-        done_fraction=done_fraction,
-        task_fraction=task_fraction,
-    )
-    return gather_shares(share, num_processes)
-
-
 def collect_share(
     engine: RolloutEngine,
     tasks: Sequence[Mapping[str, Any]],

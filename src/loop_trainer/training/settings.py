@@ -4,7 +4,7 @@ can be built and tested from its settings alone and mypy checks every key it rea
 
     LOOPConfig ──▶ update_settings      ──▶ PolicyUpdate            (training/update.py)
                ──▶ generator_settings   ──▶ build_generator         (rollout/generator.py)
-               ──▶ collection_settings  ──▶ the iteration's rollouts (collect_across_processes)
+               ──▶ collection_settings  ──▶ the iteration's rollouts (collect_share)
                ──▶ episode_settings     ──▶ the rollout engine and the Evaluator (rollout_resources.py)
                ──▶ evaluation_settings  ──▶ periodic evaluation (LOOPTrainer.evaluate_policy)
                ──▶ start_settings, optimizer_hyperparameters, recorded_keys ──▶ resume (training/resume.py)

@@ -49,7 +49,7 @@ from ..evaluation import Evaluator, write_evaluation_viewer
 from ..publishing.publisher import HubPublisher
 from ..rollout import GenerationBackend, RolloutBatch, RolloutEngine, TransformersBackend, mix_seed
 from ..rollout.generator import RolloutGenerator, build_generator, require_vllm
-from ..rollout.sharding import collect_across_processes, collect_share, gather_shares
+from ..rollout.sharding import collect_share, gather_shares
 from ..rollout.weight_sync import is_peft
 from .activation_checkpointing import (
     activation_offloading,
@@ -511,20 +511,7 @@ class LOOPTrainer(Trainer):
     ) -> RolloutBatch:
         """This process's share of iteration ``iteration``'s batch, sampled by ``sampler``; on the collection
         thread, so no collective (the shares are gathered when the batch is taken)."""
-        settings = self.collection_settings
-        return collect_share(
-            self.rollout_engine,
-            tasks,
-            settings.rollouts_per_task,
-            num_processes=self.accelerator.num_processes,
-            process_index=self.accelerator.process_index,
-            seed=mix_seed(settings.seed, iteration),
-            description=f"iteration {iteration + 1} rollouts",
-            max_failed_fraction=settings.max_failed_fraction,
-            backend=sampler,
-            done_fraction=settings.early_stop_done_fraction,
-            task_fraction=settings.early_stop_task_fraction,
-        )
+        return self._share(tasks, iteration, sampler=sampler)
 
     def update_policy(self, samples: list[TrainingSample]) -> dict[str, float]:
         """The policy update of the current iteration on ``samples`` (see :class:`PolicyUpdate`)."""
@@ -592,21 +579,35 @@ class LOOPTrainer(Trainer):
         """Every process runs the episodes of its share of the tasks; all then see all results.
         ``collection_round``: the iteration's round of dynamic sampling (0: its first, LOOP's only).
         ``iteration`` (0-based; default: the one being trained): whose seed and label the rollouts get."""
-        settings = self.collection_settings
         step = self.state.global_step if iteration is None else iteration
+        return gather_shares(self._share(tasks, step, collection_round), self.accelerator.num_processes)
+
+    def _share(
+        self,
+        tasks: list[Mapping[str, Any]],
+        iteration: int,
+        collection_round: int = 0,
+        sampler: GenerationBackend | None = None,
+    ) -> RolloutBatch:
+        """This process's share of iteration ``iteration``'s rollouts (round ``collection_round``), sampled by
+        ``sampler`` (default: the generator); no collective."""
+        settings = self.collection_settings
         seed = (
-            mix_seed(settings.seed, step) if collection_round == 0 else mix_seed(settings.seed, step, collection_round)
+            mix_seed(settings.seed, iteration)
+            if collection_round == 0
+            else mix_seed(settings.seed, iteration, collection_round)
         )
-        return collect_across_processes(
+        return collect_share(
             self.rollout_engine,
             tasks,
             settings.rollouts_per_task,
             num_processes=self.accelerator.num_processes,
             process_index=self.accelerator.process_index,
             seed=seed,
-            description=f"iteration {step + 1} rollouts"
+            description=f"iteration {iteration + 1} rollouts"
             + (f" (round {collection_round + 1})" if collection_round else ""),
             max_failed_fraction=settings.max_failed_fraction,
+            backend=sampler,
             done_fraction=settings.early_stop_done_fraction,
             task_fraction=settings.early_stop_task_fraction,
         )
