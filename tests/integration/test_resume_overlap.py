@@ -94,3 +94,37 @@ def test_overlap_on_two_processes_killed_resumes_to_the_same_weights(
     assert [[m[k] for k in keys] for m in metrics(tmp_path)] == [
         [m[k] for k in keys] for m in metrics(overlapped_on_two_processes)
     ]
+
+
+PARTIAL = ("--max-staleness", "1", "--partial", "--iterations", "4")
+
+
+@pytest.fixture(scope="module")
+def partial(instruct_model, tmp_path_factory):
+    """Partial rollouts: each batch is cut at half its new episodes, and the straggling half's groups are carried
+    into the next batch (tests/support/fault_driver.py: they end when a checkpoint finishes them)."""
+    output = tmp_path_factory.mktemp("partial")
+    result = drive(instruct_model, output, *PARTIAL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output
+
+
+@pytest.mark.slow
+def test_partial_rollouts_killed_resume_with_the_carried_episodes_of_the_checkpoint(instruct_model, partial, tmp_path):
+    """A checkpoint holds the groups running past the last cut, run to their end (a running environment cannot be
+    saved; the run that goes on trains the same ones), beside the batch in flight: the resumed run trains them."""
+    history = metrics(partial)
+    # Batch 1 is cut during update 0, before checkpoint 1 finishes the stragglers of batches 0 and 1; those join
+    # batch 2 (8 new + 16 carried), and from then on each checkpoint finishes the stragglers of one batch.
+    assert [m["num_rollouts"] for m in history] == [8.0, 8.0, 24.0, 16.0]
+    assert [m["carried_episodes"] for m in history] == [8.0, 16.0, 8.0, 8.0]
+    assert [m["policy_staleness_max"] for m in history] == [0.0, 1.0, 2.0, 2.0]  # carried: trained a step later
+    killed = drive(instruct_model, tmp_path, *PARTIAL, "--kill-in", "update", "--kill-at", "3")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    carried = torch.load(tmp_path / "checkpoint-2" / "carried_episodes.pt", weights_only=False)["groups"]
+    assert [(g["iteration"], g["task_index"], len(g["ended"])) for g in carried] == [(2, 2, 4), (2, 3, 4)]
+    resumed = drive(instruct_model, tmp_path, *PARTIAL, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(partial, tmp_path)
+    keys = ("reward_mean", "num_rollouts", "num_kept", "optimizer_steps", "policy_staleness", "sampled_tokens")
+    assert [[m[k] for k in keys] for m in metrics(tmp_path)] == [[m[k] for k in keys] for m in history]

@@ -5,13 +5,18 @@ It SIGKILLs itself at the named moment of iteration N (no clean-up of any kind r
 sampling's second collection round starts; ``collected``: once the batch the iteration trains on is complete, before
 its update), then the test resumes it. ``--max-staleness 1`` samples on a
 generator holding its own copy of the weights (tests/support/apart.py), overlapped with the update; above 1, one
-holding a copy per policy version."""
+holding a copy per policy version. ``--partial`` turns partial rollouts on, with a cut at half of each batch's
+new episodes: the second half of each process's share of a batch straggles (its first step waits until a
+checkpoint finishes the episodes in flight), so every batch carries those groups into the next, through a
+checkpoint."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import signal
+import threading
+import time
 
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM
@@ -28,6 +33,42 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def straggle(env: VaultEnv, share: int) -> None:
+    """The second half of the episodes each process starts for a batch (``share``: its episodes of one batch)
+    straggle: their first step returns only once a checkpoint finishes the episodes in flight. So each batch's cut
+    (half of its new episodes) falls at the same place in every run, and the carried groups end the same way."""
+    from loop_trainer.rollout.partial import ContinuingCollection
+
+    finishing = threading.Event()
+    finish = ContinuingCollection.finish_in_flight
+
+    def finish_in_flight(self):
+        finishing.set()
+        try:
+            finish(self)
+        finally:
+            finishing.clear()
+
+    ContinuingCollection.finish_in_flight = finish_in_flight
+    started, make_episode = iter(range(10**6)), env.episode
+
+    def episode(task):
+        made, straggler = make_episode(task), next(started) % share >= share // 2
+        step, steps = made.step, []
+
+        def step_after_the_checkpoint(reply):
+            steps.append(reply)
+            deadline = time.monotonic() + 60
+            while straggler and len(steps) == 1 and not finishing.is_set() and time.monotonic() < deadline:
+                time.sleep(0.002)
+            return step(reply)
+
+        made.step = step_after_the_checkpoint
+        return made
+
+    env.episode = episode
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -39,6 +80,7 @@ def main() -> None:
     parser.add_argument("--dynamic-sampling-rounds", type=int, default=0)
     parser.add_argument("--rollouts-per-task", type=int, default=4)
     parser.add_argument("--max-staleness", type=int, default=0)
+    parser.add_argument("--partial", action="store_true")
     options = parser.parse_args()
 
     distributed = {}
@@ -58,6 +100,11 @@ def main() -> None:
         rollouts_per_task=options.rollouts_per_task,
         dynamic_sampling_rounds=options.dynamic_sampling_rounds,
         max_staleness=options.max_staleness,
+        **(
+            {"partial_rollouts": True, "early_stop_done_fraction": 0.5, "early_stop_task_fraction": 0.0}
+            if options.partial
+            else {}
+        ),
         minibatch_size=8,
         max_turns=6,
         max_new_tokens_per_turn=4,
@@ -85,6 +132,8 @@ def main() -> None:
         apart = VersionedApartBackend if options.max_staleness > 1 else ApartBackend
         backend = apart(model, stop_token_ids=stop, pad_token_id=tokenizer.pad_token_id, max_batch_size=1)
     trainer = LOOPTrainer(model, env, args, processing_class=tokenizer, generation_backend=backend)
+    if options.partial:
+        straggle(env, TASKS_PER_ITERATION // PartialState().num_processes * options.rollouts_per_task)
     at_kill_iteration = lambda: trainer.state.global_step + 1 == options.kill_at  # noqa: E731
 
     if options.kill_in == "rollouts":

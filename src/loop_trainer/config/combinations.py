@@ -105,6 +105,23 @@ def _several_versions_on_a_server_need_adapters(config: LOOPConfig, launch: Laun
     return None
 
 
+def _partial_rollouts_need_overlap_and_a_cut(config: LOOPConfig, launch: Launch) -> str | None:
+    if not config.partial_rollouts:
+        return None
+    if not config.max_staleness:
+        return (
+            "partial_rollouts continues the episodes running at a batch's cut while the update runs, on the "
+            "overlapped collection: set max_staleness: 1 or more, or partial_rollouts: false"
+        )
+    if config.early_stop_done_fraction >= 1 and config.early_stop_task_fraction >= 1:
+        return (
+            "partial_rollouts carries the episodes running at a batch's straggler cut into the next batch, and "
+            "with early_stop_done_fraction and early_stop_task_fraction at 1.0 every episode is waited for: set "
+            "early_stop_done_fraction: 0.9 (the paper's), or partial_rollouts: false"
+        )
+    return None
+
+
 def _offloading_needs_a_gpu(config: LOOPConfig, launch: Launch) -> str | None:
     if config.activation_offloading and (config.use_cpu or not launch.cuda):
         return (
@@ -172,6 +189,7 @@ RULES: tuple[Rule, ...] = (
     _overlap_with_dynamic_sampling,
     _overlap_needs_a_generator_with_its_own_weights,
     _several_versions_on_a_server_need_adapters,
+    _partial_rollouts_need_overlap_and_a_cut,
     _offloading_needs_a_gpu,
     _compile_needs_static,
     _transformers_parts_with_vllm,

@@ -133,6 +133,13 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
             "iterations a batch's behaviour policy may lag the policy it trains (0: synchronous LOOP)",
         ),
     )
+    partial_rollouts: bool = setting(
+        False,
+        "Partial rollouts (with max_staleness and a straggler cut, early_stop_done_fraction below 1): the groups "
+        "still running at a batch's cut are carried whole into the next batch, instead of their stragglers being "
+        "cancelled; their next turns are sampled by the newest policy, each token weighted by its own sampler's "
+        "log-prob. An episode spanning more than max_staleness policy versions is dropped and counted.",
+    )
     dynamic_sampling_rounds: int = setting(
         0,
         "Dynamic sampling (DAPO): up to this many extra rounds of new tasks until the "

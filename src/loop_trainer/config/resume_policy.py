@@ -87,6 +87,7 @@ _COMPARED = (
     "sampler_importance_cap",
     "dynamic_sampling_rounds",
     "max_staleness",
+    "partial_rollouts",
 )
 _APPLIED = (
     # the optimizer's hyperparameters and the scheduler's base rates (restored from the checkpoint)

@@ -86,14 +86,20 @@ async def collect_batch(
         num_cancelled=len(pending),
         seconds=time.perf_counter() - started,
     )
-    num_run = len(ordered)
+    check_failure_budget(batch, max_failed_fraction)
+    return batch
+
+
+def check_failure_budget(batch: RolloutBatch, max_failed_fraction: float) -> None:
+    """Raise :class:`RolloutFailureBudgetExceeded` if more than ``max_failed_fraction`` of the batch's rollouts
+    failed: training on the survivors would lean towards whatever does not crash."""
+    num_run = len(batch.trajectories) + len(batch.failed)
     if batch.failed and len(batch.failed) > max_failed_fraction * num_run:
         errors = Counter(t.error for t in batch.failed).most_common(1)[0]
         raise RolloutFailureBudgetExceeded(
             f"{len(batch.failed)} of {num_run} rollouts failed (budget {max_failed_fraction:.0%}); "
             f"most common error ({errors[1]}x): {errors[0]}"
         )
-    return batch
 
 
 def run_coroutine(coroutine: Coroutine[Any, Any, T]) -> T:

@@ -28,7 +28,8 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol, TypeVar
 
 from ..chat import ChatFormatter
 from ..envs.base import Environment, Episode, EpisodeContractError, Message, Reply, Step, as_score, check_messages
@@ -36,10 +37,20 @@ from ..trajectory import Trajectory
 from .backend import Completion, GenerationBackend
 from .collection import collect_batch, run_coroutine
 from .env_threads import AbandonedCalls, EnvThreads, EpisodeCalls, deliver
-from .records import MAX_CHARS_PER_TOKEN, EpisodeLimits, GenerationError, RolloutBatch, mix_seed
+from .records import MAX_CHARS_PER_TOKEN, DroppedEpisode, EpisodeLimits, GenerationError, RolloutBatch, mix_seed
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class TurnPolicy(Protocol):
+    """What samples each turn of an episode that may outlive a weight update (partial rollouts:
+    :class:`~.partial.PolicyGate`)."""
+
+    def turn(self, versions: Sequence[int]) -> AbstractAsyncContextManager[tuple[GenerationBackend, int]]:
+        """The backend and policy version for the next turn of an episode whose turns so far were sampled by
+        ``versions``; held while the turn is sampled. May raise :class:`DroppedEpisode`."""
+        ...
 
 
 class RolloutEngine:
@@ -165,10 +176,12 @@ class RolloutEngine:
         seed: int | None = None,
         *,
         backend: GenerationBackend | None = None,
+        policy: TurnPolicy | None = None,
     ) -> Trajectory:
-        """One episode, start to score, sampled by ``backend`` (default: the engine's). Never raises except on
-        cancellation. With a ``seed``, turn t samples with seed ``mix_seed(seed, t)`` whatever else runs at the
-        same time."""
+        """One episode, start to score, sampled by ``backend`` (default: the engine's), or turn by turn by what
+        ``policy`` names (each turn's version recorded in ``turn_versions``; a :class:`DroppedEpisode` ends the
+        episode cancelled). Never raises except on cancellation. With a ``seed``, turn t samples with seed
+        ``mix_seed(seed, t)`` whatever else runs at the same time."""
         started = time.perf_counter()
         trajectory = Trajectory(task_id=str(task["task_id"]), group=group)
         episode: Episode | None = None
@@ -189,12 +202,14 @@ class RolloutEngine:
                 if room < 1:
                     trajectory.ending = "trajectory_budget"
                     break
-                completion = await self._generate(
-                    backend or self.backend,
-                    trajectory,
-                    min(self.limits.max_new_tokens_per_turn, room),
-                    None if seed is None else mix_seed(seed, turn),
-                )
+                max_new_tokens = min(self.limits.max_new_tokens_per_turn, room)
+                turn_seed = None if seed is None else mix_seed(seed, turn)
+                if policy is None:
+                    completion = await self._generate(backend or self.backend, trajectory, max_new_tokens, turn_seed)
+                else:
+                    async with policy.turn(trajectory.turn_versions) as (sampler, version):
+                        completion = await self._generate(sampler, trajectory, max_new_tokens, turn_seed)
+                    trajectory.turn_versions.append(version)
                 reply = Reply(
                     self.formatter.reply_text(completion.token_ids), completion.token_ids, trajectory.token_ids
                 )
@@ -220,6 +235,8 @@ class RolloutEngine:
         except asyncio.CancelledError:
             trajectory.status, trajectory.ending = "cancelled", "cancelled"
             raise
+        except DroppedEpisode as dropped:
+            trajectory.status, trajectory.ending, trajectory.error = "cancelled", "cancelled", f"dropped: {dropped}"
         except Exception as error:  # noqa: BLE001 - one bad episode must not kill the run
             trajectory.status, trajectory.ending = "failed", "error"
             trajectory.error = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__

@@ -66,6 +66,11 @@ class GenerationError(RuntimeError):
     """The generation backend failed twice for one turn."""
 
 
+class DroppedEpisode(Exception):
+    """An episode that continued across weight updates (partial rollouts) would span more policy versions than
+    allowed: it ends there, not trained on, and is counted."""
+
+
 def stream_seed(seed: int, index: int) -> int:
     """The ``torch.Generator`` seed of the ``index``-th draw of a run seeded ``seed``: the task order's
     passes (``TaskSampler``) and each iteration's minibatch shuffles (``PolicyUpdate``).
@@ -109,6 +114,10 @@ class RolloutBatch:
     failed: list[Trajectory] = field(default_factory=list)
     num_cancelled: int = 0
     seconds: float = 0.0
+    num_carried: int = 0
+    """Partial rollouts: this batch's episodes still running at its cut, carried with their groups into the next."""
+    num_dropped_stale: int = 0
+    """Partial rollouts: episodes of this batch's groups dropped for spanning more than ``max_staleness`` versions."""
 
     def stats(self) -> dict[str, float]:
         done = self.trajectories
@@ -124,6 +133,8 @@ class RolloutBatch:
             "num_rollouts": float(len(done)),
             "num_failed": float(len(self.failed)),
             "num_cancelled": float(self.num_cancelled),
+            "carried_episodes": float(self.num_carried),
+            "dropped_stale_episodes": float(self.num_dropped_stale),
             "reward_mean": mean,
             "reward_std": math.sqrt(var) if rewards else float("nan"),
             "success_rate": sum(successes) / len(successes) if successes else float("nan"),

@@ -36,7 +36,7 @@ def collect_share(
 ) -> RolloutBatch:
     """This process's share of the batch (its tasks' episodes, each trajectory's ``group`` its task's index
     in ``tasks``), sampled by ``backend`` (default: the engine's). No collective: safe on any thread."""
-    mine = list(range(process_index, len(tasks), num_processes))
+    mine = task_share(len(tasks), num_processes, process_index)
     batch = engine.collect(
         [tasks[i] for i in mine],
         rollouts_per_task,
@@ -51,6 +51,11 @@ def collect_share(
     for trajectory in (*batch.trajectories, *batch.failed):
         trajectory.group = mine[trajectory.group]
     return batch
+
+
+def task_share(num_tasks: int, num_processes: int, process_index: int) -> list[int]:
+    """The indices of the tasks whose episodes this process runs (round-robin)."""
+    return list(range(process_index, num_tasks, num_processes))
 
 
 def gather_shares(batch: RolloutBatch, num_processes: int) -> RolloutBatch:

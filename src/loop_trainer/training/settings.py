@@ -55,6 +55,9 @@ class CollectionSettings:
     max_failed_fraction: float
     early_stop_done_fraction: float
     early_stop_task_fraction: float
+    partial_rollouts: bool
+    """Carry the groups running at a batch's cut into the next one (:mod:`..rollout.partial`)."""
+    max_staleness: int
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,8 @@ def collection_settings(config: LOOPConfig) -> CollectionSettings:
         max_failed_fraction=config.max_failed_fraction,
         early_stop_done_fraction=config.early_stop_done_fraction,
         early_stop_task_fraction=config.early_stop_task_fraction,
+        partial_rollouts=config.partial_rollouts,
+        max_staleness=config.max_staleness,
     )
 
 

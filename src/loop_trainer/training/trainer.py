@@ -49,7 +49,8 @@ from ..evaluation import Evaluator, write_evaluation_viewer
 from ..publishing.publisher import HubPublisher
 from ..rollout import GenerationBackend, RolloutBatch, RolloutEngine, TransformersBackend, mix_seed
 from ..rollout.generator import RolloutGenerator, build_generator, require_vllm
-from ..rollout.sharding import collect_share, gather_shares
+from ..rollout.partial import CarriedGroup, ContinuingCollection, gather_carried, load_carried, save_carried
+from ..rollout.sharding import collect_share, gather_shares, task_share
 from ..rollout.weight_sync import is_peft
 from .activation_checkpointing import (
     activation_offloading,
@@ -230,6 +231,8 @@ class LOOPTrainer(Trainer):
         self.overlap = OverlappedRollouts(
             args.max_staleness, functools.partial(gather_shares, num_processes=self.accelerator.num_processes)
         )
+        self._continuing: ContinuingCollection | None = None  # partial_rollouts: opened at the first sync
+        self._restored_groups: list[CarriedGroup] = []  # partial_rollouts: from the checkpoint resumed
         self.rollout_resources = RolloutResources(
             env,
             self.formatter,
@@ -304,6 +307,9 @@ class LOOPTrainer(Trainer):
                 self.task_sampler.load_state_dict(state["task_sampler"])
             self.run_log.start(state["history"])
             self.overlap.load(resume_from_checkpoint)  # max_staleness: the batches that were in flight
+            self._restored_groups = load_carried(  # partial_rollouts: the groups carried past the last cut
+                resume_from_checkpoint, self.accelerator.num_processes, self.accelerator.process_index
+            )
             apply_setting_changes(
                 self._resume_changes,
                 optimizer_hyperparameters(self.args),
@@ -425,15 +431,18 @@ class LOOPTrainer(Trainer):
         iteration = self.state.global_step  # 0-based: the iteration being trained
         # max_staleness: collected ahead, during earlier updates, by an earlier policy (gathered here: a collective)
         ahead = self.overlap.take(iteration)
-        synced = self.generator.sync(iteration)
+        synced = self._sync_generator(iteration)
         if ahead is None:
             scored, version = self._collect_scored(iteration), iteration
         else:
             scored, version = self._score(lambda _round, _num_tasks: ahead[0]), ahead[1]
         if args.max_staleness:
-            tag_versions(scored.batch.trajectories, version)
+            if not args.partial_rollouts:  # partial rollouts record each turn's version as it is sampled
+                tag_versions(scored.batch.trajectories, version)
             self._queue_ahead(iteration)
         if not self.overlap.iterations:
+            if self._continuing is not None:  # the last batch is taken: nothing will train on what still runs
+                self._continuing.cancel_in_flight()
             self.generator.sleep()
         batch, advantages = scored.batch, scored.advantages
         trajectories = batch.trajectories
@@ -506,6 +515,25 @@ class LOOPTrainer(Trainer):
             self.overlap.start(ahead, iteration, functools.partial(self._collect_share, tasks, ahead, sampler))
         self.generator.release_versions_below(self.overlap.oldest_version(default=iteration))
 
+    def _sync_generator(self, version: int) -> dict[str, float]:
+        """Bring the generator to policy ``version`` (:meth:`RolloutGenerator.sync`). With partial rollouts the
+        episodes carried across batches keep running: their turns being sampled finish first, and their next ones
+        are sampled by the new policy."""
+        if not self.args.partial_rollouts:
+            return self.generator.sync(version)
+        if self._continuing is None:
+            self._continuing = ContinuingCollection(self.rollout_engine, max_span=self.args.max_staleness)
+            self._continuing.restore(self._restored_groups)
+            self._restored_groups = []
+        self._continuing.hold()
+        try:
+            synced = self.generator.sync(version)
+        except BaseException:
+            self._continuing.release()
+            raise
+        self._continuing.release(version, self.generator.sampler(version))
+        return synced
+
     def _collect_share(
         self, tasks: list[Mapping[str, Any]], iteration: int, sampler: GenerationBackend
     ) -> RolloutBatch:
@@ -564,6 +592,9 @@ class LOOPTrainer(Trainer):
         temporary files). The environment is its creator's to close. Safe to call twice; anything
         used afterwards is opened again."""
         self.overlap.close()  # a collection in flight finishes first: it uses the generator
+        if self._continuing is not None:
+            self._continuing.close()
+            self._continuing = None
         self.rollout_resources.close()
 
     def __enter__(self) -> Self:
@@ -597,6 +628,24 @@ class LOOPTrainer(Trainer):
             if collection_round == 0
             else mix_seed(settings.seed, iteration, collection_round)
         )
+        description = f"iteration {iteration + 1} rollouts" + (
+            f" (round {collection_round + 1})" if collection_round else ""
+        )
+        if self._continuing is not None:  # partial rollouts: every turn sampled by the newest policy
+            mine = task_share(len(tasks), self.accelerator.num_processes, self.accelerator.process_index)
+            return self._continuing.collect(
+                [tasks[i] for i in mine],
+                settings.rollouts_per_task,
+                iteration=iteration,
+                task_indices=mine,
+                num_tasks=len(tasks),
+                seed=seed,
+                done_fraction=settings.early_stop_done_fraction,
+                task_fraction=settings.early_stop_task_fraction,
+                max_failed_fraction=settings.max_failed_fraction,
+                description=description,
+                show_progress=self.rollout_engine.show_progress,
+            )
         return collect_share(
             self.rollout_engine,
             tasks,
@@ -604,8 +653,7 @@ class LOOPTrainer(Trainer):
             num_processes=self.accelerator.num_processes,
             process_index=self.accelerator.process_index,
             seed=seed,
-            description=f"iteration {iteration + 1} rollouts"
-            + (f" (round {collection_round + 1})" if collection_round else ""),
+            description=description,
             max_failed_fraction=settings.max_failed_fraction,
             backend=sampler,
             done_fraction=settings.early_stop_done_fraction,
@@ -623,7 +671,7 @@ class LOOPTrainer(Trainer):
         if split is None:
             raise ValueError("LOOPTrainer.evaluate_policy(): give a split, or set args.eval_split")
         self.overlap.wait()  # max_staleness: the next batch is sampled by the policy before this sync
-        synced = self.generator.sync(step)  # the generator samples the policy being evaluated
+        synced = self._sync_generator(step)  # the generator samples the policy being evaluated
         result = self.evaluator.run(
             split,
             rollouts_per_task=settings.rollouts_per_task,
@@ -668,6 +716,7 @@ class LOOPTrainer(Trainer):
             }
 
         self.overlap.settle()  # max_staleness: the batches in flight belong to the checkpoint (gathered: collective)
+        carried = self._carried_for_checkpoint()
         with self.checkpoints.staged(
             super()._get_output_dir(trial=trial),
             self.state.global_step,
@@ -677,6 +726,15 @@ class LOOPTrainer(Trainer):
             super()._save_checkpoint(model=model, trial=trial)
             if self.is_world_process_zero():
                 self.overlap.save(Path(staging) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+                save_carried(carried, Path(staging) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+
+    def _carried_for_checkpoint(self) -> list[CarriedGroup]:
+        """Partial rollouts: the groups carried past the last cut, every process's, their episodes run to the end
+        (a running episode cannot be saved; the run that goes on trains the same ones). A collective."""
+        if self._continuing is None:
+            return []
+        self._continuing.finish_in_flight()
+        return gather_carried(self._continuing.carried(), self.accelerator.num_processes)
 
     def resume_settings(self) -> dict[str, Any]:
         """The settings an exact resume depends on, as recorded in every checkpoint (:mod:`.resume`)."""

@@ -112,5 +112,14 @@ def test_zero3_on_several_processes_cannot_sample_with_the_training_model():
     assert problems(config(use_vllm=True, vllm_mode="server"), Launch(2, 3, generator=Generator.BUILT_IN)) == []
 
 
+def test_partial_rollouts_need_an_overlapped_collection_and_a_straggler_cut():
+    with pytest.raises(ConfigCombinationError, match="set max_staleness: 1 or more, or partial_rollouts: false"):
+        config(partial_rollouts=True, early_stop_done_fraction=0.9)
+    with pytest.raises(ConfigCombinationError, match="set early_stop_done_fraction: 0.9"):
+        config(partial_rollouts=True, max_staleness=1)
+    config(partial_rollouts=True, max_staleness=1, early_stop_done_fraction=0.9)
+    config(partial_rollouts=True, max_staleness=2, early_stop_task_fraction=0.75)
+
+
 def test_each_rule_has_its_test_above():
-    assert len(RULES) == 10, "a rule was added or removed: give it its test in this file, then update this count"
+    assert len(RULES) == 11, "a rule was added or removed: give it its test in this file, then update this count"

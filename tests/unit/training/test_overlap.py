@@ -296,3 +296,47 @@ def test_a_batch_of_mixed_versions_trains_on_each_tokens_own_behaviour_policy(va
     assert brute_force_loss(*(a.tolist() for a in args), 0.1, len(samples), weights=wrong.tolist()) != pytest.approx(
         step.loss, rel=1e-3
     )
+
+
+def test_partial_rollouts_carry_the_groups_running_at_the_cut_and_continue_them_with_the_next_policy(
+    vault_tiny, tmp_path, monkeypatch
+):
+    """Each batch's second task is a straggler: its episodes' first step waits for the generator's next policy.
+    The cut (half the new episodes) trains the first task's group and carries the second's, whose later turns are
+    sampled by the next policy: trained tokens lag the trained policy by 1 and 2 iterations."""
+    env, model, tok = vault_tiny
+    backend = ApartBackend(model, stop_token_ids=stop_token_ids(model, tok), pad_token_id=tok.pad_token_id)
+    pushes: list[int] = []
+    load = backend.load_weights
+    monkeypatch.setattr(backend, "load_weights", lambda weights: (load(weights), pushes.append(1)))
+    created = iter(range(10**6))
+    make_episode = env.episode
+
+    def episode(task):
+        made, straggler, pushes_at_start = make_episode(task), next(created) // 4 % 2 == 1, len(pushes)
+        step, steps = made.step, []
+
+        def slow_step(reply):
+            steps.append(reply)
+            deadline = time.monotonic() + 30
+            while straggler and len(steps) == 1 and len(pushes) == pushes_at_start and time.monotonic() < deadline:
+                time.sleep(0.002)
+            return step(reply)
+
+        made.step = slow_step
+        return made
+
+    monkeypatch.setattr(env, "episode", episode)
+    keys = {"max_staleness": 1, "partial_rollouts": True, "early_stop_done_fraction": 0.5}
+    args = config(tmp_path, iterations=5, early_stop_task_fraction=0.0, **keys)
+    trainer = LOOPTrainer(model, env, args, processing_class=tok, generation_backend=backend)
+    started = time.monotonic()
+    trainer.train()
+    assert time.monotonic() - started < 25  # no straggler was waited for until its deadline
+    history = trainer.history
+    first = history[0]  # collected in place: the first task's group trained, the straggler group carried
+    assert (first["num_rollouts"], first["carried_episodes"], first["policy_staleness_max"]) == (4.0, 4.0, 0.0)
+    assert all(r["num_cancelled"] == 0 and r["num_failed"] == 0 for r in history)
+    assert [r["policy_staleness_min"] for r in history[1:]] == [1.0] * 4
+    assert max(r["policy_staleness_max"] for r in history) == 2.0  # a carried turn by the policy before
+    assert sum(r["num_rollouts"] + r["dropped_stale_episodes"] for r in history[1:]) > 4 * 4  # stragglers trained
