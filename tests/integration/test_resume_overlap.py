@@ -1,6 +1,7 @@
 """Crash and resume of overlapped runs beyond one process and one step of staleness (docs/overlap.md):
 ``max_staleness: 2`` killed with two batches in flight, and ``max_staleness: 1`` on two training processes
-(torchrun, gloo, DDP) against one process, and killed and resumed. Apart from tests/integration/test_resume.py so
+(torchrun, gloo, DDP) against one process, and killed and resumed; partial rollouts killed with carried groups in
+the checkpoint, and on two processes against one. Apart from tests/integration/test_resume.py so
 the two files run on different test workers."""
 
 from __future__ import annotations
@@ -128,3 +129,18 @@ def test_partial_rollouts_killed_resume_with_the_carried_episodes_of_the_checkpo
     assert_same_weights(partial, tmp_path)
     keys = ("reward_mean", "num_rollouts", "num_kept", "optimizer_steps", "policy_staleness", "sampled_tokens")
     assert [[m[k] for k in keys] for m in metrics(tmp_path)] == [[m[k] for k in keys] for m in history]
+
+
+@pytest.mark.slow
+def test_partial_rollouts_on_two_processes_match_one(instruct_model, partial, tmp_path):
+    """Each process carries its own share's groups (and a checkpoint gathers them); the batches, gathered in task
+    order, are the one process's."""
+    result = drive(instruct_model, tmp_path, *PARTIAL, processes=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = metrics(partial), metrics(tmp_path)
+    keys = ("reward_mean", "num_rollouts", "carried_episodes", "num_kept", "policy_staleness", "sampled_tokens")
+    assert [[m[k] for k in keys] for m in two] == [[m[k] for k in keys] for m in one]
+    assert [m["loss"] for m in two] == pytest.approx([m["loss"] for m in one], abs=1e-5)
+    want, have = final_weights(partial), final_weights(tmp_path)
+    for name in want:
+        torch.testing.assert_close(have[name], want[name], rtol=0, atol=1e-5, msg=name)

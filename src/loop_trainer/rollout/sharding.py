@@ -69,6 +69,8 @@ def gather_shares(batch: RolloutBatch, num_processes: int) -> RolloutBatch:
         failed=_in_task_order([t for part in parts for t in part.failed]),
         num_cancelled=sum(part.num_cancelled for part in parts),
         seconds=max(part.seconds for part in parts),
+        num_carried=sum(part.num_carried for part in parts),
+        num_dropped_stale=sum(part.num_dropped_stale for part in parts),
     )
 
 
