@@ -35,11 +35,21 @@ from benchmarks.common import RESULTS, ROOT, command_line, software
 from benchmarks.overlap import server_flags, start_server, wait_for
 
 
-def run_one(seed: int, staleness: int, model_dir: str, options: argparse.Namespace) -> dict[str, Any]:
+def run_one(
+    seed: int,
+    staleness: int,
+    model_dir: str,
+    options: argparse.Namespace,
+    mode: str | None = None,
+    extra_flags: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One run of ``options.recipe`` for ``options.iterations`` on a fresh server serving ``model_dir``, with
+    ``max_staleness`` and the ``extra_flags`` added (``mode`` names the run: default ``staleness<k>``)."""
     from loop_trainer.cli.train import cli
     from loop_trainer.net import free_local_port
 
-    name = f"staleness{staleness}-seed{seed}"
+    mode = mode or f"staleness{staleness}"
+    name = f"{mode}-seed{seed}"
     run_dir = options.out / "runs" / name
     port = free_local_port()
     log = options.out / "runs" / f"{name}-server.log"
@@ -47,6 +57,7 @@ def run_one(seed: int, staleness: int, model_dir: str, options: argparse.Namespa
     server = start_server(model_dir, port, options.server_core, log, lora_rank=None)
     url = f"http://127.0.0.1:{port}"
     flags = {
+        **(extra_flags or {}),
         "config": options.recipe,
         "output_dir": run_dir,
         "model_name_or_path": model_dir,
@@ -69,6 +80,7 @@ def run_one(seed: int, staleness: int, model_dir: str, options: argparse.Namespa
         raise SystemExit(f"{name} failed ({code}): loop-train {' '.join(argv)}\nserver log: {log}")
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward_mean" in r and "iteration" in r]
     return {
+        "mode": mode,
         "max_staleness": staleness,
         "seed": seed,
         "seconds": seconds,
@@ -78,6 +90,12 @@ def run_one(seed: int, staleness: int, model_dir: str, options: argparse.Namespa
         "policy_staleness": [r.get("policy_staleness") for r in rows],
         "importance_capped_fraction": [r.get("importance_capped_fraction") for r in rows],
         "iteration_seconds": [r.get("seconds") for r in rows],
+        "rollout_seconds": [r.get("rollout_seconds") for r in rows],
+        "trained_rollouts": [r.get("num_rollouts") for r in rows],
+        "cancelled_rollouts": [r.get("num_cancelled") for r in rows],
+        "carried_episodes": [r.get("carried_episodes") for r in rows],
+        "dropped_stale_episodes": [r.get("dropped_stale_episodes") for r in rows],
+        "sampled_tokens": [r.get("sampled_tokens") for r in rows],
         "collapse_warnings": collapse_warnings(rows),
     }
 
