@@ -67,6 +67,10 @@ def summarize(runs: list[dict[str, Any]], last: int) -> list[dict[str, Any]]:
                 "success_by_seed": dict(zip([r["seed"] for r in mine], finals["success"], strict=True)),
                 "iterations_per_hour_mean": statistics.fmean(r["iterations_per_hour"] for r in mine),
                 "iterations_per_hour_by_seed": [round(r["iterations_per_hour"]) for r in mine],
+                # the median iteration after the first, per seed: a collapsed run's longer episodes show here
+                "iteration_seconds_median_by_seed": [
+                    round(statistics.median(r["iteration_seconds"][1:]), 2) for r in mine
+                ],
                 "trained_per_iteration": per_iteration("trained_rollouts"),
                 "cancelled_per_iteration": per_iteration("cancelled_rollouts"),
                 "carried_per_iteration": per_iteration("carried_episodes"),
@@ -80,15 +84,17 @@ def summarize(runs: list[dict[str, Any]], last: int) -> list[dict[str, Any]]:
 
 def markdown(table: list[dict[str, Any]], last: int) -> str:
     lines = [
-        f"| mode | iterations per hour | success, last {last} its | reward, last {last} its | success by seed | "
-        "episodes trained / cancelled / carried / dropped per iteration | policy staleness | collapse warnings |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| mode | iterations per hour | median s / iteration | success, last {last} its | reward, last {last} its | "
+        "success by seed | episodes trained / cancelled / carried / dropped per iteration | policy staleness | "
+        "collapse warnings |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in table:
         by_seed = ", ".join(f"{seed}: {value:.2f}" for seed, value in row["success_by_seed"].items())
         rates = ", ".join(map(str, row["iterations_per_hour_by_seed"]))
         lines.append(
             f"| {row['mode']} | {row['iterations_per_hour_mean']:.0f} ({rates}) | "
+            f"{', '.join(map(str, row['iteration_seconds_median_by_seed']))} | "
             f"{row['success_mean']:.3f} ± {row['success_std']:.3f} | "
             f"{row['reward_mean']:.3f} ± {row['reward_std']:.3f} | "
             f"{by_seed} | {row['trained_per_iteration']:.1f} / {row['cancelled_per_iteration']:.1f} / "
@@ -100,12 +106,13 @@ def markdown(table: list[dict[str, Any]], last: int) -> str:
     if "cut" in by_mode and "partial" in by_mode:
         cut, partial = by_mode["cut"], by_mode["partial"]
         ratio = partial["iterations_per_hour_mean"] / cut["iterations_per_hour_mean"]
-        separate = len(cut["seeds"]) > 1 and bands_separate(cut, partial)
-        notes.append(
-            f"partial / cut iterations per hour: {ratio:.2f}x; final success "
-            + ("separates beyond" if separate else "agrees within")
-            + " the seeds' spread (mean ± std bands)."
-        )
+        if len(cut["seeds"]) < 2:
+            spread = "one seed: no spread to compare the final success within"
+        elif bands_separate(cut, partial):
+            spread = "final success separates beyond the seeds' spread (mean ± std bands do not overlap)"
+        else:
+            spread = "final success agrees within the seeds' spread (mean ± std bands overlap)"
+        notes.append(f"partial / cut iterations per hour: {ratio:.2f}x; {spread}.")
     return "\n".join([*lines, "", *notes])
 
 

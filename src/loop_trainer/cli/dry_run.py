@@ -190,4 +190,9 @@ def overlap_note(args: LOOPConfig) -> str:
     )
     if k > 1 and args.use_vllm and args.vllm_mode == "server":
         note += f"; the server holds up to {k + 1} LoRA adapters at once: start it with --max-loras {k + 1}"
+    if args.partial_rollouts:
+        note += (
+            "; partial_rollouts: the groups running at each cut continue into the next batch, every turn sampled "
+            "by the newest policy, and a saving iteration first runs them to their end (carried_episodes.pt)"
+        )
     return note

@@ -274,6 +274,9 @@ def test_the_overlapped_32b_recipe_plans_its_server_and_checkpoints(capsys):
     assert cli([*recipe, "--use_peft", "false", "--dry-run"]) == 2  # full weights: one version on a server
     err = capsys.readouterr().err
     assert "use_peft: true" in err and "max_staleness: 1" in err and "Traceback" not in err
+    assert cli([*recipe, "--partial_rollouts", "true", "--dry-run"]) == 0  # the recipe sets the paper's cut
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("FITS") and "partial_rollouts: the groups running at each cut" in out
 
 
 def test_the_7b_recipe_split_over_its_node_plans_to_fit_overlapped(capsys):
