@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -150,13 +151,31 @@ def markdown(table: list[dict[str, Any]], last: int) -> str:
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    plot_success_curves(
+        runs,
+        path,
+        lambda run: f"max_staleness {run['max_staleness']}",
+        {"max_staleness 0": "tab:blue", "max_staleness 1": "tab:orange"},
+        "The demo recipe through a vLLM server: synchronous vs overlapped LOOP, one line per seed",
+    )
+
+
+def plot_success_curves(
+    runs: list[dict[str, Any]],
+    path: Path,
+    mode_of: Callable[[dict[str, Any]], str],
+    colours: dict[str, str],
+    title: str,
+) -> None:
+    """Each run's success (a trailing 5-iteration mean) against iterations and against wall-clock minutes, one
+    colour per mode (``mode_of(run)``), one line per seed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, (by_iteration, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colours = {0: "tab:blue", 1: "tab:orange"}
+    labelled: set[str] = set()
     for run in runs:
         success = [v if v is not None else float("nan") for v in run["success"]]
         window = 5  # a trailing mean: single iterations are noisy
@@ -165,8 +184,9 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         durations = [d or 0.0 for d in run["iteration_seconds"]]
         scale = run["seconds"] / (sum(durations) or 1.0)
         minutes = [scale * sum(durations[: i + 1]) / 60 for i in range(len(durations))]
-        label = f"max_staleness {run['max_staleness']}" if run["seed"] == min(r["seed"] for r in runs) else None
-        style = {"color": colours.get(run["max_staleness"]), "alpha": 0.8, "label": label}
+        mode = mode_of(run)
+        style = {"color": colours.get(mode), "alpha": 0.8, "label": None if mode in labelled else mode}
+        labelled.add(mode)
         by_iteration.plot(range(1, len(smooth) + 1), smooth, **style)
         by_time.plot(minutes, smooth, **style)
     by_iteration.set_xlabel("iteration")
@@ -175,7 +195,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         axis.set_ylabel("success rate (trailing 5-iteration mean)")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
-    figure.suptitle("The demo recipe through a vLLM server: synchronous vs overlapped LOOP, one line per seed")
+    figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -183,20 +203,35 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
 def write_results(options: argparse.Namespace, command: str, runs: list[dict[str, Any]]) -> str:
     table = summarize(runs, options.last)
     text = markdown(table, options.last)
+    # the seeds of the table: this command's and those of earlier commands whose runs joined it
+    record(options, "overlap_curves", command, table, text, runs, plot, seeds=str(sorted({r["seed"] for r in runs})))
+    return text
+
+
+def record(
+    options: argparse.Namespace,
+    name: str,
+    command: str,
+    table: list[dict[str, Any]],
+    text: str,
+    runs: list[dict[str, Any]],
+    plot: Callable[[list[dict[str, Any]], Path], None],
+    **option_overrides: str,
+) -> None:
+    """Write ``<name>.json`` (the command, the software, the cores, the options, the table and the runs),
+    ``<name>.md`` (``text``) and ``<name>.png`` (``plot``) into ``options.out``."""
     result = {
         "command": command,
         "software": software(("torch", "vllm", "transformers", "trl"), host=True, checkout=True),
         "cores": {"server": options.server_core, "trainer": options.trainer_core},
-        # the seeds of the table: this command's and those of earlier commands whose runs joined it
-        "options": {k: str(v) for k, v in vars(options).items() if k != "sync_root"}
-        | {"seeds": str(sorted({r["seed"] for r in runs}))},
+        "num_processes": 1,
+        "options": {k: str(v) for k, v in vars(options).items() if k != "sync_root"} | option_overrides,
         "table": table,
         "runs": runs,
     }
-    (options.out / "overlap_curves.json").write_text(json.dumps(result, indent=1))
-    (options.out / "overlap_curves.md").write_text(text + "\n")
-    plot(runs, options.out / "overlap_curves.png")
-    return text
+    (options.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    (options.out / f"{name}.md").write_text(text + "\n")
+    plot(runs, options.out / f"{name}.png")
 
 
 def main(argv: list[str] | None = None) -> None:

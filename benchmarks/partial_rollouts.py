@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.ablations import bands_separate, warmed_up_models
-from benchmarks.common import RESULTS, ROOT, command_line, software
-from benchmarks.overlap_curves import run_one
+from benchmarks.common import RESULTS, ROOT, command_line
+from benchmarks.overlap_curves import plot_success_curves, record, run_one
 
 CUT = {"early_stop_done_fraction": 0.9, "early_stop_task_fraction": 0.75}
 MODES: dict[str, dict[str, Any]] = {"cut": CUT, "partial": {**CUT, "partial_rollouts": "true"}, "wait": {}}
@@ -117,49 +117,14 @@ def markdown(table: list[dict[str, Any]], last: int) -> str:
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (by_iteration, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for run in runs:
-        success = [v if v is not None else float("nan") for v in run["success"]]
-        window = 5  # a trailing mean: single iterations are noisy
-        smooth = [statistics.fmean(success[max(0, i - window + 1) : i + 1]) for i in range(len(success))]
-        durations = [d or 0.0 for d in run["iteration_seconds"]]
-        scale = run["seconds"] / (sum(durations) or 1.0)
-        minutes = [scale * sum(durations[: i + 1]) / 60 for i in range(len(durations))]
-        first = run["seed"] == min(r["seed"] for r in runs if r["mode"] == run["mode"])
-        style = {"color": COLOURS.get(run["mode"]), "alpha": 0.8, "label": run["mode"] if first else None}
-        by_iteration.plot(range(1, len(smooth) + 1), smooth, **style)
-        by_time.plot(minutes, smooth, **style)
-    by_iteration.set_xlabel("iteration")
-    by_time.set_xlabel("wall-clock minutes (generator on core 0, trainer on core 1)")
-    for axis in (by_iteration, by_time):
-        axis.set_ylabel("success rate (trailing 5-iteration mean)")
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
-    figure.suptitle("The demo on heavy-tailed vault, max_staleness 1: the straggler cut vs partial rollouts, per seed")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    title = "The demo on heavy-tailed vault, max_staleness 1: the straggler cut vs partial rollouts, per seed"
+    plot_success_curves(runs, path, lambda run: run["mode"], COLOURS, title)
 
 
 def write_results(options: argparse.Namespace, command: str, runs: list[dict[str, Any]]) -> str:
     table = summarize(runs, options.last)
     text = markdown(table, options.last)
-    result = {
-        "command": command,
-        "software": software(("torch", "vllm", "transformers", "trl"), host=True, checkout=True),
-        "cores": {"server": options.server_core, "trainer": options.trainer_core},
-        "num_processes": 1,
-        "options": {k: str(v) for k, v in vars(options).items() if k != "sync_root"},
-        "table": table,
-        "runs": runs,
-    }
-    (options.out / "partial_rollouts.json").write_text(json.dumps(result, indent=1))
-    (options.out / "partial_rollouts.md").write_text(text + "\n")
-    plot(runs, options.out / "partial_rollouts.png")
+    record(options, "partial_rollouts", command, table, text, runs, plot)
     return text
 
 

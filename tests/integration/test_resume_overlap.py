@@ -70,11 +70,16 @@ def test_overlap_on_two_processes_matches_one(overlapped, overlapped_on_two_proc
     """Each process collects its share of the next batch on its own thread while the update (DDP, gloo) runs;
     the shares are gathered at the iteration boundary. The same tasks and seeds, so the same trajectories; the
     update is data-parallel, so the weights agree to float rounding."""
-    one, two = metrics(overlapped), metrics(overlapped_on_two_processes)
     keys = ("reward_mean", "num_rollouts", "num_kept", "optimizer_steps", "policy_staleness", "sampled_tokens")
+    assert_two_processes_match_one(overlapped, overlapped_on_two_processes, keys)
+
+
+def assert_two_processes_match_one(one_dir, two_dir, keys: tuple[str, ...]) -> None:
+    """The same metrics ``keys``, the losses and the final weights to 1e-5 (the update is data-parallel)."""
+    one, two = metrics(one_dir), metrics(two_dir)
     assert [[m[k] for k in keys] for m in two] == [[m[k] for k in keys] for m in one]
     assert [m["loss"] for m in two] == pytest.approx([m["loss"] for m in one], abs=1e-5)
-    want, have = final_weights(overlapped), final_weights(overlapped_on_two_processes)
+    want, have = final_weights(one_dir), final_weights(two_dir)
     for name in want:
         torch.testing.assert_close(have[name], want[name], rtol=0, atol=1e-5, msg=name)
 
@@ -137,10 +142,5 @@ def test_partial_rollouts_on_two_processes_match_one(instruct_model, partial, tm
     order, are the one process's."""
     result = drive(instruct_model, tmp_path, *PARTIAL, processes=2)
     assert result.returncode == 0, result.stderr[-3000:]
-    one, two = metrics(partial), metrics(tmp_path)
     keys = ("reward_mean", "num_rollouts", "carried_episodes", "num_kept", "policy_staleness", "sampled_tokens")
-    assert [[m[k] for k in keys] for m in two] == [[m[k] for k in keys] for m in one]
-    assert [m["loss"] for m in two] == pytest.approx([m["loss"] for m in one], abs=1e-5)
-    want, have = final_weights(partial), final_weights(tmp_path)
-    for name in want:
-        torch.testing.assert_close(have[name], want[name], rtol=0, atol=1e-5, msg=name)
+    assert_two_processes_match_one(partial, tmp_path, keys)

@@ -156,7 +156,11 @@ class ContinuingCollection:
         the policy before, e.g. when the change failed)."""
         self._run(self.gate.open(version, backend))
 
-    def collect(
+    def collect(self, tasks: Sequence[Mapping[str, Any]], rollouts_per_task: int, **kwargs: Any) -> RolloutBatch:
+        """Synchronous :meth:`collect_async`."""
+        return self._run(self.collect_async(tasks, rollouts_per_task, **kwargs))
+
+    async def collect_async(
         self,
         tasks: Sequence[Mapping[str, Any]],
         rollouts_per_task: int,
@@ -175,37 +179,7 @@ class ContinuingCollection:
         ``iteration``'s ``num_tasks``) and return iteration ``iteration``'s batch at the straggler cut (once
         ``done_fraction`` of the new episodes have ended and every new group has ``task_fraction`` of its own): the
         groups, new or carried in, whose episodes have all ended. Episode k of task index g samples with seed
-        ``mix_seed(seed, g, k)``, as :meth:`RolloutEngine.collect` does."""
-        return self._run(
-            self._collect(
-                tasks,
-                rollouts_per_task,
-                iteration,
-                task_indices,
-                num_tasks,
-                seed,
-                done_fraction,
-                task_fraction,
-                max_failed_fraction,
-                description,
-                show_progress,
-            )
-        )
-
-    async def _collect(
-        self,
-        tasks: Sequence[Mapping[str, Any]],
-        rollouts_per_task: int,
-        iteration: int,
-        task_indices: Sequence[int],
-        num_tasks: int,
-        seed: int | None,
-        done_fraction: float,
-        task_fraction: float,
-        max_failed_fraction: float,
-        description: str,
-        show_progress: bool,
-    ) -> RolloutBatch:
+        ``mix_seed(seed, g, k)``, as :meth:`RolloutEngine.collect` does. Runs on the collection's loop."""
         started = time.perf_counter()
         new = []
         for task, index in zip(tasks, task_indices, strict=True):
