@@ -725,8 +725,9 @@ class LOOPTrainer(Trainer):
         ) as staging:
             super()._save_checkpoint(model=model, trial=trial)
             if self.is_world_process_zero():
-                self.overlap.save(Path(staging) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-                save_carried(carried, Path(staging) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+                checkpoint = Path(staging) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+                self.overlap.save(checkpoint)
+                save_carried(carried, checkpoint)
 
     def _carried_for_checkpoint(self) -> list[CarriedGroup]:
         """Partial rollouts: the groups carried past the last cut, every process's, their episodes run to the end
