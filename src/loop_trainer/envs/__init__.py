@@ -42,6 +42,7 @@ from .base import (
     success_and_reward,
 )
 from .contacts import ContactsEnv
+from .errands import ErrandsEnv
 from .vault import VaultEnv
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "Score",
     "Step",
     "ContactsEnv",
+    "ErrandsEnv",
     "OpenEnvEnvironment",
     "TRLAgentEnvironment",
     "VaultEnv",
@@ -70,7 +72,7 @@ __all__ = [
     "success_and_reward",
 ]
 
-BUILTIN: dict[str, Callable[..., Environment]] = {"vault": VaultEnv, "contacts": ContactsEnv}
+BUILTIN: dict[str, Callable[..., Environment]] = {"vault": VaultEnv, "contacts": ContactsEnv, "errands": ErrandsEnv}
 ENTRY_POINT_GROUP = "loop_trainer.environments"
 
 
