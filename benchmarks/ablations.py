@@ -98,7 +98,9 @@ def warmed_up_models(recipe: str, seeds: list[int], out: Path) -> dict[int, str]
     env = make_environment(settings["environment"], **(settings.get("environment_kwargs") or {}))
     paths = {}
     for seed in seeds:
-        model, tokenizer = build_tiny_from_spec(settings["model_name_or_path"], env, seed=seed)
+        model, tokenizer = build_tiny_from_spec(
+            settings["model_name_or_path"], env, seed=seed, warm_up_steps=settings.get("tiny_instruct_steps")
+        )
         paths[seed] = str(out / "models" / f"seed{seed}")
         model.save_pretrained(paths[seed])
         tokenizer.save_pretrained(paths[seed])

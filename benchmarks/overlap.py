@@ -306,7 +306,9 @@ def main(argv: list[str] | None = None) -> None:
             def run(staleness: int, iterations: int, where: Path) -> dict[str, Any]:
                 return run_recipe_mode(options.recipe, model_dir, url, staleness, iterations, where)
         else:
-            model, tokenizer = build_tiny_from_spec("tiny-instruct:vault", VaultEnv(num_tasks=64), seed=0)
+            model, tokenizer = build_tiny_from_spec(
+                "tiny-instruct:vault", VaultEnv(num_tasks=64), seed=0, warm_up_steps=400
+            )
             model_dir = str(workdir / "model")
             model.save_pretrained(model_dir)
             tokenizer.save_pretrained(model_dir)

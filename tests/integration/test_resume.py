@@ -24,7 +24,7 @@ def save_instruct_model(path: Path) -> Path:
     from loop_trainer.envs import VaultEnv
     from loop_trainer.models.tiny import build_tiny_from_spec
 
-    model, tokenizer = build_tiny_from_spec("tiny-instruct:vault", VaultEnv(num_tasks=16), seed=0)
+    model, tokenizer = build_tiny_from_spec("tiny-instruct:vault", VaultEnv(num_tasks=16), seed=0, warm_up_steps=400)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

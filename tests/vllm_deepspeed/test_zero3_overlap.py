@@ -62,7 +62,7 @@ def test_overlap_on_two_zero3_processes_matches_one_process(tmp_path):
     from loop_trainer.envs import VaultEnv
     from loop_trainer.models.tiny import build_tiny_from_spec
 
-    model, tokenizer = build_tiny_from_spec("tiny-instruct:vault", VaultEnv(num_tasks=16), seed=0)
+    model, tokenizer = build_tiny_from_spec("tiny-instruct:vault", VaultEnv(num_tasks=16), seed=0, warm_up_steps=400)
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)

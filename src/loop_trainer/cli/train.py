@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from trl import ModelConfig, get_peft_config
 
@@ -46,9 +46,12 @@ __all__ = ["main", "make_parser", "cli"]
 logger = logging.getLogger("loop_trainer")
 
 
-def load_model_and_tokenizer(model_args: ModelConfig, training_args: LOOPConfig, env: Environment):
+def load_model_and_tokenizer(
+    model_args: ModelConfig, training_args: LOOPConfig, env: Environment, report: Callable[[str], None] | None = None
+):
     """A model id/path (loaded by the trainer, like TRL) or a ``tiny:<env>`` /
-    ``tiny-instruct:<env>`` spec (see :mod:`loop_trainer.models.tiny`)."""
+    ``tiny-instruct:<env>`` spec (see :mod:`loop_trainer.models.tiny`), whose warm-up reports its progress
+    to ``report``."""
     name = model_args.model_name_or_path
     if not name:
         raise RecipeError(
@@ -57,7 +60,14 @@ def load_model_and_tokenizer(model_args: ModelConfig, training_args: LOOPConfig,
         )
     if is_tiny_spec(name):
         try:
-            return build_tiny_from_spec(name, env, seed=training_args.seed, env_timeout=training_args.env_timeout)
+            return build_tiny_from_spec(
+                name,
+                env,
+                seed=training_args.seed,
+                env_timeout=training_args.env_timeout,
+                warm_up_steps=training_args.tiny_instruct_steps,
+                report=report,
+            )
         except ValueError as error:
             raise RecipeError(str(error)) from None
     try:  # packaged:<model> -> its converted directory (loop_trainer.models.packaged)
@@ -115,7 +125,9 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
         # disable_tqdm.
         quiet = training_args.disable_tqdm or not progress_bars_visible()
         with quiet_transformers_bars() if quiet else contextlib.nullcontext():
-            model, tokenizer = load_model_and_tokenizer(model_args, training_args, env)
+            model, tokenizer = load_model_and_tokenizer(
+                model_args, training_args, env, report=lambda line: startup.print(f"  {line}")
+            )
             try:
                 trainer = LOOPTrainer(
                     model=model,

@@ -221,6 +221,12 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
     )
     trust_remote_code: bool = setting(False, "Allow a model id's own modelling code when loading it.")
     disable_dropout: bool = setting(False, "Turn off the model's dropout (the ratio then compares equal forwards).")
+    tiny_instruct_steps: int | None = setting(
+        None,
+        "tiny-instruct:<env> models: supervised warm-up steps on the environment's demonstrations; none: until "
+        "held-out demonstrations are fitted (at most 3,000 steps).",
+        at_least(1, "supervised warm-up steps of a tiny-instruct model; none: until fitted", none=True),
+    )
 
     # --- GRPOTrainer's agent arguments (reward_funcs, train_dataset, tools, environment_factory) -
     reward_weights: list[float] | None = setting(

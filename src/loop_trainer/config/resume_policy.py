@@ -147,6 +147,8 @@ _FREE = (
     "eval_rollouts_per_task",
     "eval_temperature",
     "eval_max_tasks",
+    # the starting model only: a resumed run loads its weights from the checkpoint
+    "tiny_instruct_steps",
     # checks and limits that only stop a run or an environment call
     "max_failed_fraction",
     "env_timeout",

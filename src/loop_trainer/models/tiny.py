@@ -3,10 +3,12 @@
 Two model specs, for environments that declare their ``vocabulary()``:
 
 * ``tiny:<env>`` -- a small Qwen2 decoder, randomly initialised (the tests use it);
-* ``tiny-instruct:<env>`` -- the same model after a few seconds of supervised warm-up on the
-  environment's ``demonstrations()`` (an agent that knows the protocol but gets arguments wrong
-  half the time). LOOP starts from it as the paper starts from an instruct model: knowing the
-  format, not yet reliable. ``make demo`` uses it.
+* ``tiny-instruct:<env>`` -- the same model after a supervised warm-up on the environment's
+  ``demonstrations()`` (an agent that knows the protocol but gets arguments wrong): a fixed number of
+  steps (``tiny_instruct_steps``; ``make demo`` pins 400) or, by default, until held-out
+  demonstrations are fitted (:class:`FitRule`), so its cost follows what the environment's
+  demonstrations take to learn. LOOP starts from it as the paper starts from an instruct model:
+  knowing the format, not yet reliable.
 
 The tokenizer knows the environment's words plus ChatML's special tokens, so a model of a few
 hundred thousand parameters trains in seconds on a CPU.
@@ -17,7 +19,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -149,28 +153,61 @@ def build_tiny_for_environment(words: Iterable[str], seed: int = 0) -> tuple[Qwe
     return model, tokenizer
 
 
+@dataclass(frozen=True)
+class FitRule:
+    """When a warm-up without a fixed number of steps stops: every ``check_every`` steps it measures
+    how often the model's most likely next token is the demonstrations' own on held-out replies
+    (teacher-forced); it stops once that accuracy has gained less than ``min_gain`` over the last
+    ``window`` steps, or after ``max_steps``.
+
+    Accuracy, not loss, and a long window: copying a value out of an earlier message (what the
+    task needs) arrives in a jump after a plateau. The vault model's held-out loss stalls from step
+    150 to 225 and drops once copying forms (steps 225-300); on ``errands``, whose demonstrations
+    are six times longer, copying forms between steps 300 and 500 (32 conversations a step)."""
+
+    check_every: int = 50
+    window: int = 200
+    min_gain: float = 0.005
+    max_steps: int = 3000
+    held_out_conversations: int = 64
+
+
 def warm_start(
     model: Qwen2ForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
     conversations: list[list[dict[str, str]]],
     *,
-    steps: int = 400,
+    steps: int | None = 400,
+    held_out: list[list[dict[str, str]]] | None = None,
+    fit: FitRule = FitRule(),
     batch_size: int = 32,
     learning_rate: float = 1e-3,
     seed: int = 0,
+    label: str = "warm-up",
+    report: Callable[[str], None] | None = None,
 ) -> Qwen2ForCausalLM:
     """Supervised warm-up on chat conversations (loss on assistant replies only), so a tiny model
     starts RL the way the paper's model does: knowing the format, not yet reliable.
+
+    ``steps``: that many steps; ``None``: until the ``held_out`` conversations are fitted
+    (:class:`FitRule`). Progress goes to ``report`` (default: the log) every ``fit.check_every`` steps.
 
     The learning rate matters more than the steps: at 1e-3 the 2-layer model learns within 250
     steps to copy the person out of the task and the code out of the last observation (teacher-
     forced accuracy 1.0 on both, on worlds it never saw); at 3e-3 it learns the code but never the
     person (chance, 0.1, after 3,000 steps), and LOOP then has to discover copying from scratch."""
+    if steps is None and not held_out:
+        raise ValueError("a warm-up until fitted needs held-out conversations")
     rows = [_assistant_masked_ids(tokenizer, messages) for messages in conversations]
+    checked = [_assistant_masked_ids(tokenizer, messages) for messages in held_out or []]
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    most = steps if steps is not None else fit.max_steps
+    say = report or logger.info
+    history: list[float] = []
+    started, loss_sum, losses = time.monotonic(), 0.0, 0
     model.train()
-    for _ in range(steps):
+    for step in range(1, most + 1):
         picked = torch.randint(len(rows), (batch_size,), generator=generator).tolist()
         width = max(len(rows[i][0]) for i in picked)
         input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
@@ -185,8 +222,48 @@ def warm_start(
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        loss_sum, losses = loss_sum + float(loss.detach()), losses + 1
+        if step % fit.check_every and step != most:
+            continue
+        limit = str(most) if steps is not None else f"at most {most}"
+        progress = f"{label}: step {step}/{limit}, loss {loss_sum / losses:.3f}"
+        loss_sum, losses = 0.0, 0
+        if checked:
+            history.append(reply_accuracy(model, checked))
+            model.train()
+            progress += f", held-out reply accuracy {history[-1]:.3f}"
+        say(f"{progress}, {time.monotonic() - started:.0f} s")
+        window = fit.window // fit.check_every
+        if steps is None and len(history) > window and history[-1] - history[-1 - window] < fit.min_gain:
+            gain = history[-1] - history[-1 - window]
+            say(
+                f"{label}: fitted at step {step} (held-out reply accuracy gained {gain:.3f} "
+                f"over the last {fit.window} steps)"
+            )
+            break
+    else:
+        if steps is None:
+            say(
+                f"{label}: stopped at its limit of {most} steps, still improving; "
+                "set tiny_instruct_steps to train longer"
+            )
     model.eval()
     return model
+
+
+@torch.no_grad()
+def reply_accuracy(model: Qwen2ForCausalLM, rows: list[tuple[list[int], list[int]]]) -> float:
+    """How often the model's most likely next token is the reply token there (teacher-forced),
+    over every reply token of ``rows`` (token ids and reply masks)."""
+    model.eval()
+    right = total = 0
+    for ids, mask in rows:
+        predicted = model(input_ids=torch.tensor([ids])).logits[0, :-1].argmax(-1)
+        wanted = torch.tensor(ids[1:])
+        on_reply = torch.tensor(mask[1:], dtype=torch.bool)
+        right += int((predicted == wanted)[on_reply].sum())
+        total += int(on_reply.sum())
+    return right / max(total, 1)
 
 
 def _assistant_masked_ids(
@@ -215,10 +292,18 @@ def is_tiny_spec(name: str) -> bool:
 
 
 def build_tiny_from_spec(
-    name: str, env, seed: int = 0, env_timeout: float = 300.0
+    name: str,
+    env,
+    seed: int = 0,
+    env_timeout: float = 300.0,
+    warm_up_steps: int | None = None,
+    report: Callable[[str], None] | None = None,
 ) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
     """Build the model a ``tiny:<env>`` / ``tiny-instruct:<env>`` spec names, for ``env``; the warm-up's
-    replay of the environment's episodes gets ``env_timeout`` seconds in all."""
+    replay of the environment's episodes gets ``env_timeout`` seconds in all. ``warm_up_steps``
+    (the ``tiny_instruct_steps`` key): the warm-up's steps; ``None``: until the demonstrations are
+    fitted (:class:`FitRule`), which follows what the environment's demonstrations take to learn.
+    ``report`` receives the warm-up's progress lines (default: the log)."""
     label = name.split(":", 1)[1]
     if label != env.name:
         raise ValueError(f"'{name}' is a tiny model for the '{label}' environment, but the environment is '{env.name}'")
@@ -228,13 +313,30 @@ def build_tiny_from_spec(
     if name.startswith(INSTRUCT_PREFIX):
         if not hasattr(env, "demonstrations"):
             raise ValueError(f"'{name}' needs an environment with demonstrations(); '{env.name}' has none")
-        logger.info(
-            "%s: replaying %d of the environment's episodes for the warm-up (at most %gs)",
-            name,
-            WARM_UP_CONVERSATIONS,
-            env_timeout,
+        fit = FitRule()
+        held_out = fit.held_out_conversations if warm_up_steps is None else 0
+        plan = (
+            f"{warm_up_steps} supervised steps"
+            if warm_up_steps is not None
+            else f"supervised steps until {held_out} held-out ones are fitted (at most {fit.max_steps})"
         )
-        warm_start(model, tokenizer, replay_demonstrations(env, WARM_UP_CONVERSATIONS, seed, env_timeout), seed=seed)
+        (report or logger.info)(
+            f"{name}: replaying {WARM_UP_CONVERSATIONS + held_out} of the environment's episodes for the "
+            f"warm-up (at most {env_timeout:g} s), then {plan}"
+        )
+        conversations = replay_demonstrations(env, WARM_UP_CONVERSATIONS, seed, env_timeout)
+        checked = replay_demonstrations(env, held_out, seed + 1, env_timeout) if held_out else None
+        warm_start(
+            model,
+            tokenizer,
+            conversations,
+            steps=warm_up_steps,
+            held_out=checked,
+            fit=fit,
+            seed=seed,
+            label=name,
+            report=report,
+        )
     return model, tokenizer
 
 

@@ -1,5 +1,6 @@
-"""``tiny-instruct:<env>``'s warm-up replays the environment's own episodes: one that hangs stops it with
-one line after env_timeout instead of hanging ``loop-train`` before the first iteration."""
+"""``tiny-instruct:<env>``'s warm-up replays the environment's own episodes (one that hangs stops it with
+one line after env_timeout instead of hanging ``loop-train`` before the first iteration), then trains for
+``tiny_instruct_steps`` steps or until held-out demonstrations are fitted, reporting its progress."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import threading
 import pytest
 
 from loop_trainer.envs import VaultEnv
-from loop_trainer.models.tiny import build_tiny_from_spec, replay_demonstrations
+from loop_trainer.models.tiny import (
+    FitRule,
+    _assistant_masked_ids,
+    build_tiny_for_environment,
+    build_tiny_from_spec,
+    replay_demonstrations,
+    reply_accuracy,
+    warm_start,
+)
 
 NEVER = threading.Event()
 
@@ -24,7 +33,7 @@ class HangingVault(VaultEnv):
 
 def test_a_hanging_environment_stops_the_warm_up_with_one_line():
     with pytest.raises(ValueError) as caught:
-        build_tiny_from_spec("tiny-instruct:vault", HangingVault(num_tasks=4), env_timeout=0.5)
+        build_tiny_from_spec("tiny-instruct:vault", HangingVault(num_tasks=4), env_timeout=0.5, warm_up_steps=400)
     message = str(caught.value)
     assert "\n" not in message and "env_timeout=0.5s" in message and "step() may hang" in message
 
@@ -39,3 +48,80 @@ def test_the_replay_returns_the_demonstrations_and_reraises_their_errors():
 
     with pytest.raises(RuntimeError, match="no demonstrations today"):
         replay_demonstrations(Broken(num_tasks=4), 3, seed=0, timeout=60)
+
+
+def tiny_vault():
+    env = VaultEnv(num_tasks=16)
+    model, tokenizer = build_tiny_for_environment(env.vocabulary(), seed=0)
+    return env, model, tokenizer
+
+
+def test_a_warm_up_without_a_step_count_stops_once_held_out_replies_are_fitted():
+    env, model, tokenizer = tiny_vault()
+    lines: list[str] = []
+    rule = FitRule(check_every=10, window=20, min_gain=0.01, max_steps=400)
+    warm_start(
+        model,
+        tokenizer,
+        env.demonstrations(64, seed=0),
+        steps=None,
+        held_out=env.demonstrations(16, seed=1),
+        fit=rule,
+        batch_size=8,
+        report=lines.append,
+    )
+    fitted = [line for line in lines if "fitted at step" in line]
+    assert len(fitted) == 1, lines
+    stopped_at = int(fitted[0].split("fitted at step ")[1].split()[0])
+    assert 30 <= stopped_at < 400 and stopped_at % 10 == 0
+    accuracies = [float(line.split("held-out reply accuracy ")[1].split(",")[0]) for line in lines if ", loss" in line][
+        : stopped_at // 10
+    ]
+    assert len(accuracies) == stopped_at // 10
+    assert accuracies[-1] - accuracies[-3] < 0.01  # what stopped it: under min_gain over the window
+    assert accuracies[-1] > accuracies[0]  # it learned before it stopped
+    # the reported accuracy is the model's: measured again on the same conversations
+    rows = [_assistant_masked_ids(tokenizer, m) for m in env.demonstrations(16, seed=1)]
+    assert reply_accuracy(model, rows) == pytest.approx(accuracies[-1], abs=5e-4)
+
+
+def test_a_warm_up_at_its_step_limit_says_so_and_a_fixed_one_measures_nothing_held_out():
+    env, model, tokenizer = tiny_vault()
+    lines: list[str] = []
+    rule = FitRule(check_every=5, window=50, max_steps=10)
+    conversations = env.demonstrations(32, seed=0)
+    warm_start(
+        model,
+        tokenizer,
+        conversations,
+        steps=None,
+        held_out=conversations[:4],
+        fit=rule,
+        batch_size=4,
+        report=lines.append,
+    )
+    assert "stopped at its limit of 10 steps, still improving; set tiny_instruct_steps" in lines[-1]
+    lines.clear()
+    warm_start(model, tokenizer, conversations, steps=7, fit=rule, batch_size=4, report=lines.append)
+    assert [line.split(", loss")[0] for line in lines] == ["warm-up: step 5/7", "warm-up: step 7/7"]
+    assert not any("held-out" in line for line in lines)
+    with pytest.raises(ValueError, match="held-out"):
+        warm_start(model, tokenizer, conversations, steps=None)
+
+
+def test_tiny_instruct_steps_reaches_the_warm_up(monkeypatch):
+    from loop_trainer.cli import train as loop_train
+    from loop_trainer.config import LOOPConfig
+
+    seen = {}
+
+    def fake_build(name, env, **kwargs):
+        seen.update(kwargs)
+        return "model", "tokenizer"
+
+    monkeypatch.setattr(loop_train, "build_tiny_from_spec", fake_build)
+    model_args = type("ModelArgs", (), {"model_name_or_path": "tiny-instruct:vault"})()
+    for steps in (None, 250):
+        args = LOOPConfig(output_dir="unused", tiny_instruct_steps=steps, use_cpu=True, report_to="none")
+        assert loop_train.load_model_and_tokenizer(model_args, args, VaultEnv(num_tasks=4)) == ("model", "tokenizer")
+        assert seen["warm_up_steps"] == steps
