@@ -517,7 +517,9 @@ class ErrandsEnv(Environment):
                     errand = ["refund", rng.choice(names), rng.choice(items)]
                 else:
                     errand = ["send", rng.choice(items), rng.choice(names)]
-                if errand not in errands:
+                # one payment per person (pay or refund), so a payment's amount follows from whom it goes to
+                paid = {other[1] for other in errands if other[0] in ("pay", "refund")}
+                if errand not in errands and not (kind in ("pay", "refund") and errand[1] in paid):
                     errands.append(errand)
                     calls += ERRANDS[kind]
             if calls <= high:

@@ -38,6 +38,8 @@ def test_every_level_needs_its_number_of_dependent_calls_and_a_perfect_agent_pas
         score, _ = play(env, task, replies)
         assert score.success and score.reward == 1.0
         assert score.info["calls"] == len(replies)
+        payees = [errand[1] for errand in task["errands"] if errand[0] in ("pay", "refund")]
+        assert len(payees) == len(set(payees))  # one payment per person: its amount follows from whom
 
 
 def test_train_and_test_draw_different_tasks_and_levels_filter():

@@ -1,0 +1,50 @@
+"""``benchmarks/long_horizon.py`` end to end on a miniature of its recipe: the seed's warm-up, held-out
+evaluations before and after training, the run's metrics with ``turns_mean``, the table and the curves
+it writes, and the weights it does not keep."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the repository root, for the benchmarks package
+
+from benchmarks.long_horizon import main  # noqa: E402
+
+
+def test_one_seed_of_a_miniature_recipe(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe = yaml.safe_load((ROOT / "recipes" / "errands.yaml").read_text())
+    recipe.update(
+        environment_kwargs={"num_tasks": 2, "levels": [1]},
+        tiny_instruct_steps=3,
+        iterations=2,
+        tasks_per_iteration=2,
+        rollouts_per_task=2,
+        minibatch_size=4,
+        eval_every=0,
+        memory_stress_test=False,
+    )
+    recipe.pop("eval_split", None)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = tmp_path / "results"
+    main(["--recipe", str(path), "--seeds", "3", "--out", str(out)])
+    saved = json.loads((out / "long_horizon.json").read_text())
+    (run,) = saved["runs"]
+    assert run["seed"] == 3 and run["iterations"] == 2 and run["warm_up_steps"] == 3
+    assert len(run["turns_mean"]) == 2 and all(turns >= 1 for turns in run["turns_mean"])
+    for name in ("start_T0", "start_T1", "end_T0", "end_T1"):
+        metrics = run["evaluations"][name]
+        assert metrics["num_rollouts"] == 2 and "success_rate_level_1" in metrics
+    seed_dir = out / "seed-3"
+    rows = [json.loads(line) for line in (seed_dir / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in rows if "turns_mean" in row] == [1, 2]
+    assert "step 3/3" in (seed_dir / "warm_up.log").read_text()
+    assert (seed_dir / "eval-end-T0" / "results.jsonl").exists()
+    assert not list(seed_dir.rglob("*.safetensors")) and (out / "curves.png").stat().st_size > 0
+    assert "| 3 | 3, " in (out / "README.md").read_text()
