@@ -193,6 +193,17 @@ def check_pass_rates(rows: Sequence[Mapping[str, Any]], checks: Sequence[str]) -
     return rates
 
 
+def refuse_unknown_split(environment: str, split: str, splits: Sequence[str]) -> None:
+    """Raise :class:`UnknownSplitError` unless ``split`` is one of ``splits``, naming them and the keys
+    that choose one (for a built-in environment's ``tasks``)."""
+    if split not in splits:
+        named = " and ".join(f"{name!r}" for name in splits) if len(splits) == 2 else ", ".join(map(repr, splits))
+        raise UnknownSplitError(
+            f"{environment} has no split {split!r}; its splits are {named} "
+            "(set train_split / eval_split to one of them)"
+        )
+
+
 def check_tasks(tasks: Any, *, environment: str, split: str) -> Dataset:
     """``tasks``, what ``Environment.tasks(split)`` returned, if it keeps the contract: a
     :class:`datasets.Dataset` with at least one row and a ``task_id`` column whose values are set

@@ -44,7 +44,7 @@ from typing import Any
 
 from datasets import Dataset
 
-from .base import Environment, Episode, Message, Score, Step, UnknownSplitError, check_pass_rates, success_and_reward
+from .base import Environment, Episode, Message, Score, Step, check_pass_rates, refuse_unknown_split, success_and_reward
 
 FIRST_NAMES = ("Maria", "James", "Anna", "David", "Sara", "John", "Laura", "Peter", "Emma", "Tom", "Lucy", "Mark")
 LAST_NAMES = (
@@ -234,11 +234,7 @@ class ContactsEnv(Environment):
         self.examples, self.seed = examples, seed
 
     def tasks(self, split: str = "train") -> Dataset:
-        if split not in SPLITS:
-            raise UnknownSplitError(
-                f"contacts has no split {split!r}; its splits are 'train' and 'test' "
-                "(set train_split / eval_split to one of them)"
-            )
+        refuse_unknown_split("contacts", split, SPLITS)
         rng = random.Random(f"contacts-{self.seed}-{split}")
         rows = []
         for index in range(self.num_tasks):

@@ -51,7 +51,7 @@ from typing import Any
 
 from datasets import Dataset
 
-from .base import Environment, Episode, Message, Score, Step, UnknownSplitError, success_and_reward
+from .base import Environment, Episode, Message, Score, Step, refuse_unknown_split, success_and_reward
 
 NAMES = ("ann", "bob", "cat", "dan", "eve", "fay", "gus", "hal", "ivy", "jon", "kim", "lee")
 ITEMS = ("tea", "jam", "soap", "rice", "milk", "salt", "bread", "eggs")
@@ -487,11 +487,7 @@ class ErrandsEnv(Environment):
         self.people_per_task, self.items_per_task, self.seed = people_per_task, items_per_task, seed
 
     def tasks(self, split: str = "train") -> Dataset:
-        if split not in SPLITS:
-            raise UnknownSplitError(
-                f"errands has no split {split!r}; its splits are 'train' and 'test' "
-                "(set train_split / eval_split to one of them)"
-            )
+        refuse_unknown_split("errands", split, SPLITS)
         rng = random.Random(f"errands-{self.seed}-{split}")
         rows = [
             self._task(rng, f"{split}-{level}-{index:04d}", level)

@@ -29,7 +29,7 @@ from typing import Any
 
 from datasets import Dataset
 
-from .base import Environment, Episode, Message, Score, Step, UnknownSplitError, check_pass_rates, success_and_reward
+from .base import Environment, Episode, Message, Score, Step, check_pass_rates, refuse_unknown_split, success_and_reward
 
 PEOPLE = ("ann", "bob", "cat", "dan", "eve", "fay", "gus", "hal")
 ACCOUNT_IDS = tuple(f"k{i}" for i in range(10))
@@ -112,11 +112,7 @@ class VaultEnv(Environment):
         self.seed = seed
 
     def tasks(self, split: str = "train") -> Dataset:
-        if split not in SPLITS:
-            raise UnknownSplitError(
-                f"vault has no split {split!r}; its splits are 'train' and 'test' "
-                "(set train_split / eval_split to one of them)"
-            )
+        refuse_unknown_split("vault", split, SPLITS)
         rng = random.Random(f"{self.seed}-{split}")
         rows = []
         for index in range(self.num_tasks):
