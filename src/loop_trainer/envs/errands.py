@@ -2,13 +2,13 @@
 
 Each task has its own world (people with accounts and phones, a shop with items, skus and
 prices, order numbers the shop hands out) and asks for a list of errands, e.g.
-``pay bob 5 ; text cat ; send tea to dan``. Each errand takes two to four dependent calls across
+``pay bob ; text cat ; send tea to dan``. Each errand takes two to four dependent calls across
 the apps, and later calls take arguments that only earlier results reveal:
 
 ==========================  =========================================================  =====
 errand                      calls (``<x>``: a value an earlier result revealed)        calls
 ==========================  =========================================================  =====
-``pay <name> <n>``          ``find <name>`` -> ``pay <account> <n>``                   2
+``pay <name>``              ``find <name>`` -> ``bill <account>`` -> ``pay <account> <amount>``  3
 ``text <name>``             ``find <name>`` -> ``phone <account>`` -> ``text <phone>``   3
 ``refund <name> <item>``    ``item <item>`` -> ``find <name>`` -> ``pay <account> <price>``  3
 ``send <item> to <name>``   ``item <item>`` -> ``buy <sku>`` -> ``find <name>`` -> ``ship <order> <account>``  4
@@ -57,9 +57,15 @@ NAMES = ("ann", "bob", "cat", "dan", "eve", "fay", "gus", "hal", "ivy", "jon", "
 ITEMS = ("tea", "jam", "soap", "rice", "milk", "salt", "bread", "eggs")
 NUM_IDS = 20  # per kind: accounts k0.., phones p0.., skus s0.., orders o0..
 AMOUNTS = tuple(str(n) for n in range(1, 10))
-APPS = {"people": ("find", "phone"), "shop": ("item", "buy"), "bank": ("pay",), "msg": ("text",), "post": ("ship",)}
+APPS = {
+    "people": ("find", "phone"),
+    "shop": ("item", "buy"),
+    "bank": ("bill", "pay"),
+    "msg": ("text",),
+    "post": ("ship",),
+}
 COMMANDS = (*(command for calls in APPS.values() for command in calls), "doc", "done")
-ERRANDS = {"pay": 2, "text": 3, "refund": 3, "send": 4}
+ERRANDS = {"pay": 3, "text": 3, "refund": 3, "send": 4}
 LEVELS = {1: (10, 13), 2: (14, 19), 3: (20, 30)}
 SPLITS = ("train", "test")
 FORMS = ("compact", "english")
@@ -83,6 +89,7 @@ ENGLISH_SYSTEM = (
     '  item("item name") -> the item\'s sku and price, e.g. item("tea")\n'
     '  buy("sku") -> buys one and returns the order number, e.g. buy("SKU-311")\n'
     "bank app:\n"
+    '  bill("account id") -> the amount the user owes that account, e.g. bill("AC-4182")\n'
     '  pay("account id", amount) -> sends that many dollars to the account, e.g. pay("AC-4182", 5)\n'
     "msg app:\n"
     '  text("phone number") -> sends the user\'s message to that phone, e.g. text("555-0142")\n'
@@ -91,7 +98,7 @@ ENGLISH_SYSTEM = (
     'e.g. ship("ORD-7720", "AC-4182")\n'
     'doc("app") shows an app\'s calls again. done() reports that every errand is finished and ends the task.\n'
     "\n"
-    'Errands: "pay NAME N" means pay that person N dollars. "text NAME" means text that person\'s phone. '
+    'Errands: "pay NAME" means pay that person\'s bill. "text NAME" means text that person\'s phone. '
     '"refund NAME ITEM" means pay that person the item\'s price. "send ITEM to NAME" means buy the item and '
     "ship the order to that person. Do only what the errands ask: every payment, text, purchase and shipment "
     "is real."
@@ -118,7 +125,7 @@ def compact_errand(errand: Sequence[str]) -> str:
 def english_errand(errand: Sequence[str]) -> str:
     kind, *rest = errand
     if kind == "pay":
-        return f"pay {rest[0].title()} {rest[1]}"
+        return f"pay {rest[0].title()}"
     if kind == "text":
         return f"text {rest[0].title()}"
     if kind == "refund":
@@ -132,6 +139,7 @@ class World:
     def __init__(self, task: Mapping[str, Any]):
         self.accounts: dict[str, str] = dict(zip(task["names"], task["accounts"], strict=True))
         self.phones: dict[str, str] = dict(zip(task["accounts"], task["phones"], strict=True))
+        self.bills: dict[str, str] = dict(zip(task["accounts"], task["bills"], strict=True))
         self.skus: dict[str, str] = dict(zip(task["items"], task["skus"], strict=True))
         self.prices: dict[str, str] = dict(zip(task["skus"], task["prices"], strict=True))
         self.order_pool: list[str] = list(task["orders"])
@@ -149,6 +157,8 @@ class World:
             return ("doc", (first,)) if first in APPS else ("no_app", (first,))
         if command == "find":
             return ("account", (first, self.accounts[first])) if first in self.accounts else ("no_person", (first,))
+        if command == "bill":
+            return ("bill", (first, self.bills[first])) if first in self.bills else ("no_account", (first,))
         if command == "phone":
             return ("phone", (first, self.phones[first])) if first in self.phones else ("no_account", (first,))
         if command == "item":
@@ -199,7 +209,7 @@ class World:
             kind, *rest = errand
             if kind == "pay":
                 wanted: Counter[Any] = payments
-                key: Any = (self.accounts[rest[0]], rest[1])
+                key: Any = (self.accounts[rest[0]], self.bills[self.accounts[rest[0]]])
             elif kind == "refund":
                 wanted, key = payments, (self.accounts[rest[0]], self.prices[self.skus[rest[1]]])
             elif kind == "text":
@@ -221,6 +231,7 @@ COMPACT_RESULTS: dict[str, Callable[..., str]] = {
     "doc": lambda app: f"{app} : {' ; '.join(APPS[app])}",
     "account": lambda name, account: f"{name} id {account}",
     "phone": lambda account, phone: f"{account} phone {phone}",
+    "bill": lambda account, amount: f"{account} bill {amount}",
     "item": lambda item, sku, price: f"{item} sku {sku} price {price}",
     "order": lambda order: f"order {order}",
     "paid": lambda account, amount: f"paid {account} {amount}",
@@ -268,6 +279,7 @@ class CompactForm:
 DETAILS = {
     "account": ("Email", "Address", "Member since", "Recent activity"),
     "phone": ("Carrier", "Last used"),
+    "bill": ("Due", "Reference"),
     "item": ("Category", "Description", "Rating"),
     "order": ("Estimated dispatch",),
     "paid": ("Reference",),
@@ -336,6 +348,7 @@ class EnglishForm:
             "account": "Person: {0}\nAccount id: {1}\nStatus: active\n"
             "Note: use the account id, not the name, with phone(), pay() and ship().",
             "phone": "Account: {0}\nPhone number: {1}\nVerified: yes",
+            "bill": "Account: {0}\nAmount owed: {1} dollars\nNote: pay() takes the account id and this amount.",
             "item": "Item: {0}\nSku: {1}\nPrice: {2} dollars\nIn stock: yes\nNote: buy() takes the sku.",
             "order": "Order placed.\nOrder number: {0}\nStatus: waiting to ship\nNote: ship() takes this order number.",
             "paid": "Payment sent.\nTo account: {0}\nAmount: {1} dollars",
@@ -365,6 +378,7 @@ class EnglishForm:
             "Member since": str(rng.randrange(2009, 2026)),
             "Recent activity": f"{rng.randrange(10)} payments and {rng.randrange(5)} deliveries in the last 30 days",
             "Carrier": rng.choice(CARRIERS),
+            "Due": f"in {rng.randrange(2, 15)} days",
             "Last used": f"{rng.randrange(2, 29)} days ago",
             "Category": rng.choice(CATEGORIES),
             "Description": rng.choice(DESCRIPTIONS),
@@ -426,7 +440,8 @@ def solution(task: Mapping[str, Any]) -> list[Call]:
     calls: list[Call] = []
     for kind, *rest in task["errands"]:
         if kind == "pay":
-            calls += [Call("find", (rest[0],)), Call("pay", (world.accounts[rest[0]], rest[1]))]
+            account = world.accounts[rest[0]]
+            calls += [Call("find", (rest[0],)), Call("bill", (account,)), Call("pay", (account, world.bills[account]))]
         elif kind == "text":
             account = world.accounts[rest[0]]
             calls += [Call("find", (rest[0],)), Call("phone", (account,)), Call("text", (world.phones[account],))]
@@ -506,14 +521,14 @@ class ErrandsEnv(Environment):
             while calls < low:
                 kind = rng.choice(sorted(ERRANDS))
                 if kind == "pay":
-                    errand = ["pay", rng.choice(names), rng.choice(AMOUNTS)]
+                    errand = ["pay", rng.choice(names)]
                 elif kind == "text":
                     errand = ["text", rng.choice(names)]
                 elif kind == "refund":
                     errand = ["refund", rng.choice(names), rng.choice(items)]
                 else:
                     errand = ["send", rng.choice(items), rng.choice(names)]
-                # one payment per person (pay or refund), so a payment's amount follows from whom it goes to
+                # one payment per person (pay or refund): two would differ only by their place in the list
                 paid = {other[1] for other in errands if other[0] in ("pay", "refund")}
                 if errand not in errands and not (kind in ("pay", "refund") and errand[1] in paid):
                     errands.append(errand)
@@ -527,6 +542,7 @@ class ErrandsEnv(Environment):
             "names": names,
             "accounts": [f"k{i}" for i in rng.sample(range(NUM_IDS), len(names))],
             "phones": [f"p{i}" for i in rng.sample(range(NUM_IDS), len(names))],
+            "bills": [rng.choice(AMOUNTS) for _ in names],
             "items": items,
             "skus": [f"s{i}" for i in rng.sample(range(NUM_IDS), len(items))],
             "prices": [rng.choice(AMOUNTS) for _ in items],
@@ -630,8 +646,12 @@ class ErrandsEnv(Environment):
             if kind == "text":
                 yield Call("phone", (account,))
                 yield Call("text", (noisy(world.phones[account], phones),))
-            else:
-                yield Call("pay", (account, noisy(rest[1] if kind == "pay" else price, AMOUNTS)))
+                continue
+            if kind == "pay":  # the amount comes from the bill of the account it looked up
+                yield Call("bill", (account,))
+                price = world.bills[account]
+                account = noisy(account, accounts)
+            yield Call("pay", (account, noisy(price, AMOUNTS)))
         yield Call("done", ())
 
     @staticmethod

@@ -94,15 +94,16 @@ def test_checks_are_on_the_worlds_final_state_and_doing_nothing_earns_nothing(en
     score, _ = play(env, task, replies[:-1])
     assert score.reward == 0.5 and not score.success and not score.info["checks"]["finished"]
     # paying the wrong amount fails the errand and is a stray effect, a quarter errand off
-    account, amount = replies[1].split()[1:]
+    assert [reply.split()[0] for reply in replies[:3]] == ["find", "bill", "pay"]
+    account, amount = replies[2].split()[1:]
     wrong = str(int(amount) % 9 + 1)
-    score, _ = play(env, task, [replies[0], f"pay {account} {wrong}", *replies[2:]])
+    score, _ = play(env, task, [*replies[:2], f"pay {account} {wrong}", *replies[3:]])
     checks = score.info["checks"]
     assert not checks["0_pay"] and not checks["no_stray_effects"] and checks["finished"]
     assert score.info["stray_effects"] == 1
     assert score.reward == pytest.approx((n - 1 - 0.25) / n)
     # put right afterwards: the errand passes, the stray payment still costs its quarter
-    score, _ = play(env, task, [replies[0], f"pay {account} {wrong}", *replies[1:]])
+    score, _ = play(env, task, [*replies[:2], f"pay {account} {wrong}", *replies[2:]])
     assert score.reward == pytest.approx((n - 0.25) / n) and not score.success
 
 
