@@ -578,17 +578,30 @@ class ErrandsEnv(Environment):
         )
         return summary
 
+    def demonstration_tasks(self, num_conversations: int, seed: int = 0) -> list[dict[str, Any]]:
+        """The worlds :meth:`demonstrations` plays: one fresh world per conversation, at the
+        environment's levels in turn, drawn apart from the train and test splits. Cycling the train
+        split's worlds instead (192 of them under the recipe) let a warm-up memorise each world's
+        answers, loss far below the demonstrations' own noise, instead of learning to copy them
+        (seed 0: held-out accuracy 0.83 on the same worlds, greedy held-out success 0.00)."""
+        return [
+            self._task(
+                random.Random(f"errands-{self.seed}-demonstrations-{seed}-{index}"),
+                f"demonstration-{seed}-{index}",
+                self.levels[index % len(self.levels)],
+            )
+            for index in range(num_conversations)
+        ]
+
     def demonstrations(self, num_conversations: int, accuracy: float = 0.8, seed: int = 0) -> list[list[Message]]:
         """Conversations of an agent that knows every errand's calls but is unreliable: each value
         it copies (a name or item out of the task, an id, price or order out of a result) is right
         with probability ``accuracy`` and another of its kind otherwise; before an app's first use
-        it looks its doc up one time in five. The results come from real episodes of the train
-        split, so a wrong value's consequences are what the world answers."""
+        it looks its doc up one time in five. Each plays a real episode of its own world
+        (:meth:`demonstration_tasks`), so a wrong value's consequences are what the world answers."""
         rng = random.Random(seed)
-        tasks = self.tasks("train")
         conversations = []
-        for index in range(num_conversations):
-            task = tasks[index % len(tasks)]
+        for task in self.demonstration_tasks(num_conversations, seed):
             episode = self.episode(task)
             messages = episode.start()
             used: set[str] = set()
