@@ -190,7 +190,9 @@ def warm_start(
     starts RL the way the paper's model does: knowing the format, not yet reliable.
 
     ``steps``: that many steps; ``None``: until the ``held_out`` conversations are fitted
-    (:class:`FitRule`). Progress goes to ``report`` (default: the log) every ``fit.check_every`` steps.
+    (:class:`FitRule`), keeping the weights of the check with the best held-out accuracy (a warm-up
+    can peak and then fit the demonstrations' noise: 0.893 at step 600, 0.874 at 750). Progress
+    goes to ``report`` (default: the log) every ``fit.check_every`` steps.
 
     The learning rate matters more than the steps: at 1e-3 the 2-layer model learns within 250
     steps to copy the person out of the task and the code out of the last observation (teacher-
@@ -205,6 +207,7 @@ def warm_start(
     most = steps if steps is not None else fit.max_steps
     say = report or logger.info
     history: list[float] = []
+    best: tuple[float, int, dict[str, torch.Tensor]] | None = None  # held-out accuracy, step, weights
     started, loss_sum, losses = time.monotonic(), 0.0, 0
     model.train()
     for step in range(1, most + 1):
@@ -232,6 +235,8 @@ def warm_start(
             history.append(reply_accuracy(model, checked))
             model.train()
             progress += f", held-out reply accuracy {history[-1]:.3f}"
+            if steps is None and (best is None or history[-1] > best[0]):
+                best = (history[-1], step, {name: value.clone() for name, value in model.state_dict().items()})
         say(f"{progress}, {time.monotonic() - started:.0f} s")
         window = fit.window // fit.check_every
         if steps is None and len(history) > window and history[-1] - history[-1 - window] < fit.min_gain:
@@ -247,6 +252,9 @@ def warm_start(
                 f"{label}: stopped at its limit of {most} steps, still improving; "
                 "set tiny_instruct_steps to train longer"
             )
+    if best is not None and best[0] > history[-1]:  # past its best: the later steps fitted noise
+        model.load_state_dict(best[2])
+        say(f"{label}: keeping step {best[1]}, its best held-out reply accuracy ({best[0]:.3f})")
     model.eval()
     return model
 
