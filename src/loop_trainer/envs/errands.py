@@ -111,10 +111,6 @@ class Call:
     arguments: tuple[str, ...]
 
 
-def errand_calls(errand: Sequence[str]) -> int:
-    return ERRANDS[errand[0]]
-
-
 def compact_errand(errand: Sequence[str]) -> str:
     kind, *rest = errand
     if kind == "send":
@@ -276,6 +272,27 @@ class CompactForm:
         return "no command"
 
 
+ENGLISH_RESULTS = {
+    "account": "Person: {0}\nAccount id: {1}\nStatus: active\n"
+    "Note: use the account id, not the name, with phone(), pay() and ship().",
+    "phone": "Account: {0}\nPhone number: {1}\nVerified: yes",
+    "bill": "Account: {0}\nAmount owed: {1} dollars\nNote: pay() takes the account id and this amount.",
+    "item": "Item: {0}\nSku: {1}\nPrice: {2} dollars\nIn stock: yes\nNote: buy() takes the sku.",
+    "order": "Order placed.\nOrder number: {0}\nStatus: waiting to ship\nNote: ship() takes this order number.",
+    "paid": "Payment sent.\nTo account: {0}\nAmount: {1} dollars",
+    "sent": "Message delivered.\nTo phone: {0}",
+    "shipped": "Shipment booked.\nOrder: {0}\nTo account: {1}",
+    "no_app": 'Error: there is no app "{0}". The apps are people, shop, bank, msg and post.',
+    "no_person": 'Error: no person named "{0}" in your contacts.',
+    "no_account": 'Error: "{0}" is not an account id. Account ids look like AC-4182 and come from find().',
+    "no_item": 'Error: the shop has no item "{0}".',
+    "no_sku": 'Error: "{0}" is not a sku. Skus look like SKU-311 and come from item().',
+    "no_phone": 'Error: "{0}" is not a phone number on any account. Phone numbers come from phone().',
+    "no_order": 'Error: "{0}" is not one of your orders. Order numbers come from buy().',
+    "sold_out": "Error: the shop cannot take more orders today.",
+    "bad_amount": 'Error: "{0}" is not an amount. Amounts are whole dollars from 1 to 9.',
+    "shipped_already": "Error: order {0} has already been shipped.",
+}
 DETAILS = {
     "account": ("Email", "Address", "Member since", "Recent activity"),
     "phone": ("Carrier", "Last used"),
@@ -344,28 +361,7 @@ class EnglishForm:
             app = values[0]
             lines = [line for line in ENGLISH_SYSTEM.splitlines() if line.strip().startswith(APPS[app])]
             return f"{app} app:\n" + "\n".join(line.strip() for line in lines)
-        templates = {
-            "account": "Person: {0}\nAccount id: {1}\nStatus: active\n"
-            "Note: use the account id, not the name, with phone(), pay() and ship().",
-            "phone": "Account: {0}\nPhone number: {1}\nVerified: yes",
-            "bill": "Account: {0}\nAmount owed: {1} dollars\nNote: pay() takes the account id and this amount.",
-            "item": "Item: {0}\nSku: {1}\nPrice: {2} dollars\nIn stock: yes\nNote: buy() takes the sku.",
-            "order": "Order placed.\nOrder number: {0}\nStatus: waiting to ship\nNote: ship() takes this order number.",
-            "paid": "Payment sent.\nTo account: {0}\nAmount: {1} dollars",
-            "sent": "Message delivered.\nTo phone: {0}",
-            "shipped": "Shipment booked.\nOrder: {0}\nTo account: {1}",
-            "no_app": 'Error: there is no app "{0}". The apps are people, shop, bank, msg and post.',
-            "no_person": 'Error: no person named "{0}" in your contacts.',
-            "no_account": 'Error: "{0}" is not an account id. Account ids look like AC-4182 and come from find().',
-            "no_item": 'Error: the shop has no item "{0}".',
-            "no_sku": 'Error: "{0}" is not a sku. Skus look like SKU-311 and come from item().',
-            "no_phone": 'Error: "{0}" is not a phone number on any account. Phone numbers come from phone().',
-            "no_order": 'Error: "{0}" is not one of your orders. Order numbers come from buy().',
-            "sold_out": "Error: the shop cannot take more orders today.",
-            "bad_amount": 'Error: "{0}" is not an amount. Amounts are whole dollars from 1 to 9.',
-            "shipped_already": "Error: order {0} has already been shipped.",
-        }
-        text = templates[kind].format(*shown)
+        text = ENGLISH_RESULTS[kind].format(*shown)
         return f"{text}\n{self._details(kind, values)}" if kind in DETAILS else text
 
     def _details(self, kind: str, values: tuple[str, ...]) -> str:

@@ -239,8 +239,8 @@ def warm_start(
                 best = (history[-1], step, {name: value.clone() for name, value in model.state_dict().items()})
         say(f"{progress}, {time.monotonic() - started:.0f} s")
         window = fit.window // fit.check_every
-        if steps is None and len(history) > window and history[-1] - history[-1 - window] < fit.min_gain:
-            gain = history[-1] - history[-1 - window]
+        gain = history[-1] - history[-1 - window] if len(history) > window else None
+        if steps is None and gain is not None and gain < fit.min_gain:
             say(
                 f"{label}: fitted at step {step} (held-out reply accuracy gained {gain:.3f} "
                 f"over the last {fit.window} steps)"
