@@ -8,7 +8,9 @@ New messages are rendered on their own, after an anchor system message that is t
 That keeps templates that inject a default system prompt when the conversation has none (Qwen2.5)
 from injecting one mid-conversation, and it works for any template that renders each message
 independently of the ones before it (ChatML, Qwen2.5, Llama 3, ...). The opening of an episode is
-rendered as a whole conversation, so the template behaves exactly as at inference time.
+rendered as a whole conversation, so the template behaves exactly as at inference time; so is
+each new segment of an episode whose context policy rewrote its history (its earlier replies are
+context there, re-tokenised from their text as the model then sees them, and never trained).
 """
 
 from __future__ import annotations
@@ -100,6 +102,10 @@ class ChatFormatter:
             rest = rest[len(stop_text) :] if stop_text and rest.startswith(stop_text) else rest
             self._after_stop[stop_id] = self._encode(rest)
         return list(self._after_stop[stop_id])
+
+    def count_tokens(self, text: str) -> int:
+        """How many tokens ``text`` takes on its own (what a context policy's token budget measures)."""
+        return len(self._encode(text))
 
     def reply_text(self, sampled_ids: Sequence[int]) -> str:
         """The reply as the environment sees it: decoded, special tokens removed."""

@@ -80,6 +80,7 @@ class Evaluator:
             formatter,
             settings.episode_limits(),
             env_timeout=settings.env_timeout,
+            context_policy=settings.context_policy(),
             max_concurrent_episodes=settings.concurrency_for(env.max_concurrent_episodes),
             show_progress=show_progress,
         )

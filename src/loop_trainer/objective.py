@@ -210,6 +210,7 @@ def loop_policy_loss(
     turn_ids: Tensor | None = None,
     epsilon_high: float | None = None,
     token_weights: Tensor | None = None,
+    trajectory_ids: Tensor | None = None,
 ) -> PolicyLossOutput:
     r"""LOOP's clipped PPO loss for a batch of trajectories.
 
@@ -236,6 +237,11 @@ def loop_policy_loss(
     collapsing onto the choices it already prefers; the lower bound stays LOOP's). :math:`w_{i,t}`
     is 1 unless ``token_weights`` is given (the truncated importance weights toward the sampler,
     :func:`loop_trainer.stabilisers.truncated_importance_weights`; held fixed, no gradient).
+
+    A trajectory may span several rows (``trajectory_ids``): the segments of an episode whose
+    context policy rewrote its history, each row exactly the context the sampler saw. Then
+    :math:`T_i` is the sampled tokens of all its rows: one token mean across the segments, and
+    (``"trajectory"``) one ratio over all of them; each turn is within one row.
 
     :math:`D` is a *constant* divisor, the nominal minibatch size (paper: 32), so a short minibatch
     or a trajectory split across gradient-accumulation micro-batches is weighted exactly as in a
@@ -274,6 +280,9 @@ def loop_policy_loss(
         epsilon_high: the upper clip bound is ``1 + epsilon_high`` (default: ``epsilon``).
         token_weights: ``[B, T]`` non-negative weight of every token's objective, read only where
             ``loss_mask`` is 1 (detached). None: every weight is 1.
+        trajectory_ids: ``[B]`` integer label of each row's trajectory: rows with one label are
+            segments of one trajectory, and all of them must be in this batch. None: every row is a
+            whole trajectory.
     """
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {', '.join(RATIO_LEVELS)}; got {ratio_level!r}")
@@ -286,6 +295,8 @@ def loop_policy_loss(
         raise ValueError(f"advantages must have shape ({logprobs.shape[0]},), got {tuple(advantages.shape)}")
     if token_weights is not None and token_weights.shape != logprobs.shape:
         raise ValueError(f"token_weights {tuple(token_weights.shape)} must have the shape of logprobs")
+    if trajectory_ids is not None and trajectory_ids.shape != advantages.shape:
+        raise ValueError(f"trajectory_ids must have shape ({logprobs.shape[0]},), got {tuple(trajectory_ids.shape)}")
     upper = 1.0 + (epsilon if epsilon_high is None else epsilon_high)
     if upper < 1.0:
         raise ValueError(f"epsilon_high must be >= 0, got {epsilon_high}")
@@ -298,7 +309,8 @@ def loop_policy_loss(
 
     # Per token log pi_theta - log pi_old; 0 where not sampled, so padding never reaches the loss.
     log_ratio = torch.where(sampled, logprobs.to(dtype) - old_logprobs.detach().to(dtype), 0.0)
-    ratio = torch.exp(_segment_log_ratio(log_ratio, sampled, ratio_level, turn_ids))
+    trajectory = None if trajectory_ids is None else _group_index(trajectory_ids, logprobs.device)
+    ratio = torch.exp(_segment_log_ratio(log_ratio, sampled, ratio_level, turn_ids, trajectory))
     adv = advantages.detach().to(dtype)[:, None]
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 / (1.0 + epsilon), upper) * adv
@@ -306,9 +318,7 @@ def loop_policy_loss(
     if token_weights is not None:
         objective = objective * torch.where(sampled, token_weights.detach().to(dtype), 0.0)
 
-    tokens_per_trajectory = mask.sum(dim=1)
-    trajectory_objective = (objective * mask).sum(dim=1) / tokens_per_trajectory.clamp(min=1)
-    loss = -trajectory_objective.sum() / divisor
+    loss = -_trajectory_means(objective * mask, mask, trajectory).sum() / divisor
 
     with torch.no_grad():
         num_tokens = mask.sum()
@@ -327,10 +337,25 @@ def loop_policy_loss(
     return PolicyLossOutput(loss=loss, **{name: value.to(torch.float32) for name, value in stats.items()})
 
 
-def _segment_log_ratio(log_ratio: Tensor, sampled: Tensor, ratio_level: str, turn_ids: Tensor | None) -> Tensor:
+def _trajectory_means(values: Tensor, mask: Tensor, trajectory: Tensor | None) -> Tensor:
+    """Each trajectory's sum of ``values`` (``[B, T]``, 0 where not sampled) over its sampled tokens
+    (``mask``): per row, or, with ``trajectory`` (each row's trajectory index, 0..n-1), over all the
+    rows of a trajectory."""
+    sums, counts = values.sum(dim=1), mask.sum(dim=1)
+    if trajectory is not None:
+        num = int(trajectory.max()) + 1 if trajectory.numel() else 0
+        sums = sums.new_zeros(num).index_add(0, trajectory, sums)
+        counts = counts.new_zeros(num).index_add(0, trajectory, counts)
+    return sums / counts.clamp(min=1)
+
+
+def _segment_log_ratio(
+    log_ratio: Tensor, sampled: Tensor, ratio_level: str, turn_ids: Tensor | None, trajectory: Tensor | None = None
+) -> Tensor:
     """``[B, T]``: every sampled token's log-ratio of its segment (see :func:`loop_policy_loss`):
     its own (``"token"``), the sum over its turn or over its trajectory (clamped to
-    ``MAX_LOG_RATIO``); 0 where not sampled. ``log_ratio`` is 0 where not sampled."""
+    ``MAX_LOG_RATIO``); 0 where not sampled. ``log_ratio`` is 0 where not sampled. ``trajectory``:
+    each row's trajectory index when a trajectory spans rows (None: each row is one)."""
     if ratio_level == "token":
         return log_ratio
     batch_size = log_ratio.shape[0]
@@ -347,7 +372,8 @@ def _segment_log_ratio(log_ratio: Tensor, sampled: Tensor, ratio_level: str, tur
         if bool((turn[sampled] < 0).any()):
             raise ValueError("turn_ids must be >= 0 on every sampled token (loss_mask == 1)")
     width = int(turn[sampled].max()) + 1 if bool(sampled.any()) else 1
-    row = torch.arange(batch_size, device=log_ratio.device)[:, None]
+    rows = torch.arange(batch_size, device=log_ratio.device) if trajectory is None else trajectory
+    row = rows[:, None]
     # One segment per (trajectory, turn) label; every token not sampled in one more (log-ratio 0).
     _, segment = torch.unique(torch.where(sampled, row * width + turn, -1), return_inverse=True)
     num_segments = int(segment.max()) + 1 if segment.numel() else 0
@@ -357,7 +383,12 @@ def _segment_log_ratio(log_ratio: Tensor, sampled: Tensor, ratio_level: str, tur
 
 
 def reference_kl_penalty(
-    logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor, *, divisor: float | None = None
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    loss_mask: Tensor,
+    *,
+    divisor: float | None = None,
+    trajectory_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     r"""The KL penalty to a reference policy, aggregated like :func:`loop_policy_loss`.
 
@@ -368,14 +399,16 @@ def reference_kl_penalty(
 
     then the token mean within each trajectory, the sum over trajectories and the constant divisor.
     Since the token mean is linear, ``loss + beta * penalty`` equals adding ``beta * k3`` to every
-    token's objective before the token mean. Returns ``(penalty, mean k3 over sampled tokens)``.
+    token's objective before the token mean (across a trajectory's rows, with ``trajectory_ids``, as
+    :func:`loop_policy_loss`). Returns ``(penalty, mean k3 over sampled tokens)``.
     """
     mask = loss_mask.to(torch.float32)
     divisor = float(logprobs.shape[0] if divisor is None else divisor)
     # Masked positions get difference 0 (k3 = 0) so padding can never produce inf * 0 = nan.
     diff = torch.where(mask.bool(), ref_logprobs.detach().float() - logprobs.float(), 0.0)
     k3 = torch.exp(diff) - diff - 1.0
-    per_trajectory = (k3 * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+    trajectory = None if trajectory_ids is None else _group_index(trajectory_ids, logprobs.device)
+    per_trajectory = _trajectory_means(k3 * mask, mask, trajectory)
     with torch.no_grad():
         mean = (k3 * mask).sum() / mask.sum().clamp(min=1)
     return per_trajectory.sum() / divisor, mean

@@ -24,6 +24,11 @@ class Trajectory:
     sampled token, the index of the assistant turn that produced it (0 for the first reply, 1 for
     the second, ...) and -1 on every token with ``loss_mask`` 0: the per-turn importance ratio
     (``loop_policy_loss(ratio_level="turn")``) groups tokens by it.
+
+    An episode whose context policy rewrote its history (:mod:`loop_trainer.rollout.context`) is
+    several *segments*, each the whole context the model saw for its replies from then on, laid end
+    to end in these lists: ``segment_starts`` holds where each segment after the first begins. An
+    append-only episode is one segment (``segment_starts`` empty).
     """
 
     task_id: str
@@ -41,6 +46,9 @@ class Trajectory:
     (``max_staleness``: a batch may be sampled by an older policy than the one it trains)."""
     prompt_length: int = 0
     """Tokens of the opening prompt (before the first reply)."""
+    segment_starts: list[int] = field(default_factory=list)
+    """Token index where each segment after the first begins (a context rewritten by a context policy,
+    rendered afresh); empty for an append-only episode."""
     reward: float = 0.0
     success: bool | None = None
     status: Status = "completed"
@@ -63,6 +71,17 @@ class Trajectory:
     @property
     def num_sampled_tokens(self) -> int:
         return sum(self.loss_mask)
+
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        """``(start, end)`` token spans of the segments, in order (one for an append-only episode)."""
+        bounds = [0, *self.segment_starts, len(self.token_ids)]
+        return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+    @property
+    def context_start(self) -> int:
+        """Where the segment the model is writing in begins: its context is ``token_ids[context_start:]``."""
+        return self.segment_starts[-1] if self.segment_starts else 0
 
     def append(
         self, token_ids: list[int], *, sampled: bool, logprobs: list[float] | None = None, turn: int | None = None

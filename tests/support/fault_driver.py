@@ -1,6 +1,7 @@
 """A LOOP training process for the crash tests: ``python fault_driver.py MODEL_DIR OUTPUT_DIR
 [--kill-in rollouts|round|collected|update|save --kill-at N] [--resume] [--dynamic-sampling-rounds R]
-[--max-staleness K]``, alone or under ``torch.distributed.run`` (gloo: each process collects its share).
+[--max-staleness K] [--context-keep N] [--ratio-level L]``, alone or under ``torch.distributed.run`` (gloo: each
+process collects its share).
 It SIGKILLs itself at the named moment of iteration N (no clean-up of any kind runs; ``round``: as dynamic
 sampling's second collection round starts; ``collected``: once the batch the iteration trains on is complete, before
 its update), then the test resumes it. ``--max-staleness 1`` samples on a
@@ -81,6 +82,8 @@ def main() -> None:
     parser.add_argument("--rollouts-per-task", type=int, default=4)
     parser.add_argument("--max-staleness", type=int, default=0)
     parser.add_argument("--partial", action="store_true")
+    parser.add_argument("--context-keep", type=int, help="context_keep_observations: episodes split into segments")
+    parser.add_argument("--ratio-level", default="token")
     options = parser.parse_args()
 
     distributed = {}
@@ -105,6 +108,8 @@ def main() -> None:
             if options.partial
             else {}
         ),
+        context_keep_observations=options.context_keep,
+        ratio_level=options.ratio_level,
         minibatch_size=8,
         max_turns=6,
         max_new_tokens_per_turn=4,

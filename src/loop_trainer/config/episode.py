@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..rollout.context import ContextPolicy
 from ..rollout.records import EpisodeLimits
 from .ranges import above, at_least, setting
 
@@ -64,6 +65,29 @@ class EpisodeSettings:
         "off on a CPU; false turns it off; true requires it (refused with use_vllm, without a LoRA adapter, with "
         "ZeRO-3).",
     )
+    context_keep_observations: int | None = setting(
+        None,
+        "Context policy: the model sees the text of only the last N environment messages after the opening; older "
+        "ones read '[output elided]' (each reply past the N-th starts a new trained segment). None: all of them.",
+        at_least(1, "environment messages whose text the model sees; None: all", none=True),
+    )
+    context_observation_budget: int | None = setting(
+        None,
+        "Context policy: when the environment messages' text outgrows this many tokens, the oldest are elided until "
+        "they fit in half of it (a compaction starts a new trained segment). None: no budget.",
+        at_least(1, "tokens of environment messages the model sees before the oldest are elided; None: all", none=True),
+    )
+    context_strip_thinking: bool = setting(
+        False,
+        "Context policy: remove <think>...</think> blocks from the model's earlier replies, as Qwen3's chat template "
+        "does (each reply after one that thought starts a new trained segment).",
+    )
+
+    def context_policy(self) -> ContextPolicy:
+        """What the ``context_*`` keys show of an episode's history (inactive when none is set)."""
+        return ContextPolicy(
+            self.context_keep_observations, self.context_observation_budget, self.context_strip_thinking
+        )
 
     def episode_limits(self) -> EpisodeLimits:
         return EpisodeLimits(

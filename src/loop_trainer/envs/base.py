@@ -103,6 +103,16 @@ class Episode(ABC):
         """Release resources. Called once on every path, never while another method of this episode
         is running: after a synchronous call that timed out, only once that call returns."""
 
+    def context(self, history: list[Message]) -> list[Message] | None | Awaitable[list[Message] | None]:
+        """The messages the model sees for its next reply, given the episode's whole ``history`` so
+        far (the opening, every reply and every message you returned, as text). Override it to
+        rewrite what the model is shown (elide old tool outputs, summarise, drop earlier thinking);
+        the default, None, shows all of it, append-only. When what you return is not the model's
+        last context with messages appended, the episode continues in a new segment, rendered
+        afresh and trained token-exactly as the model saw it (:mod:`loop_trainer.rollout.context`).
+        Return the same messages for the same history: a replay must see what the run saw."""
+        return None
+
 
 class EnvironmentSetupError(RuntimeError):
     """The environment cannot run as configured (data missing, servers not starting): the user

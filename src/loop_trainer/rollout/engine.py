@@ -36,6 +36,7 @@ from ..envs.base import Environment, Episode, EpisodeContractError, Message, Rep
 from ..trajectory import Trajectory
 from .backend import Completion, GenerationBackend
 from .collection import collect_batch, run_coroutine
+from .context import ContextPolicy, extends
 from .env_threads import AbandonedCalls, EnvThreads, EpisodeCalls, deliver
 from .records import MAX_CHARS_PER_TOKEN, DroppedEpisode, EpisodeLimits, GenerationError, RolloutBatch, mix_seed
 
@@ -56,6 +57,11 @@ class TurnPolicy(Protocol):
 class RolloutEngine:
     """Runs episodes of ``env`` with ``backend``, concurrently.
 
+    ``context_policy`` rewrites what the model is shown of each episode's history (the ``context_*``
+    keys; an episode's own :meth:`~loop_trainer.envs.base.Episode.context` hook comes first): an
+    episode whose rewritten history stops extending its last context continues in a new segment
+    (:mod:`.context`). None, or a policy with nothing set: append-only.
+
     The engine owns one thing, the daemon threads that run synchronous environment methods
     (:class:`EnvThreads`); the environment and the backend belong to the caller. Release them with
     :meth:`close` or ``with RolloutEngine(...) as engine:``.
@@ -75,8 +81,12 @@ class RolloutEngine:
         env_timeout: float = 300.0,
         max_concurrent_episodes: int = 256,
         show_progress: bool = True,
+        context_policy: ContextPolicy | None = None,
     ):
         self.env = env
+        self.context_policy = context_policy
+        # observations are measured again at every reply of an episode: count each text once
+        self._count_tokens = functools.lru_cache(maxsize=65536)(formatter.count_tokens)
         self.backend = backend
         self.formatter = formatter
         self.limits = limits
@@ -193,11 +203,14 @@ class RolloutEngine:
             trajectory.num_opening_messages = len(messages)
             trajectory.append(self.formatter.opening_ids(messages, tools=episode.tools), sampled=False)
             trajectory.prompt_length = len(trajectory.token_ids)
+            # A context policy's episode: what the current segment shows, and where its opening render ends.
+            rewrite = self._rewriter(episode, calls, trajectory)
+            shown, segment_opened = list(messages), trajectory.prompt_length
             trajectory.ending = "turn_limit"
             for turn in range(self.limits.max_turns):
-                room = self.limits.max_trajectory_tokens - len(trajectory.token_ids)
+                room = self.limits.max_trajectory_tokens - (len(trajectory.token_ids) - trajectory.context_start)
                 if self.limits.max_completion_tokens is not None:
-                    used = len(trajectory.token_ids) - trajectory.prompt_length
+                    used = len(trajectory.token_ids) - segment_opened
                     room = min(room, self.limits.max_completion_tokens - used)
                 if room < 1:
                     trajectory.ending = "trajectory_budget"
@@ -211,7 +224,7 @@ class RolloutEngine:
                         completion = await self._generate(sampler, trajectory, max_new_tokens, turn_seed)
                     trajectory.turn_versions.append(version)
                 reply = Reply(
-                    self.formatter.reply_text(completion.token_ids), completion.token_ids, trajectory.token_ids
+                    self.formatter.reply_text(completion.token_ids), completion.token_ids, context_of(trajectory)
                 )
                 trajectory.append(completion.token_ids, sampled=True, logprobs=completion.logprobs, turn=turn)
                 trajectory.num_turns += 1
@@ -225,11 +238,19 @@ class RolloutEngine:
                     break
                 step.messages = self._clean(step.messages, trajectory, "Episode.step()")
                 trajectory.messages.extend(step.messages)
-                trajectory.append(
-                    self.formatter.after_reply_ids(completion.token_ids, completion.stopped)
-                    + self.formatter.continuation_ids(step.messages),
-                    sampled=False,
-                )
+                after_reply = self.formatter.after_reply_ids(completion.token_ids, completion.stopped)
+                if rewrite is None:  # append-only: the whole history, as sampled
+                    trajectory.append(after_reply + self.formatter.continuation_ids(step.messages), sampled=False)
+                    continue
+                previous = [*shown, trajectory.messages[-1 - len(step.messages)]]  # ... and the reply
+                shown = await rewrite(trajectory.messages)
+                if extends(previous, shown):
+                    tail = self.formatter.continuation_ids(shown[len(previous) :])
+                    trajectory.append(after_reply + tail, sampled=False)
+                else:  # a new segment: the rewritten history, rendered afresh
+                    trajectory.segment_starts.append(len(trajectory.token_ids))
+                    trajectory.append(self.formatter.opening_ids(shown, tools=episode.tools), sampled=False)
+                    segment_opened = len(trajectory.token_ids)
             score = as_score(await self._call(calls, "score"), self.env.reward_range)
             trajectory.reward, trajectory.success, trajectory.info = score.reward, score.success, score.info
         except asyncio.CancelledError:
@@ -246,6 +267,27 @@ class RolloutEngine:
             if episode is not None:
                 await self._close_episode(calls, trajectory.task_id)
         return trajectory
+
+    def _rewriter(
+        self, episode: Episode, calls: EpisodeCalls, trajectory: Trajectory
+    ) -> Callable[[list[Message]], Awaitable[list[Message]]] | None:
+        """How this episode's history is shown before each reply: the episode's own ``context`` hook,
+        else the engine's :class:`ContextPolicy`; None where neither rewrites (append-only)."""
+        if type(episode).context is not Episode.context:
+
+            async def hook(history: list[Message]) -> list[Message]:
+                shown = await self._call(calls, "context", list(history))
+                return list(history) if shown is None else self._clean(shown, trajectory, "Episode.context()")
+
+            return hook
+        policy, opening = self.context_policy, trajectory.num_opening_messages
+        if policy is None or not policy.active:
+            return None
+
+        async def rewritten(history: list[Message]) -> list[Message]:
+            return policy.shown(history, opening, self._count_tokens)
+
+        return rewritten
 
     async def _close_episode(self, calls: EpisodeCalls, task_id: str) -> None:
         """Close the episode, unless one of its calls was abandoned and still runs: then ``close``
@@ -295,15 +337,16 @@ class RolloutEngine:
     ) -> Completion:
         # A generator failure (an OOM, a dropped connection to a server) is retried once: the
         # same seed gives the same reply. A second failure fails the rollout, counted and logged.
+        context = context_of(trajectory)
         try:
-            return await backend.generate(trajectory.token_ids, max_new_tokens, seed=seed)
+            return await backend.generate(context, max_new_tokens, seed=seed)
         except Exception as error:  # noqa: BLE001
             logger.warning(
                 "generation for task %s failed (%s: %s); retrying once", trajectory.task_id, type(error).__name__, error
             )
             self.generation_retries += 1
         try:
-            return await backend.generate(trajectory.token_ids, max_new_tokens, seed=seed)
+            return await backend.generate(context, max_new_tokens, seed=seed)
         except Exception as error:  # noqa: BLE001
             raise GenerationError(f"generation failed twice: {type(error).__name__}: {error}") from error
 
@@ -369,3 +412,10 @@ class RolloutEngine:
 
 async def _awaited(awaitable: Awaitable[T]) -> T:
     return await awaitable
+
+
+def context_of(trajectory: Trajectory) -> list[int]:
+    """The tokens the model continues from: the segment it is writing in (the whole trajectory when
+    append-only, as the same list)."""
+    start = trajectory.context_start
+    return trajectory.token_ids if start == 0 else trajectory.token_ids[start:]

@@ -141,7 +141,9 @@ class RolloutBatch:
             "turns_mean": turns / len(done) if done else float("nan"),
             "reply_tokens_mean": sum(t.num_sampled_tokens for t in done) / turns if turns else float("nan"),
             "sampled_tokens": float(sum(t.num_sampled_tokens for t in done)),
-            "trajectory_tokens_max": float(max((len(t.token_ids) for t in done), default=0)),
+            # the longest context the model saw: an episode split by a context policy is its segments
+            "trajectory_tokens_max": float(max((end - start for t in done for start, end in t.segments), default=0)),
+            "segments_mean": sum(len(t.segments) for t in done) / len(done) if done else float("nan"),
             "truncated_turns": float(sum(t.truncated_turns for t in done)),
             "repaired_messages": float(sum(t.repaired_messages for t in done)),
             "cut_messages": float(sum(t.cut_messages for t in done)),

@@ -26,6 +26,11 @@ class TrainingSample:
     turn_ids: list[int] | None = None
     """Per token: the assistant turn of a sampled token, -1 elsewhere (:attr:`Trajectory.turn_ids`).
     None where not recorded: :func:`collate` then numbers the runs of consecutive sampled tokens."""
+    trajectory: int | None = None
+    """For one segment of an episode a context policy split (:attr:`Trajectory.segments`): which of
+    the update's trajectories it belongs to. Its segments share its advantage, one token mean and
+    (``ratio_level="trajectory"``) one ratio, and are trained in the same minibatch and micro-batch.
+    None: the sample is a whole trajectory."""
 
     @classmethod
     def from_trajectory(cls, trajectory: Trajectory, advantage: float, max_tokens: int) -> TrainingSample:
@@ -44,6 +49,39 @@ class TrainingSample:
             truncated=truncated,
             turn_ids=trajectory.turn_ids[:end] if recorded else None,
         )
+
+
+def training_samples(trajectory: Trajectory, advantage: float, max_tokens: int, index: int) -> list[TrainingSample]:
+    """The samples one kept trajectory trains as: itself (:meth:`TrainingSample.from_trajectory`),
+    or, when a context policy split it, one per segment that sampled a token, each the context the
+    model saw and cut to ``max_tokens`` on its own, labelled trajectory ``index``."""
+    if not trajectory.segment_starts:
+        return [TrainingSample.from_trajectory(trajectory, advantage, max_tokens)]
+    samples = []
+    for start, end in trajectory.segments:
+        segment = dataclasses.replace(
+            trajectory,
+            token_ids=trajectory.token_ids[start:end],
+            loss_mask=trajectory.loss_mask[start:end],
+            sampler_logprobs=trajectory.sampler_logprobs[start:end],
+            turn_ids=trajectory.turn_ids[start:end] if len(trajectory.turn_ids) == len(trajectory.token_ids) else [],
+            segment_starts=[],
+        )
+        if any(segment.loss_mask):
+            samples.append(
+                dataclasses.replace(TrainingSample.from_trajectory(segment, advantage, max_tokens), trajectory=index)
+            )
+    return samples
+
+
+def trajectory_rows(samples: Sequence[TrainingSample]) -> list[list[int]]:
+    """The sample indices of each trajectory, in order of first appearance: ``[[0], [1], ...]`` when
+    every sample is a whole trajectory; a split episode's segments together."""
+    rows: dict[tuple[bool, int], list[int]] = {}
+    for i, sample in enumerate(samples):
+        key = (False, i) if sample.trajectory is None else (True, sample.trajectory)
+        rows.setdefault(key, []).append(i)
+    return list(rows.values())
 
 
 def turn_ids_from_mask(loss_mask: Sequence[int]) -> list[int]:
@@ -68,6 +106,9 @@ class Batch:
     sampler_logprobs: Tensor
     turn_ids: Tensor | None = None
     """``[B, T]`` long: the assistant turn of each sampled token, -1 elsewhere (padding included)."""
+    trajectory_ids: Tensor | None = None
+    """``[B]`` long: rows with one label are segments of one trajectory (:attr:`TrainingSample.trajectory`);
+    None when every row is a whole trajectory."""
 
     def to(self, device: torch.device) -> Batch:
         return dataclasses.replace(
@@ -93,7 +134,12 @@ def collate(samples: Sequence[TrainingSample], pad_token_id: int) -> Batch:
         turns = sample.turn_ids if sample.turn_ids is not None else turn_ids_from_mask(sample.loss_mask)
         turn_ids[row, :n] = torch.tensor(turns, dtype=torch.long)
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return Batch(input_ids, attention_mask, loss_mask, advantages, sampler_logprobs, turn_ids)
+    trajectory_ids = None
+    if any(s.trajectory is not None for s in samples):
+        labels: dict[tuple[bool, int], int] = {}
+        keys = [(False, row) if s.trajectory is None else (True, s.trajectory) for row, s in enumerate(samples)]
+        trajectory_ids = torch.tensor([labels.setdefault(key, len(labels)) for key in keys], dtype=torch.long)
+    return Batch(input_ids, attention_mask, loss_mask, advantages, sampler_logprobs, turn_ids, trajectory_ids)
 
 
 def minibatch_indices(num_samples: int, minibatch_size: int, generator: torch.Generator) -> Iterator[list[int]]:
@@ -106,3 +152,18 @@ def minibatch_indices(num_samples: int, minibatch_size: int, generator: torch.Ge
 def chunks(items: Sequence[int], size: int) -> Iterator[list[int]]:
     for start in range(0, len(items), size):
         yield list(items[start : start + size])
+
+
+def whole_chunks(groups: Sequence[Sequence[int]], size: int) -> Iterator[list[int]]:
+    """``groups`` (each a trajectory's sample indices) packed in order into chunks of at most ``size``
+    indices, never splitting a group (a group larger than ``size`` is a chunk of its own): the
+    micro-batches of a minibatch, each holding its trajectories whole. Single-index groups give
+    :func:`chunks`' chunks."""
+    chunk: list[int] = []
+    for group in groups:
+        if chunk and len(chunk) + len(group) > size:
+            yield chunk
+            chunk = []
+        chunk.extend(group)
+    if chunk:
+        yield chunk

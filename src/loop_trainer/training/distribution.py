@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
+
+T = TypeVar("T")
 
 
 class DistributedSetupError(RuntimeError):
@@ -59,7 +61,7 @@ class DistributionStrategy:
     def deepspeed_engine(self) -> Any | None:
         return deepspeed_engine(self.accelerator)
 
-    def share(self, items: Sequence[int]) -> list[int]:
+    def share(self, items: Sequence[T]) -> list[T]:
         """This process's part of ``items`` (round-robin over processes)."""
         return list(items[self.process_index :: self.num_processes])
 

@@ -56,6 +56,7 @@ class RolloutResources:
                 self.formatter,
                 settings.episode_limits(),
                 env_timeout=settings.env_timeout,
+                context_policy=settings.context_policy(),
                 show_progress=self.show_progress,
                 max_concurrent_episodes=settings.concurrency_for(self.env.max_concurrent_episodes),
             )

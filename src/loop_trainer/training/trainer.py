@@ -58,7 +58,7 @@ from .activation_checkpointing import (
     enable_checkpointing,
     is_checkpointing,
 )
-from .batching import TrainingSample
+from .batching import TrainingSample, training_samples
 from .checkpoints import CheckpointStager, read_loop_state
 from .distribution import DistributionStrategy, check_launch, zero_stage
 from .dynamic_sampling import ScoredRollouts, collect_scored, score_rollouts
@@ -447,10 +447,12 @@ class LOOPTrainer(Trainer):
         batch, advantages = scored.batch, scored.advantages
         trajectories = batch.trajectories
         assert args.max_training_tokens is not None  # LOOPConfig.__post_init__ sets it
+        kept = [(t, float(a)) for t, a, k in zip(trajectories, advantages.tolist(), scored.trained, strict=True) if k]
+        # one sample per trajectory; one per segment of an episode a context policy split
         samples = [
-            TrainingSample.from_trajectory(t, float(a), args.max_training_tokens)
-            for t, a, k in zip(trajectories, advantages.tolist(), scored.trained, strict=True)
-            if k
+            sample
+            for index, (t, a) in enumerate(kept)
+            for sample in training_samples(t, a, args.max_training_tokens, index)
         ]
         record: dict[str, Any] = {
             **batch.stats(),
@@ -458,8 +460,8 @@ class LOOPTrainer(Trainer):
             **training_check_rates(self.env, batch),
             **synced,
             **(staleness_metrics(trajectories, iteration) if args.max_staleness else {"policy_staleness": 0.0}),
-            "num_kept": len(samples),
-            "kept_fraction": len(samples) / len(trajectories) if trajectories else 0.0,
+            "num_kept": len(kept),
+            "kept_fraction": len(kept) / len(trajectories) if trajectories else 0.0,
             "truncated_for_training": sum(s.truncated for s in samples),
             "tokens": sum(len(s.token_ids) for s in samples),
             "trained_sampled_tokens": sum(sum(s.loss_mask) for s in samples),

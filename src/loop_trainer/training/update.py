@@ -27,7 +27,7 @@ from ..objective import RatioLevel, loop_policy_loss, reference_kl_penalty
 from ..rollout.records import stream_seed
 from ..stabilisers import truncated_importance_weights
 from .adapter_casts import adapter_input_casts_off
-from .batching import TrainingSample, chunks, collate, minibatch_indices
+from .batching import TrainingSample, chunks, collate, minibatch_indices, trajectory_rows, whole_chunks
 from .distribution import DistributionStrategy
 from .logprobs import token_logprobs, token_logprobs_and_entropy
 
@@ -131,12 +131,21 @@ class PolicyUpdate:
     def _update(self, samples: list[TrainingSample], iteration: int) -> dict[str, float]:
         s = self.settings
         generator = torch.Generator().manual_seed(stream_seed(s.seed, iteration))
-        epochs = [list(minibatch_indices(len(samples), s.minibatch_size, generator)) for _ in range(s.ppo_epochs)]
+        # Minibatches of trajectories (minibatch_size counts them), each expanded to its samples: a
+        # trajectory a context policy split trains all its segments in one step.
+        rows = trajectory_rows(samples)
+        epochs = [
+            [
+                [i for t in minibatch for i in rows[t]]
+                for minibatch in minibatch_indices(len(rows), s.minibatch_size, generator)
+            ]
+            for _ in range(s.ppo_epochs)
+        ]
         schedule = [minibatch for epoch in epochs for minibatch in epoch]
-        mine = sorted({i for minibatch in schedule for i in self.strategy.share(minibatch)})
+        mine = sorted({i for minibatch in schedule for group in self._share(samples, minibatch) for i in group})
         # Each sample is in exactly one process's share of the first epoch: that process counts it
         # in the sampler comparison, so the combined metric counts every sample once.
-        counted = {i for minibatch in epochs[0] for i in self.strategy.share(minibatch)}
+        counted = {i for minibatch in epochs[0] for group in self._share(samples, minibatch) for i in group}
         fixed, sampler_diff = self.fixed_logprobs(samples, mine, counted)
         steps: list[StepResult] = []
         skipped_nonfinite = 0
@@ -239,9 +248,12 @@ class PolicyUpdate:
         fixed_reference = fixed.reference if s.beta > 0 else None
         if s.beta > 0 and fixed_reference is None:
             raise ValueError("beta > 0 needs the reference policy's log-probs (FixedLogprobs.reference)")
-        share = strategy.share(minibatch)
-        micro_batches = [(indices, False) for indices in chunks(share, s.micro_batch_size)]
-        needed = strategy.micro_batches_per_step(len(micro_batches), len(minibatch), s.micro_batch_size)
+        groups = trajectory_rows([samples[i] for i in minibatch])
+        share = self._share(samples, minibatch)
+        micro_batches = [(indices, False) for indices in whole_chunks(share, s.micro_batch_size)]
+        needed = strategy.micro_batches_per_step(len(micro_batches), len(groups), s.micro_batch_size)
+        if len(groups) < len(minibatch):  # split episodes: shares differ in samples, so agree on the count
+            needed = strategy.matched_pass_count(needed)
         # A stand-in is a zero-advantage, zero-mask copy: zero loss, zero gradient, matched collectives.
         micro_batches += [(minibatch[:1], True)] * (needed - len(micro_batches))
         # Each process divides by minibatch_size / world so that averaging gradients across
@@ -277,11 +289,14 @@ class PolicyUpdate:
                     turn_ids=batch.turn_ids,
                     epsilon_high=s.epsilon_high,
                     token_weights=weights,
+                    trajectory_ids=batch.trajectory_ids,
                 )
                 loss = out.loss
                 if fixed_reference is not None:  # beta > 0
                     reference = _padded(fixed_reference, indices, like=batch.sampler_logprobs)
-                    penalty, kl_ref = reference_kl_penalty(logprobs, reference, batch.loss_mask, divisor=divisor)
+                    penalty, kl_ref = reference_kl_penalty(
+                        logprobs, reference, batch.loss_mask, divisor=divisor, trajectory_ids=batch.trajectory_ids
+                    )
                     loss = loss + s.beta * penalty
                     totals["kl_ref"] += float(kl_ref) * float(out.num_tokens)
                 strategy.backward(loss)
@@ -316,6 +331,12 @@ class PolicyUpdate:
             return step
         step.grad_norm, step.stepped = strategy.step()
         return step if step.stepped else None
+
+    def _share(self, samples: list[TrainingSample], minibatch: list[int]) -> list[list[int]]:
+        """This process's trajectories of ``minibatch`` (sample indices), each as its samples: the
+        strategy's round-robin share over trajectories, so a split episode's segments stay together."""
+        groups = trajectory_rows([samples[i] for i in minibatch])
+        return [[minibatch[j] for j in group] for group in self.strategy.share(groups)]
 
 
 def _padded(per_sample: dict[int, torch.Tensor], indices: list[int], like: torch.Tensor) -> torch.Tensor:
