@@ -215,7 +215,7 @@ def loop_policy_loss(
     r"""LOOP's clipped PPO loss for a batch of trajectories.
 
     For trajectory :math:`i` with advantage :math:`A_i` and sampled tokens :math:`t \in T_i`
-    (``loss_mask == 1``), each token :math:`t` in a segment :math:`k(t) \subseteq T_i`:
+    (``loss_mask == 1``), each token :math:`t` in a ratio group :math:`k(t) \subseteq T_i`:
 
     .. math::
         \rho_{i,t} = \exp\Bigl(\sum_{u \in k(t)} \log\pi_\theta(y_u) - \log\pi_{old}(y_u)\Bigr) \\
@@ -223,7 +223,7 @@ def loop_policy_loss(
                   \mathrm{clip}(\rho_{i,t}, \tfrac{1}{1+\epsilon}, 1+\epsilon_{high}) A_i\bigr) \\
         L = -\frac{1}{D} \sum_i \frac{1}{|T_i|} \sum_{t \in T_i} w_{i,t}\, o_{i,t}
 
-    The segment is the **ratio level** (the paper's Table 1 ablations): ``"token"`` (LOOP) is the
+    The group is the **ratio level** (the paper's Table 1 ablations): ``"token"`` (LOOP) is the
     token alone, :math:`k(t) = \{t\}`, so :math:`\rho_{i,t} = \pi_\theta(y_t) / \pi_{old}(y_t)`;
     ``"turn"`` is the token's assistant turn (the sampled tokens of its row with its ``turn_ids``
     label), so every token of a turn carries the turn's ratio and a turn weighs by its number of
@@ -310,7 +310,7 @@ def loop_policy_loss(
     # Per token log pi_theta - log pi_old; 0 where not sampled, so padding never reaches the loss.
     log_ratio = torch.where(sampled, logprobs.to(dtype) - old_logprobs.detach().to(dtype), 0.0)
     trajectory = None if trajectory_ids is None else _group_index(trajectory_ids, logprobs.device)
-    ratio = torch.exp(_segment_log_ratio(log_ratio, sampled, ratio_level, turn_ids, trajectory))
+    ratio = torch.exp(_grouped_log_ratio(log_ratio, sampled, ratio_level, turn_ids, trajectory))
     adv = advantages.detach().to(dtype)[:, None]
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 / (1.0 + epsilon), upper) * adv
@@ -349,10 +349,10 @@ def _trajectory_means(values: Tensor, mask: Tensor, trajectory: Tensor | None) -
     return sums / counts.clamp(min=1)
 
 
-def _segment_log_ratio(
+def _grouped_log_ratio(
     log_ratio: Tensor, sampled: Tensor, ratio_level: str, turn_ids: Tensor | None, trajectory: Tensor | None = None
 ) -> Tensor:
-    """``[B, T]``: every sampled token's log-ratio of its segment (see :func:`loop_policy_loss`):
+    """``[B, T]``: every sampled token's log-ratio of its ratio group (see :func:`loop_policy_loss`):
     its own (``"token"``), the sum over its turn or over its trajectory (clamped to
     ``MAX_LOG_RATIO``); 0 where not sampled. ``log_ratio`` is 0 where not sampled. ``trajectory``:
     each row's trajectory index when a trajectory spans rows (None: each row is one)."""
@@ -374,12 +374,12 @@ def _segment_log_ratio(
     width = int(turn[sampled].max()) + 1 if bool(sampled.any()) else 1
     rows = torch.arange(batch_size, device=log_ratio.device) if trajectory is None else trajectory
     row = rows[:, None]
-    # One segment per (trajectory, turn) label; every token not sampled in one more (log-ratio 0).
-    _, segment = torch.unique(torch.where(sampled, row * width + turn, -1), return_inverse=True)
-    num_segments = int(segment.max()) + 1 if segment.numel() else 0
-    sums = log_ratio.new_zeros(num_segments).index_add(0, segment.flatten(), log_ratio.flatten())
+    # One group per (trajectory, turn) label; every token not sampled in one more (log-ratio 0).
+    _, group = torch.unique(torch.where(sampled, row * width + turn, -1), return_inverse=True)
+    num_groups = int(group.max()) + 1 if group.numel() else 0
+    sums = log_ratio.new_zeros(num_groups).index_add(0, group.flatten(), log_ratio.flatten())
     # Overflow guard (see MAX_LOG_RATIO): exact wherever |S| <= MAX_LOG_RATIO, finite everywhere.
-    return torch.where(sampled, sums[segment], 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.where(sampled, sums[group], 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
 
 
 def reference_kl_penalty(

@@ -79,6 +79,8 @@ def _rollout(row: Mapping[str, Any]) -> dict[str, Any]:
         "reward": None if row.get("reward") is None else float(row["reward"]),
         "num_turns": row.get("num_turns", "?"),
         "ending": str(row.get("ending", "?")),
+        # a context policy's episode: the model saw its history rewritten this many times, plus one
+        "segments": 1 + len(row.get("segment_starts") or []),
         "advantage": None if row.get("advantage") is None else float(row["advantage"]),
         "error": str(row["error"]) if row.get("error") else None,
         # The opening messages fold away, except the last one (the task itself).

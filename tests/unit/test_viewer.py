@@ -69,3 +69,10 @@ def test_page_shows_grades_turns_and_tests():
     assert "Tests: 1 passed, 0 failed" in page and "Tests: 1 passed, 1 failed" in page
     assert "<details><summary>trace</summary><pre>AssertionError</pre></details>" in page
     assert "failures only" in page and "applyFilter" in page
+
+
+def test_an_episode_whose_context_was_rewritten_says_in_how_many_segments():
+    row = {**ROWS[1], "task_id": "d_1", "num_turns": 5, "segment_starts": [40, 95]}
+    page = render_viewer([row], "Rollouts")
+    assert "5 turns in 3 segments (context rewritten) · ended: turn_limit" in page
+    assert "segments" not in render_viewer(ROWS, "Rollouts").split("<details")[1]

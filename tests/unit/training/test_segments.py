@@ -143,15 +143,24 @@ def updated_weights(model, samples, **settings):
     return {name: p.detach().clone() for name, p in model.named_parameters()}, metrics
 
 
-@pytest.mark.parametrize("level", ["token", "trajectory"])
-def test_an_update_on_split_trajectories_ends_where_the_whole_ones_do(vault_tiny, level):
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"ratio_level": "token"},
+        {"ratio_level": "turn"},
+        {"ratio_level": "trajectory"},
+        {"epsilon_high": 0.28, "sampler_importance_cap": 2.0},  # the stabilisers that enter the loss
+    ],
+    ids=["token", "turn", "trajectory", "clip-higher+importance-cap"],
+)
+def test_an_update_on_split_trajectories_ends_where_the_whole_ones_do(vault_tiny, settings):
     """The same four trajectories, whole or each split into two rows of the same context: minibatches of
     two trajectories, micro-batches of one (a split trajectory's two rows share one), two epochs."""
     _, model, tokenizer = vault_tiny
     whole = samples_for(tokenizer)
-    weights_whole, metrics_whole = updated_weights(model, whole, ratio_level=level)
+    weights_whole, metrics_whole = updated_weights(model, whole, **settings)
     split = [row for i, s in enumerate(whole) for row in split_row(s, len(s.token_ids) - 1, trajectory=i)]
-    weights_split, metrics_split = updated_weights(model, split, ratio_level=level)
+    weights_split, metrics_split = updated_weights(model, split, **settings)
     assert metrics_split["optimizer_steps"] == metrics_whole["optimizer_steps"] == 4
     for key in ("loss", "kl", "clip_frac", "ratio_mean", "grad_norm"):
         assert metrics_split[key] == pytest.approx(metrics_whole[key], rel=1e-5), key
