@@ -136,9 +136,9 @@ def collate(samples: Sequence[TrainingSample], pad_token_id: int) -> Batch:
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     trajectory_ids = None
     if any(s.trajectory is not None for s in samples):
-        labels: dict[tuple[bool, int], int] = {}
-        keys = [(False, row) if s.trajectory is None else (True, s.trajectory) for row, s in enumerate(samples)]
-        trajectory_ids = torch.tensor([labels.setdefault(key, len(labels)) for key in keys], dtype=torch.long)
+        trajectory_ids = torch.empty(len(samples), dtype=torch.long)
+        for label, rows in enumerate(trajectory_rows(samples)):
+            trajectory_ids[rows] = label
     return Batch(input_ids, attention_mask, loss_mask, advantages, sampler_logprobs, turn_ids, trajectory_ids)
 
 

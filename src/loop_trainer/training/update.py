@@ -142,10 +142,14 @@ class PolicyUpdate:
             for _ in range(s.ppo_epochs)
         ]
         schedule = [minibatch for epoch in epochs for minibatch in epoch]
-        mine = sorted({i for minibatch in schedule for group in self._share(samples, minibatch) for i in group})
+        mine = sorted(
+            {i for minibatch in schedule for group in self._my_trajectories(samples, minibatch)[1] for i in group}
+        )
         # Each sample is in exactly one process's share of the first epoch: that process counts it
         # in the sampler comparison, so the combined metric counts every sample once.
-        counted = {i for minibatch in epochs[0] for group in self._share(samples, minibatch) for i in group}
+        counted = {
+            i for minibatch in epochs[0] for group in self._my_trajectories(samples, minibatch)[1] for i in group
+        }
         fixed, sampler_diff = self.fixed_logprobs(samples, mine, counted)
         steps: list[StepResult] = []
         skipped_nonfinite = 0
@@ -248,11 +252,10 @@ class PolicyUpdate:
         fixed_reference = fixed.reference if s.beta > 0 else None
         if s.beta > 0 and fixed_reference is None:
             raise ValueError("beta > 0 needs the reference policy's log-probs (FixedLogprobs.reference)")
-        groups = trajectory_rows([samples[i] for i in minibatch])
-        share = self._share(samples, minibatch)
+        num_trajectories, share = self._my_trajectories(samples, minibatch)
         micro_batches = [(indices, False) for indices in whole_chunks(share, s.micro_batch_size)]
-        needed = strategy.micro_batches_per_step(len(micro_batches), len(groups), s.micro_batch_size)
-        if len(groups) < len(minibatch):  # split episodes: shares differ in samples, so agree on the count
+        needed = strategy.micro_batches_per_step(len(micro_batches), num_trajectories, s.micro_batch_size)
+        if num_trajectories < len(minibatch):  # split episodes: shares differ in samples, so agree on the count
             needed = strategy.matched_pass_count(needed)
         # A stand-in is a zero-advantage, zero-mask copy: zero loss, zero gradient, matched collectives.
         micro_batches += [(minibatch[:1], True)] * (needed - len(micro_batches))
@@ -332,11 +335,12 @@ class PolicyUpdate:
         step.grad_norm, step.stepped = strategy.step()
         return step if step.stepped else None
 
-    def _share(self, samples: list[TrainingSample], minibatch: list[int]) -> list[list[int]]:
-        """This process's trajectories of ``minibatch`` (sample indices), each as its samples: the
-        strategy's round-robin share over trajectories, so a split episode's segments stay together."""
+    def _my_trajectories(self, samples: list[TrainingSample], minibatch: list[int]) -> tuple[int, list[list[int]]]:
+        """How many trajectories ``minibatch`` (sample indices) holds, and this process's share of them,
+        each as its sample indices: the strategy's round-robin share over trajectories, so a split
+        episode's segments stay together."""
         groups = trajectory_rows([samples[i] for i in minibatch])
-        return [[minibatch[j] for j in group] for group in self.strategy.share(groups)]
+        return len(groups), [[minibatch[j] for j in group] for group in self.strategy.share(groups)]
 
 
 def _padded(per_sample: dict[int, torch.Tensor], indices: list[int], like: torch.Tensor) -> torch.Tensor:
