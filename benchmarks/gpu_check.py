@@ -38,6 +38,7 @@ SECTIONS = {  # name -> (module, seconds allowed in GPU mode); the memory plan f
     "zero3": ("benchmarks.gpu_battery.zero3", 240),
     "vllm": ("benchmarks.gpu_battery.vllm_generation", 420),
     "real_model": ("benchmarks.gpu_battery.real_model", 420),
+    "long_horizon": ("benchmarks.gpu_battery.long_horizon", 240),
 }
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets")
 

@@ -18,7 +18,7 @@ gguf=${LOOP_GGUF:-}
 if [ -z "$gguf" ]; then
   bash tools/ensure_venv.sh
   gguf=$(.venv/bin/python -c 'from loop_trainer.models.packaged import PACKAGED, locate_gguf
-print(locate_gguf(PACKAGED["smollm2-135m-instruct"]))')
+print(locate_gguf(PACKAGED["smollm2-135m-instruct"]))' | tail -n 1)  # the last line: an import may print a notice first
 fi
 [ -f "$gguf" ] || { echo "gguf_chunks: $gguf is not a file (set LOOP_GGUF)" >&2; exit 2; }
 

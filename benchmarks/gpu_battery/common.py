@@ -205,3 +205,39 @@ def gpu_name() -> str | None:
 def bf16_peak(name: str | None) -> float | None:
     """The GPU's bf16 dense peak from its datasheet, where the battery knows it."""
     return next((peak for key, peak in PEAKS.items() if name and key in name), None)
+
+
+@dataclass
+class TrainingRun:
+    """What a ``loop-train`` child process left: its exit status (None: stopped at its time limit), its wall
+    seconds and the iterations its ``metrics.jsonl`` logged by then."""
+
+    status: int | None
+    wall_seconds: float
+    records: list[dict[str, Any]]
+    output_tail: str
+
+
+def train_in_a_child(argv: list[str], output_dir: str | Path, time_limit_s: float) -> TrainingRun:
+    """``loop-train argv`` in a child process stopped after ``time_limit_s``: a run slower than planned still
+    leaves the iterations it finished (the section reports them), where an in-process run would lose them all
+    to the battery's section timeout."""
+    import subprocess
+    import sys
+    import time
+
+    from loop_trainer.training.run_log import read_metrics
+
+    launcher = "import sys; from loop_trainer.cli.train import cli; sys.exit(cli(sys.argv[1:]))"
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", launcher, *argv], capture_output=True, text=True, timeout=time_limit_s
+        )
+        status: int | None = done.returncode
+        tail = (done.stdout + done.stderr)[-3000:]
+    except subprocess.TimeoutExpired as stopped:
+        status = None
+        out = stopped.stdout or b""
+        tail = (out.decode() if isinstance(out, bytes) else out)[-3000:]
+    return TrainingRun(status, time.perf_counter() - started, read_metrics(output_dir), tail)

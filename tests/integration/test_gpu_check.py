@@ -35,6 +35,7 @@ def test_without_cuda_the_battery_runs_every_section_in_cpu_mode_and_says_so(cpu
         "zero3": "ok",
         "vllm": "ok",
         "real_model": "ok",
+        "long_horizon": "ok",
     }
     for name in ("zero3", "vllm", "real_model"):  # no DeepSpeed, no vLLM, no GPU: they say so, in the summary too
         assert "skipped" in results["sections"][name]["result"]
@@ -76,6 +77,9 @@ def test_each_section_measured_what_it_claims(cpu_run):
             assert row["identical_episodes"] == 1.0 and row["logprob_diff_max"] < 1e-5
     assert decode["draw_check"]["equal"] == decode["draw_check"]["rows"] * decode["draw_check"]["steps"]
     assert [p["variant"] for p in decode["profiles"]] == ["dynamic"] and decode["profiles"][0]["steps"] > 0
+    errands = sections["long_horizon"]  # one small iteration of the long-horizon recipe, beside its CPU reference
+    assert errands["this_run"]["iterations"] == 1 and errands["curve"][0]["turns_mean"] > 1
+    assert errands["cpu_reference"]["iterations"] == 40 and not errands["stopped_at_time_limit"]
 
 
 def test_update_flops_follow_the_formula_in_its_docstring():
@@ -132,3 +136,19 @@ def test_the_real_model_section_reports_a_gpu_run_against_the_committed_cpu_run(
         10 * real_model._summary(cpu[:3])["iterations_per_minute"]
     )
     assert text.count("\n| 1 |") == 1 and "compile_decode_step: true" in text
+
+
+def test_a_training_run_stopped_at_its_time_limit_keeps_the_iterations_it_logged(tmp_path):
+    """The real-model and long-horizon sections train in a child process with a time limit: the iterations
+    logged before the limit are what the section reports."""
+    from benchmarks.gpu_battery.common import train_in_a_child
+
+    out = tmp_path / "run"
+    argv = ["--config", str(ROOT / "recipes" / "demo.yaml"), "--output_dir", str(out), "--iterations", "1000"]
+    argv += ["--save_strategy", "no", "--disable_tqdm", "true", "--tiny_instruct_steps", "2"]
+    argv += ["--tasks_per_iteration", "2", "--rollouts_per_task", "2", "--minibatch_size", "4"]
+    run = train_in_a_child(argv, out, time_limit_s=30)
+    assert run.status is None and run.wall_seconds >= 30
+    assert 1 <= len(run.records) < 1000 and [r["iteration"] for r in run.records] == list(
+        range(1, len(run.records) + 1)
+    )
