@@ -52,3 +52,42 @@ def test_smollm2s_four_token_header_is_not_trained_on():
     opened = tokenizer.apply_chat_template(CONVERSATION[:2], tokenize=False)
     assert len(tokenizer.encode(header)) - len(tokenizer.encode(opened)) == 4  # the case the old code got wrong
     assert trained_spans(tokenizer, CONVERSATION) == ["find ann<|im_end|>", "open<|im_end|>"]
+
+
+def by_prefix(tokenizer, messages) -> tuple[list[int], list[int]]:
+    """The definition, brute force: encode every prefix of the conversation and take what each message adds."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for end in range(1, len(messages) + 1):
+        new = tokenizer.encode(tokenizer.apply_chat_template(messages[:end], tokenize=False), add_special_tokens=False)
+        new = new[len(ids) :]
+        if messages[end - 1]["role"] == "assistant":
+            opened = tokenizer.apply_chat_template(messages[: end - 1], tokenize=False, add_generation_prompt=True)
+            header = len(tokenizer.encode(opened, add_special_tokens=False)) - len(ids)
+            mask.extend([0] * header + [1] * (len(new) - header - 1) + [0])
+        else:
+            mask.extend([0] * len(new))
+        ids.extend(new)
+    return ids, mask
+
+
+@pytest.mark.parametrize("name,tokenizer_of", [("vault", "tiny"), ("errands", "tiny"), ("errands", "smollm2")])
+def test_one_pass_over_a_conversation_masks_what_encoding_every_prefix_does(name, tokenizer_of):
+    from loop_trainer.envs import make_environment
+
+    env = make_environment(name, num_tasks=8)
+    if tokenizer_of == "tiny":
+        tokenizer = build_word_tokenizer(env.vocabulary())
+    else:  # a byte-level BPE with its own template: offsets of merged tokens, a 4-token header
+        from transformers import AutoTokenizer
+
+        from loop_trainer.models.packaged import PackagedModelError, resolve_model_path
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("packaged:smollm2-135m-instruct"))
+        except PackagedModelError as error:
+            pytest.skip(f"packaged model unavailable: {error}")
+    conversations = env.demonstrations(12, seed=3)
+    assert max(len(c) for c in conversations) >= 7  # several replies each
+    for messages in conversations:
+        assert _assistant_masked_ids(tokenizer, messages) == by_prefix(tokenizer, messages)
