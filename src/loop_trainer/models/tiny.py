@@ -295,7 +295,10 @@ def _assistant_masked_ids(
     start between the end of the rendered history with the assistant header and the end of the
     rendered history with the reply (was: every prefix encoded again, quadratic in the turns: 5 of
     the 27 minutes of an ``errands`` warm-up went to it)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    def rendered(history: list[dict[str, str]], *, opening: bool = False) -> str:
+        return str(tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=opening))
+
+    text = rendered(messages)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
     mask = [0] * len(ids)
@@ -303,8 +306,7 @@ def _assistant_masked_ids(
     for end, message in enumerate(messages, start=1):
         if message["role"] != "assistant":
             continue
-        opened = tokenizer.apply_chat_template(messages[: end - 1], tokenize=False, add_generation_prompt=True)
-        closed = tokenizer.apply_chat_template(messages[:end], tokenize=False)
+        opened, closed = rendered(messages[: end - 1], opening=True), rendered(messages[:end])
         if not (text.startswith(opened) and text.startswith(closed)):
             raise ValueError("the chat template renders a conversation's history differently once it goes on")
         while token < len(ids) and offsets[token][0] < len(opened):
