@@ -295,6 +295,7 @@ def _assistant_masked_ids(
     start between the end of the rendered history with the assistant header and the end of the
     rendered history with the reply (was: every prefix encoded again, quadratic in the turns: 5 of
     the 27 minutes of an ``errands`` warm-up went to it)."""
+
     def rendered(history: list[dict[str, str]], *, opening: bool = False) -> str:
         return str(tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=opening))
 
