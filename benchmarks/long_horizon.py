@@ -75,20 +75,26 @@ def run_seed(seed: int, options: argparse.Namespace) -> dict[str, Any]:
     out = options.out / f"seed-{seed}"
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    env = make_environment(settings["environment"], **(settings.get("environment_kwargs") or {}))
-    lines: list[str] = []
-    model, tokenizer = build_tiny_from_spec(
-        settings["model_name_or_path"],
-        env,
-        seed=seed,
-        warm_up_steps=settings.get("tiny_instruct_steps"),
-        report=lines.append,
-    )
     start = out / "start"
-    model.save_pretrained(start)
-    tokenizer.save_pretrained(start)
-    (out / "warm_up.log").write_text("\n".join(lines) + "\n")
-    warm_up_seconds = time.perf_counter() - started
+    if (start / "model.safetensors").is_file() and (out / "warm_up.json").is_file():  # kept by --keep-models
+        lines = (out / "warm_up.log").read_text().splitlines()
+        warm_up_seconds = json.loads((out / "warm_up.json").read_text())["seconds"]
+        print(f"seed {seed}: reusing the warm start saved in {start} ({warm_up_seconds / 60:.1f} min)", flush=True)
+    else:
+        env = make_environment(settings["environment"], **(settings.get("environment_kwargs") or {}))
+        lines = []
+        model, tokenizer = build_tiny_from_spec(
+            settings["model_name_or_path"],
+            env,
+            seed=seed,
+            warm_up_steps=settings.get("tiny_instruct_steps"),
+            report=lines.append,
+        )
+        model.save_pretrained(start)
+        tokenizer.save_pretrained(start)
+        (out / "warm_up.log").write_text("\n".join(lines) + "\n")
+        warm_up_seconds = time.perf_counter() - started
+        (out / "warm_up.json").write_text(json.dumps({"seconds": warm_up_seconds}))
     evaluations: dict[str, Any] = {}
     for temperature in (0.0, 1.0):
         evaluations[f"start_T{temperature:g}"] = evaluate(
@@ -137,21 +143,21 @@ def run_seed(seed: int, options: argparse.Namespace) -> dict[str, Any]:
 
 def markdown(runs: list[dict[str, Any]]) -> str:
     lines = [
-        "| seed | warm-up (steps, min) | training (iterations, min) | total min | held-out success, greedy: "
-        "start -> end | at T=1: start -> end | end success by level (greedy) | turns, first -> last 5 |",
+        "| seed | warm-up (steps, min) | training (iterations, min) | total min | held-out success at T=1 (the "
+        "bar): start -> end | greedy: start -> end | end success by level (T=1) | turns, first -> last 5 |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for run in sorted(runs, key=lambda r: r["seed"]):
         e = run["evaluations"]
         levels = " / ".join(
-            f"{e['end_T0'][key]:.2f}" for key in sorted(e["end_T0"]) if key.startswith("success_rate_level_")
+            f"{e['end_T1'][key]:.2f}" for key in sorted(e["end_T1"]) if key.startswith("success_rate_level_")
         )
         turns = run["turns_mean"]
         lines.append(
             f"| {run['seed']} | {run['warm_up_steps']}, {run['warm_up_seconds'] / 60:.1f} | "
             f"{run['iterations']}, {run['training_seconds'] / 60:.1f} | {run['seconds'] / 60:.1f} | "
-            f"{e['start_T0']['success_rate']:.2f} -> **{e['end_T0']['success_rate']:.2f}** | "
-            f"{e['start_T1']['success_rate']:.2f} -> {e['end_T1']['success_rate']:.2f} | {levels} | "
+            f"{e['start_T1']['success_rate']:.2f} -> **{e['end_T1']['success_rate']:.2f}** | "
+            f"{e['start_T0']['success_rate']:.2f} -> {e['end_T0']['success_rate']:.2f} | {levels} | "
             f"{statistics.fmean(turns[:5]):.1f} -> {statistics.fmean(turns[-5:]):.1f} |"
         )
     return "\n".join(lines)
@@ -168,10 +174,10 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         success = [s if s is not None else float("nan") for s in run["success"]]
         smooth = [statistics.fmean(success[max(0, i - 4) : i + 1]) for i in range(len(success))]
         line = success_axis.plot(range(1, len(smooth) + 1), smooth, alpha=0.8, label=f"seed {run['seed']}")[0]
-        end = run["evaluations"]["end_T0"]["success_rate"]
+        end = run["evaluations"]["end_T1"]["success_rate"]
         success_axis.scatter([len(smooth)], [end], color=line.get_color(), marker="*", s=80)
         turns_axis.plot(range(1, len(run["turns_mean"]) + 1), run["turns_mean"], alpha=0.8, color=line.get_color())
-    success_axis.set_ylabel("training success (trailing 5-iteration mean); * held-out, greedy")
+    success_axis.set_ylabel("training success (trailing 5-iteration mean); * held-out, T=1")
     turns_axis.set_ylabel("turns per episode (mean)")
     for axis in (success_axis, turns_axis):
         axis.set_xlabel("iteration")
@@ -189,7 +195,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iterations", type=int, default=None, help="override the recipe's iterations")
     parser.add_argument("--workers", type=int, default=1, help="seeds at a time, one process and one thread each")
     parser.add_argument("--out", type=Path, default=RESULTS / "long-horizon")
-    parser.add_argument("--keep-models", action="store_true", help="keep the warm-started and trained weights")
+    parser.add_argument(
+        "--keep-models",
+        action="store_true",
+        help="keep the warm-started and trained weights (a later run into the same OUT reuses the warm starts)",
+    )
     options = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

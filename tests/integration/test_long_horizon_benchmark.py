@@ -16,8 +16,7 @@ sys.path.insert(0, str(ROOT))  # the repository root, for the benchmarks package
 from benchmarks.long_horizon import main  # noqa: E402
 
 
-def test_one_seed_of_a_miniature_recipe(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def miniature_recipe(tmp_path: Path) -> Path:
     recipe = yaml.safe_load((ROOT / "recipes" / "errands.yaml").read_text())
     recipe.update(
         environment_kwargs={"num_tasks": 2, "levels": [1]},
@@ -32,6 +31,12 @@ def test_one_seed_of_a_miniature_recipe(tmp_path, monkeypatch):
     recipe.pop("eval_split", None)
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_one_seed_of_a_miniature_recipe(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = miniature_recipe(tmp_path)
     out = tmp_path / "results"
     main(["--recipe", str(path), "--seeds", "3", "--out", str(out)])
     saved = json.loads((out / "long_horizon.json").read_text())
@@ -48,3 +53,18 @@ def test_one_seed_of_a_miniature_recipe(tmp_path, monkeypatch):
     assert (seed_dir / "eval-end-T0" / "results.jsonl").exists()
     assert not list(seed_dir.rglob("*.safetensors")) and (out / "curves.png").stat().st_size > 0
     assert "| 3 | 3, " in (out / "README.md").read_text()
+
+
+def test_a_kept_warm_start_is_reused_by_the_next_run_into_the_same_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    path, out = miniature_recipe(tmp_path), tmp_path / "results"
+    main(["--recipe", str(path), "--seeds", "3", "--out", str(out), "--keep-models"])
+    start = out / "seed-3" / "start" / "model.safetensors"
+    weights = start.read_bytes()
+    first = json.loads((out / "long_horizon.json").read_text())["runs"][0]
+    main(["--recipe", str(path), "--seeds", "3", "--out", str(out), "--iterations", "1", "--keep-models"])
+    assert "seed 3: reusing the warm start saved in" in capsys.readouterr().out
+    again = json.loads((out / "long_horizon.json").read_text())["runs"][0]
+    assert start.read_bytes() == weights and again["iterations"] == 1
+    assert again["warm_up_seconds"] == first["warm_up_seconds"] and again["warm_up_steps"] == 3
+    assert again["evaluations"]["start_T0"] == first["evaluations"]["start_T0"]  # the same weights, the same seed
