@@ -224,7 +224,7 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
     tiny_instruct_steps: int | None = setting(
         None,
         "tiny-instruct:<env> models: supervised warm-up steps on the environment's demonstrations; none: until "
-        "held-out demonstrations are fitted (at most 3,000 steps).",
+        "held-out demonstrations are fitted (after at least 4 passes over them; at most 3,000 steps).",
         at_least(1, "supervised warm-up steps of a tiny-instruct model; none: until fitted", none=True),
     )
 

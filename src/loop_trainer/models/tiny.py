@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -41,6 +42,8 @@ RANDOM_PREFIX = "tiny:"
 INSTRUCT_PREFIX = "tiny-instruct:"
 WARM_UP_CONVERSATIONS = 512
 """The demonstrations a warm-up of a fixed number of steps (``tiny_instruct_steps``) replays (the demo's 400)."""
+WARM_UP_BATCH_SIZE = 32
+"""Demonstrations a warm-up step trains on."""
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +161,9 @@ def build_tiny_for_environment(words: Iterable[str], seed: int = 0) -> tuple[Qwe
 class FitRule:
     """When a warm-up without a fixed number of steps stops: every ``check_every`` steps it measures
     how often the model's most likely next token is the demonstrations' own on held-out replies
-    (teacher-forced); it stops once that accuracy has gained less than ``min_gain`` over the last
-    ``window`` steps, or after ``max_steps``.
+    (teacher-forced); once it has seen every demonstration ``min_passes`` times on average, it stops
+    when that accuracy has gained less than ``min_gain`` over the last ``window`` steps, or after
+    ``max_steps``.
 
     Accuracy, not loss, and a long window: copying a value out of an earlier message (what the
     task needs) arrives in a jump after a plateau. The vault model's held-out loss stalls from step
@@ -167,6 +171,12 @@ class FitRule:
     are six times longer, copying forms between steps 300 and 500 (32 conversations a step) on 512
     demonstrations, and at 750-800 on fresh ones, after a plateau of 400 steps that gains 0.006 in
     200 (hence 300).
+
+    ``min_passes``: when the plateau ends differs by seed, and no window tells a plateau from the end:
+    on 8,192 fresh ``errands`` demonstrations copying formed at steps 400-450 (seed 2), 750-800 (seed
+    1) and 850-1,000 (seed 0, after 350 steps that gained 0.004, which the 300-step window took for
+    fitted at step 750: greedy held-out success 0.00, nothing for LOOP to learn from). Four passes
+    (1,024 steps of 32) cover all three.
 
     ``conversations``: how many demonstrations it draws, so that a model sees each only a few times
     (about 5 by step 1,400). Repeating a few hundred teaches memorising them: on ``errands``, 512
@@ -177,9 +187,14 @@ class FitRule:
     check_every: int = 50
     window: int = 300
     min_gain: float = 0.005
+    min_passes: float = 4.0
     max_steps: int = 3000
     held_out_conversations: int = 64
     conversations: int = 8192
+
+    def least_steps(self, conversations: int, batch_size: int) -> int:
+        """The steps before the warm-up may stop: ``min_passes`` over ``conversations``."""
+        return math.ceil(self.min_passes * conversations / batch_size)
 
 
 def warm_start(
@@ -190,7 +205,7 @@ def warm_start(
     steps: int | None = 400,
     held_out: list[list[dict[str, str]]] | None = None,
     fit: FitRule = FitRule(),
-    batch_size: int = 32,
+    batch_size: int = WARM_UP_BATCH_SIZE,
     learning_rate: float = 1e-3,
     seed: int = 0,
     label: str = "warm-up",
@@ -215,6 +230,7 @@ def warm_start(
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
     most = steps if steps is not None else fit.max_steps
+    least = fit.least_steps(len(rows), batch_size)
     say = report or logger.info
     history: list[float] = []
     best: tuple[float, int, dict[str, torch.Tensor]] | None = None  # held-out accuracy, step, weights
@@ -250,7 +266,7 @@ def warm_start(
         say(f"{progress}, {time.monotonic() - started:.0f} s")
         window = fit.window // fit.check_every
         gain = history[-1] - history[-1 - window] if len(history) > window else None
-        if steps is None and gain is not None and gain < fit.min_gain:
+        if steps is None and gain is not None and gain < fit.min_gain and step >= least:
             say(
                 f"{label}: fitted at step {step} (held-out reply accuracy gained {gain:.3f} "
                 f"over the last {fit.window} steps)"
@@ -351,7 +367,8 @@ def build_tiny_from_spec(
         plan = (
             f"{warm_up_steps} supervised steps"
             if warm_up_steps is not None
-            else f"supervised steps until {held_out} held-out ones are fitted (at most {fit.max_steps})"
+            else f"supervised steps until {held_out} held-out ones are fitted (at least "
+            f"{fit.least_steps(drawn, WARM_UP_BATCH_SIZE)}: {fit.min_passes:g} passes; at most {fit.max_steps})"
         )
         (report or logger.info)(
             f"{name}: replaying {drawn + held_out} of the environment's episodes for the "

@@ -143,3 +143,24 @@ def test_a_warm_up_until_fitted_draws_many_demonstrations_and_a_fixed_one_the_de
     drawn.clear()
     tiny.build_tiny_from_spec("tiny-instruct:vault", VaultEnv(num_tasks=4), warm_up_steps=400, report=lambda _: None)
     assert drawn == [tiny.WARM_UP_CONVERSATIONS] == [512]
+
+
+@pytest.mark.parametrize("min_passes,stop", [(0.0, 30), (5.0, 40)])
+def test_a_warm_up_sees_every_demonstration_min_passes_times_before_it_may_stop(min_passes, stop):
+    """A plateau before copying forms looks fitted to any window: the warm-up may stop only after
+    ``min_passes`` over its demonstrations (64 conversations, 8 a step: 5 passes are 40 steps)."""
+    env, model, tokenizer = tiny_vault()
+    lines: list[str] = []
+    rule = FitRule(check_every=10, window=20, min_gain=1.0, min_passes=min_passes, max_steps=400)  # always flat
+    warm_start(
+        model,
+        tokenizer,
+        env.demonstrations(64, seed=0),
+        steps=None,
+        held_out=env.demonstrations(8, seed=1),
+        fit=rule,
+        batch_size=8,
+        report=lines.append,
+    )
+    assert rule.least_steps(64, 8) == 8 * min_passes
+    assert [line for line in lines if "fitted at step" in line][0].startswith(f"warm-up: fitted at step {stop} ")
