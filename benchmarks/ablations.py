@@ -76,6 +76,12 @@ def variants(rollouts: int, beta: float) -> dict[str, dict[str, Any]]:
     }
 
 
+def recipe_environment(recipe: str) -> str:
+    import yaml
+
+    return str(yaml.safe_load(Path(recipe).read_text())["environment"])
+
+
 def recipe_rollouts(recipe: str) -> int:
     """Rollouts per iteration in the recipe: RLOO's one minibatch takes all of them."""
     import yaml
@@ -105,6 +111,16 @@ def warmed_up_models(recipe: str, seeds: list[int], out: Path) -> dict[int, str]
         model.save_pretrained(paths[seed])
         tokenizer.save_pretrained(paths[seed])
     return paths
+
+
+def kept_warm_starts(folder: Path, seeds: list[int]) -> dict[int, str]:
+    """The warm starts ``benchmarks/long_horizon.py --keep-models`` saved (``FOLDER/seed-N/start``): on
+    ``errands`` a warm-up takes 25-35 minutes a seed, so the variants start from the benchmark's own."""
+    paths = {seed: folder / f"seed-{seed}" / "start" for seed in seeds}
+    missing = [str(path) for path in paths.values() if not (path / "model.safetensors").is_file()]
+    if missing:
+        raise SystemExit(f"--warm-starts: no kept warm start at {', '.join(missing)} (long_horizon.py --keep-models)")
+    return {seed: str(path) for seed, path in paths.items()}
 
 
 def one_thread() -> None:
@@ -161,6 +177,7 @@ def run_one(
         "success": [r.get("success_rate") for r in rows],
         "tied": [r.get("tied_group_fraction") for r in rows],
         "entropy": [r.get("entropy") for r in rows],
+        "clip": [r.get("clip_frac") for r in rows],
         "collapse_warnings": collapse_warnings(rows),
     }
 
@@ -187,11 +204,19 @@ def summarize(runs: list[dict[str, Any]], names: list[str], last: int) -> list[d
                 **{f"{key}_std": statistics.stdev(v) if len(v) > 1 else 0.0 for key, v in finals.items()},
                 "first5_success": statistics.fmean(statistics.fmean(r["success"][:last]) for r in mine),
                 "seconds_mean": statistics.fmean(r["seconds"] for r in mine),
+                "clip_mean": _mean_clip(mine),
                 "warned_seeds": [r["seed"] for r in mine if r.get("collapse_warnings")],
                 "success_by_seed": dict(zip([r["seed"] for r in mine], finals["success"], strict=True)),
             }
         )
     return table
+
+
+def _mean_clip(runs: list[dict[str, Any]]) -> float | None:
+    """The clip fraction (at the variant's own ratio level) over every iteration of every seed; None for
+    runs saved before it was recorded."""
+    clips = [c for r in runs for c in r.get("clip") or [] if c is not None]
+    return statistics.fmean(clips) if clips else None
 
 
 def bands_separate(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -216,14 +241,15 @@ def separated_pairs(table: list[dict[str, Any]]) -> list[str]:
 def markdown(table: list[dict[str, Any]], last: int) -> str:
     lines = [
         f"| variant | paper TGC | success, last {last} its | reward, last {last} its | success, first {last} its "
-        "| seeds with a collapse warning | seconds per run |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| clip fraction | seeds with a collapse warning | seconds per run |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in sorted(table, key=lambda r: -r["success_mean"]):
         warned = ", ".join(map(str, row["warned_seeds"])) or "none"
         lines.append(
             f"| {row['variant']} | {row['paper_tgc'] or '-'} | {row['success_mean']:.3f} ± {row['success_std']:.3f} | "
-            f"{row['reward_mean']:.3f} ± {row['reward_std']:.3f} | {row['first5_success']:.3f} | {warned} | "
+            f"{row['reward_mean']:.3f} ± {row['reward_std']:.3f} | {row['first5_success']:.3f} | "
+            f"{'-' if row.get('clip_mean') is None else format(row['clip_mean'], '.3f')} | {warned} | "
             f"{row['seconds_mean']:.0f} |"
         )
     pairs = separated_pairs(table)
@@ -235,7 +261,7 @@ def markdown(table: list[dict[str, Any]], last: int) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: list[dict[str, Any]], names: list[str], path: Path) -> None:
+def plot(runs: list[dict[str, Any]], names: list[str], path: Path, environment: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -256,7 +282,7 @@ def plot(runs: list[dict[str, Any]], names: list[str], path: Path) -> None:
         axis.set_ylabel(f"{key} (mean over seeds, trailing 5-iteration mean)")
         axis.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    figure.suptitle("Miniature Table 1: LOOP variants on vault (tiny-instruct model, LoRA)")
+    figure.suptitle(f"Miniature Table 1: LOOP variants on {environment} (tiny-instruct model, LoRA)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -279,7 +305,7 @@ def write_results(
         )
     )
     (options.out / "ablations.md").write_text(text + "\n")
-    plot(runs, names, options.out / "ablations.png")
+    plot(runs, names, options.out / "ablations.png", recipe_environment(options.recipe))
     return text
 
 
@@ -308,6 +334,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--last", type=int, default=5, help="final iterations averaged in the table")
     parser.add_argument("--out", type=Path, default=RESULTS / "ablations")
     parser.add_argument(
+        "--warm-starts",
+        type=Path,
+        help="start each seed from FOLDER/seed-N/start (benchmarks/long_horizon.py --keep-models) instead of "
+        "warming the recipe's tiny model up again",
+    )
+    parser.add_argument(
         "--summarize-only",
         action="store_true",
         help="no training: re-read OUT/ablations.json's runs, recompute their collapse warnings from "
@@ -330,7 +362,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     names = list(dict.fromkeys([*(r["variant"] for r in runs), *options.variants]))
     started = time.perf_counter()
-    models = warmed_up_models(options.recipe, options.seeds, options.out)
+    models = (
+        kept_warm_starts(options.warm_starts, options.seeds)
+        if options.warm_starts
+        else warmed_up_models(options.recipe, options.seeds, options.out)
+    )
     # seed-major: a cut-off run still has every variant on the first seeds
     jobs = [(name, seed) for seed in options.seeds for name in options.variants]
     workers = None

@@ -1,0 +1,42 @@
+"""``benchmarks/ablations.py`` on a miniature of the long-horizon recipe, starting from the warm start that
+``benchmarks/long_horizon.py --keep-models`` kept: each variant's flags reach its run, the clip fraction at
+the variant's own ratio level is recorded and tabled, and a missing warm start is one line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the repository root, for the benchmarks package
+
+from tests.integration.test_long_horizon_benchmark import miniature_recipe  # noqa: E402
+
+from benchmarks import ablations, long_horizon  # noqa: E402
+
+
+def test_variants_start_from_the_long_horizon_benchmarks_kept_warm_start(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe, kept = miniature_recipe(tmp_path), tmp_path / "long-horizon"
+    long_horizon.main(
+        ["--recipe", str(recipe), "--seeds", "3", "--out", str(kept), "--iterations", "1", "--keep-models"]
+    )
+    out = tmp_path / "ablations"
+    argv = ["--recipe", str(recipe), "--seeds", "3", "--iterations", "2", "--out", str(out), "--warm-starts", str(kept)]
+    ablations.main([*argv, "--variants", "LOOP", "LOOP per trajectory"])
+    saved = json.loads((out / "ablations.json").read_text())
+    assert not (out / "models").exists()  # no second warm-up
+    by_name = {run["variant"]: run for run in saved["runs"]}
+    assert by_name["LOOP per trajectory"]["flags"] == {"ratio_level": "trajectory"}
+    for run in by_name.values():
+        assert len(run["clip"]) == 2 and all(0.0 <= c <= 1.0 for c in run["clip"])
+        trained = json.loads(
+            (out / "runs" / f"{run['variant'].replace(' ', '_')}-seed3" / "metrics.jsonl").read_text().splitlines()[0]
+        )
+        assert trained["iteration"] == 1
+    assert "| clip fraction |" in (out / "ablations.md").read_text()
+    with pytest.raises(SystemExit, match="no kept warm start at .*seed-4/start"):
+        ablations.main([*argv[:2], "--seeds", "4", "--out", str(out), "--warm-starts", str(kept)])
