@@ -71,7 +71,7 @@ def test_each_fault_costs_only_its_rollout(tmp_path, caplog):
     env = NeverAnsweringEnv()
     model, tokenizer = build_tiny_for_environment(env.vocabulary(), seed=0)
     trainer = LOOPTrainer(model, env, fault_args(tmp_path), processing_class=tokenizer)
-    with caplog.at_level(logging.WARNING, logger="loop_trainer"):
+    with caplog.at_level(logging.DEBUG, logger="loop_trainer"):
         trainer.train()
     assert len(trainer.history) == 2
     for record in trainer.history:
@@ -79,15 +79,21 @@ def test_each_fault_costs_only_its_rollout(tmp_path, caplog):
         assert record["num_rollouts"] == 2 * (len(FaultyEnv.KINDS) - len(FAILING))
         assert record["repaired_messages"] == 4  # bytes and surrogates, 2 rollouts each
         assert record["cut_messages"] == 2 and record["ended_trajectory_budget"] == 2  # enormous, cut then ended
-    failures = [record.getMessage() for record in caplog.records if "rollout of task" in record.getMessage()]
-    for kind, message in (
-        ("raises", "the tool crashed"),
-        ("hangs", "TimeoutError"),
-        ("dies", "environment server went away"),
+    failed = [record for record in caplog.records if "rollout of task" in record.getMessage()]
+    failures = [record.getMessage() for record in failed]
+    shown = [record.getMessage() for record in failed if record.levelno == logging.WARNING]
+    for kind, message, raised_at in (
+        ("raises", "the tool crashed", "support/helpers.py:115"),
+        ("hangs", "TimeoutError", "loop_trainer/rollout/engine.py"),
+        ("dies", "environment server went away", "support/helpers.py:119"),
     ):
         # Each failing task fails for its own reason (the hung one by its timeout), and only those fail.
         assert sum(f"rollout of task {kind}-" in line and message in line for line in failures) == 2 * 2
-    assert len(failures) == 2 * 2 * len(FAILING)
+        # the first failure of each kind is shown with its traceback, down to the environment's line; the
+        # other three only at debug level (the iteration line counts them)
+        (first,) = [line for line in shown if f"rollout of task {kind}-" in line]
+        assert "Traceback (most recent call last)" in first and raised_at in first
+    assert len(failures) == 2 * 2 * len(FAILING) and len(shown) == len(FAILING)
 
 
 def test_too_many_faults_stop_the_run_with_one_error(tmp_path):

@@ -27,6 +27,7 @@ import functools
 import inspect
 import logging
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, TypeVar
@@ -94,6 +95,7 @@ class RolloutEngine:
         self.max_concurrent_episodes = max_concurrent_episodes
         self.show_progress = show_progress
         self.generation_retries = 0
+        self._failures_shown: set[tuple[str, str]] = set()  # (error type, where it was raised)
         self._abandoned = AbandonedCalls()
         # Sync environment methods run here, so a sleeping or CPU-bound env never blocks the loop.
         self._threads = EnvThreads("env")
@@ -261,12 +263,32 @@ class RolloutEngine:
         except Exception as error:  # noqa: BLE001 - one bad episode must not kill the run
             trajectory.status, trajectory.ending = "failed", "error"
             trajectory.error = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-            logger.warning("rollout of task %s failed: %s", trajectory.task_id, trajectory.error)
+            self._log_failure(trajectory, error)
         finally:
             trajectory.seconds = time.perf_counter() - started
             if episode is not None:
                 await self._close_episode(calls, trajectory.task_id)
         return trajectory
+
+    def _log_failure(self, trajectory: Trajectory, error: BaseException) -> None:
+        """The first rollout failing with an error of a kind (its type and the line that raised it) is
+        logged with its traceback, so the environment's own file:line is on screen; later ones of that kind
+        only at debug level: the iteration line counts them (``FAILED n``), 16 repeats of one line do not."""
+        frames = traceback.extract_tb(error.__traceback__)
+        where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+        kind = (type(error).__name__, where)
+        if kind in self._failures_shown:
+            logger.debug("rollout of task %s failed: %s (at %s)", trajectory.task_id, trajectory.error, where)
+            return
+        self._failures_shown.add(kind)
+        logger.warning(
+            "rollout of task %s failed: %s (at %s; later rollouts failing the same way are counted in the "
+            "iteration line's FAILED, not shown again)\n%s",
+            trajectory.task_id,
+            trajectory.error,
+            where,
+            "".join(traceback.format_exception(error)).rstrip(),
+        )
 
     def _rewriter(
         self, episode: Episode, calls: EpisodeCalls, trajectory: Trajectory
