@@ -287,7 +287,8 @@ class RolloutEngine:
             trajectory.task_id,
             trajectory.error,
             where,
-            "".join(traceback.format_exception(error)).rstrip(),
+            # the error alone: a chained context (the loop's own "no running event loop") is not the user's
+            "".join(traceback.format_exception(error, chain=False)).rstrip(),
         )
 
     def _rewriter(

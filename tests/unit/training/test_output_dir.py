@@ -283,7 +283,9 @@ def test_turning_balanced_draws_on_at_a_resume_starts_a_new_order(finished_run, 
 def test_a_run_that_fails_before_its_first_checkpoint_does_not_advise_resuming(tmp_path):
     result = loop_train(tmp_path / "run", "--iterations", "2", "--environment", "test_output_dir:FailingVault")
     assert result.returncode == 1
-    line = error_line(result)
+    # the environment's failure is shown once with its traceback, down to its own line; the run's error is one line
+    assert result.stderr.count("Traceback") == 1 and f'{Path(__file__).name}", line 61, in episode' in result.stderr
+    line = [line for line in result.stderr.splitlines() if line.startswith("loop-train: ")][-1]
     assert line.startswith("loop-train: error: 4 of 4 rollouts failed")
     assert "resume_from_checkpoint" not in line and line.endswith(
         "run it again from the start (no checkpoint was saved)"
