@@ -19,11 +19,12 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from trl import ModelConfig
 
@@ -34,6 +35,7 @@ from ..envs import Environment, EnvironmentSetupError, make_environment
 from ..evaluation import Evaluator, format_metrics, write_evaluation_viewer
 from ..models.packaged import PackagedModelError, resolve_model_path
 from ..models.tiny import build_tiny_from_spec, build_word_tokenizer, is_tiny_spec, load_tokenizer
+from ..publishing.model_card import RECIPE_FILE
 from ..rollout import GenerationBackend, TransformersBackend
 from ..rollout.backend import build_transformers_backend
 from ..rollout.sampling_parts import COMPILE_NEEDS_STATIC, SamplingPartsError, TransformersSamplingSettings
@@ -50,7 +52,13 @@ class EvalArguments(ScriptArguments, EpisodeSettings):
     Episode limits and concurrency are :class:`EpisodeSettings`, so their defaults are training's."""
 
     environment: str = field(default="appworld", metadata={"help": "Environment name (as in loop-train)."})
-    split: str = field(default="dev", metadata={"help": "Split to evaluate (AppWorld: dev, test_normal, ...)."})
+    split: str | None = field(
+        default=None,
+        metadata={
+            "help": "Split to evaluate. Default: the evaluated run's eval_split, else the environment's own "
+            "(the built-in worlds: test; AppWorld: dev; the verifiers, OpenEnv and TRL adapters: eval)."
+        },
+    )
     adapter: str | None = field(default=None, metadata={"help": "A PEFT adapter directory to load on the model."})
     # loop-eval's ranges are training's: those of LOOPConfig's evaluation keys (and the episode settings').
     rollouts_per_task: int = setting(
@@ -233,6 +241,9 @@ def evaluate(
                     "with_temperature(temperature) method, so temperature cannot be honoured"
                 )
             generation_backend = generation_backend.with_temperature(eval_args.temperature)
+        split = eval_args.split or env.default_eval_split
+        if split is None:
+            raise RecipeError(f"environment {env.name!r} names no default split to evaluate: set --split")
         if owns_env:
             env.set_tokenizer(tokenizer)
         env.prepare()
@@ -243,7 +254,7 @@ def evaluate(
         try:
             with experiment_per_rollout(env, experiment) as before_rollout:
                 result = evaluator.run(
-                    eval_args.split,
+                    split,
                     rollouts_per_task=eval_args.rollouts_per_task,
                     seed=eval_args.seed,
                     max_tasks=eval_args.max_tasks,
@@ -256,7 +267,7 @@ def evaluate(
             env.close()
     metrics: dict[str, Any] = {
         **result.metrics,
-        "split": eval_args.split,
+        "split": split,
         "model": model_args.model_name_or_path,
         "adapter": eval_args.adapter,
         "temperature": eval_args.temperature,
@@ -270,11 +281,49 @@ def evaluate(
             handle.write(json.dumps(row, default=str) + "\n")
     (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     write_evaluation_viewer(
-        result.rows,
-        output_dir / "viewer.html",
-        title=f"{env.name} · {eval_args.split} · {model_args.model_name_or_path}",
+        result.rows, output_dir / "viewer.html", title=f"{env.name} · {split} · {model_args.model_name_or_path}"
     )
     return metrics
+
+
+RUN_KEYS = ("environment", "environment_kwargs", *(f.name for f in fields(EpisodeSettings)))
+"""What ``loop-eval`` takes from the run it evaluates, unless a flag or ``--config`` sets it: the world and the
+episode limits the policy was trained under (a policy trained on 6 turns of 4 tokens is not evaluated on 40 of
+1,500)."""
+
+
+def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> dict[str, Any]:
+    """Where ``--model_name_or_path`` (or ``--adapter``) is a run's ``output_dir`` (it holds the ``recipe.yaml``
+    loop-train writes), take the run's environment, its kwargs, its episode settings and its ``eval_split`` for
+    every one of them not given here; a LoRA run's ``output_dir`` holds its adapter, evaluated on the run's base
+    model. Returns what was taken (empty: no run to follow)."""
+    run_dir = next(
+        (
+            Path(d)
+            for d in (eval_args.adapter, model_args.model_name_or_path)
+            if d and (Path(d) / RECIPE_FILE).is_file()
+        ),
+        None,
+    )
+    if run_dir is None:
+        return {}
+    recipe = yaml.safe_load((run_dir / RECIPE_FILE).read_text()) or {}
+    given = set(getattr(eval_args, "effective_recipe", None) or {})
+    taken: dict[str, Any] = {}
+    for key in RUN_KEYS:
+        if key in recipe and key not in given:
+            setattr(eval_args, key, recipe[key])
+            taken[key] = recipe[key]
+    if "split" not in given and recipe.get("eval_split"):
+        eval_args.split = taken["split"] = recipe["eval_split"]
+    base = recipe.get("model_name_or_path")
+    if not eval_args.adapter and (run_dir / "adapter_config.json").is_file() and base:
+        eval_args.adapter, model_args.model_name_or_path = str(run_dir), base
+        taken["model_name_or_path"] = f"{base} (the run's base model, its adapter from {run_dir})"
+    if taken:
+        listed = ", ".join(f"{key} {value}" for key, value in taken.items())
+        logger.info(f"loop-eval: following the run in {run_dir} ({RECIPE_FILE}): {listed}; a flag overrides any")
+    return taken
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
@@ -282,9 +331,11 @@ def cli(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         eval_args, model_args = parse_recipe(argv, (EvalArguments, ModelConfig))
+        follow_run(eval_args, model_args)
         metrics = evaluate(eval_args, model_args)
     except (RecipeError, EnvironmentSetupError) as error:
-        print(f"loop-eval: error: {error}", file=sys.stderr)
+        # the environments' advice names training's keys; here the split is --split
+        print(f"loop-eval: error: {str(error).replace('train_split / eval_split', '--split')}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("loop-eval: interrupted; nothing was written for the unfinished evaluation", file=sys.stderr)

@@ -166,6 +166,9 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
                 raise RecipeError(str(error)) from None
             with quiet_transformers_bars():  # no "Writing model shards" bar
                 trainer.save_model(training_args.output_dir, _internal_call=True)  # the push is the next line's
+                # the model card and recipe.yaml beside the weights, as in every checkpoint: loop-eval pointed at
+                # output_dir follows the run's environment and episode limits from it
+                trainer.create_model_card()
                 if training_args.push_to_hub:
                     trainer.push_to_hub()
     finally:

@@ -137,6 +137,7 @@ class VerifiersEnvironment(Environment):
     ``env_args``): its dataset as the "train" split, its eval dataset as "eval"."""
 
     name = "verifiers"
+    default_eval_split = "eval"  # its eval_dataset
     reward_range = (-math.inf, math.inf)
 
     def __init__(

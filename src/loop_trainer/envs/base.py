@@ -139,6 +139,9 @@ class Environment(ABC):
     scale give proportionally larger advantages, i.e. a larger effective learning rate."""
     max_concurrent_episodes: int | None = None
     """The most episodes this environment can run at once (e.g. one per server), if bounded."""
+    default_eval_split: str | None = None
+    """The split ``loop-eval`` evaluates when neither ``--split`` nor the evaluated run's ``eval_split``
+    names one (the built-in worlds: ``test``; AppWorld: ``dev``). None: ``--split`` is required."""
 
     @abstractmethod
     def tasks(self, split: str = "train") -> Dataset:

@@ -206,6 +206,7 @@ class ContactsEnv(Environment):
     it asks to choose from."""
 
     name = "contacts"
+    default_eval_split = "test"
 
     def __init__(
         self,

@@ -472,6 +472,7 @@ class ErrandsEnv(Environment):
     ``form`` is ``compact`` (tiny models) or ``english`` (pretrained ones)."""
 
     name = "errands"
+    default_eval_split = "test"
 
     def __init__(
         self,

@@ -95,6 +95,7 @@ class VaultEnv(Environment):
     """The built-in environment. ``num_tasks`` worlds per split, generated from ``seed``."""
 
     name = "vault"
+    default_eval_split = "test"
 
     def __init__(self, num_tasks: int = 64, people_per_task: int = 4, seed: int = 0):
         if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1:

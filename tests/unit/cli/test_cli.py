@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import subprocess
 import sys
 import textwrap
@@ -11,6 +13,7 @@ import pytest
 
 from loop_trainer.cli.recipe import RecipeError, parse_recipe
 from loop_trainer.cli.train import cli
+from loop_trainer.envs import VaultEnv
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -372,3 +375,69 @@ def test_every_key_of_the_shipped_recipes_is_documented():
             continue
         for key in yaml.safe_load(recipe.read_text()):
             assert f"`{key}`" in documented, (recipe, key)
+
+
+def test_loop_eval_pointed_at_a_run_follows_its_environment_and_episode_limits(tmp_path, capsys, caplog):
+    """A run's output_dir holds the recipe.yaml loop-train wrote: loop-eval takes the world, its kwargs and the
+    episode limits the policy trained under from it (not its own 40 turns of 1,500 tokens), the split from the
+    environment, and a flag overrides any of them."""
+    from loop_trainer.cli.evaluate import cli as eval_cli
+
+    recipe = write(
+        tmp_path,
+        f"""
+        model_name_or_path: tiny:vault
+        environment: vault
+        environment_kwargs: {{num_tasks: 6}}
+        output_dir: {tmp_path / "run"}
+        iterations: 1
+        tasks_per_iteration: 2
+        rollouts_per_task: 2
+        max_turns: 3
+        max_new_tokens_per_turn: 4
+        max_trajectory_tokens: 256
+        activation_checkpointing: false
+        disable_tqdm: true
+    """,
+    )
+    assert cli(["--config", recipe]) == 0
+    assert (tmp_path / "run" / "recipe.yaml").is_file() and (tmp_path / "run" / "README.md").is_file()
+    with caplog.at_level(logging.INFO, logger="loop_trainer"):
+        assert eval_cli(["--model_name_or_path", str(tmp_path / "run"), "--output_dir", str(tmp_path / "eval")]) == 0
+    followed = [r.getMessage() for r in caplog.records if "following the run" in r.getMessage()]
+    assert len(followed) == 1 and "environment vault" in followed[0] and "max_turns 3" in followed[0]
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    rows = [json.loads(line) for line in (tmp_path / "eval" / "results.jsonl").read_text().splitlines()]
+    assert metrics["split"] == "test" and len(rows) == len(VaultEnv(num_tasks=6).tasks("test"))
+    assert max(row["num_turns"] for row in rows) == 3  # the run's max_turns (a random policy runs to it)
+    replies = [m["content"] for row in rows for m in row["messages"] if m["role"] == "assistant"]
+    assert max(len(reply.split()) for reply in replies) <= 4  # the run's max_new_tokens_per_turn, in words
+    flags = ["--model_name_or_path", str(tmp_path / "run"), "--output_dir", str(tmp_path / "eval2"), "--max_turns", "1"]
+    assert eval_cli(flags) == 0
+    rows = [json.loads(line) for line in (tmp_path / "eval2" / "results.jsonl").read_text().splitlines()]
+    assert max(row["num_turns"] for row in rows) == 1  # the flag, not the run's 3
+    capsys.readouterr()
+    assert eval_cli([*flags[:4], "--split", "dev"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "vault has no split 'dev'" in err and "set --split to one of them" in err and "eval_split" not in err
+
+
+def test_loop_eval_on_a_lora_runs_output_dir_loads_the_runs_base_model_with_its_adapter(tmp_path):
+    from trl import ModelConfig
+
+    from loop_trainer.cli.evaluate import EvalArguments, follow_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text(
+        "model_name_or_path: Qwen/Qwen2.5-7B-Instruct\nuse_peft: true\n"
+        "environment: appworld\neval_split: test_normal\nmax_turns: 30\n"
+    )
+    (run / "adapter_config.json").write_text("{}")
+    eval_args, model_args = EvalArguments(output_dir=str(tmp_path / "eval")), ModelConfig(model_name_or_path=str(run))
+    eval_args.effective_recipe = {"model_name_or_path": str(run)}
+    taken = follow_run(eval_args, model_args)
+    assert (eval_args.adapter, model_args.model_name_or_path) == (str(run), "Qwen/Qwen2.5-7B-Instruct")
+    assert (eval_args.environment, eval_args.split, eval_args.max_turns) == ("appworld", "test_normal", 30)
+    assert set(taken) == {"environment", "split", "max_turns", "model_name_or_path"}
+    assert follow_run(EvalArguments(output_dir=str(tmp_path / "e")), ModelConfig(model_name_or_path="x")) == {}

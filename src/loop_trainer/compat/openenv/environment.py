@@ -98,6 +98,7 @@ class OpenEnvEnvironment(Environment):
     """Episodes over an OpenEnv server, one client session each; build it with :func:`from_openenv`."""
 
     name = "openenv"
+    default_eval_split = "eval"  # its eval_tasks
     reward_range = (-float("inf"), float("inf"))
 
     def __init__(

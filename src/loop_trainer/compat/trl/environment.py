@@ -74,6 +74,7 @@ class TRLAgentEnvironment(Environment):
     an agent that calls ``tools`` and the ``environment_factory`` instance's methods."""
 
     name = "trl"
+    default_eval_split = "eval"  # its eval_dataset
     reward_range = (-math.inf, math.inf)
 
     def __init__(

@@ -54,6 +54,7 @@ class AppWorldRolloutEnv(Environment):
     """
 
     name = "appworld"
+    default_eval_split = "dev"
 
     def __init__(
         self,
