@@ -13,9 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the repository root, for the benchmarks package
 
-from tests.integration.test_long_horizon_benchmark import miniature_recipe  # noqa: E402
-
 from benchmarks import ablations, long_horizon  # noqa: E402
+from support.miniature_errands import miniature_recipe  # noqa: E402
 
 
 def test_variants_start_from_the_long_horizon_benchmarks_kept_warm_start(tmp_path, monkeypatch):

@@ -8,30 +8,11 @@ import json
 import sys
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the repository root, for the benchmarks package
 
 from benchmarks.long_horizon import main  # noqa: E402
-
-
-def miniature_recipe(tmp_path: Path) -> Path:
-    recipe = yaml.safe_load((ROOT / "recipes" / "errands.yaml").read_text())
-    recipe.update(
-        environment_kwargs={"num_tasks": 2, "levels": [1]},
-        tiny_instruct_steps=3,
-        iterations=2,
-        tasks_per_iteration=2,
-        rollouts_per_task=2,
-        minibatch_size=4,
-        eval_every=0,
-        memory_stress_test=False,
-    )
-    recipe.pop("eval_split", None)
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+from support.miniature_errands import miniature_recipe  # noqa: E402
 
 
 def test_one_seed_of_a_miniature_recipe(tmp_path, monkeypatch):
