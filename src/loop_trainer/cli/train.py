@@ -102,7 +102,9 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
     assert training_args.output_dir is not None  # TrainingArguments.__post_init__ gives it a default
     if is_fresh(training_args.resume_from_checkpoint):  # LOOPTrainer.train() checks it too; here before any loading
         try:
-            check_fresh_output_dir(training_args.output_dir, training_args.overwrite_output_dir)
+            check_fresh_output_dir(
+                training_args.output_dir, training_args.overwrite_output_dir, training_args.overwrite_interrupted_run
+            )
         except CheckpointError as error:
             raise RecipeError(str(error)) from None
     try:  # e.g. a read-only file system, which os.access cannot see for root

@@ -304,7 +304,13 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
         "A fresh run (no resume_from_checkpoint) into an output_dir holding another run's checkpoints is "
         "refused; true deletes that run first: its checkpoint-N directories, metrics.jsonl, learning_curve.png, "
         "viewer/, rollouts/ and .staging-checkpoint/ (the model files at the top are replaced when the new run "
-        "saves). A resumed run deletes nothing.",
+        "saves). Only a finished run: one that stopped before its last iteration needs overwrite_interrupted_run "
+        "too. A resumed run deletes nothing.",
+    )
+    overwrite_interrupted_run: bool = setting(
+        False,
+        "With overwrite_output_dir: also delete a previous run that stopped before its last iteration (a crash, "
+        "a Ctrl-C); without it such a run is kept and the new one refused, naming resume_from_checkpoint last.",
     )
     resume_with_changed_settings: bool = setting(
         False,

@@ -112,6 +112,7 @@ _FREE = (
     "iterations",
     "output_dir",
     "overwrite_output_dir",
+    "overwrite_interrupted_run",
     "resume_from_checkpoint",
     "resume_with_changed_settings",
     "restore_callback_states_from_checkpoint",

@@ -34,11 +34,14 @@ logger = logging.getLogger(__name__)
 
 LOOP_STATE_FILE = "loop_state.json"
 STAGING_DIR = ".staging-checkpoint"
+FINISHED_FILE = "run_finished.json"
+"""Written to output_dir when a run has done all its iterations: a previous run without it (or whose newest
+checkpoint is newer) was interrupted, and overwrite_output_dir alone does not delete it."""
 _CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 # What a run writes into output_dir besides the final model files (which a new run's save replaces):
 # overwrite_output_dir deletes these, and nothing else.
-RUN_OUTPUTS = ("metrics.jsonl", "learning_curve.png", "viewer", "rollouts", STAGING_DIR)
+RUN_OUTPUTS = ("metrics.jsonl", "learning_curve.png", "viewer", "rollouts", FINISHED_FILE, STAGING_DIR)
 
 
 class CheckpointError(ValueError):
@@ -160,11 +163,34 @@ def _number(checkpoint: Path) -> int:
     return int(match.group(1))
 
 
-def check_fresh_output_dir(output_dir: str | os.PathLike[str], overwrite: bool) -> list[Path]:
+def mark_finished(output_dir: str | os.PathLike[str], iteration: int) -> None:
+    """Record in ``output_dir`` that the run did all its iterations (``iteration``, the last)."""
+    (Path(output_dir) / FINISHED_FILE).write_text(json.dumps({"iteration": iteration}))
+
+
+def interrupted_at(output_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest checkpoint of a run in ``output_dir`` that stopped before its last iteration (a crash, a
+    Ctrl-C, a lost machine), or None: no checkpoint, or the run finished after its newest one."""
+    checkpoints = checkpoint_dirs(output_dir)
+    if not checkpoints:
+        return None
+    try:
+        finished = int(json.loads((Path(output_dir) / FINISHED_FILE).read_text())["iteration"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return checkpoints[-1]
+    return checkpoints[-1] if _number(checkpoints[-1]) > finished else None
+
+
+def check_fresh_output_dir(
+    output_dir: str | os.PathLike[str], overwrite: bool, overwrite_interrupted: bool = False
+) -> list[Path]:
     """Before a fresh run (no resume): refuse an ``output_dir`` that holds another run's checkpoints,
     unless ``overwrite``. Rotation keeps the highest-numbered checkpoints, so the new run's would be
     deleted as they are written and a later ``resume_from_checkpoint: last`` would continue the old run.
-    Returns what :func:`clear_previous_run` would delete (empty when there is no previous run)."""
+    ``overwrite`` deletes a finished run only: one that stopped before its last iteration is kept unless
+    ``overwrite_interrupted`` too (a recipe copied from the demo, which sets overwrite_output_dir, would
+    otherwise delete a crashed 7B run on its second start). Returns what :func:`clear_previous_run` would
+    delete (empty when there is no previous run)."""
     checkpoints = checkpoint_dirs(output_dir)
     if not checkpoints:
         return []
@@ -175,6 +201,13 @@ def check_fresh_output_dir(output_dir: str | os.PathLike[str], overwrite: bool) 
             f"output_dir {output_dir} already holds another run's checkpoints ({names}{more}): continue that run "
             "with --resume_from_checkpoint last, choose another output_dir, or pass --overwrite_output_dir true to "
             f"delete it ({_what_overwrite_deletes()})"
+        )
+    stopped = interrupted_at(output_dir)
+    if stopped is not None and not overwrite_interrupted:
+        raise CheckpointError(
+            f"output_dir {output_dir} holds a run that stopped before its last iteration (newest checkpoint "
+            f"{stopped.name}), which overwrite_output_dir does not delete: continue it with --resume_from_checkpoint "
+            "last, choose another output_dir, or pass --overwrite_interrupted_run true to delete it and start over"
         )
     root = Path(output_dir)
     return checkpoints + [root / name for name in RUN_OUTPUTS if (root / name).exists()]

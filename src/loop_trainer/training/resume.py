@@ -42,6 +42,7 @@ class StartSettings:
 
     output_dir: str
     overwrite_output_dir: bool = False
+    overwrite_interrupted_run: bool = False
     resume_with_changed_settings: bool = False
     should_save: bool = True
     """False on the processes that write nothing (all but the main one, unless save_on_each_node)."""
@@ -268,7 +269,9 @@ def plan_start(
     recorded so far, the recipe to publish)."""
     checkpoint = resolve(resume_from_checkpoint, settings.output_dir)
     if checkpoint is None:
-        previous = check_fresh_output_dir(settings.output_dir, settings.overwrite_output_dir)
+        previous = check_fresh_output_dir(
+            settings.output_dir, settings.overwrite_output_dir, settings.overwrite_interrupted_run
+        )
         barrier()
         if is_main_process and settings.should_save:
             clear_previous_run(settings.output_dir, previous)

@@ -153,6 +153,7 @@ def start_settings(config: LOOPConfig) -> StartSettings:
     return StartSettings(
         output_dir=config.output_dir,
         overwrite_output_dir=config.overwrite_output_dir,
+        overwrite_interrupted_run=config.overwrite_interrupted_run,
         resume_with_changed_settings=config.resume_with_changed_settings,
         should_save=config.should_save,
     )

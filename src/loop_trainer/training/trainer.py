@@ -59,7 +59,7 @@ from .activation_checkpointing import (
     is_checkpointing,
 )
 from .batching import TrainingSample, training_samples
-from .checkpoints import CheckpointStager, read_loop_state
+from .checkpoints import CheckpointStager, mark_finished, read_loop_state
 from .distribution import DistributionStrategy, check_launch, zero_stage
 from .dynamic_sampling import ScoredRollouts, collect_scored, score_rollouts
 from .logprobs import sequence_logprobs
@@ -346,6 +346,8 @@ class LOOPTrainer(Trainer):
                 self._save_checkpoint(model=model, trial=trial)
                 self.control = self.callback_handler.on_save(args, self.state, self.control)
         self.run_log.plot(force=True)
+        if self.state.global_step >= args.iterations and args.should_save:  # a later overwrite may delete it
+            mark_finished(args.output_dir, self.state.global_step)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         losses = [h["loss"] for h in self.history if math.isfinite(h.get("loss", math.nan))]
         metrics = {"train_runtime": time.time() - started, "iterations": self.state.global_step}

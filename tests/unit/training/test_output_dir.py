@@ -150,6 +150,27 @@ def test_a_fresh_run_into_another_runs_output_dir_is_refused_or_replaces_it_when
     assert [m["iteration"] for m in metrics(x)] == [1, 2, 3] and checkpoints(x) == ["checkpoint-2", "checkpoint-3"]
 
 
+def test_overwrite_output_dir_keeps_a_run_that_stopped_before_its_last_iteration(finished_run, tmp_path):
+    """A recipe copied from the demo sets overwrite_output_dir: the second start after a crash must not delete
+    the crashed run. A finished run says so (run_finished.json); one without it stopped early."""
+    assert json.loads((finished_run / "run_finished.json").read_text()) == {"iteration": 3}
+    x = copy_of(finished_run, tmp_path)
+    (x / "run_finished.json").unlink()  # as if the machine was lost after checkpoint-3
+    before = {p.relative_to(x): p.stat().st_mtime_ns for p in x.rglob("*")}
+    refused = loop_train(x, "--iterations", "2", "--overwrite_output_dir", "true")
+    assert refused.returncode == 2
+    assert error_line(refused) == (
+        f"loop-train: error: output_dir {x} holds a run that stopped before its last iteration (newest checkpoint "
+        "checkpoint-3), which overwrite_output_dir does not delete: continue it with --resume_from_checkpoint last, "
+        "choose another output_dir, or pass --overwrite_interrupted_run true to delete it and start over"
+    )
+    assert {p.relative_to(x): p.stat().st_mtime_ns for p in x.rglob("*")} == before  # nothing touched
+    fresh = loop_train(x, "--iterations", "2", "--overwrite_output_dir", "true", "--overwrite_interrupted_run", "true")
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert checkpoints(x) == ["checkpoint-1", "checkpoint-2"] and [m["iteration"] for m in metrics(x)] == [1, 2]
+    assert json.loads((x / "run_finished.json").read_text()) == {"iteration": 2}
+
+
 def test_looptrainer_train_refuses_another_runs_output_dir_too(tmp_path, vault_tiny):
     from loop_trainer import LOOPConfig, LOOPTrainer
 
