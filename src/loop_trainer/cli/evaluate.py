@@ -15,11 +15,12 @@ experiment ``<experiment_name>`` (k = 0) or ``<experiment_name>_rollout<k>``, so
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +230,9 @@ def evaluate(
         except (ValueError, EnvironmentSetupError) as error:
             raise RecipeError(str(error)) from None
     try:
+        split = eval_args.split or env.default_eval_split
+        if split is None:  # before any loading
+            raise RecipeError(f"environment {env.name!r} names no default split to evaluate: set --split")
         if generation_backend is None:
             model, tokenizer = load_policy(model_args, eval_args, env)
             generation_backend = sampling_backend(model, tokenizer, eval_args, eval_args.temperature)
@@ -241,9 +245,6 @@ def evaluate(
                     "with_temperature(temperature) method, so temperature cannot be honoured"
                 )
             generation_backend = generation_backend.with_temperature(eval_args.temperature)
-        split = eval_args.split or env.default_eval_split
-        if split is None:
-            raise RecipeError(f"environment {env.name!r} names no default split to evaluate: set --split")
         if owns_env:
             env.set_tokenizer(tokenizer)
         env.prepare()
@@ -286,44 +287,65 @@ def evaluate(
     return metrics
 
 
-RUN_KEYS = ("environment", "environment_kwargs", *(f.name for f in fields(EpisodeSettings)))
-"""What ``loop-eval`` takes from the run it evaluates, unless a flag or ``--config`` sets it: the world and the
-episode limits the policy was trained under (a policy trained on 6 turns of 4 tokens is not evaluated on 40 of
-1,500)."""
+EPISODE_KEYS = (
+    "max_turns",
+    "max_new_tokens_per_turn",
+    "max_trajectory_tokens",
+    "max_completion_tokens",
+    "context_keep_observations",
+    "context_observation_budget",
+    "context_strip_thinking",
+)
+"""What ``loop-eval`` takes from the run it evaluates, unless a flag or ``--config`` sets it: the episode limits
+and the context policy the policy was trained under (a policy trained on 6 turns of 4 tokens is not evaluated on
+40 of 1,500). How it samples (static_decode, batch limits, concurrency) is this machine's, not the run's."""
 
 
-def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> dict[str, Any]:
+def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalArguments, dict[str, Any]]:
     """Where ``--model_name_or_path`` (or ``--adapter``) is a run's ``output_dir`` (it holds the ``recipe.yaml``
-    loop-train writes), take the run's environment, its kwargs, its episode settings and its ``eval_split`` for
-    every one of them not given here; a LoRA run's ``output_dir`` holds its adapter, evaluated on the run's base
-    model. Returns what was taken (empty: no run to follow)."""
-    run_dir = next(
-        (
-            Path(d)
-            for d in (eval_args.adapter, model_args.model_name_or_path)
-            if d and (Path(d) / RECIPE_FILE).is_file()
-        ),
-        None,
-    )
+    loop-train writes), take the run's environment (loop-train's default where its recipe names none) with its
+    kwargs and ``eval_split``, and its :data:`EPISODE_KEYS`, each unless given here (kwargs and split only with
+    the run's environment); a LoRA run's ``output_dir`` holds its adapter, evaluated on the run's base model.
+    Returns the arguments (checked again, as parsed ones are) and what was taken (empty: no run to follow)."""
+    candidates = (eval_args.adapter, model_args.model_name_or_path)
+    run_dir = next((Path(d) for d in candidates if d and (Path(d) / RECIPE_FILE).is_file()), None)
     if run_dir is None:
-        return {}
-    recipe = yaml.safe_load((run_dir / RECIPE_FILE).read_text()) or {}
+        return eval_args, {}
+    try:
+        recipe = yaml.safe_load((run_dir / RECIPE_FILE).read_text()) or {}
+    except yaml.YAMLError as error:
+        raise RecipeError(f"{run_dir / RECIPE_FILE} is not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(recipe, dict):
+        raise RecipeError(f"{run_dir / RECIPE_FILE} is not a run's recipe (a YAML mapping of keys to values)")
     given = set(getattr(eval_args, "effective_recipe", None) or {})
     taken: dict[str, Any] = {}
-    for key in RUN_KEYS:
-        if key in recipe and key not in given:
-            setattr(eval_args, key, recipe[key])
-            taken[key] = recipe[key]
-    if "split" not in given and recipe.get("eval_split"):
-        eval_args.split = taken["split"] = recipe["eval_split"]
+    environment = recipe.get("environment", ScriptArguments.environment)  # loop-train's default, if unnamed
+    if "environment" not in given:
+        taken["environment"] = environment
+    if "environment" not in given or eval_args.environment == environment:  # the run's world: its kwargs, split
+        if "environment_kwargs" not in given and recipe.get("environment_kwargs") is not None:
+            taken["environment_kwargs"] = recipe["environment_kwargs"]
+        if "split" not in given and recipe.get("eval_split"):
+            taken["split"] = recipe["eval_split"]
+    taken.update({key: recipe[key] for key in EPISODE_KEYS if key in recipe and key not in given})
     base = recipe.get("model_name_or_path")
-    if not eval_args.adapter and (run_dir / "adapter_config.json").is_file() and base:
-        eval_args.adapter, model_args.model_name_or_path = str(run_dir), base
-        taken["model_name_or_path"] = f"{base} (the run's base model, its adapter from {run_dir})"
+    lora = bool(recipe.get("use_peft")) and (run_dir / "adapter_config.json").is_file()
+    if lora and not eval_args.adapter and base:
+        if is_tiny_spec(str(base)):
+            raise RecipeError(
+                f"{run_dir} holds a LoRA adapter on '{base}', a tiny model loop-eval cannot rebuild exactly (its "
+                "weights come from the run's seed and warm-up): train tiny models without use_peft to evaluate them"
+            )
+        taken["adapter"], model_args.model_name_or_path = str(run_dir), base
+    try:
+        followed = dataclasses.replace(eval_args, **taken)  # __post_init__ checks the run's values as given ones
+    except (TypeError, ValueError) as error:
+        raise RecipeError(f"{run_dir / RECIPE_FILE}: {str(error).splitlines()[0]}") from None
+    followed.effective_recipe = getattr(eval_args, "effective_recipe", {})  # type: ignore[attr-defined]
     if taken:
         listed = ", ".join(f"{key} {value}" for key, value in taken.items())
         logger.info(f"loop-eval: following the run in {run_dir} ({RECIPE_FILE}): {listed}; a flag overrides any")
-    return taken
+    return followed, taken
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
@@ -331,7 +353,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         eval_args, model_args = parse_recipe(argv, (EvalArguments, ModelConfig))
-        follow_run(eval_args, model_args)
+        eval_args, _ = follow_run(eval_args, model_args)
         metrics = evaluate(eval_args, model_args)
     except (RecipeError, EnvironmentSetupError) as error:
         # the environments' advice names training's keys; here the split is --split

@@ -422,22 +422,55 @@ def test_loop_eval_pointed_at_a_run_follows_its_environment_and_episode_limits(t
     assert "vault has no split 'dev'" in err and "set --split to one of them" in err and "eval_split" not in err
 
 
-def test_loop_eval_on_a_lora_runs_output_dir_loads_the_runs_base_model_with_its_adapter(tmp_path):
+def test_loop_eval_follows_a_runs_recipe_key_by_key_and_a_lora_run_as_its_adapter_on_the_base(tmp_path):
     from trl import ModelConfig
 
     from loop_trainer.cli.evaluate import EvalArguments, follow_run
+    from loop_trainer.cli.recipe import RecipeError
 
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "recipe.yaml").write_text(
-        "model_name_or_path: Qwen/Qwen2.5-7B-Instruct\nuse_peft: true\n"
-        "environment: appworld\neval_split: test_normal\nmax_turns: 30\n"
+    def follow(recipe: str, given: dict, adapter: bool = False, **flags):
+        run = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        run.mkdir()
+        (run / "recipe.yaml").write_text(textwrap.dedent(recipe))
+        if adapter:
+            (run / "adapter_config.json").write_text("{}")
+        eval_args = EvalArguments(output_dir=str(tmp_path / "eval"), **flags)
+        eval_args.effective_recipe = {"model_name_or_path": str(run), **given}
+        model_args = ModelConfig(model_name_or_path=str(run))
+        followed, taken = follow_run(eval_args, model_args)
+        return run, followed, model_args, taken
+
+    lora = """
+        model_name_or_path: Qwen/Qwen2.5-7B-Instruct
+        use_peft: true
+        environment: appworld
+        eval_split: test_normal
+        max_turns: 30
+        static_decode: true
+    """
+    run, followed, model_args, taken = follow(lora, {}, adapter=True)
+    assert (followed.adapter, model_args.model_name_or_path) == (str(run), "Qwen/Qwen2.5-7B-Instruct")
+    assert (followed.environment, followed.split, followed.max_turns) == ("appworld", "test_normal", 30)
+    assert set(taken) == {"environment", "split", "max_turns", "adapter"}  # not how it sampled (static_decode)
+    assert followed.static_decode is None
+    # the same files left by an overwritten LoRA run, under a full fine-tune's recipe: no adapter
+    _, followed, model_args, _ = follow(lora.replace("use_peft: true", "use_peft: false"), {}, adapter=True)
+    assert followed.adapter is None and model_args.model_name_or_path.startswith(str(tmp_path))
+    # a recipe naming no environment ran on loop-train's default; another environment given here takes none of
+    # the run's kwargs or split, only its episode limits; a flag wins over the run
+    _, followed, _, _ = follow("max_turns: 5\n", {})
+    assert followed.environment == "vault" and followed.max_turns == 5
+    errands = "environment: errands\nenvironment_kwargs: {levels: [1]}\neval_split: train\nmax_turns: 9\n"
+    _, followed, _, taken = follow(errands, {"environment": "vault", "max_turns": 2}, environment="vault", max_turns=2)
+    assert (followed.environment, followed.environment_kwargs, followed.split, followed.max_turns) == (
+        "vault",
+        None,
+        None,
+        2,
     )
-    (run / "adapter_config.json").write_text("{}")
-    eval_args, model_args = EvalArguments(output_dir=str(tmp_path / "eval")), ModelConfig(model_name_or_path=str(run))
-    eval_args.effective_recipe = {"model_name_or_path": str(run)}
-    taken = follow_run(eval_args, model_args)
-    assert (eval_args.adapter, model_args.model_name_or_path) == (str(run), "Qwen/Qwen2.5-7B-Instruct")
-    assert (eval_args.environment, eval_args.split, eval_args.max_turns) == ("appworld", "test_normal", 30)
-    assert set(taken) == {"environment", "split", "max_turns", "model_name_or_path"}
-    assert follow_run(EvalArguments(output_dir=str(tmp_path / "e")), ModelConfig(model_name_or_path="x")) == {}
+    assert taken == {}
+    with pytest.raises(RecipeError, match="a tiny model loop-eval cannot rebuild exactly"):
+        follow("model_name_or_path: tiny-instruct:vault\nuse_peft: true\n", {}, adapter=True)
+    with pytest.raises(RecipeError, match="not a run's recipe"):
+        follow("- a list\n", {})
+    assert follow_run(EvalArguments(output_dir=str(tmp_path / "e")), ModelConfig(model_name_or_path="x"))[1] == {}
