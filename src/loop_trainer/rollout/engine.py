@@ -287,8 +287,9 @@ class RolloutEngine:
             trajectory.task_id,
             trajectory.error,
             where,
-            # the error alone: a chained context (the loop's own "no running event loop") is not the user's
-            "".join(traceback.format_exception(error, chain=False)).rstrip(),
+            # an explicit cause (raise ... from) is part of the story; an implicit context (the event loop's own
+            # "no running event loop") is not the user's
+            "".join(traceback.format_exception(error, chain=error.__cause__ is not None)).rstrip(),
         )
 
     def _rewriter(
