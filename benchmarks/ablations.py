@@ -113,14 +113,28 @@ def warmed_up_models(recipe: str, seeds: list[int], out: Path) -> dict[int, str]
     return paths
 
 
-def kept_warm_starts(folder: Path, seeds: list[int]) -> dict[int, str]:
-    """The warm starts ``benchmarks/long_horizon.py --keep-models`` saved (``FOLDER/seed-N/start``): on
-    ``errands`` a warm-up takes 25-35 minutes a seed, so the variants start from the benchmark's own."""
-    paths = {seed: folder / f"seed-{seed}" / "start" for seed in seeds}
-    missing = [str(path) for path in paths.values() if not (path / "model.safetensors").is_file()]
-    if missing:
-        raise SystemExit(f"--warm-starts: no kept warm start at {', '.join(missing)} (long_horizon.py --keep-models)")
-    return {seed: str(path) for seed, path in paths.items()}
+def kept_warm_starts(folder: Path, seeds: list[int], recipe: str) -> dict[int, str]:
+    """The warm starts ``benchmarks/long_horizon.py --keep-models`` saved (``FOLDER/seed-N/start``) for this
+    recipe's model, environment and warm-up: on ``errands`` a warm-up takes 25-35 minutes a seed, so the
+    variants start from the benchmark's own."""
+    import yaml
+
+    from benchmarks.long_horizon import kept_warm_start, warm_up_spec
+
+    settings = yaml.safe_load(Path(recipe).read_text())
+    for seed in seeds:
+        kept = kept_warm_start(folder / f"seed-{seed}")
+        if kept is None:
+            raise SystemExit(
+                f"--warm-starts: no kept warm start at {folder / f'seed-{seed}'} (long_horizon.py --keep-models)"
+            )
+        if kept != warm_up_spec(settings, seed):
+            raise SystemExit(
+                f"--warm-starts: the warm start in {folder / f'seed-{seed}'} was made for another recipe or fit rule "
+                f"({kept['model_name_or_path']} on {kept['environment']}); "
+                f"run long_horizon.py --keep-models with {recipe}"
+            )
+    return {seed: str(folder / f"seed-{seed}" / "start") for seed in seeds}
 
 
 def one_thread() -> None:
@@ -363,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     names = list(dict.fromkeys([*(r["variant"] for r in runs), *options.variants]))
     started = time.perf_counter()
     models = (
-        kept_warm_starts(options.warm_starts, options.seeds)
+        kept_warm_starts(options.warm_starts, options.seeds, options.recipe)
         if options.warm_starts
         else warmed_up_models(options.recipe, options.seeds, options.out)
     )

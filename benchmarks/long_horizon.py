@@ -25,6 +25,7 @@ Written to ``OUT``: per seed ``seed-N/run/metrics.jsonl`` (the run's per-iterati
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -66,6 +67,30 @@ def evaluate(model: str, settings: dict[str, Any], temperature: float, out: Path
     return json.loads((out / "metrics.json").read_text())
 
 
+def warm_up_spec(settings: dict[str, Any], seed: int) -> dict[str, Any]:
+    """What a warm start depends on: the recipe's model, environment and warm-up, the seed and the fit rule
+    (a warm start kept before a change to any of them is made again, not reused)."""
+    from loop_trainer.models.tiny import FitRule
+
+    spec = {
+        "model_name_or_path": settings["model_name_or_path"],
+        "environment": settings["environment"],
+        "environment_kwargs": settings.get("environment_kwargs") or {},
+        "tiny_instruct_steps": settings.get("tiny_instruct_steps"),
+        "seed": seed,
+        "fit_rule": dataclasses.asdict(FitRule()),
+    }
+    return json.loads(json.dumps(spec))  # as it reads back from warm_up.json
+
+
+def kept_warm_start(seed_dir: Path) -> dict[str, Any] | None:
+    """The spec of the warm start kept in ``seed_dir`` (``start/`` and ``warm_up.json``), or None."""
+    if not (seed_dir / "start" / "model.safetensors").is_file() or not (seed_dir / "warm_up.json").is_file():
+        return None
+    spec = json.loads((seed_dir / "warm_up.json").read_text()).get("spec")
+    return spec if isinstance(spec, dict) else None
+
+
 def run_seed(seed: int, options: argparse.Namespace) -> dict[str, Any]:
     from loop_trainer.cli.train import cli as loop_train
     from loop_trainer.envs import make_environment
@@ -76,7 +101,8 @@ def run_seed(seed: int, options: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     start = out / "start"
-    if (start / "model.safetensors").is_file() and (out / "warm_up.json").is_file():  # kept by --keep-models
+    spec = warm_up_spec(settings, seed)
+    if kept_warm_start(out) == spec:  # kept by --keep-models, made by the same recipe, seed and fit rule
         lines = (out / "warm_up.log").read_text().splitlines()
         warm_up_seconds = json.loads((out / "warm_up.json").read_text())["seconds"]
         print(f"seed {seed}: reusing the warm start saved in {start} ({warm_up_seconds / 60:.1f} min)", flush=True)
@@ -94,7 +120,7 @@ def run_seed(seed: int, options: argparse.Namespace) -> dict[str, Any]:
         tokenizer.save_pretrained(start)
         (out / "warm_up.log").write_text("\n".join(lines) + "\n")
         warm_up_seconds = time.perf_counter() - started
-        (out / "warm_up.json").write_text(json.dumps({"seconds": warm_up_seconds}))
+        (out / "warm_up.json").write_text(json.dumps({"seconds": warm_up_seconds, "spec": spec}))
     evaluations: dict[str, Any] = {}
     for temperature in (0.0, 1.0):
         evaluations[f"start_T{temperature:g}"] = evaluate(

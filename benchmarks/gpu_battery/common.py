@@ -238,6 +238,6 @@ def train_in_a_child(argv: list[str], output_dir: str | Path, time_limit_s: floa
         tail = (done.stdout + done.stderr)[-3000:]
     except subprocess.TimeoutExpired as stopped:
         status = None
-        out = stopped.stdout or b""
-        tail = (out.decode() if isinstance(out, bytes) else out)[-3000:]
+        streams = (stopped.stdout or b"", stopped.stderr or b"")
+        tail = "".join(s.decode(errors="replace") if isinstance(s, bytes) else s for s in streams)[-3000:]
     return TrainingRun(status, time.perf_counter() - started, read_metrics(output_dir), tail)
