@@ -241,3 +241,8 @@ def train_in_a_child(argv: list[str], output_dir: str | Path, time_limit_s: floa
         streams = (stopped.stdout or b"", stopped.stderr or b"")
         tail = "".join(s.decode(errors="replace") if isinstance(s, bytes) else s for s in streams)[-3000:]
     return TrainingRun(status, time.perf_counter() - started, read_metrics(output_dir), tail)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """A committed run's ``metrics.jsonl`` (empty if the file is absent)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []

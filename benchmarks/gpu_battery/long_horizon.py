@@ -14,14 +14,13 @@ recipe on a tiny-instruct model warmed up for 2 steps (no warm start needed).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT
-from benchmarks.gpu_battery.common import scratch, train_in_a_child
+from benchmarks.gpu_battery.common import read_jsonl, scratch, train_in_a_child
 from benchmarks.gpu_battery.report import _f, _table
 
 RECIPE = ROOT / "recipes" / "errands.yaml"
@@ -80,7 +79,7 @@ def run(mode: str) -> dict[str, Any]:
         raise RuntimeError(
             f"loop-train exited {done.status} with {len(records)} iterations logged:\n{done.output_tail}"
         )
-    cpu = _read_jsonl(CPU_REFERENCE)
+    cpu = read_jsonl(CPU_REFERENCE)
     return {
         "warm_start": str(warm_start) if gpu else CPU_KEYS["model_name_or_path"],
         "settings": overrides,
@@ -96,10 +95,6 @@ def run(mode: str) -> dict[str, Any]:
         "this_run": _summary(records),
         "cpu_reference": {"source": str(CPU_REFERENCE.relative_to(ROOT)), **_summary(cpu)} if cpu else None,
     }
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 def render(result: dict[str, Any]) -> list[str]:

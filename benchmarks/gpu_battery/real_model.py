@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT
-from benchmarks.gpu_battery.common import scratch, train_in_a_child
+from benchmarks.gpu_battery.common import read_jsonl, scratch, train_in_a_child
 from benchmarks.gpu_battery.report import _f, _table
 
 RECIPE = ROOT / "recipes" / "smollm2-135m-contacts.yaml"
@@ -87,7 +87,7 @@ def run(mode: str) -> dict[str, Any]:
             f"loop-train exited {done.status} after {wall:.0f} s with {len(records)} iterations logged:\n"
             + done.output_tail
         )
-    cpu = _read_jsonl(CPU_REFERENCE)
+    cpu = read_jsonl(CPU_REFERENCE)
     return {
         "gguf": str(gguf),
         "convert_seconds": convert_seconds,
@@ -98,12 +98,6 @@ def run(mode: str) -> dict[str, Any]:
         "gpu": _summary(records),
         "cpu_reference": {"source": str(CPU_REFERENCE.relative_to(ROOT)), **_summary(cpu)} if cpu else None,
     }
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    import json
-
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 def render(result: dict[str, Any]) -> list[str]:

@@ -116,11 +116,12 @@ def test_the_real_model_section_reports_a_gpu_run_against_the_committed_cpu_run(
     """The section's GPU path up to the training run (which needs the GPU): without the carried GGUF it
     says where to get it; with a run's metrics it renders the curve beside the committed CPU run."""
     from benchmarks.gpu_battery import real_model
+    from benchmarks.gpu_battery.common import read_jsonl
 
     monkeypatch.setenv("LOOP_SMOLLM2_GGUF", str(tmp_path / "absent.gguf"))
     assert "tools/gpu_gguf_unpack.sh" in real_model.run("gpu")["skipped"]
     assert "GPU mode only" in real_model.run("cpu")["skipped"]
-    cpu = real_model._read_jsonl(real_model.CPU_REFERENCE)
+    cpu = read_jsonl(real_model.CPU_REFERENCE)
     fake = [{**record, "seconds": record["seconds"] / 10} for record in cpu[:3]]
     result = {
         "convert_seconds": 3.0,
