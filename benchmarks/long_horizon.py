@@ -70,8 +70,10 @@ def evaluate(model: str, settings: dict[str, Any], temperature: float, out: Path
 def warm_up_spec(settings: dict[str, Any], seed: int) -> dict[str, Any]:
     """What a warm start depends on: the recipe's model, environment and warm-up, the seed and the fit rule
     (a warm start kept before a change to any of them is made again, not reused)."""
+    from loop_trainer.envs import make_environment
     from loop_trainer.models.tiny import FitRule
 
+    env = make_environment(settings["environment"], **(settings.get("environment_kwargs") or {}))
     spec = {
         "model_name_or_path": settings["model_name_or_path"],
         "environment": settings["environment"],
@@ -79,8 +81,16 @@ def warm_up_spec(settings: dict[str, Any], seed: int) -> dict[str, Any]:
         "tiny_instruct_steps": settings.get("tiny_instruct_steps"),
         "seed": seed,
         "fit_rule": dataclasses.asdict(FitRule()),
+        "warm_up_success": getattr(env, "warm_up_success", None),
+        **({"probe_episodes": episode_settings(settings)} if getattr(env, "warm_up_success", None) else {}),
     }
     return json.loads(json.dumps(spec))  # as it reads back from warm_up.json
+
+
+def episode_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """The recipe's episode limits (:data:`EPISODE_KEYS`): what the warm-up's greedy
+    probe and the held-out evaluations roll out under."""
+    return {key: settings[key] for key in EPISODE_KEYS if key in settings}
 
 
 def kept_warm_start(seed_dir: Path) -> dict[str, Any] | None:
@@ -92,7 +102,9 @@ def kept_warm_start(seed_dir: Path) -> dict[str, Any] | None:
 
 
 def run_seed(seed: int, options: argparse.Namespace) -> dict[str, Any]:
+    from loop_trainer.cli.evaluate import greedy_success_on_training_tasks
     from loop_trainer.cli.train import cli as loop_train
+    from loop_trainer.config import EpisodeSettings
     from loop_trainer.envs import make_environment
     from loop_trainer.models.tiny import build_tiny_from_spec
 
@@ -115,6 +127,7 @@ def run_seed(seed: int, options: argparse.Namespace) -> dict[str, Any]:
             seed=seed,
             warm_up_steps=settings.get("tiny_instruct_steps"),
             report=lines.append,
+            greedy_success=greedy_success_on_training_tasks(env, EpisodeSettings(**episode_settings(settings))),
         )
         model.save_pretrained(start)
         tokenizer.save_pretrained(start)

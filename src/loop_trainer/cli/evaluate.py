@@ -102,7 +102,13 @@ def load_policy(model_args: ModelConfig, eval_args: EvalArguments, env: Environm
     tokenizer: PreTrainedTokenizerBase
     if is_tiny_spec(name):
         try:
-            model, tokenizer = build_tiny_from_spec(name, env, seed=eval_args.seed, env_timeout=eval_args.env_timeout)
+            model, tokenizer = build_tiny_from_spec(
+                name,
+                env,
+                seed=eval_args.seed,
+                env_timeout=eval_args.env_timeout,
+                greedy_success=greedy_success_on_training_tasks(env, eval_args),
+            )
         except ValueError as error:
             raise RecipeError(str(error)) from None
     else:
@@ -206,6 +212,26 @@ def sampling_backend(
         )
     except SamplingPartsError as error:
         raise RecipeError(str(error)) from None
+
+
+def greedy_success_on_training_tasks(
+    env: Environment, settings: EpisodeSettings
+) -> Callable[[Any, PreTrainedTokenizerBase, int], float]:
+    """``measure(model, tokenizer, tasks)``: the greedy success rate of ``model`` on the first ``tasks``
+    tasks of ``env``'s train split, episodes limited by ``settings`` (what a ``tiny-instruct:`` warm-up
+    whose environment names a ``warm_up_success`` stops on; the test split stays unseen)."""
+
+    def measure(model: Any, tokenizer: PreTrainedTokenizerBase, tasks: int) -> float:
+        env.prepare()  # a no-op once prepared
+        model.eval()
+        greedy = sampling_backend(model, tokenizer, settings, 0.0)
+        evaluator = Evaluator(env, greedy, ChatFormatter(tokenizer), settings)
+        try:
+            return float(evaluator.run("train", max_tasks=tasks, seed=0).metrics["success_rate"])
+        finally:
+            evaluator.close()
+
+    return measure
 
 
 def evaluate(

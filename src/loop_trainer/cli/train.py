@@ -40,6 +40,7 @@ from ..training.distribution import DistributedSetupError
 from ..training.stress import MemoryStressTestFailed
 from ..training.trainer import LOOPTrainer
 from .dry_run import dry_run
+from .evaluate import greedy_success_on_training_tasks
 from .recipe import RecipeError, ScriptArguments, make_parser, parse_recipe
 
 __all__ = ["main", "make_parser", "cli"]
@@ -67,6 +68,7 @@ def load_model_and_tokenizer(
                 env_timeout=training_args.env_timeout,
                 warm_up_steps=training_args.tiny_instruct_steps,
                 report=report,
+                greedy_success=greedy_success_on_training_tasks(env, training_args),
             )
         except ValueError as error:
             raise RecipeError(str(error)) from None

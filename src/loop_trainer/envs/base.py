@@ -142,6 +142,12 @@ class Environment(ABC):
     default_eval_split: str | None = None
     """The split ``loop-eval`` evaluates when neither ``--split`` nor the evaluated run's ``eval_split``
     names one (the built-in worlds: ``test``; AppWorld: ``dev``). None: ``--split`` is required."""
+    warm_up_success: float | None = None
+    """For ``tiny-instruct:<env>`` warm-ups until fitted: the greedy success rate on the first
+    ``FitRule.probe_tasks`` training tasks the warm-up must reach before it stops (probed every
+    ``FitRule.probe_every`` steps). None: it stops when its held-out reply accuracy plateaus. Set it
+    where greedy success is a cliff in that accuracy (``errands``: a task of 10-30 dependent calls
+    fails on one wrong value, so a plateau at 0.87 gives 0.02 and one at 0.91 gives 0.97)."""
 
     @abstractmethod
     def tasks(self, split: str = "train") -> Dataset:

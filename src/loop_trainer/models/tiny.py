@@ -191,10 +191,29 @@ class FitRule:
     max_steps: int = 3000
     held_out_conversations: int = 64
     conversations: int = 8192
+    probe_tasks: int = 64
+    """With a :class:`SuccessProbe`: the training tasks it rolls out greedily at each check (``errands``: 3 s
+    on one core, against 55 s for the 50 steps between checks)."""
 
     def least_steps(self, conversations: int, batch_size: int) -> int:
         """The steps before the warm-up may stop: ``min_passes`` over ``conversations``."""
         return math.ceil(self.min_passes * conversations / batch_size)
+
+
+@dataclass(frozen=True)
+class SuccessProbe:
+    """What a warm-up until fitted stops on where reply accuracy is not enough: ``measure(model)`` is the
+    greedy success rate of ``model`` on a few of the environment's training tasks, and the warm-up stops
+    once it reaches ``level`` (the environment's ``warm_up_success``).
+
+    Why: on ``errands`` greedy success is a cliff in reply accuracy (0.00 at 0.853, 0.17 at 0.890, 0.97
+    at 0.912), and the accuracy learns in several jumps after plateaus of 200-400 steps, so no window
+    tells the last plateau from an earlier one (two seeds of three stopped on their next-to-last, with
+    starts LOOP could not learn from)."""
+
+    measure: Callable[[Qwen2ForCausalLM], float]
+    level: float
+    tasks: int
 
 
 def warm_start(
@@ -210,14 +229,18 @@ def warm_start(
     seed: int = 0,
     label: str = "warm-up",
     report: Callable[[str], None] | None = None,
+    probe: SuccessProbe | None = None,
 ) -> Qwen2ForCausalLM:
     """Supervised warm-up on chat conversations (loss on assistant replies only), so a tiny model
     starts RL the way the paper's model does: knowing the format, not yet reliable.
 
     ``steps``: that many steps; ``None``: until the ``held_out`` conversations are fitted
     (:class:`FitRule`), keeping the weights of the check with the best held-out accuracy (a warm-up
-    can peak and then fit the demonstrations' noise: 0.893 at step 600, 0.874 at 750). Progress
-    goes to ``report`` (default: the log) every ``fit.check_every`` steps.
+    can peak and then fit the demonstrations' noise: 0.893 at step 600, 0.874 at 750). With a
+    ``probe`` (``None`` steps only), fitted means greedy success at the probe's level instead, probed at
+    every check (no minimum of passes: the probe cannot mistake a plateau for the end), and the weights
+    it stops with are kept.
+    Progress goes to ``report`` (default: the log) every ``fit.check_every`` steps.
 
     The learning rate matters more than the steps: at 1e-3 the 2-layer model learns within 250
     steps to copy the person out of the task and the code out of the last observation (teacher-
@@ -264,6 +287,18 @@ def warm_start(
             if steps is None and (best is None or history[-1] > best[0]):
                 best = (history[-1], step, {name: value.clone() for name, value in model.state_dict().items()})
         say(f"{progress}, {time.monotonic() - started:.0f} s")
+        if steps is None and probe is not None:
+            success = probe.measure(model)
+            model.train()
+            say(
+                f"{label}: step {step}, greedy success on {probe.tasks} training tasks {success:.2f} "
+                f"(fitted at {probe.level:g}), {time.monotonic() - started:.0f} s"
+            )
+            if success >= probe.level:
+                say(f"{label}: fitted at step {step} (greedy success {success:.2f} >= {probe.level:g})")
+                best = None  # the probed weights are the ones that reached the level
+                break
+            continue
         window = fit.window // fit.check_every
         gain = history[-1] - history[-1 - window] if len(history) > window else None
         if steps is None and gain is not None and gain < fit.min_gain and step >= least:
@@ -273,7 +308,13 @@ def warm_start(
             )
             break
     else:
-        if steps is None:
+        if steps is None and probe is not None:
+            say(
+                f"{label}: stopped at its limit of {most} steps without reaching greedy success "
+                f"{probe.level:g}: LOOP may get too few successes to learn from (set tiny_instruct_steps "
+                "to train longer, or try another seed)"
+            )
+        elif steps is None:
             say(
                 f"{label}: stopped at its limit of {most} steps, still improving; "
                 "set tiny_instruct_steps to train longer"
@@ -346,12 +387,15 @@ def build_tiny_from_spec(
     env_timeout: float = 300.0,
     warm_up_steps: int | None = None,
     report: Callable[[str], None] | None = None,
+    greedy_success: Callable[[Qwen2ForCausalLM, PreTrainedTokenizerFast, int], float] | None = None,
 ) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
     """Build the model a ``tiny:<env>`` / ``tiny-instruct:<env>`` spec names, for ``env``; the warm-up's
     replay of the environment's episodes gets ``env_timeout`` seconds in all. ``warm_up_steps``
     (the ``tiny_instruct_steps`` key): the warm-up's steps; ``None``: until the demonstrations are
     fitted (:class:`FitRule`), which follows what the environment's demonstrations take to learn.
-    ``report`` receives the warm-up's progress lines (default: the log)."""
+    ``report`` receives the warm-up's progress lines (default: the log). ``greedy_success(model,
+    tokenizer, tasks)``: the greedy success rate on the first ``tasks`` training tasks, which a warm-up
+    until fitted stops on where the environment names a ``warm_up_success`` (:class:`SuccessProbe`)."""
     label = name.split(":", 1)[1]
     if label != env.name:
         raise ValueError(f"'{name}' is a tiny model for the '{label}' environment, but the environment is '{env.name}'")
@@ -364,9 +408,16 @@ def build_tiny_from_spec(
         fit = FitRule()
         held_out = fit.held_out_conversations if warm_up_steps is None else 0
         drawn = fit.conversations if warm_up_steps is None else WARM_UP_CONVERSATIONS
+        level = getattr(env, "warm_up_success", None)
+        probe = None
+        if warm_up_steps is None and level is not None and greedy_success is not None:
+            probe = SuccessProbe(lambda m: greedy_success(m, tokenizer, fit.probe_tasks), level, fit.probe_tasks)
         plan = (
             f"{warm_up_steps} supervised steps"
             if warm_up_steps is not None
+            else f"supervised steps until greedy success on {fit.probe_tasks} training tasks reaches {level:g} "
+            f"(the environment's warm_up_success; checked every {fit.check_every} steps, at most {fit.max_steps})"
+            if probe is not None
             else f"supervised steps until {held_out} held-out ones are fitted (at least "
             f"{fit.least_steps(drawn, WARM_UP_BATCH_SIZE)}: {fit.min_passes:g} passes; at most {fit.max_steps})"
         )
@@ -386,6 +437,7 @@ def build_tiny_from_spec(
             seed=seed,
             label=name,
             report=report,
+            probe=probe,
         )
     return model, tokenizer
 

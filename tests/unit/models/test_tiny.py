@@ -11,6 +11,7 @@ import pytest
 from loop_trainer.envs import VaultEnv
 from loop_trainer.models.tiny import (
     FitRule,
+    SuccessProbe,
     _assistant_masked_ids,
     build_tiny_for_environment,
     build_tiny_from_spec,
@@ -164,3 +165,108 @@ def test_a_warm_up_sees_every_demonstration_min_passes_times_before_it_may_stop(
     )
     assert rule.least_steps(64, 8) == 8 * min_passes
     assert [line for line in lines if "fitted at step" in line][0].startswith(f"warm-up: fitted at step {stop} ")
+
+
+def test_a_warm_up_with_a_success_probe_stops_when_greedy_success_reaches_the_level_and_keeps_those_weights():
+    """Where greedy success is a cliff in reply accuracy (errands), fitted means greedy success at the
+    environment's level: probed at every check, from the first (no minimum of passes, no window), and the
+    weights probed at the stop are the ones kept, even when an earlier check had a better accuracy."""
+    env, model, tokenizer = tiny_vault()
+    lines: list[str] = []
+    rule = FitRule(check_every=5, window=10, min_gain=1.0, min_passes=100.0, max_steps=400)
+    readings = iter([0.0, 0.1, 0.79, 0.8, 1.0])
+    probed: list[dict[str, float]] = []
+
+    def measure(probed_model):
+        assert probed_model is model
+        probed.append({name: float(value.sum()) for name, value in model.state_dict().items()})
+        return next(readings)
+
+    warm_start(
+        model,
+        tokenizer,
+        env.demonstrations(64, seed=0),
+        steps=None,
+        held_out=env.demonstrations(8, seed=1),
+        fit=rule,
+        batch_size=8,
+        report=lines.append,
+        probe=SuccessProbe(measure, level=0.8, tasks=12),
+    )
+    assert len(probed) == 4  # steps 5, 10, 15, 20: stopped at the first reading >= 0.8
+    assert "warm-up: step 15, greedy success on 12 training tasks 0.79 (fitted at 0.8)" in "\n".join(lines)
+    assert lines[-1] == "warm-up: fitted at step 20 (greedy success 0.80 >= 0.8)"
+    assert probed[-1] == {name: float(value.sum()) for name, value in model.state_dict().items()}
+    assert not model.training
+
+
+def test_a_warm_up_whose_probe_never_reaches_the_level_says_so_at_its_limit():
+    env, model, tokenizer = tiny_vault()
+    lines: list[str] = []
+    conversations = env.demonstrations(32, seed=0)
+    warm_start(
+        model,
+        tokenizer,
+        conversations,
+        steps=None,
+        held_out=conversations[:4],
+        fit=FitRule(check_every=5, window=5, min_gain=1.0, min_passes=0.0, max_steps=10),  # flat: would stop at 10
+        batch_size=4,
+        report=lines.append,
+        probe=SuccessProbe(lambda _: 0.5, level=0.9, tasks=4),
+    )
+    assert not any("fitted at step" in line for line in lines)
+    assert lines[-1 - any("keeping step" in line for line in lines)].startswith(
+        "warm-up: stopped at its limit of 10 steps without reaching greedy success 0.9"
+    )
+
+
+def test_the_probe_reaches_the_warm_up_only_where_the_environment_names_a_level(monkeypatch):
+    """``warm_up_success`` (errands: 0.8) turns the probe on; vault names none, and a fixed count of steps
+    (the demo's) never probes."""
+    from loop_trainer.envs import ErrandsEnv
+    from loop_trainer.models import tiny
+
+    probes = []
+    monkeypatch.setattr(tiny, "replay_demonstrations", lambda env, n, seed, timeout: [])
+    monkeypatch.setattr(tiny, "warm_start", lambda *args, probe=None, **kwargs: probes.append(probe))
+    greedy = lambda model, tokenizer, tasks: 1.0  # noqa: E731
+    lines: list[str] = []
+    for name, env, steps in [
+        ("tiny-instruct:vault", VaultEnv(num_tasks=4), None),
+        ("tiny-instruct:errands", ErrandsEnv(num_tasks=2), 400),
+        ("tiny-instruct:errands", ErrandsEnv(num_tasks=2), None),
+    ]:
+        tiny.build_tiny_from_spec(name, env, warm_up_steps=steps, report=lines.append, greedy_success=greedy)
+    assert probes[:2] == [None, None]
+    assert probes[2].level == ErrandsEnv.warm_up_success == 0.8 and probes[2].tasks == FitRule().probe_tasks
+    assert "until greedy success on 64 training tasks reaches 0.8" in lines[-1]
+
+
+def test_the_greedy_probe_rolls_out_training_tasks_with_the_recipe_episode_limits():
+    """What loop-train hands the warm-up: greedy success on the first tasks of the train split (the test split
+    stays unseen), under the run's episode limits."""
+    from loop_trainer.cli.evaluate import greedy_success_on_training_tasks
+    from loop_trainer.config import EpisodeSettings
+
+    env, model, tokenizer = tiny_vault()
+    seen, replies = [], []
+    make_episode = env.episode
+
+    def recorded(task):
+        seen.append(task["task_id"])
+        episode = make_episode(task)
+        step = episode.step
+        episode.step = lambda reply: replies.append(reply) or step(reply)
+        return episode
+
+    env.episode = recorded
+    measure = greedy_success_on_training_tasks(env, EpisodeSettings(max_turns=2, max_new_tokens_per_turn=3))
+    assert measure(model, tokenizer, 4) == 0.0  # an untrained model solves nothing
+    assert sorted(seen) == sorted(env.tasks("train")["task_id"][:4])
+    assert 4 <= len(replies) <= 8 and all(len(reply.token_ids) <= 3 for reply in replies)
+    warm_start(model, tokenizer, env.demonstrations(512, seed=0), steps=200, report=lambda _: None)
+    limits = {"max_new_tokens_per_turn": 4, "max_trajectory_tokens": 1024}
+    two_turns = greedy_success_on_training_tasks(env, EpisodeSettings(max_turns=2, **limits))
+    six_turns = greedy_success_on_training_tasks(env, EpisodeSettings(max_turns=6, **limits))
+    assert two_turns(model, tokenizer, 16) == 0.0 < six_turns(model, tokenizer, 16)  # vault takes three calls
