@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .chat import ChatFormatter
+from .chat import ChatFormatter, stop_token_ids
 from .config import EpisodeSettings
 from .envs.base import Environment, load_tasks
 from .rollout import GenerationBackend, RolloutEngine, mix_seed
+from .rollout.backend import build_transformers_backend
+from .rollout.sampling_parts import TransformersSamplingSettings
 from .rollout.sharding import collect_share, gather_shares
 from .trajectory import Trajectory
 from .viewer import write_viewer
@@ -141,6 +143,29 @@ class Evaluator:
     def close(self) -> None:
         """Release the engine's worker threads. The environment is left as it is."""
         self.engine.close()
+
+
+def greedy_success_on_training_tasks(env: Environment, settings: EpisodeSettings) -> Callable[[Any, Any, int], float]:
+    """``measure(model, tokenizer, tasks)``: the greedy success rate of ``model`` on the first ``tasks``
+    tasks of ``env``'s train split, episodes limited by ``settings`` (what a ``tiny-instruct:`` warm-up
+    whose environment names a ``warm_up_success`` stops on; the test split stays unseen)."""
+
+    def measure(model: Any, tokenizer: Any, tasks: int) -> float:
+        env.prepare()  # a no-op once prepared
+        model.eval()
+        greedy = build_transformers_backend(
+            model,
+            TransformersSamplingSettings(temperature=0.0, max_batch_size=settings.generation_batch_limit),
+            stop_token_ids=stop_token_ids(model, tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        evaluator = Evaluator(env, greedy, ChatFormatter(tokenizer), settings)
+        try:
+            return float(evaluator.run("train", max_tasks=tasks, seed=0).metrics["success_rate"])
+        finally:
+            evaluator.close()
+
+    return measure
 
 
 def write_evaluation_viewer(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str) -> Path:

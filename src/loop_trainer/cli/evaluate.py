@@ -33,7 +33,7 @@ from ..chat import ChatFormatter, stop_token_ids
 from ..config import EpisodeSettings, LOOPConfig, mapping_setting, output_dir_problem, range_of
 from ..config.ranges import setting
 from ..envs import Environment, EnvironmentSetupError, make_environment
-from ..evaluation import Evaluator, format_metrics, write_evaluation_viewer
+from ..evaluation import Evaluator, format_metrics, greedy_success_on_training_tasks, write_evaluation_viewer
 from ..models.packaged import PackagedModelError, resolve_model_path
 from ..models.tiny import build_tiny_from_spec, build_word_tokenizer, is_tiny_spec, load_tokenizer
 from ..publishing.model_card import RECIPE_FILE
@@ -212,26 +212,6 @@ def sampling_backend(
         )
     except SamplingPartsError as error:
         raise RecipeError(str(error)) from None
-
-
-def greedy_success_on_training_tasks(
-    env: Environment, settings: EpisodeSettings
-) -> Callable[[Any, PreTrainedTokenizerBase, int], float]:
-    """``measure(model, tokenizer, tasks)``: the greedy success rate of ``model`` on the first ``tasks``
-    tasks of ``env``'s train split, episodes limited by ``settings`` (what a ``tiny-instruct:`` warm-up
-    whose environment names a ``warm_up_success`` stops on; the test split stays unseen)."""
-
-    def measure(model: Any, tokenizer: PreTrainedTokenizerBase, tasks: int) -> float:
-        env.prepare()  # a no-op once prepared
-        model.eval()
-        greedy = sampling_backend(model, tokenizer, settings, 0.0)
-        evaluator = Evaluator(env, greedy, ChatFormatter(tokenizer), settings)
-        try:
-            return float(evaluator.run("train", max_tasks=tasks, seed=0).metrics["success_rate"])
-        finally:
-            evaluator.close()
-
-    return measure
 
 
 def evaluate(

@@ -24,7 +24,7 @@ from ..config import LOOPConfig, mapping_setting
 from ..config.combinations import ConfigCombinationError, Generator, check_combinations
 from ..envs import Environment, EnvironmentSetupError, make_environment
 from ..models.packaged import PackagedModelError, resolve_model_path
-from ..models.tiny import INSTRUCT_PREFIX, build_tiny_from_spec, is_tiny_spec, load_tokenizer
+from ..models.tiny import INSTRUCT_PREFIX, is_tiny_spec, load_tokenizer
 from ..rollout import RolloutFailureBudgetExceeded
 from ..rollout.generator import GeneratorConfigError, VLLMNotInstalledError
 from ..rollout.weight_sync import WeightSyncError
@@ -37,10 +37,10 @@ from ..training.console import (
     quiet_transformers_bars,
 )
 from ..training.distribution import DistributedSetupError
+from ..training.model_loading import build_tiny_model
 from ..training.stress import MemoryStressTestFailed
 from ..training.trainer import LOOPTrainer
 from .dry_run import dry_run
-from .evaluate import greedy_success_on_training_tasks
 from .recipe import RecipeError, ScriptArguments, make_parser, parse_recipe
 
 __all__ = ["main", "make_parser", "cli"]
@@ -61,15 +61,7 @@ def load_model_and_tokenizer(
         )
     if is_tiny_spec(name):
         try:
-            return build_tiny_from_spec(
-                name,
-                env,
-                seed=training_args.seed,
-                env_timeout=training_args.env_timeout,
-                warm_up_steps=training_args.tiny_instruct_steps,
-                report=report,
-                greedy_success=greedy_success_on_training_tasks(env, training_args),
-            )
+            return build_tiny_model(name, env, training_args, report)
         except ValueError as error:
             raise RecipeError(str(error)) from None
     try:  # packaged:<model> -> its converted directory (loop_trainer.models.packaged)

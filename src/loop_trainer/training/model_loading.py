@@ -10,6 +10,7 @@ config is built before the model, never after.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,6 +19,10 @@ from transformers import AutoModelForCausalLM, AutoProcessor, PreTrainedModel, P
 from trl.trainer import add_fused_lm_head
 
 from ..config import LOOPConfig, mapping_setting
+from ..envs.base import Environment
+from ..evaluation import greedy_success_on_training_tasks
+from ..models.packaged import resolve_model_path
+from ..models.tiny import build_tiny_from_spec, is_tiny_spec
 from .activation_checkpointing import get_peft_model, update_checkpointing_kwargs
 
 logger = logging.getLogger(__name__)
@@ -63,17 +68,45 @@ def load_tokenizer(model: PreTrainedModel, processing_class: Any = None) -> PreT
     return tokenizer
 
 
+def build_tiny_model(
+    name: str, env: Environment, args: LOOPConfig, report: Callable[[str], None] | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model and word tokenizer a ``tiny:<env>`` / ``tiny-instruct:<env>`` spec names, built for ``env``
+    with the run's seed, ``env_timeout`` and ``tiny_instruct_steps`` (the warm-up's progress goes to ``report``,
+    default the log); a warm-up until fitted where ``env`` names a ``warm_up_success`` probes greedy success on
+    its training tasks under the run's episode limits. The same model from the Python API and ``loop-train``."""
+    return build_tiny_from_spec(
+        name,
+        env,
+        seed=args.seed,
+        env_timeout=args.env_timeout,
+        warm_up_steps=args.tiny_instruct_steps,
+        report=report,
+        greedy_success=greedy_success_on_training_tasks(env, args),
+    )
+
+
 def load_policy(
     model: str | PreTrainedModel,
     args: LOOPConfig,
     processing_class: Any = None,
     quantization_config: Any = None,
     peft_config: Any = None,
+    env: Environment | None = None,
 ) -> tuple[Any, PreTrainedTokenizerBase]:
     """The model LOOPTrainer trains (loaded if ``model`` is an id, then :func:`wrap_for_training`) and its
-    tokenizer (:func:`load_tokenizer`)."""
-    if isinstance(model, str):
-        model = load_model(model, args, quantization_config)
+    tokenizer (:func:`load_tokenizer`). ``model`` may be any name ``loop-train`` takes: an id or directory,
+    ``packaged:<model>`` (:mod:`loop_trainer.models.packaged`), or ``tiny:<env>`` / ``tiny-instruct:<env>``
+    (:mod:`loop_trainer.models.tiny`, built for ``env``)."""
+    if isinstance(model, str) and is_tiny_spec(model):
+        for given, what in ((processing_class, "processing_class"), (quantization_config, "quantization_config")):
+            if given is not None:
+                raise ValueError(f"'{model}' is built with its own word tokenizer in float32: give it no {what}")
+        if env is None:
+            raise ValueError(f"'{model}' is built for an environment: give LOOPTrainer the environment too")
+        model, processing_class = build_tiny_model(model, env, args)
+    elif isinstance(model, str):
+        model = load_model(resolve_model_path(model), args, quantization_config)
     elif quantization_config is not None:
         raise ValueError(
             "quantization_config applies when LOOPTrainer loads the model from an id; this model is already loaded"

@@ -159,7 +159,8 @@ class LOOPTrainer(Trainer):
     ):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path or "model"
-            args = LOOPConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-LOOP")
+            name = str(name).rstrip("/").split("/")[-1].replace(":", "-")  # tiny-instruct:vault -> tiny-instruct-vault
+            args = LOOPConfig(output_dir=f"{name}-LOOP")
         args = loop_config_for(args, train_dataset)  # a GRPOConfig is translated (compat.trl)
         env, self.trl_route, env_callbacks = environment_for(
             env,
@@ -186,7 +187,7 @@ class LOOPTrainer(Trainer):
                 len(tasks),
                 args.train_split,
             )
-        policy, self.tokenizer = load_policy(model, args, processing_class, quantization_config, peft_config)
+        policy, self.tokenizer = load_policy(model, args, processing_class, quantization_config, peft_config, env)
         super().__init__(
             model=policy,
             args=args,

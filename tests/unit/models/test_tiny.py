@@ -122,7 +122,9 @@ def test_tiny_instruct_steps_reaches_the_warm_up(monkeypatch):
         seen.update(kwargs)
         return "model", "tokenizer"
 
-    monkeypatch.setattr(loop_train, "build_tiny_from_spec", fake_build)
+    from loop_trainer.training import model_loading
+
+    monkeypatch.setattr(model_loading, "build_tiny_from_spec", fake_build)
     model_args = type("ModelArgs", (), {"model_name_or_path": "tiny-instruct:vault"})()
     for steps in (None, 250):
         args = LOOPConfig(output_dir="unused", tiny_instruct_steps=steps, use_cpu=True, report_to="none")

@@ -458,3 +458,33 @@ def test_train_logs_the_collapse_warning_when_every_group_ties(tmp_path, vault_t
     # once, at the third tied iteration (the signature must hold for 3), naming the keys to try
     assert len(warnings) == 1 and warnings[0].startswith("iteration 3: ")
     assert "tied" in warnings[0] and "dynamic_sampling_rounds" in warnings[0]
+
+
+def test_the_python_api_takes_the_model_names_loop_train_takes(tmp_path, monkeypatch):
+    """``LOOPTrainer("tiny-instruct:vault", env, args)`` builds the model loop-train would (the same warm-up,
+    seed and tokenizer) instead of asking the Hub for a repo of that name; ``packaged:`` names resolve to
+    their directory; a tiny name without its environment, or with a tokenizer of the user's, is one line."""
+    from loop_trainer.envs import VaultEnv
+    from loop_trainer.training import model_loading
+
+    env = VaultEnv(num_tasks=4)
+    args = tiny_args(tmp_path, iterations=1, tasks_per_iteration=2, rollouts_per_task=2, tiny_instruct_steps=3)
+    trainer = LOOPTrainer("tiny-instruct:vault", env, args)
+    built, tokenizer = model_loading.build_tiny_model("tiny-instruct:vault", env, args)
+    assert trainer.tokenizer.get_vocab() == tokenizer.get_vocab()
+    for (name, value), (_, expected) in zip(
+        trainer.model.state_dict().items(), built.state_dict().items(), strict=True
+    ):
+        assert torch.equal(value, expected), name
+    trainer.train()
+    assert read_metrics(args.output_dir)[-1]["iteration"] == 1
+
+    with pytest.raises(ValueError, match="give it no processing_class"):
+        LOOPTrainer("tiny:vault", env, args, processing_class=tokenizer)
+    resolved = []
+    monkeypatch.setattr(model_loading, "resolve_model_path", lambda name: resolved.append(name) or "/nowhere")
+    with pytest.raises(OSError):  # loaded from the resolved directory, which this test leaves empty
+        LOOPTrainer("packaged:smollm2-135m-instruct", env, args)
+    assert resolved == ["packaged:smollm2-135m-instruct"]
+    monkeypatch.chdir(tmp_path)
+    assert LOOPTrainer("tiny:vault", env).args.output_dir == "tiny-vault-LOOP"
