@@ -18,8 +18,12 @@ arguments), ``from_verifiers(vf_env)`` and ``from_openenv(client)``.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from ..compat.openenv import OpenEnvEnvironment, from_openenv  # imports openenv only when used
@@ -80,6 +84,21 @@ def available_environments() -> list[str]:
     return sorted({*BUILTIN, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))})
 
 
+def import_from_working_directory(module_name: str) -> ModuleType:
+    """``importlib.import_module(module_name)``, also finding a module or package in the working directory:
+    ``loop-train --environment my_env:MyEnv`` run beside ``my_env.py`` imports it as ``python -m`` would
+    (a console script's ``sys.path`` starts at its own ``bin/``, not at the working directory)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        top, here = module_name.split(".")[0], os.getcwd()
+        beside = Path(here, f"{top}.py").is_file() or Path(here, top, "__init__.py").is_file()
+        if error.name != top or not beside or here in sys.path or "" in sys.path:
+            raise
+        sys.path.insert(0, here)
+        return importlib.import_module(module_name)
+
+
 def _resolve(name: str) -> Callable[..., Environment]:
     if name in BUILTIN:
         return BUILTIN[name]
@@ -89,9 +108,15 @@ def _resolve(name: str) -> Callable[..., Environment]:
     if ":" in name:
         module_name, _, attribute = name.partition(":")
         try:
-            return getattr(importlib.import_module(module_name), attribute)
+            return getattr(import_from_working_directory(module_name), attribute)
         except (ImportError, AttributeError) as error:
-            raise ValueError(f"cannot import environment {name!r}: {error}") from None
+            top = module_name.split(".")[0]
+            hint = (
+                f" (run from the directory that holds {top}.py, or add that directory to PYTHONPATH)"
+                if isinstance(error, ModuleNotFoundError) and error.name == top
+                else ""
+            )
+            raise ValueError(f"cannot import environment {name!r}: {error}{hint}") from None
     raise ValueError(
         f"unknown environment {name!r}; available: {', '.join(available_environments())} "
         "(or give an import path 'package.module:ClassName')"

@@ -418,3 +418,24 @@ def test_loop_train_refuses_a_broken_task_list_with_one_line(tmp_path, flags, me
     result = loop_train(tmp_path, *flags)
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.startswith(f"loop-train: error: {message}") and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_an_environment_module_in_the_working_directory_imports_as_python_m_would(tmp_path, monkeypatch):
+    """``loop-train --environment my_env:MyEnv`` beside ``my_env.py``: a console script's sys.path does not
+    start at the working directory, so the module is looked for there; a module found nowhere names the fix."""
+    import sys
+
+    (tmp_path / "beside_the_recipe.py").write_text(
+        "from loop_trainer.envs import VaultEnv\n\nclass MyVault(VaultEnv):\n    name = 'my-vault'\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", str(tmp_path))])
+    env = make_environment("beside_the_recipe:MyVault", num_tasks=3)
+    assert env.name == "my-vault" and len(env.tasks("train")) == 3
+    with pytest.raises(ValueError) as caught:
+        make_environment("nowhere_to_be_found:Env")
+    message = str(caught.value)
+    assert "\n" not in message and "No module named 'nowhere_to_be_found'" in message
+    assert "run from the directory that holds nowhere_to_be_found.py, or add that directory to PYTHONPATH" in message
+    with pytest.raises(ValueError, match="has no attribute 'Missing'$"):
+        make_environment("beside_the_recipe:Missing")
