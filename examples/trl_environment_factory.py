@@ -4,6 +4,7 @@ The environment, dataset, reward function and GRPOConfig are exactly what GRPOTr
 (docs/environments.md, "Coming from GRPOTrainer"). Run it with a tool-calling chat model:
 
     python examples/trl_environment_factory.py --model Qwen/Qwen2.5-0.5B-Instruct --output_dir out/counter
+    python examples/trl_environment_factory.py --model tiny-chat:qwen2.5   # offline smoke run (learns nothing)
     accelerate launch examples/trl_environment_factory.py ...   # the same on several GPUs
 """
 

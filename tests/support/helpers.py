@@ -8,29 +8,18 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from loop_trainer.envs.base import Environment, Episode, Message, Score, Step
+from loop_trainer.models.tiny_chat import tiny_qwen_config
 from loop_trainer.rollout.backend import Completion
 
 
 def tiny_qwen(tokenizer, seed=0) -> Qwen2ForCausalLM:
-    """A one-layer Qwen2 with ``tokenizer``'s vocabulary (Qwen2.5's: tool-call templates), randomly initialised."""
+    """A one-layer Qwen2 with ``tokenizer``'s vocabulary (Qwen2.5's: tool-call templates), randomly initialised:
+    ``tiny-chat:qwen2.5``'s model (loop_trainer.models.tiny_chat)."""
     torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        head_dim=32,
-        tie_word_embeddings=True,
-        max_position_embeddings=32768,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return Qwen2ForCausalLM(config)
+    return Qwen2ForCausalLM(tiny_qwen_config(tokenizer))
 
 
 class ScriptedBackend:

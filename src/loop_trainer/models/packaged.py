@@ -68,7 +68,15 @@ def cache_dir() -> Path:
 
 
 def resolve_model_path(name: str) -> str:
-    """``name`` itself, or for a ``packaged:<model>`` spec the model's directory (converted on first use)."""
+    """``name`` itself, or for a ``packaged:<model>`` spec the model's directory (converted on first use), or for
+    ``tiny-chat:<model>`` the tiny tool-calling model's (:mod:`loop_trainer.models.tiny_chat`, built on first use)."""
+    from .tiny_chat import is_tiny_chat_spec, resolve_tiny_chat
+
+    if is_tiny_chat_spec(name):
+        try:
+            return resolve_tiny_chat(name, cache_dir())
+        except ValueError as error:
+            raise PackagedModelError(str(error)) from None
     if not is_packaged_spec(name):
         return name
     key = name[len(PREFIX) :]

