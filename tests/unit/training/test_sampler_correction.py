@@ -130,3 +130,31 @@ def test_the_mismatch_metrics_are_the_brute_force_and_reported_without_a_correct
     # and in the iteration's record
     record = update(samples, iteration=0)
     assert {"sampler_kl", "sampler_chi2_token", "sampler_chi2_sequence"} <= record.keys()
+
+
+@pytest.mark.slow
+def test_a_run_with_gspos_ratio_and_sequence_masking_logs_its_counts(tmp_path):
+    """Through the CLI: the keys reach the update, and every iteration's record carries the counts and the
+    mismatch (the transformers backend's sampler is the trainer up to float rounding: weights within 1e-6 of 1,
+    so a cap of 1 masks the trajectories rounding put above it, and a floor of 0.5 none)."""
+    from loop_trainer.cli.train import cli
+    from loop_trainer.training.run_log import read_metrics
+
+    out = tmp_path / "run"
+    flags = ["--model_name_or_path", "tiny:vault", "--environment_kwargs", '{"num_tasks": 8}', "--iterations", "2"]
+    flags += ["--tasks_per_iteration", "4", "--rollouts_per_task", "3", "--minibatch_size", "4", "--max_turns", "4"]
+    flags += ["--ratio_level", "sequence", "--epsilon", "0.0003", "--epsilon_high", "0.0004"]
+    flags += ["--sampler_correction", "sequence_mask", "--sampler_importance_cap", "1.0"]
+    flags += ["--sampler_importance_floor", "0.5", "--output_dir", str(out), "--disable_tqdm", "true"]
+    assert cli(flags) == 0
+    records = read_metrics(out)
+    assert len(records) == 2
+    for record in records:
+        if not record["num_kept"]:
+            continue
+        assert 0 <= record["importance_masked_tokens"] <= record["trained_sampled_tokens"]
+        assert 0 <= record["importance_masked_trajectories"] <= record["num_kept"]
+        assert record["importance_masked_fraction"] == pytest.approx(
+            record["importance_masked_tokens"] / record["trained_sampled_tokens"]
+        )
+        assert abs(record["sampler_chi2_sequence"]) < 1e-3 and 0 <= record["sampler_kl"] < 1e-6
