@@ -8,7 +8,8 @@ Six functions, each checkable line by line against the paper:
 * :func:`advantages_for` -- one of the two above, by name (``advantage_estimator``).
 * :func:`advantage_keep_mask` -- drop rollouts whose advantage is (almost) zero.
 * :func:`loop_policy_loss` -- the clipped PPO surrogate (importance ratio per token, as LOOP, or
-  per turn / per trajectory for the ablations), token-mean per trajectory, summed over
+  per turn / per trajectory for the ablations, or GSPO's geometric mean per trajectory), token-mean
+  per trajectory, summed over
   trajectories and divided by a constant (the nominal minibatch size).
 * :func:`reference_kl_penalty` -- a KL penalty to a reference policy, aggregated like the loss
   (not LOOP's: GRPO's ``beta > 0``).
@@ -40,11 +41,11 @@ __all__ = [
     "reference_kl_penalty",
 ]
 
-RatioLevel = Literal["token", "turn", "trajectory"]
-RATIO_LEVELS: tuple[str, ...] = ("token", "turn", "trajectory")
+RatioLevel = Literal["token", "turn", "trajectory", "sequence"]
+RATIO_LEVELS: tuple[str, ...] = ("token", "turn", "trajectory", "sequence")
 
 MAX_LOG_RATIO = 20.0
-"""Overflow guard of the per-turn and per-trajectory ratios: their summed log-ratio is clamped to
+"""Overflow guard of the per-turn, per-trajectory and per-sequence ratios: their summed log-ratio is clamped to
 ``[-MAX_LOG_RATIO, MAX_LOG_RATIO]`` before ``exp`` (ratios within ``[2e-9, 4.9e8]``). See
 :func:`loop_policy_loss`."""
 
@@ -230,6 +231,19 @@ def loop_policy_loss(
     sampled tokens; ``"trajectory"`` is all of :math:`T_i` (``turn_ids`` not needed). A trajectory
     cut to the training budget has the ratio of the part kept.
 
+    ``"sequence"`` is GSPO's ratio (Zheng et al. 2025, arXiv 2507.18071; TRL's
+    ``importance_sampling_level: sequence``): the *geometric mean* of the token ratios of :math:`T_i`,
+
+    .. math::  \rho_{i,t} = \exp\Bigl(\frac{1}{|T_i|} \sum_{u \in T_i}
+               \log\pi_\theta(y_u) - \log\pi_{old}(y_u)\Bigr),
+
+    one ratio per trajectory that does not grow with its length, clipped as every level is. Every
+    token of :math:`T_i` carries it, so the token mean is GSPO's per-sequence objective
+    :math:`\min(\rho_i A_i, \mathrm{clip}(\rho_i) A_i)` and each sampled token's log-prob gets the
+    gradient :math:`\rho_i A_i / |T_i|` (unclipped). GSPO clips far tighter than PPO (its paper:
+    :math:`3 \cdot 10^{-4}` below, :math:`4 \cdot 10^{-4}` above): set ``epsilon`` (and
+    ``epsilon_high``) to match.
+
     The clip range is symmetric in log space (``[1/1.1, 1.1]`` for the paper's
     :math:`\epsilon = 0.1`): :math:`\epsilon_{high} = \epsilon` unless ``epsilon_high`` is given
     (DAPO's *clip-higher*, Yu et al. 2025, arXiv 2503.14476: a larger upper bound lets a token the
@@ -241,14 +255,14 @@ def loop_policy_loss(
     A trajectory may span several rows (``trajectory_ids``): the segments of an episode whose
     context policy rewrote its history, each row exactly the context the sampler saw. Then
     :math:`T_i` is the sampled tokens of all its rows: one token mean across the segments, and
-    (``"trajectory"``) one ratio over all of them; each turn is within one row.
+    (``"trajectory"``, ``"sequence"``) one ratio over all of them; each turn is within one row.
 
     :math:`D` is a *constant* divisor, the nominal minibatch size (paper: 32), so a short minibatch
     or a trajectory split across gradient-accumulation micro-batches is weighted exactly as in a
     full one. It defaults to the batch size.
 
-    Arithmetic is in float32 (float64 if the inputs are float64). A turn or trajectory sum
-    :math:`S` is clamped to :math:`[-S_{max}, S_{max}]`, :data:`MAX_LOG_RATIO` = 20, before
+    Arithmetic is in float32 (float64 if the inputs are float64). A turn or trajectory sum (or a
+    sequence mean) :math:`S` is clamped to :math:`[-S_{max}, S_{max}]`, :data:`MAX_LOG_RATIO` = 20, before
     ``exp``: a long turn's sum may be far outside float32's ``exp`` range. Since
     :math:`S_{max} > \log(1+\epsilon)`, the clipped branch and every choice the ``min`` makes
     are unchanged; only where :math:`|S| > S_{max}` does the unclipped branch see
@@ -273,7 +287,7 @@ def loop_policy_loss(
             messages, padding).
         epsilon: clip parameter.
         divisor: constant :math:`D`.
-        ratio_level: ``"token"`` (LOOP), ``"turn"`` or ``"trajectory"``.
+        ratio_level: ``"token"`` (LOOP), ``"turn"``, ``"trajectory"`` or ``"sequence"`` (GSPO).
         turn_ids: ``[B, T]`` integer turn index of every token, read only where ``loss_mask`` is 1
             (any non-negative labels; tokens of one row with the same label form one turn).
             Required for ``"turn"``, ignored otherwise.
@@ -353,13 +367,14 @@ def _grouped_log_ratio(
     log_ratio: Tensor, sampled: Tensor, ratio_level: str, turn_ids: Tensor | None, trajectory: Tensor | None = None
 ) -> Tensor:
     """``[B, T]``: every sampled token's log-ratio of its ratio group (see :func:`loop_policy_loss`):
-    its own (``"token"``), the sum over its turn or over its trajectory (clamped to
-    ``MAX_LOG_RATIO``); 0 where not sampled. ``log_ratio`` is 0 where not sampled. ``trajectory``:
+    its own (``"token"``), the sum over its turn or over its trajectory, or the mean over its
+    trajectory (``"sequence"``) (clamped to ``MAX_LOG_RATIO``); 0 where not sampled. ``log_ratio``
+    is 0 where not sampled. ``trajectory``:
     each row's trajectory index when a trajectory spans rows (None: each row is one)."""
     if ratio_level == "token":
         return log_ratio
     batch_size = log_ratio.shape[0]
-    if ratio_level == "trajectory":
+    if ratio_level in ("trajectory", "sequence"):
         turn = torch.zeros_like(sampled, dtype=torch.long)
     else:
         if turn_ids is None:
@@ -378,6 +393,9 @@ def _grouped_log_ratio(
     _, group = torch.unique(torch.where(sampled, row * width + turn, -1), return_inverse=True)
     num_groups = int(group.max()) + 1 if group.numel() else 0
     sums = log_ratio.new_zeros(num_groups).index_add(0, group.flatten(), log_ratio.flatten())
+    if ratio_level == "sequence":  # GSPO: the mean log-ratio over the trajectory's sampled tokens
+        counts = log_ratio.new_zeros(num_groups).index_add(0, group.flatten(), sampled.flatten().to(log_ratio.dtype))
+        sums = sums / counts.clamp(min=1)
     # Overflow guard (see MAX_LOG_RATIO): exact wherever |S| <= MAX_LOG_RATIO, finite everywhere.
     return torch.where(sampled, sums[group], 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
 

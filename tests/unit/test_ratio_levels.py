@@ -315,7 +315,7 @@ def test_argument_errors():
     with pytest.raises(ValueError, match=">= 0"):
         loop_policy_loss(logp, old, adv, mask, ratio_level="turn", turn_ids=torch.tensor([[0, -1, 0]]))
     with pytest.raises(ValueError, match="ratio_level"):
-        loop_policy_loss(logp, old, adv, mask, ratio_level="sequence")
+        loop_policy_loss(logp, old, adv, mask, ratio_level="sentence")
     # "trajectory" needs no turn_ids, and -1 labels on tokens not sampled are fine
     loop_policy_loss(logp, old, adv, mask, ratio_level="trajectory")
     loop_policy_loss(logp, old, adv, torch.tensor([[1, 0, 1]]), ratio_level="turn", turn_ids=torch.tensor([[0, -1, 1]]))

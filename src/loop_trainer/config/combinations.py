@@ -180,6 +180,43 @@ def _zero3_cannot_sample_with_the_training_model(config: LOOPConfig, launch: Lau
     return None
 
 
+STALENESS_DEFAULT_CAP = 2.0
+"""The cap of the weights toward the sampler when ``max_staleness`` > 0 and ``sampler_importance_cap`` is unset
+(:data:`loop_trainer.training.update.STALE_IMPORTANCE_CAP`, which a test keeps equal to this)."""
+
+
+def _sampler_correction_needs_its_bounds(config: LOOPConfig, launch: Launch) -> str | None:
+    mode, cap, floor = config.sampler_correction, config.sampler_importance_cap, config.sampler_importance_floor
+    if mode == "token_truncate" or config.max_staleness:  # the default, off without a bound; staleness caps at 2
+        return None
+    if cap is None and floor is None:
+        return (
+            f"sampler_correction: {mode} bounds the weights pi_old/pi_sampler, and no bound is set: set "
+            "sampler_importance_cap (TRL's default is 3.0) and/or sampler_importance_floor, or remove "
+            "sampler_correction"
+        )
+    if cap is None and mode.startswith("sequence"):
+        return (
+            f"sampler_correction: {mode} weighs a trajectory by the product of its token weights, unbounded above "
+            "without a cap: set sampler_importance_cap (TRL's default is 3.0)"
+        )
+    return None
+
+
+def _sampler_floor_below_the_cap(config: LOOPConfig, launch: Launch) -> str | None:
+    floor = config.sampler_importance_floor
+    cap = config.sampler_importance_cap
+    if cap is None and config.max_staleness:
+        cap = STALENESS_DEFAULT_CAP
+    if floor is not None and cap is not None and floor >= cap:
+        return (
+            f"sampler_importance_floor ({floor}) must be below the cap of the weights toward the sampler ({cap}: "
+            "sampler_importance_cap, or 2 with max_staleness): lower sampler_importance_floor or raise "
+            "sampler_importance_cap"
+        )
+    return None
+
+
 def _built_in(launch: Launch) -> bool:
     return launch.generator in (Generator.BUILT_IN, Generator.UNKNOWN)
 
@@ -196,6 +233,8 @@ RULES: tuple[Rule, ...] = (
     _merge_needs_whole_weights,
     _colocated_vllm_is_one_gpu,
     _zero3_cannot_sample_with_the_training_model,
+    _sampler_correction_needs_its_bounds,
+    _sampler_floor_below_the_cap,
 )
 
 

@@ -127,7 +127,9 @@ LOOP_EQUIVALENTS: dict[str, str | None] = {
     "vllm_group_port": "vllm_sync_dir",
     "vllm_importance_sampling_correction": "sampler_importance_cap",
     "vllm_importance_sampling_cap": "sampler_importance_cap",
-    "vllm_importance_sampling_mode": "sampler_importance_cap",
+    "vllm_importance_sampling_clip_max": "sampler_importance_cap",
+    "vllm_importance_sampling_clip_min": "sampler_importance_floor",
+    "vllm_importance_sampling_mode": "sampler_correction",
     # evaluation
     "eval_strategy": "eval_every",
     "eval_steps": "eval_every",

@@ -19,6 +19,7 @@ from transformers import TrainingArguments
 from transformers.trainer_utils import SaveStrategy
 
 from ..objective import ADVANTAGE_ESTIMATORS, RATIO_LEVELS
+from ..stabilisers import SAMPLER_CORRECTIONS
 from .combinations import ConfigCombinationError, Generator, Launch, check_combinations
 from .episode import EpisodeSettings
 from .keys import only_the_training_arguments_loop_honours, refusing_unknown_keys
@@ -80,7 +81,8 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
     ratio_level: str = setting(
         "token",
         "Where the PPO ratio is taken: token (LOOP), turn (one ratio per assistant turn) or trajectory (one "
-        "per trajectory); the paper's Table 1 compares the three.",
+        "per trajectory), the paper's Table 1 compares the three; or sequence (GSPO: one per trajectory, the "
+        "geometric mean of its token ratios).",
     )
 
     # --- the update ----------------------------------------------------------------------------
@@ -117,8 +119,22 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
     )
     sampler_importance_cap: float | None = setting(
         None,
-        "Truncated importance sampling: each token's objective times min(pi_old/pi_sampler, cap). None: off.",
-        above(0, "each token's objective is weighted by min(pi_old/pi_sampler, cap); None: off", none=True),
+        "Importance weights toward the sampler, w = pi_old/pi_sampler, bounded above by this (how: "
+        "sampler_correction; by default truncated, each token's objective times min(w, cap)). None: off.",
+        above(0, "the upper bound of the weights pi_old/pi_sampler (sampler_correction); None: off", none=True),
+    )
+    sampler_importance_floor: float | None = setting(
+        None,
+        "The lower bound of the weights toward the sampler (truncated up to it, or masked below it: "
+        "sampler_correction). None: no lower bound.",
+        above(0, "the lower bound of the weights pi_old/pi_sampler (sampler_correction); None: none", none=True),
+    )
+    sampler_correction: str = setting(
+        "token_truncate",
+        "How the weights toward the sampler are bounded by sampler_importance_floor and sampler_importance_cap: "
+        "token_truncate (each token's weight clamped to the bounds), token_mask (a token out of bounds leaves the "
+        "loss: IcePop), sequence_truncate (one weight per trajectory, the product of its tokens', clamped) or "
+        "sequence_mask (a trajectory out of bounds leaves the loss: MIS). Masked tokens are counted per iteration.",
     )
     max_staleness: int = setting(
         0,
@@ -431,6 +447,7 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
             ("logging_strategy", ("steps", "no")),
             ("advantage_estimator", ADVANTAGE_ESTIMATORS),
             ("ratio_level", RATIO_LEVELS),
+            ("sampler_correction", SAMPLER_CORRECTIONS),
             ("vllm_mode", ("colocate", "server")),
             ("malformed_tool_call", ("end_episode", "answer")),
         ):

@@ -88,6 +88,8 @@ _COMPARED = (
     # the stabilisers (docs/stabilisers.md)
     "epsilon_high",
     "sampler_importance_cap",
+    "sampler_importance_floor",
+    "sampler_correction",
     "dynamic_sampling_rounds",
     "max_staleness",
     "partial_rollouts",

@@ -26,6 +26,7 @@ from ..objective import RatioLevel
 from ..publishing.model_card import CardSettings, hyperparameter_rows
 from ..publishing.publisher import PublisherSettings
 from ..rollout.generator import GeneratorSettings, VLLMSettings
+from ..stabilisers import SamplerCorrection
 from .resume import OptimizerHyperparameters, StartSettings
 from .update import UpdateSettings, importance_cap
 
@@ -91,6 +92,8 @@ def update_settings(config: LOOPConfig, pad_token_id: int) -> UpdateSettings:
         beta=config.beta,
         epsilon_high=config.epsilon_high,
         sampler_importance_cap=importance_cap(config.sampler_importance_cap, config.max_staleness),
+        sampler_importance_floor=config.sampler_importance_floor,
+        sampler_correction=cast(SamplerCorrection, config.sampler_correction),  # LOOPConfig checked it is one
     )
 
 

@@ -25,7 +25,7 @@ import torch
 
 from ..objective import RatioLevel, loop_policy_loss, reference_kl_penalty
 from ..rollout.records import stream_seed
-from ..stabilisers import truncated_importance_weights
+from ..stabilisers import SamplerCorrection, SamplerWeights, sampler_importance_weights, sampler_mismatch_sums
 from .adapter_casts import adapter_input_casts_off
 from .batching import TrainingSample, chunks, collate, minibatch_indices, trajectory_rows, whole_chunks
 from .distribution import DistributionStrategy
@@ -39,13 +39,13 @@ STALE_IMPORTANCE_CAP = 2.0
 
 
 def importance_cap(sampler_importance_cap: float | None, max_staleness: int) -> float | None:
-    """The cap :func:`~loop_trainer.stabilisers.truncated_importance_weights` uses, or None (no weights).
+    """The cap :func:`~loop_trainer.stabilisers.sampler_importance_weights` uses, or None.
 
     With ``max_staleness`` > 0 the rollouts of iteration i were sampled by policy i-1 (the behaviour
     policy) and are trained at iteration i, whose policy before the update (pi_old, the trainer's
     log-probs) is the clip's proximal policy: decoupled PPO (Hilton et al. 2021, arXiv 2110.00641).
     Each token's objective is then weighted by min(pi_old / pi_behaviour, C), always, with C =
-    ``sampler_importance_cap`` or :data:`STALE_IMPORTANCE_CAP`."""
+    ``sampler_importance_cap`` or :data:`STALE_IMPORTANCE_CAP` (or bounded as ``sampler_correction`` says)."""
     if max_staleness > 0 and sampler_importance_cap is None:
         return STALE_IMPORTANCE_CAP
     return sampler_importance_cap
@@ -75,7 +75,18 @@ class UpdateSettings:
     epsilon_high: float | None = None
     """Upper clip bound 1 + epsilon_high (clip-higher); None: LOOP's 1 + epsilon."""
     sampler_importance_cap: float | None = None
-    """Each token's objective times min(pi_old / pi_sampler, cap); None: no correction (LOOP)."""
+    """The upper bound of the weights pi_old / pi_sampler; with ``sampler_importance_floor`` None too: no
+    correction (LOOP)."""
+    sampler_importance_floor: float | None = None
+    """The lower bound of the weights toward the sampler; None: none."""
+    sampler_correction: SamplerCorrection = "token_truncate"
+    """How the bounds apply (:func:`~loop_trainer.stabilisers.sampler_importance_weights`): per token or per
+    trajectory, truncated or masked."""
+
+    @property
+    def corrects_sampler(self) -> bool:
+        """Whether each token's objective is weighted toward the sampler (a bound is set)."""
+        return self.sampler_importance_cap is not None or self.sampler_importance_floor is not None
 
 
 @dataclass
@@ -96,7 +107,8 @@ class StepResult:
     kl_exceeded: bool = False
     """|kl| was over ``kl_abort_threshold``: gradients discarded, the iteration's updates end here."""
     capped_fraction: float = math.nan
-    """Fraction of sampled tokens whose importance weight toward the sampler was capped (with a cap)."""
+    """Fraction of sampled tokens whose importance weight toward the sampler was truncated to a bound (their
+    own or their trajectory's; with a ``*_truncate`` correction)."""
 
 
 class PolicyUpdate:
@@ -238,8 +250,73 @@ class PolicyUpdate:
             "sampler_logprob_diff_max": abs_diff_max,
             # over the trained (kept) trajectories' sampled tokens, at the sampling temperature
             "entropy": total_entropy / total_count if total_count and has_entropy else float("nan"),
+            **self.sampler_mismatch(samples, old, sorted(counted)),
         }
         return FixedLogprobs(old, reference), metrics
+
+    def sampler_weights(
+        self,
+        old: torch.Tensor,
+        sampler_logprobs: torch.Tensor,
+        loss_mask: torch.Tensor,
+        trajectory_ids: torch.Tensor | None,
+    ) -> SamplerWeights:
+        """The weights toward the sampler of a ``[B, T]`` batch of whole trajectories, bounded as the settings say."""
+        s = self.settings
+        return sampler_importance_weights(
+            old,
+            sampler_logprobs,
+            loss_mask,
+            correction=s.sampler_correction,
+            cap=s.sampler_importance_cap,
+            floor=s.sampler_importance_floor,
+            trajectory_ids=trajectory_ids,
+        )
+
+    def sampler_mismatch(
+        self, samples: list[TrainingSample], old: dict[int, torch.Tensor], counted: list[int]
+    ) -> dict[str, float]:
+        """The iteration's sampler/trainer mismatch over the sampled tokens of ``samples[i]``, ``i`` in ``counted``
+        (whole trajectories, each counted by one process), combined over processes: the k3 estimate of
+        KL(sampler || old policy) and the chi-square divergence of the token and the trajectory weights
+        pi_old / pi_sampler (:func:`~loop_trainer.stabilisers.sampler_mismatch_sums`); with a correction, the
+        sampled tokens (and, per trajectory, the trajectories) whose weight was truncated or masked."""
+        s = self.settings
+        keys = ("tokens", "kl", "chi2_token", "trajectories", "chi2_sequence", "truncated", "masked")
+        trajectory_keys = ("truncated_trajectories", "masked_trajectories")
+        totals = dict.fromkeys(keys + trajectory_keys, 0.0)
+        groups = [[counted[j] for j in group] for group in trajectory_rows([samples[i] for i in counted])]
+        for chunk in whole_chunks(groups, max(1, s.micro_batch_size)):
+            batch = collate([samples[i] for i in chunk], s.pad_token_id)
+            logprobs = _padded(old, chunk, like=batch.sampler_logprobs)
+            for key, value in sampler_mismatch_sums(
+                logprobs, batch.sampler_logprobs, batch.loss_mask, batch.trajectory_ids
+            ).items():
+                totals[key] += value
+            if s.corrects_sampler:
+                bounded = self.sampler_weights(logprobs, batch.sampler_logprobs, batch.loss_mask, batch.trajectory_ids)
+                totals["truncated"] += float(bounded.truncated.sum())
+                totals["masked"] += float(bounded.masked.sum())
+                # a sequence correction treats each trajectory whole: count those it touched
+                rows = torch.arange(len(chunk)) if batch.trajectory_ids is None else batch.trajectory_ids
+                for flags, key in ((bounded.truncated, "truncated"), (bounded.masked, "masked")):
+                    per_trajectory = torch.zeros(int(rows.max()) + 1).index_add(0, rows, flags.any(dim=1).float())
+                    totals[f"{key}_trajectories"] += float((per_trajectory > 0).sum())
+        totals = dict(zip(totals, self.strategy.sum(list(totals.values())), strict=True))
+        tokens, trajectories = totals["tokens"], totals["trajectories"]
+        metrics = {
+            "sampler_kl": totals["kl"] / tokens if tokens else math.nan,
+            "sampler_chi2_token": totals["chi2_token"] / tokens if tokens else math.nan,
+            "sampler_chi2_sequence": totals["chi2_sequence"] / trajectories if trajectories else math.nan,
+        }
+        if s.corrects_sampler:
+            outcome = "truncated" if s.sampler_correction.endswith("truncate") else "masked"
+            metrics[f"importance_{outcome}_tokens"] = totals[outcome]
+            if outcome == "masked":  # the truncated fraction is importance_capped_fraction (the steps')
+                metrics["importance_masked_fraction"] = totals["masked"] / tokens if tokens else math.nan
+            if s.sampler_correction.startswith("sequence"):
+                metrics[f"importance_{outcome}_trajectories"] = totals[f"{outcome}_trajectories"]
+        return metrics
 
     def minibatch_step(
         self, samples: list[TrainingSample], fixed: FixedLogprobs, minibatch: list[int]
@@ -263,7 +340,8 @@ class PolicyUpdate:
         # processes yields sum(trajectory losses) / minibatch_size, the paper's constant divisor.
         divisor = s.minibatch_size / strategy.num_processes
         strategy.model.train()
-        optional = (("kl_ref",) if s.beta > 0 else ()) + (("capped",) if s.sampler_importance_cap is not None else ())
+        truncating = s.corrects_sampler and s.sampler_correction.endswith("truncate")
+        optional = (("kl_ref",) if s.beta > 0 else ()) + (("capped",) if truncating else ())
         totals = dict.fromkeys(("loss", "clip", "kl", "ratio", "tokens") + optional, 0.0)
         ratio_min, ratio_max = math.inf, -math.inf
         for i, (indices, stand_in) in enumerate(micro_batches):
@@ -273,11 +351,11 @@ class PolicyUpdate:
                 batch.advantages.zero_()
                 batch.loss_mask.zero_()
             weights = None
-            if s.sampler_importance_cap is not None:
-                weights, capped = truncated_importance_weights(
-                    old, batch.sampler_logprobs, batch.loss_mask, s.sampler_importance_cap
-                )
-                totals["capped"] += float(capped) * float(batch.loss_mask.sum())
+            if s.corrects_sampler:
+                bounded = self.sampler_weights(old, batch.sampler_logprobs, batch.loss_mask, batch.trajectory_ids)
+                weights = bounded.weights
+                if truncating:
+                    totals["capped"] += float(bounded.truncated.sum())
             with strategy.accumulating(last=i == len(micro_batches) - 1):
                 with self.autocast(), self.activation_context():
                     logprobs = token_logprobs(strategy.model, batch)

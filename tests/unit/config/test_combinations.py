@@ -121,5 +121,36 @@ def test_partial_rollouts_need_an_overlapped_collection_and_a_straggler_cut():
     config(partial_rollouts=True, max_staleness=2, early_stop_task_fraction=0.75)
 
 
+def test_a_sampler_correction_other_than_todays_needs_its_bounds():
+    with pytest.raises(ConfigCombinationError, match=r"^LOOPConfig: sampler_correction: token_mask bounds .* no bound"):
+        config(sampler_correction="token_mask")
+    for mode in ("sequence_truncate", "sequence_mask"):  # a product of token weights is unbounded above
+        with pytest.raises(ConfigCombinationError, match=f"sampler_correction: {mode} weighs a trajectory .* cap"):
+            config(sampler_correction=mode, sampler_importance_floor=0.5)
+        config(sampler_correction=mode, sampler_importance_cap=3.0)
+    config(sampler_correction="token_mask", sampler_importance_floor=0.5)  # IcePop below only
+    config(sampler_correction="token_truncate")  # today's default: off without a cap
+    # with max_staleness the weights are capped at 2 already
+    server = {"use_vllm": True, "vllm_mode": "server", "max_staleness": 1}
+    assert problems(config(sampler_correction="sequence_mask", **server), BUILT_IN) == []
+
+
+def test_the_sampler_floor_is_below_the_cap():
+    with pytest.raises(ConfigCombinationError, match=r"sampler_importance_floor \(2.0\) must be below .* \(2.0:"):
+        config(sampler_importance_cap=2.0, sampler_importance_floor=2.0)
+    server = {"use_vllm": True, "vllm_mode": "server", "max_staleness": 1}
+    with pytest.raises(ConfigCombinationError, match=r"\(2.0: sampler_importance_cap, or 2 with max_staleness\)"):
+        config(sampler_importance_floor=2.5, **server)
+    assert problems(config(sampler_importance_cap=5.0, sampler_importance_floor=2.5, **server), BUILT_IN) == []
+    assert problems(config(sampler_importance_floor=0.5), Launch()) == []  # no cap: nothing to be below
+
+
+def test_the_staleness_cap_is_the_updates():
+    from loop_trainer.config.combinations import STALENESS_DEFAULT_CAP
+    from loop_trainer.training.update import STALE_IMPORTANCE_CAP
+
+    assert STALENESS_DEFAULT_CAP == STALE_IMPORTANCE_CAP
+
+
 def test_each_rule_has_its_test_above():
-    assert len(RULES) == 11, "a rule was added or removed: give it its test in this file, then update this count"
+    assert len(RULES) == 13, "a rule was added or removed: give it its test in this file, then update this count"

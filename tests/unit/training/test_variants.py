@@ -70,7 +70,7 @@ def test_every_variant_trains_through_loop_train_flags(tmp_path):
 
 
 def test_unknown_variant_values_are_one_line(capsys):
-    for flags in (["--ratio_level", "sequence"], ["--advantage_estimator", "rloo"]):
+    for flags in (["--ratio_level", "sentence"], ["--advantage_estimator", "rloo"]):
         assert cli(["--model_name_or_path", "tiny:vault", *flags, "--dry-run"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"loop-train: error: LOOPConfig: {flags[0][2:]} must be one of")

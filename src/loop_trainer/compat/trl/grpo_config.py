@@ -21,6 +21,14 @@ translations:
   completion budget, as in TRL;
 * ``eval_strategy="steps"`` evaluates ``eval_dataset`` (split "eval") every ``eval_steps``
   optimizer steps, as iterations, sampling ``num_generations_eval`` rollouts at ``temperature``;
+* the correction toward the sampler: with ``vllm_importance_sampling_correction`` (TRL's default), any
+  of ``vllm_importance_sampling_mode``, ``vllm_importance_sampling_clip_max`` (or the deprecated
+  ``vllm_importance_sampling_cap``) and ``vllm_importance_sampling_clip_min`` set carries all three:
+  ``sampler_correction`` (the same four values: token_truncate, token_mask, sequence_truncate,
+  sequence_mask), ``sampler_importance_cap`` and ``sampler_importance_floor``; none set, LOOP's default
+  (no correction) stands and is logged among the replaced defaults when ``use_vllm`` (where TRL corrects);
+  ``vllm_importance_sampling_correction=False`` is LOOP's default. ``importance_sampling_level:
+  sequence`` (GSPO) is ``ratio_level: sequence``;
 * LOOP's start-up memory stress test is off (GRPOTrainer has none; it would size itself by
   ``max_trajectory_tokens``, which a GRPOConfig cannot set).
 
@@ -60,7 +68,17 @@ TRANSLATED = {
     "num_generations_eval",
     # GRPOConfig requires it to hold whole groups when evaluating; LOOP runs evaluation episodes concurrently
     "per_device_eval_batch_size",
+    "importance_sampling_level",
+    "vllm_importance_sampling_correction",
 }
+# TRL's correction toward the sampler (vLLM's log-probs): carried together when any is set.
+SAMPLER_CORRECTION_KEYS = {
+    "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min",
+    "vllm_importance_sampling_cap",  # deprecated in TRL: GRPOConfig copies it into clip_max
+}
+TRANSLATED |= SAMPLER_CORRECTION_KEYS
 # Keys GRPOConfig derives from others in __post_init__ (compared through the keys they derive from).
 DERIVED = {"generation_batch_size", "steps_per_generation", "logging_dir", "do_eval"}
 DIFFERENT_MEANING = {
@@ -168,6 +186,14 @@ def loop_config_from_grpo(grpo: GRPOConfig, num_tasks: int | None) -> tuple[LOOP
         if grpo.max_tool_calling_iterations is None
         else grpo.max_tool_calling_iterations + 1,
     )
+    if grpo.importance_sampling_level != "token":  # TRL's "sequence": GSPO's geometric-mean ratio
+        loop["ratio_level"] = grpo.importance_sampling_level
+    if grpo.vllm_importance_sampling_correction and SAMPLER_CORRECTION_KEYS & changed.keys():
+        loop.update(
+            sampler_correction=grpo.vllm_importance_sampling_mode,
+            sampler_importance_cap=grpo.vllm_importance_sampling_clip_max,
+            sampler_importance_floor=grpo.vllm_importance_sampling_clip_min,
+        )
     # GRPOTrainer has no start-up memory check, and LOOP's would size itself by max_trajectory_tokens, which a
     # GRPOConfig cannot set: a LOOPConfig turns it on with the right size.
     loop["memory_stress_test"] = False
@@ -177,6 +203,12 @@ def loop_config_from_grpo(grpo: GRPOConfig, num_tasks: int | None) -> tuple[LOOP
         for key in sorted(SAME_MEANING - TRANSLATED)
         if key not in changed and _differs(getattr(reference, key), getattr(config, key))
     ]
+    if grpo.use_vllm and grpo.vllm_importance_sampling_correction and "sampler_correction" not in loop:
+        replaced.append(
+            f"vllm_importance_sampling_mode: GRPO's {_shown(grpo.vllm_importance_sampling_mode)} (clip_max "
+            f"{_shown(grpo.vllm_importance_sampling_clip_max)}) -> LOOP's none (set vllm_importance_sampling_mode "
+            "to carry it as sampler_correction)"
+        )
     if "scale_rewards" not in changed:
         replaced.append(
             f"scale_rewards: GRPO's {_shown(reference.scale_rewards)} -> LOOP's leave-one-out advantage, not scaled"

@@ -352,3 +352,51 @@ def test_max_completion_tokens_bounds_everything_after_the_opening(qwen_tokenize
     # the second reply gets only the room the first reply and its environment message left; then none is left
     assert trajectory.num_turns == 2 and trajectory.truncated_turns == 1
     assert sum(trajectory.loss_mask) < 25 < len(trajectory.token_ids) - trajectory.prompt_length
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_trls_importance_sampling_keys_become_loops_sampler_correction(tmp_path, mode):
+    base = {"output_dir": str(tmp_path / "g"), "use_cpu": True, "bf16": False, "max_steps": 2}
+    config, keys, _ = loop_config_from_grpo(
+        GRPOConfig(**base, vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=0.5), num_tasks=2
+    )
+    # the mode set, TRL's cap (its default 3.0) and floor carried together
+    assert (config.sampler_correction, config.sampler_importance_cap, config.sampler_importance_floor) == (
+        mode,
+        3.0,
+        0.5,
+    )
+    assert {"sampler_correction", "sampler_importance_cap", "sampler_importance_floor"} <= keys.keys()
+
+
+def test_trls_cap_level_and_correction_switch_translate(tmp_path):
+    base = {"output_dir": str(tmp_path / "g"), "use_cpu": True, "bf16": False, "max_steps": 2}
+    capped = loop_config_from_grpo(GRPOConfig(**base, vllm_importance_sampling_clip_max=2.0), num_tasks=2)[0]
+    # TRL's default mode comes with the cap: sequence_mask
+    assert (capped.sampler_correction, capped.sampler_importance_cap) == ("sequence_mask", 2.0)
+    with pytest.warns(FutureWarning):  # TRL's deprecated name of clip_max
+        deprecated = GRPOConfig(**base, vllm_importance_sampling_cap=4.0, vllm_importance_sampling_mode="token_mask")
+    translated = loop_config_from_grpo(deprecated, num_tasks=2)[0]
+    assert (translated.sampler_correction, translated.sampler_importance_cap) == ("token_mask", 4.0)
+    off = loop_config_from_grpo(
+        GRPOConfig(**base, vllm_importance_sampling_correction=False, vllm_importance_sampling_mode="token_mask"),
+        num_tasks=2,
+    )[0]
+    assert (off.sampler_importance_cap, off.sampler_importance_floor, off.sampler_correction) == (
+        None,
+        None,
+        "token_truncate",
+    )  # TRL ignores the mode with the correction off: LOOP's default, no weights
+    gspo = loop_config_from_grpo(GRPOConfig(**base, importance_sampling_level="sequence"), num_tasks=2)[0]
+    assert gspo.ratio_level == "sequence" and gspo.sampler_importance_cap is None
+    # left at TRL's defaults: LOOP's (no correction), logged among the replaced defaults where TRL corrects
+    _, keys, replaced = loop_config_from_grpo(GRPOConfig(**base, use_vllm=True), num_tasks=2)
+    assert "sampler_correction" not in keys
+    assert any(line.startswith("vllm_importance_sampling_mode: GRPO's 'sequence_mask'") for line in replaced)
+    assert not any("vllm_importance_sampling" in line for line in loop_config_from_grpo(GRPOConfig(**base), 2)[2])
+    # a TRL value LOOP cannot honour: one line naming LOOP's key
+    with pytest.raises(ValueError, match="sampler_correction: sequence_mask weighs a trajectory"):
+        loop_config_from_grpo(
+            GRPOConfig(**base, vllm_importance_sampling_clip_max=None, vllm_importance_sampling_clip_min=0.5),
+            num_tasks=2,
+        )
