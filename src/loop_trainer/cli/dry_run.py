@@ -1,21 +1,25 @@
 """``loop-train --config RECIPE --dry-run``: check a recipe and plan its GPU memory, without a GPU.
 
-Prints the effective configuration (every LOOP key, the model and environment settings) and the
-per-GPU memory plan of :mod:`loop_trainer.models.memory_plan`, and exits 0 if it fits, 3 if it does not
-(with the reasons and the knobs to turn).
+Prints a one-line summary of the run, warnings about its launch (a server address that cannot be reached
+from where the processes run), and the per-GPU memory plan of :mod:`loop_trainer.models.memory_plan` with
+its verdict; exits 0 if it fits, 3 if it does not. A plan that does not fit names the settings that together
+make it fit, re-planned from the recipe with them applied, or says that none the planner knows does.
+``--dry_run_show_config true`` also prints every resolved setting first.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
 from typing import Any
+from urllib.parse import urlsplit
 
 from transformers import TrainingArguments
 from trl import ModelConfig
 
-from ..config import LOOPConfig
+from ..config import LOOPConfig, mapping_setting
 from ..config.combinations import ConfigCombinationError, Generator, check_combinations
 from ..envs import available_environments
 from ..models.memory_plan import MemoryPlan, plan_memory
@@ -72,20 +76,25 @@ def planned_zero_stage(world: int) -> int:
     return 3 if world > 1 else 0
 
 
-def plan_for(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelConfig) -> tuple[MemoryPlan, int]:
-    world = script_args.plan_gpus or int(os.environ.get("WORLD_SIZE", 8))
-    lora = None
-    if model_args.use_peft:
-        lora = {
-            "r": model_args.lora_r,
-            "alpha": model_args.lora_alpha,
-            "target_modules": model_args.lora_target_modules or "all-linear",
-            "dropout": model_args.lora_dropout,
-        }
+def planned_world(script_args: ScriptArguments) -> int:
+    return script_args.plan_gpus or int(os.environ.get("WORLD_SIZE", 8))
+
+
+def plan_for(
+    script_args: ScriptArguments, args: LOOPConfig, model_args: ModelConfig, suggest: bool = True
+) -> tuple[MemoryPlan, int]:
+    world = planned_world(script_args)
+    adapter = {
+        "r": model_args.lora_r,
+        "alpha": model_args.lora_alpha,
+        "target_modules": model_args.lora_target_modules or "all-linear",
+        "dropout": model_args.lora_dropout,
+    }
+    lora = adapter if model_args.use_peft else None
     # A vLLM server generates on GPUs of its own: only a colocated engine shares the trainer's.
     colocated = args.use_vllm and args.vllm_mode == "colocate"
-    try:  # the combined-key checks on the launch being planned
-        launch = args.launch(Generator.BUILT_IN, world)
+    try:  # the combined-key checks on the launch being planned: GPUs, whatever machine runs the dry run
+        launch = dataclasses.replace(args.launch(Generator.BUILT_IN, world), cuda=not args.use_cpu)
         check_combinations(args, dataclasses.replace(launch, lora=bool(model_args.use_peft)))
     except ConfigCombinationError as error:
         raise RecipeError(str(error)) from None
@@ -111,6 +120,8 @@ def plan_for(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCo
             generation_batch=min(args.generation_batch_limit, args.max_concurrent_episodes, episodes),
             max_trajectory_tokens=args.max_trajectory_tokens,
             vllm_server=args.use_vllm and args.vllm_mode == "server",
+            suggested_lora=adapter,
+            _suggest=suggest,
         )
     except ValueError as error:
         raise RecipeError(in_recipe_keys(str(error))) from None
@@ -166,7 +177,11 @@ def dry_run(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCon
     if ":" not in name and name not in available_environments():
         raise RecipeError(f"unknown environment {name!r}; available: {', '.join(available_environments())}")
     plan, world = plan_for(script_args, args, model_args)
-    print(effective_configuration(script_args, args, model_args))
+    if script_args.dry_run_show_config:
+        print(effective_configuration(script_args, args, model_args) + "\n")
+    print(summary(script_args, args, model_args, world))
+    for warning in launch_warnings(script_args, args, world):
+        print(f"warning: {warning}")
     stage = planned_zero_stage(world)
     print(
         f"\nMemory plan per GPU: {world} GPUs x {script_args.plan_gpu_memory_gib:g} GiB, "
@@ -176,8 +191,139 @@ def dry_run(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCon
         plan.notes.append("generation runs on the vLLM server's own GPUs (vllm_mode: server), not planned here")
     if args.max_staleness:
         plan.notes.append(overlap_note(args))
-    print(plan.format())
+    print(plan.format(fix_line(plan, script_args, args, model_args)))
     return 0 if plan.fits else EXIT_DOES_NOT_FIT
+
+
+def summary(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelConfig, world: int) -> str:
+    """What is planned, in one line, and how to see the rest of the configuration."""
+    training = f"LoRA r {model_args.lora_r}" if model_args.use_peft else "full fine-tuning"
+    if not args.use_vllm:
+        generation = "the transformers backend"
+    elif args.vllm_mode == "server":
+        generation = f"a vLLM server at {server_url(args)}"
+    else:
+        generation = f"vLLM colocated ({args.vllm_gpu_memory_utilization:g} of each GPU)"
+    hint = "" if script_args.dry_run_show_config else "\n(every resolved setting: add --dry_run_show_config true)"
+    return (
+        f"Dry run: {model_args.model_name_or_path} ({training}) on {script_args.environment}, {world} training "
+        f"process{'es' if world > 1 else ''}, generation by {generation}{hint}"
+    )
+
+
+# --- launch warnings: server addresses the processes cannot reach ----------------------------------------------
+DEFAULT_GPUS_PER_MACHINE = 8
+
+
+def server_url(args: LOOPConfig) -> str:
+    """The vLLM server's address as the trainer builds it (training/settings.py)."""
+    return args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+
+
+def is_this_machine(url: str) -> bool:
+    """Whether ``url`` (or a bare host) names the machine it is used on: localhost, 127.x, 0.0.0.0 or ::1."""
+    host = urlsplit(url if "//" in url else f"//{url}").hostname or ""
+    return host in ("localhost", "0.0.0.0", "::1") or host.startswith("127.")
+
+
+def gpus_per_machine(script_args: ScriptArguments) -> int:
+    """``plan_gpus_per_machine``, else the launcher's ``LOCAL_WORLD_SIZE``, else a node of 8 GPUs (the recipes')."""
+    return script_args.plan_gpus_per_machine or int(os.environ.get("LOCAL_WORLD_SIZE") or DEFAULT_GPUS_PER_MACHINE)
+
+
+def launch_warnings(script_args: ScriptArguments, args: LOOPConfig, world: int) -> list[str]:
+    """One line for each server address that points at the machine it is read on, where that cannot be the server:
+    the training processes span several machines (each would look on itself), or, for a vLLM server, they take
+    every GPU of their machine (the server needs GPUs of its own, so it runs on another)."""
+    per_machine = gpus_per_machine(script_args)
+    machines = -(-world // per_machine)
+    spread = (
+        f"the {world} training processes span {machines} machines of {per_machine} GPUs (plan_gpus, "
+        "plan_gpus_per_machine), and on each this address is the machine itself"
+    )
+    warnings = []
+    if args.use_vllm and args.vllm_mode == "server" and is_this_machine(server_url(args)):
+        key = "vllm_server_base_url" if args.vllm_server_base_url else "vllm_server_host"
+        where = f"{key} {args.vllm_server_base_url or args.vllm_server_host} points at the training machine"
+        fix = f"set vllm_server_base_url to the server's address, e.g. http://<server-host>:{args.vllm_server_port}"
+        if machines > 1:
+            warnings.append(f"{where}, but {spread}: {fix}")
+        elif world >= per_machine:
+            warnings.append(
+                f"{where}, but the {world} training processes take all {per_machine} of its GPUs (plan_gpus, "
+                f"plan_gpus_per_machine) and the vLLM server needs GPUs of its own, on another machine: {fix}"
+            )
+    if machines > 1:
+        for key, value in mapping_setting(script_args.environment_kwargs, "environment_kwargs").items():
+            urls = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+            local = [url for url in urls if isinstance(url, str) and "://" in url and is_this_machine(url)]
+            if local:
+                warnings.append(
+                    f"environment_kwargs {key} names {local[0]}, but {spread}: give addresses every machine "
+                    "reaches, or make sure each runs its own"
+                )
+    return warnings
+
+
+# --- the fix, in recipe keys, re-planned from the recipe --------------------------------------------------------
+def recipe_settings(changes: dict[str, Any], args: LOOPConfig) -> list[tuple[str, Any]]:
+    """The memory plan's changes (its parameters) as recipe keys and values."""
+    settings: list[tuple[str, Any]] = []
+    for name, value in changes.items():
+        if name == "vllm_server":
+            settings += [("use_vllm", True)] if not args.use_vllm else []
+            settings.append(("vllm_mode", "server"))
+        elif name == "use_vllm":
+            if value and "vllm_server" not in changes:  # a colocated engine, from the transformers backend
+                settings += [("use_vllm", True), ("vllm_mode", "colocate")]
+        elif name == "lora":
+            settings.append(("use_peft", True))
+        else:
+            settings.append((RECIPE_KEY_OF_PLAN_PARAMETER.get(name, name), value))
+    return list(dict.fromkeys(settings))
+
+
+def with_settings(
+    settings: list[tuple[str, Any]], script_args: ScriptArguments, args: LOOPConfig, model_args: ModelConfig
+) -> tuple[ScriptArguments, LOOPConfig, ModelConfig]:
+    """Copies of the three configurations with ``settings`` applied, each key on the one that owns it."""
+    copies = (copy.copy(script_args), copy.copy(args), copy.copy(model_args))
+    for key, value in settings:
+        owner = next(config for config in copies if key in {f.name for f in dataclasses.fields(config)})
+        setattr(owner, key, value)
+    return copies
+
+
+def fix_line(plan: MemoryPlan, script_args: ScriptArguments, args: LOOPConfig, model_args: ModelConfig) -> str | None:
+    """The plan's fix in recipe keys, as the recipe re-planned with them applied says (or None if it fits)."""
+    if plan.fix is None:
+        return None
+    settings = recipe_settings(plan.fix.changes, args)
+    listed = ", ".join(f"{key}: {shown(value)}" for key, value in settings)
+    flags = " ".join(f"--{key} {shown(value)}" for key, value in settings)
+    try:
+        replanned, _ = plan_for(*with_settings(settings, script_args, args, model_args), suggest=False)
+    except RecipeError as error:  # a combination the recipe's other keys refuse
+        return f"the planner's fix, {listed}, is refused with the recipe's other keys ({error}); no verified fix"
+    if replanned.fits != plan.fix.plan.fits:
+        return f"the planner's fix, {listed}, did not re-plan the same from the recipe; no verified fix"
+    peak, budget = replanned.peak_gib, replanned.budget_gib
+    if replanned.fits:
+        return (
+            f"fits with these together: {listed} (the recipe re-planned with them: peak {peak:.1f} GiB <= budget "
+            f"{budget:.1f} GiB)\n    as flags: {flags}"
+        )
+    return (
+        f"no combination of the settings the planner can change fits; the nearest, {listed}, peaks at "
+        f"{peak:.1f} GiB > budget {budget:.1f} GiB"
+    )
+
+
+def shown(value: Any) -> str:
+    """A value as a recipe or flag spells it."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def overlap_note(args: LOOPConfig) -> str:

@@ -9,6 +9,7 @@ file -- becomes one :class:`RecipeError` line with a did-you-mean, not a traceba
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -23,6 +24,7 @@ from transformers.hf_argparser import DataClassType
 from trl import GRPOConfig, ModelConfig, TrlParser
 
 from ..config import LOOP_EQUIVALENTS, LOOPConfig, check_ranges, unknown_key_message
+from ..config.combinations import planning_a_gpu_launch
 from ..config.ranges import above, at_least, setting
 
 
@@ -43,8 +45,14 @@ class ScriptArguments:
     dry_run: bool = field(
         default=False,
         metadata={
-            "help": "Check the recipe and print the effective configuration and a per-GPU memory plan; "
-            "train nothing (no GPU needed). Exit status 3 if the plan does not fit."
+            "help": "Check the recipe and print its per-GPU memory plan, its verdict and, if it does not fit, the "
+            "settings that together would; train nothing (no GPU needed). Exit status 3 if the plan does not fit."
+        },
+    )
+    dry_run_show_config: bool = field(
+        default=False,
+        metadata={
+            "help": "With --dry-run: also print every resolved setting (the full configuration) before the plan."
         },
     )
     plan_gpus: int | None = setting(
@@ -55,12 +63,19 @@ class ScriptArguments:
     plan_gpu_memory_gib: float = setting(
         80.0, "Memory of one GPU for the memory plan.", above(0, "the memory of one GPU in the dry run's memory plan")
     )
+    plan_gpus_per_machine: int | None = setting(
+        None,
+        "GPUs of one machine, for the dry run's check of server addresses (default: $LOCAL_WORLD_SIZE, else 8).",
+        at_least(1, "GPUs of one machine in the dry run; None: $LOCAL_WORLD_SIZE, else 8", none=True),
+    )
 
     def __post_init__(self) -> None:
         try:
             check_ranges(self)
         except ValueError as error:
             raise RecipeError(str(error)) from None
+        if self.dry_run_show_config and not self.dry_run:
+            raise RecipeError("dry_run_show_config prints the configuration of a dry run: add --dry-run, or remove it")
         if isinstance(self.environment_kwargs, str):
             try:
                 self.environment_kwargs = json.loads(self.environment_kwargs)
@@ -192,7 +207,10 @@ def parse_recipe(argv: Sequence[str] | None = None, classes: Sequence[type] = DA
             key = token[2:].split("=", 1)[0]
             raise RecipeError(f"unknown option '--{key}'{_did_you_mean(key, classes, prefix='--')}")
     try:
-        parsed = tuple(parser.parse_args_into_dataclasses(args=config_flags + argv))
+        # A dry run checks the recipe for the GPU launch it plans, not for this machine (maybe without a GPU).
+        dry_run = getattr(parser.parse_known_args(args=config_flags + argv)[0], "dry_run", False)
+        with planning_a_gpu_launch() if dry_run else contextlib.nullcontext():
+            parsed = tuple(parser.parse_args_into_dataclasses(args=config_flags + argv))
     except RecipeError:
         raise
     except (ValueError, TypeError, argparse.ArgumentError) as error:

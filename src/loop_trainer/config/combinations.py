@@ -14,7 +14,9 @@ apply, and fall back with a log line.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -51,6 +53,26 @@ class Launch:
 
 
 Rule = Callable[["LOOPConfig", Launch], "str | None"]
+
+# ``loop-train --dry-run`` checks a recipe for the GPU launch it plans, on whatever machine runs it (a laptop
+# with no GPU, typically): a recipe key that needs a GPU (activation_offloading) is not refused there.
+_PLANNING_A_GPU_LAUNCH: ContextVar[bool] = ContextVar("planning_a_gpu_launch", default=False)
+
+
+@contextmanager
+def planning_a_gpu_launch() -> Iterator[None]:
+    """Configs built inside see CUDA as visible (unless ``use_cpu``): the launch they are checked for is the
+    planned one, not this machine."""
+    token = _PLANNING_A_GPU_LAUNCH.set(True)
+    try:
+        yield
+    finally:
+        _PLANNING_A_GPU_LAUNCH.reset(token)
+
+
+def planning_gpu_launch() -> bool:
+    return _PLANNING_A_GPU_LAUNCH.get()
+
 
 COLOCATED_TP_ONLY = (
     "vllm_tensor_parallel_size must be 1 with vllm_mode: colocate (every process runs its own engine on its own "

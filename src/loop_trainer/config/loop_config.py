@@ -20,7 +20,7 @@ from transformers.trainer_utils import SaveStrategy
 
 from ..objective import ADVANTAGE_ESTIMATORS, RATIO_LEVELS
 from ..stabilisers import SAMPLER_CORRECTIONS
-from .combinations import ConfigCombinationError, Generator, Launch, check_combinations
+from .combinations import ConfigCombinationError, Generator, Launch, check_combinations, planning_gpu_launch
 from .episode import EpisodeSettings
 from .keys import only_the_training_arguments_loop_honours, refusing_unknown_keys
 from .output_dir import output_dir_problem
@@ -471,12 +471,13 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
 
     def launch(self, generator: Generator = Generator.UNKNOWN, num_processes: int | None = None) -> Launch:
         """What the config knows of its launch: the processes the launcher started (``WORLD_SIZE``; the
-        trainer gives accelerate's count), the DeepSpeed ZeRO stage, whether CUDA is visible."""
+        trainer gives accelerate's count), the DeepSpeed ZeRO stage, whether CUDA is visible (or, in the dry run,
+        planned: :func:`~.combinations.planning_a_gpu_launch`)."""
         plugin = getattr(self, "deepspeed_plugin", None)
         return Launch(
             num_processes=num_processes if num_processes is not None else int(os.environ.get("WORLD_SIZE", "1") or 1),
             zero_stage=getattr(plugin, "zero_stage", None) if plugin is not None else None,
-            cuda=torch.cuda.is_available() and not self.use_cpu,
+            cuda=(torch.cuda.is_available() or planning_gpu_launch()) and not self.use_cpu,
             generator=generator,
         )
 

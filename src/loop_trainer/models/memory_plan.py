@@ -18,7 +18,11 @@ Assumptions (estimates, not measurements; the start-up stress test measures the 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import combinations
+from typing import Any
 
 from .model_shape import ModelShape
 
@@ -57,8 +61,12 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     vllm_kv_tokens: int | None = None
     vllm_sequences: int | None = None
+    fix: Fix | None = None
+    """For a plan that does not fit: the changes that together make it fit, or the nearest miss."""
 
-    def format(self) -> str:
+    def format(self, fix_line: str | None = None) -> str:
+        """The table, the verdict and its reasons; ``fix_line`` words the fix (default: in plan_memory's
+        parameter names)."""
         width = max(len(r.name) for r in self.rows)
         lines = [f"{'component':<{width}}  {'phase':<10}  {'GiB':>7}  formula", "-" * (width + 80)]
         for r in self.rows:
@@ -75,7 +83,39 @@ class MemoryPlan:
         lines += [f"  note: {n}" for n in self.notes]
         lines.append("FITS" if self.fits else "DOES NOT FIT")
         lines += [f"  - {reason}" for reason in self.reasons]
+        if self.fix is not None:
+            lines.append(f"  {fix_line or self.fix.describe()}")
         return "\n".join(lines)
+
+
+@dataclass
+class Fix:
+    """Settings to change together (``plan_memory``'s parameters -> values) and the plan re-made with them."""
+
+    changes: dict[str, Any]
+    plan: MemoryPlan
+
+    def describe(self, changes: str | None = None) -> str:
+        """One line: the changes (``changes``, or ``name: value`` each) and the re-made plan's verdict."""
+        listed = changes or ", ".join(f"{name}: {_shown(value)}" for name, value in self.changes.items())
+        peak, budget = self.plan.peak_gib, self.plan.budget_gib
+        if self.plan.fits:
+            return (
+                f"fits with these changes together: {listed} "
+                f"(re-planned: peak {peak:.1f} GiB <= budget {budget:.1f} GiB)"
+            )
+        return (
+            "no combination of the settings the planner can change fits; the nearest, "
+            f"{listed}, peaks at {peak:.1f} GiB > budget {budget:.1f} GiB"
+        )
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, dict):  # a LoRA adapter
+        return f"r {value.get('r')}"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 # TRL's activation offloader keeps the tensors of the last 5 offloads on the GPU until their copies land.
@@ -107,10 +147,13 @@ def plan_memory(
     vllm_server: bool = False,
     logprob_chunk_tokens: int = LOGPROB_TOKEN_TILE,
     headroom_fraction: float = 0.1,
+    suggested_lora: dict | None = None,
     _suggest: bool = True,
 ) -> MemoryPlan:
     """The memory one GPU needs in the training phase (update) and the generation phase (rollouts).
-    With ``vllm_server`` generation runs on a vLLM server's GPUs and only the training phase counts."""
+    With ``vllm_server`` generation runs on a vLLM server's GPUs and only the training phase counts.
+    A plan that does not fit carries a :class:`Fix` (:func:`find_fix`): the settings to change together;
+    ``suggested_lora`` is the adapter it may propose for full fine-tuning (default: r 16, all linear layers)."""
     if world_size < 1 or zero_stage not in (0, 1, 2, 3) or not 0 < vllm_gpu_memory_utilization <= 1:
         raise ValueError("memory plan: need world_size >= 1, zero_stage in 0..3, 0 < vllm_gpu_memory_utilization <= 1")
     if use_vllm and vllm_server:
@@ -120,7 +163,7 @@ def plan_memory(
             f"memory plan: vllm_tensor_parallel_size {vllm_tensor_parallel_size} must divide world_size {world_size}"
         )
     max_trajectory_tokens = max_trajectory_tokens or max_training_tokens
-    args = {k: v for k, v in locals().items() if k != "_suggest"}  # for the what-if suggestions
+    args = {k: v for k, v in locals().items() if k not in ("_suggest", "suggested_lora")}  # for the fix's what-ifs
     h, i, layers, kv = shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers, shape.kv_dim
     n, wb = shape.num_params, (2 if bf16 else 4)  # wb: bytes of a weight / activation element
     shard_w = world_size if zero_stage >= 3 else 1  # ZeRO-3 shards weights, >=2 gradients, >=1 optimizer
@@ -302,15 +345,6 @@ def plan_memory(
             f"({kv_per_token} B/token/GPU at TP {vllm_tensor_parallel_size})"
         )
         reserved = vllm_gpu_memory_utilization * gpu_memory_gib
-        # utilization that holds the weights and one max_trajectory_tokens sequence, per TP size
-        need = {
-            tp: (_gib(n * 2 / tp + max_trajectory_tokens * shape.kv_bytes_per_token(tp))) / gpu_memory_gib
-            for tp in (1, 2, 4, 8, 16)
-            if tp <= world_size and world_size % tp == 0
-        }
-        # Colocated engines run at TP 1 (each process samples its own episodes); a model whose
-        # weights need more than one GPU generates on a vLLM server of its own.
-        options = ", ".join(f"TP {tp}: >= {u:.2f}" for tp, u in need.items() if u <= 1 and tp == 1)
         if vllm_weights_gib >= reserved or sequences < 1:
             what = (
                 f"vLLM weights {vllm_weights_gib:.1f} GiB (bf16 / TP {vllm_tensor_parallel_size}) "
@@ -318,10 +352,18 @@ def plan_memory(
                 if vllm_weights_gib >= reserved
                 else f"vLLM KV cache holds {kv_tokens} tokens, less than one {max_trajectory_tokens}-token sequence"
             )
-            reasons.append(
-                f"{what}: raise vllm_gpu_memory_utilization ({options or 'no utilization fits at TP 1'}), "
-                "lower max_trajectory_tokens, or generate on a vLLM server of its own (vllm_mode: server)"
+            # the utilization that holds the weights and one max_trajectory_tokens sequence (a diagnosis: what
+            # to change, and to what, is the fix below, which weighs it against the peak)
+            need = (
+                math.ceil(_gib(vllm_weights_gib * GIB + max_trajectory_tokens * kv_per_token) / gpu_memory_gib * 100)
+                / 100
             )
+            holds = (
+                f"it needs vllm_gpu_memory_utilization >= {need:.2f} for the weights and one sequence"
+                if need <= 1
+                else f"the weights and one sequence need {need * gpu_memory_gib:.1f} GiB, more than the GPU"
+            )
+            reasons.append(f"{what}: {holds}")
     if shape.max_position_embeddings and max_trajectory_tokens > shape.max_position_embeddings:
         notes.append(
             f"max_trajectory_tokens {max_trajectory_tokens} > the model's max_position_embeddings "
@@ -332,61 +374,213 @@ def plan_memory(
         reasons.append(
             f"peak {peak:.1f} GiB > budget {budget:.1f} GiB ({1 - headroom_fraction:.0%} of {gpu_memory_gib} GiB)"
         )
-        reasons += _knobs(args, training, generation, rows, _suggest)
-    return MemoryPlan(rows, training, generation, peak, rule, budget, fits, reasons, notes, kv_tokens, sequences)
+    plan = MemoryPlan(rows, training, generation, peak, rule, budget, fits, reasons, notes, kv_tokens, sequences)
+    if not fits and _suggest:
+        plan.fix = find_fix(args, suggested_lora)
+    return plan
 
 
-def _fits(args: dict, **changes) -> bool:
-    return plan_memory(**{**args, **changes, "_suggest": False}).fits
+# --- the fix: settings that together make a plan fit -------------------------------------------------------
+# What each change costs the run, the cheapest fix first: 1 only speed or where memory lives; 2 how much of
+# a trajectory trains, or a generation engine in these GPUs; 3 what is trained (an adapter, not the weights),
+# or GPUs of their own for generation; 4 more GPUs. Raising the vLLM share of a colocated engine costs nothing: it
+# is set, within what fits, as close to the recipe's as possible; below the recipe's it holds fewer sequences
+# at once (slower rollouts), which costs a little more than sleep mode's reloads.
+SMALLER_VLLM_SHARE_COST = 1.5
+MORE_GPUS = (2, 4, 8, 16, 32, 64)
+MIN_TRAINING_TOKENS = 1024  # below this, training on a prefix of each trajectory is not a fix
+TRAINING_TOKENS_STEP = 256
+DEFAULT_SUGGESTED_LORA = {"r": 16, "alpha": 32, "target_modules": "all-linear"}
 
 
-def _knobs(args: dict, training: float, generation: float, rows: list[MemoryRow], suggest: bool) -> list[str]:
-    """Which settings to turn, largest lever first, with the value that would fit where one exists."""
-    knobs = []
-    activations = sum(r.gib for r in rows if r.phases == ("train",) and "ZeRO" not in r.name)
-    states = sum(r.gib for r in rows if r.name.startswith(("model weights", "trainable state")))
-    if args["use_vllm"] and not args["vllm_sleep_mode"]:
-        knobs.append(
-            "vLLM stays reserved during the update: lower vllm_gpu_memory_utilization or set vllm_sleep_mode: true"
-        )
-    elif args["use_vllm"] and generation > training:
-        knobs.append("the vLLM reservation dominates: lower vllm_gpu_memory_utilization")
-    if not args["use_vllm"] and generation >= training:
-        knobs.append(
-            f"generation KV cache/prefill dominate: lower generation_batch ({args['generation_batch']}) "
-            "or use_vllm: true"
-        )
-    if not args["lora"]:
-        knobs.append(
-            f"full fine-tuning keeps {states:.1f} GiB of weights/optimizer state per GPU: train a LoRA adapter (lora)"
-        )
-    if args["world_size"] < 64 and states > 2 and args["zero_stage"] == 3:
-        more = [w for w in (2, 4, 8, 16, 32, 64) if w > args["world_size"]]
-        enough = next((w for w in more if suggest and _fits(args, world_size=w)), None)
-        hint = f" (world_size {enough} would fit)" if enough else ""
-        knobs.append(
-            f"more GPUs (world_size {args['world_size']}) shard the {states:.1f} GiB of weights/optimizer state{hint}"
-        )
+@dataclass(frozen=True)
+class _Lever:
+    name: str
+    cost: int
+    changes: dict[str, Any]  # discrete levers: the values they set; searched ones: {} (found by _solve)
+    group: str = ""  # at most one lever of a group (the generation engine)
+
+
+def _levers(args: dict, lora: dict) -> list[_Lever]:
+    colocated, server = args["use_vllm"], args["vllm_server"]
+    levers = []
+    if colocated and not args["vllm_sleep_mode"]:
+        levers.append(_Lever("sleep", 1, {"vllm_sleep_mode": True}))
     if not args["activation_checkpointing"]:
-        knobs.append(f"activations take {activations:.1f} GiB: set activation_checkpointing: true")
-    checkpointed = sum(r.gib for r in rows if r.name == "checkpointed layer inputs")
-    if checkpointed > 1:  # not offloaded yet (the offloaded row has another name)
-        knobs.append(
-            f"activation_offloading: true moves most of the {checkpointed:.1f} GiB of checkpointed layer inputs "
-            "to CPU memory"
-        )
+        levers.append(_Lever("checkpointing", 1, {"activation_checkpointing": True}))
+    if not args["activation_offloading"]:  # offloading moves what checkpointing keeps, so it brings it along
+        levers.append(_Lever("offloading", 1, {"activation_offloading": True, "activation_checkpointing": True}))
     if args["per_device_train_batch_size"] > 1:
-        knobs.append(f"per_device_train_batch_size: 1 (now {args['per_device_train_batch_size']}) divides activations")
-    if activations > 1:
-        hint = ""
-        if suggest:
-            lo, hi = 0, args["max_training_tokens"]
-            while hi - lo > 256:
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if _fits(args, max_training_tokens=mid) else (lo, mid)
-            hint = f" (<= {lo} would fit)" if lo >= 1024 else " (no value fits alone)"
-        knobs.append(
-            f"lower max_training_tokens ({args['max_training_tokens']}){hint}; "
-            "longer trajectories train on their prefix"
-        )
-    return knobs
+        levers.append(_Lever("batch", 1, {"per_device_train_batch_size": 1}))
+    if not colocated and not server:
+        levers.append(_Lever("generation_batch", 1, {}))
+        levers.append(_Lever("colocate", 2, {"use_vllm": True, "vllm_tensor_parallel_size": 1}, "engine"))
+    levers.append(_Lever("max_training_tokens", 2, {}))
+    if not args["lora"]:
+        levers.append(_Lever("lora", 3, {"lora": lora}))
+    if not server:
+        levers.append(_Lever("server", 3, {"use_vllm": False, "vllm_server": True}, "engine"))
+    if args["world_size"] < MORE_GPUS[-1]:
+        levers.append(_Lever("world_size", 4, {}))
+    return levers
+
+
+def _plan(config: dict) -> MemoryPlan:
+    return plan_memory(**config, _suggest=False)
+
+
+def _with_world(config: dict, world: int) -> dict:
+    # More GPUs than one run ZeRO-3 where one GPU ran without DeepSpeed (the dry run's rule, documented setup).
+    stage = 3 if config["zero_stage"] == 0 and config["world_size"] == 1 else config["zero_stage"]
+    return {**config, "world_size": world, "zero_stage": stage}
+
+
+def _fit_utilization(config: dict) -> dict | None:
+    """A colocated engine's share that fits (the recipe's if it does, else the nearest), or None. A larger share
+    holds more of the KV cache (fits it from some share on) and adds to the peak (fits up to some share)."""
+    if not config["use_vllm"]:
+        return {} if _plan(config).fits else None
+    if _plan(config).fits:
+        return {}
+
+    def at(hundredths: int) -> MemoryPlan:
+        return _plan({**config, "vllm_gpu_memory_utilization": hundredths / 100})
+
+    def holds(hundredths: int) -> bool:
+        return (at(hundredths).vllm_sequences or 0) >= 1
+
+    def under_budget(hundredths: int) -> bool:
+        plan = at(hundredths)
+        return plan.peak_gib <= plan.budget_gib
+
+    if not holds(100):
+        return None
+    lowest = _first_true(1, 100, holds)
+    if not under_budget(lowest):
+        return None
+    highest = _last_true(lowest, 100, under_budget)
+    current = round(config["vllm_gpu_memory_utilization"] * 100)
+    chosen = min(max(current, lowest), highest) / 100
+    return (
+        {"vllm_gpu_memory_utilization": chosen}
+        if _plan({**config, "vllm_gpu_memory_utilization": chosen}).fits
+        else None
+    )
+
+
+def _first_true(lo: int, hi: int, test: Callable[[int], bool]) -> int:
+    """The smallest n in [lo, hi] with test(n), test monotone (False then True) and test(hi) true."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if test(mid) else (mid + 1, hi)
+    return lo
+
+
+def _last_true(lo: int, hi: int, test: Callable[[int], bool]) -> int:
+    """The largest n in [lo, hi] with test(n), test monotone (True then False) and test(lo) true."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if test(mid) else (lo, mid - 1)
+    return lo
+
+
+def _solve(config: dict, searched: set[str]) -> dict | None:
+    """Values of the searched settings that make ``config`` fit, closest to the recipe's: the fewest extra GPUs,
+    then the most training tokens, then the largest generation batch, then the vLLM share; None if none does."""
+    if "world_size" in searched:
+        for world in (w for w in MORE_GPUS if w > config["world_size"]):
+            found = _solve(_with_world(config, world), searched - {"world_size"})
+            if found is not None:
+                return {"world_size": world, **found}
+        return None
+    name = next((name for name in ("max_training_tokens", "generation_batch") if name in searched), None)
+    if name is None:
+        return _fit_utilization(config)
+    rest = searched - {name}
+    floor, step = (MIN_TRAINING_TOKENS, TRAINING_TOKENS_STEP) if name == "max_training_tokens" else (1, 1)
+    top = (config[name] - 1) // step  # strictly below the recipe's value, in steps
+    if top * step < floor or _solve({**config, name: floor}, rest) is None:
+        return None
+    best = _last_true(-(-floor // step), top, lambda n: _solve({**config, name: n * step}, rest) is not None)
+    value = max(best * step, floor)
+    return {name: value, **(_solve({**config, name: value}, rest) or {})}
+
+
+def find_fix(args: dict, lora: dict | None = None) -> Fix:
+    """The cheapest set of changes to ``plan_memory``'s arguments ``args`` that together make the plan fit
+    (re-planned with them all applied); if no combination of the planner's levers fits, the one with every
+    lever pulled (the lowest peak), whose plan does not fit. ``lora``: the adapter proposed instead of full
+    fine-tuning."""
+    levers = _levers(args, lora or DEFAULT_SUGGESTED_LORA)
+    subsets = [
+        chosen
+        for size in range(len(levers) + 1)
+        for chosen in combinations(levers, size)
+        if len({lever.group for lever in chosen if lever.group}) == sum(1 for lever in chosen if lever.group)
+    ]
+    subsets.sort(key=lambda chosen: (sum(lever.cost for lever in chosen), len(chosen)))
+    # Every lever only lowers the peak (the server frees these GPUs of the engine): if all together do not fit,
+    # no combination does.
+    names = {lever.name for lever in levers}
+    dropped = ({"colocate", "sleep", "generation_batch"} if "server" in names else set()) | (
+        {"checkpointing"} if "offloading" in names else set()
+    )
+    everything = tuple(lever for lever in levers if lever.name not in dropped)
+    if _try(args, everything) is None:
+        return _nearest(args, everything)
+    best: tuple[float, int, Fix] | None = None
+    for chosen in subsets:
+        cost: float = sum(lever.cost for lever in chosen)
+        if best is not None and cost > best[0]:
+            break
+        found = _try(args, chosen)
+        if found is None:
+            continue
+        if found.changes.get("vllm_gpu_memory_utilization", 1.0) < args["vllm_gpu_memory_utilization"]:
+            cost += SMALLER_VLLM_SHARE_COST
+        if best is None or (cost, len(found.changes)) < best[:2]:
+            best = (cost, len(found.changes), found)
+    assert best is not None  # everything together fits
+    return best[2]
+
+
+def _applied(args: dict, chosen: tuple[_Lever, ...]) -> tuple[dict, set[str]] | None:
+    """``args`` with the discrete levers set, and the names of the searched ones; None if a lever in ``chosen``
+    would change nothing (its subset without it comes first)."""
+    config = dict(args)
+    for lever in chosen:
+        config.update(lever.changes)
+    names = {lever.name for lever in chosen}
+    colocated, transformers = config["use_vllm"], not config["use_vllm"] and not config["vllm_server"]
+    if ("sleep" in names and not colocated) or ("generation_batch" in names and not transformers):
+        return None
+    if {"checkpointing", "offloading"} <= names:
+        return None
+    return config, names & {"world_size", "max_training_tokens", "generation_batch"}
+
+
+def _try(args: dict, chosen: tuple[_Lever, ...]) -> Fix | None:
+    applied = _applied(args, chosen)
+    if applied is None:
+        return None
+    config, searched = applied
+    found = _solve(config, searched)
+    if found is None:
+        return None
+    config = _with_world(config, found.pop("world_size")) if "world_size" in found else config
+    config.update(found)
+    changes = {key: value for key, value in config.items() if value != args[key] and key != "zero_stage"}
+    return Fix(changes, _plan(config))
+
+
+def _nearest(args: dict, everything: tuple[_Lever, ...]) -> Fix:
+    applied = _applied(args, everything)
+    assert applied is not None
+    config, searched = applied
+    if "world_size" in searched:
+        config = _with_world(config, MORE_GPUS[-1])
+    for name, floor in (("max_training_tokens", MIN_TRAINING_TOKENS), ("generation_batch", 1)):
+        if name in searched:
+            config[name] = min(floor, config[name])
+    changes = {key: value for key, value in config.items() if value != args[key] and key != "zero_stage"}
+    return Fix(changes, _plan(config))

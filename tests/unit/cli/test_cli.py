@@ -257,7 +257,7 @@ def test_loop_eval_refuses_an_adapter_of_another_model(tmp_path, capsys, qwen_to
 
 @pytest.mark.parametrize("recipe", ["qwen2.5-7b-instruct", "qwen2.5-32b-instruct", "cpu-debug"])
 def test_shipped_recipes_plan_to_fit(recipe, capsys):
-    assert cli(["--config", f"recipes/appworld/{recipe}.yaml", "--dry-run"]) == 0
+    assert cli(["--config", f"recipes/appworld/{recipe}.yaml", "--dry-run", "--dry_run_show_config", "true"]) == 0
     out = capsys.readouterr().out
     assert out.rstrip().endswith("FITS") and "[LOOP]" in out and "tasks_per_iteration:" in out
     if recipe != "cpu-debug":
@@ -272,7 +272,7 @@ def test_the_overlapped_32b_recipe_plans_its_server_and_checkpoints(capsys):
     recipe = ["--config", "recipes/appworld/qwen2.5-32b-instruct.yaml", "--max_staleness", "2"]
     assert cli([*recipe, "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert out.rstrip().endswith("FITS") and "max_staleness: 2" in out
+    assert out.rstrip().endswith("FITS") and "note: max_staleness 2: iteration j's rollouts" in out
     assert "policy j-2" in out and "the 2 batches in flight" in out and "--max-loras 3" in out
     assert cli([*recipe, "--use_peft", "false", "--dry-run"]) == 2  # full weights: one version on a server
     err = capsys.readouterr().err
@@ -305,7 +305,7 @@ def test_the_7b_recipe_split_over_its_node_plans_to_fit_overlapped(capsys):
                 "--vllm_tensor_parallel_size",
                 "1",
             ],
-            "train a LoRA adapter",
+            "fits with these together: plan_gpus: 32 (",  # full fine-tuning of 32B: more GPUs, or nothing
         ),
         (
             [
@@ -316,7 +316,7 @@ def test_the_7b_recipe_split_over_its_node_plans_to_fit_overlapped(capsys):
                 "--activation_checkpointing",
                 "false",
             ],
-            "activation_checkpointing: true",
+            "fits with these together: activation_checkpointing: true, ",
         ),
         (
             [
@@ -329,7 +329,7 @@ def test_the_7b_recipe_split_over_its_node_plans_to_fit_overlapped(capsys):
                 "--vllm_enable_sleep_mode",
                 "true",
             ],
-            "generate on a vLLM server of its own (vllm_mode: server)",
+            "fits with these together: vllm_mode: server (",  # 32B weights do not fit one GPU's engine
         ),
     ],
 )

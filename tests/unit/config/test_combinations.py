@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from loop_trainer.config import LOOPConfig
-from loop_trainer.config.combinations import RULES, ConfigCombinationError, Generator, Launch, problems
+from loop_trainer.config.combinations import (
+    RULES,
+    ConfigCombinationError,
+    Generator,
+    Launch,
+    planning_a_gpu_launch,
+    problems,
+)
 
 
 def config(**keys):
@@ -61,6 +68,19 @@ def test_activation_offloading_needs_a_gpu():
     assert problems(keys, Launch(cuda=True)) == []
     keys.use_cpu = True
     refused(keys, Launch(cuda=True), "remove activation_offloading")
+
+
+def test_a_dry_run_checks_keys_for_the_gpu_launch_it_plans(monkeypatch):
+    """``--dry-run`` plans GPUs from any machine: a key that needs one is accepted there, unless use_cpu says the
+    run is on a CPU."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # this machine, as a laptop planning a cluster
+    with pytest.raises(ConfigCombinationError, match="LOOPConfig: activation_offloading .* no GPU"):
+        config(activation_offloading=True)
+    with planning_a_gpu_launch():
+        assert config(activation_offloading=True).launch().cuda
+        with pytest.raises(ConfigCombinationError, match="remove activation_offloading"):
+            config(activation_offloading=True, use_cpu=True)
+    assert not config().launch().cuda  # the planning ends with its block
 
 
 def test_compile_decode_step_needs_static_decode():

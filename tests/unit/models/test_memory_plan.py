@@ -4,6 +4,7 @@ with a knob to turn. No GPU, no weights, no network: parameters are counted on m
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -178,7 +179,9 @@ def test_32b_refuses_tp1_at_0_4(qwen32b):
         qwen32b, lora=LORA_32B, use_vllm=True, vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.4, **NODE
     )
     assert not plan.fits
-    assert any("exceed" in r and "vllm_mode: server" in r for r in plan.reasons)
+    assert any("exceed" in r and "vllm_gpu_memory_utilization >= 0.87" in r for r in plan.reasons)
+    # no share of one GPU holds the weights and a sequence under the budget: generate on a server of its own
+    assert plan.fix.changes == {"use_vllm": False, "vllm_server": True} and plan.fix.plan.fits
     # TP 2 at 0.4: the weights fit but not one 32k-token sequence
     plan = plan_memory(
         qwen32b,
@@ -190,6 +193,7 @@ def test_32b_refuses_tp1_at_0_4(qwen32b):
         **NODE,
     )
     assert not plan.fits and any("less than one" in r for r in plan.reasons)
+    assert plan.fix.changes == {"vllm_gpu_memory_utilization": 0.44} and plan.fix.plan.fits
 
 
 def test_32b_lora_recipe_setting_fits(qwen32b):
@@ -197,16 +201,18 @@ def test_32b_lora_recipe_setting_fits(qwen32b):
     assert plan.fits, plan.format()
     assert plan.vllm_sequences >= 8
     assert plan.peak_gib == pytest.approx(max(plan.training_gib, plan.generation_gib))
-    # without sleep mode the reservation stacks on the update and the plan names that knob
+    # without sleep mode the reservation stacks on the update; sleep mode is the fix (a smaller share would
+    # hold fewer sequences)
     awake = plan_memory(qwen32b, lora=LORA_32B, **{**VLLM_32B, "vllm_sleep_mode": False}, **NODE)
-    assert not awake.fits and any("vllm_sleep_mode" in r for r in awake.reasons)
+    assert not awake.fits and awake.fix.changes == {"vllm_sleep_mode": True}
 
 
 def test_32b_full_finetuning_on_one_gpu_refused(qwen32b):
     plan = plan_memory(qwen32b, **{**NODE, "world_size": 1})
     assert not plan.fits
-    assert any("LoRA" in r for r in plan.reasons) and any("more GPUs" in r for r in plan.reasons)
-    assert "DOES NOT FIT" in plan.format()
+    # full fine-tuning of 32B keeps 18 B/param: only more GPUs fit it (an adapter alone does not fit one GPU)
+    assert plan.fix.changes["world_size"] > 1 and plan.fix.plan.fits
+    assert "DOES NOT FIT" in plan.format() and "fits with these changes together: world_size: " in plan.format()
 
 
 def test_7b_long_context_without_checkpointing_refused(qwen7b):
@@ -215,9 +221,7 @@ def test_7b_long_context_without_checkpointing_refused(qwen7b):
         lora=LORA_7B,
         **{**NODE, "world_size": 1, "activation_checkpointing": False, "max_training_tokens": 131072},
     )
-    assert not plan.fits
-    assert any("activation_checkpointing" in r for r in plan.reasons)
-    assert any("max_training_tokens" in r for r in plan.reasons)
+    assert not plan.fits and plan.fix.plan.fits
     assert any("max_position_embeddings" in n for n in plan.notes)
 
 
@@ -235,7 +239,7 @@ def test_activation_formula_and_knobs(qwen7b):
     assert rows["allocator fragmentation"] == pytest.approx(0.05 * allocated)
     doubled = plan_memory(qwen7b, lora=LORA_7B, **{**NODE, "per_device_train_batch_size": 2})
     assert doubled.training_gib > base.training_gib
-    # the suggested max_training_tokens really fits
+    # the fix's max_training_tokens is the most that fits (with sleep mode, the cheaper lever it needs as well)
     one_gpu = {
         **NODE,
         "world_size": 1,
@@ -244,10 +248,10 @@ def test_activation_formula_and_knobs(qwen7b):
         "max_trajectory_tokens": 32000,
     }
     plan = plan_memory(qwen7b, lora=LORA_7B, **{**one_gpu, "max_training_tokens": 131072})
-    hint = next(r for r in plan.reasons if "max_training_tokens" in r)
-    suggested = int(hint.split("<= ")[1].split()[0])
-    assert 4096 < suggested < 131072
-    assert plan_memory(qwen7b, lora=LORA_7B, **{**one_gpu, "max_training_tokens": suggested}).fits
+    assert plan.fix.changes == {"max_training_tokens": 91392, "vllm_sleep_mode": True}
+    fixed = {**one_gpu, **plan.fix.changes}
+    assert plan_memory(qwen7b, lora=LORA_7B, **fixed).fits
+    assert not plan_memory(qwen7b, lora=LORA_7B, **{**fixed, "max_training_tokens": 91392 + 256}).fits
 
 
 def test_transformers_backend_generation_counts_kv_cache(qwen7b):
@@ -256,7 +260,8 @@ def test_transformers_backend_generation_counts_kv_cache(qwen7b):
     assert kv.gib == pytest.approx(4 * 32000 * 2 * 28 * 4 * 128 * 2 / 2**30)
     assert plan.peak_gib == max(plan.training_gib, plan.generation_gib)
     big = plan_memory(qwen7b, lora=LORA_7B, generation_batch=64, **NODE)
-    assert not big.fits and any("generation_batch" in r for r in big.reasons)
+    assert not big.fits and big.fix.changes == {"generation_batch": 12}  # the largest batch that fits
+    assert not plan_memory(qwen7b, lora=LORA_7B, generation_batch=13, **NODE).fits
 
 
 def test_invalid_tensor_parallel_size(qwen7b):
@@ -275,7 +280,93 @@ def test_activation_offloading_keeps_only_the_offloaders_stash_of_layer_inputs(q
     assert "offloaded" in row.name and row.gib == pytest.approx((OFFLOAD_STASH_LAYERS + 1) * layer_input)
     assert base.training_gib - offloaded.training_gib > (28 - OFFLOAD_STASH_LAYERS - 1) * layer_input
     long = {**NODE, "world_size": 1, "max_training_tokens": 131072, "max_trajectory_tokens": 32000}
-    too_long = plan_memory(qwen7b, lora=LORA_7B, **long)
-    assert not too_long.fits and any("activation_offloading: true moves" in r for r in too_long.reasons)
+    long_vllm = {**long, "max_training_tokens": 100000, "use_vllm": True, "vllm_sleep_mode": True}
+    too_long = plan_memory(qwen7b, lora=LORA_7B, **long_vllm)
+    assert not too_long.fits and too_long.fix.changes == {"activation_offloading": True}
     offloaded_long = plan_memory(qwen7b, lora=LORA_7B, **long, activation_offloading=True)
-    assert not any("activation_offloading" in r for r in offloaded_long.reasons)  # already on: not advised
+    assert "activation_offloading" not in offloaded_long.fix.changes  # already on: not proposed
+
+
+# --- the fix: settings that together fit ----------------------------------------------------------------------
+def _sweep() -> list[tuple]:
+    """Plans that do not fit, across models, GPU sizes, world sizes, engines and training lengths (a fixed
+    slice of the product, to stay fast)."""
+    engines = [
+        {"use_vllm": True, "vllm_gpu_memory_utilization": u, "vllm_sleep_mode": sleep}
+        for u in (0.1, 0.35, 0.9)
+        for sleep in (False, True)
+    ] + [{"generation_batch": 64}, {"vllm_server": True}]
+    product = [
+        (model, gib, world, engine, lora, tokens)
+        for model in ("7b", "32b")
+        for gib in (24, 40, 80)
+        for world in (1, 8)
+        for engine in engines
+        for lora in (True, False)
+        for tokens in (32000, 131072)
+    ]
+    return product[::5]
+
+
+def _relieves(name, before, after) -> bool:
+    """Whether a change lowers the memory a GPU needs (the only direction a fix may move a setting)."""
+    if name in ("max_training_tokens", "generation_batch", "per_device_train_batch_size"):
+        return after < before
+    if name == "world_size":
+        return after > before
+    if name == "use_vllm":  # a colocated engine leaves for a server, or replaces the transformers backend
+        return True
+    return name == "lora" or name == "vllm_gpu_memory_utilization" or after is True
+
+
+@pytest.mark.parametrize("model, gib, world, engine, lora, tokens", _sweep())
+def test_a_fix_applied_together_fits_and_moves_each_setting_one_way(
+    qwen7b, qwen32b, model, gib, world, engine, lora, tokens
+):
+    shape = qwen7b if model == "7b" else qwen32b
+    settings = {
+        **NODE,
+        "gpu_memory_gib": gib,
+        "world_size": world,
+        "lora": (LORA_7B if model == "7b" else LORA_32B) if lora else None,
+        "max_training_tokens": tokens,
+        "max_trajectory_tokens": 32000,
+        **engine,
+    }
+    plan = plan_memory(shape, **settings)
+    if plan.fits:
+        assert plan.fix is None
+        return
+    fix = plan.fix
+    assert fix is not None and fix.changes
+    # applied all at once, the changes make the plan the fix reports (and it fits, unless it says none does)
+    replanned = plan_memory(shape, **{**settings, **fix.changes}, _suggest=False)
+    assert replanned.fits == fix.plan.fits and replanned.peak_gib == pytest.approx(fix.plan.peak_gib)
+    assert all(_relieves(name, settings.get(name), value) for name, value in fix.changes.items()), fix.changes
+    # the diagnosis names what a colocated engine needs, and a fix that keeps the engine gives it that much
+    for reason in plan.reasons:
+        assert not re.search(r"\b(raise|lower)\b", reason), reason  # advice lives in the fix alone
+        needed = re.search(r"vllm_gpu_memory_utilization >= ([0-9.]+)", reason)
+        if needed and fix.plan.fits and replanned.vllm_sequences is not None:
+            assert replanned.vllm_sequences >= 1
+            assert fix.changes.get("vllm_gpu_memory_utilization", settings["vllm_gpu_memory_utilization"]) >= float(
+                needed.group(1)
+            )
+    text = plan.format()
+    assert ("fits with these changes together: " in text) == fix.plan.fits
+
+
+def test_when_no_combination_fits_the_fix_says_so_with_the_nearest(qwen7b):
+    plan = plan_memory(qwen7b, lora=LORA_7B, use_vllm=True, **{**NODE, "gpu_memory_gib": 1})
+    assert not plan.fits and not plan.fix.plan.fits
+    # every lever pulled: a server generates, 64 GPUs shard, layer inputs go to CPU memory, 1024 tokens train
+    assert plan.fix.changes == {
+        "world_size": 64,
+        "activation_offloading": True,
+        "max_training_tokens": 1024,
+        "use_vllm": False,
+        "vllm_server": True,
+    }
+    assert plan.fix.plan.peak_gib > plan.fix.plan.budget_gib
+    line = plan.format().splitlines()[-1]
+    assert line.startswith("  no combination of the settings the planner can change fits; the nearest, world_size: 64")
