@@ -459,6 +459,8 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
             self.gradient_checkpointing = bool(self.activation_checkpointing)
         if self.report_to is None:  # (a recipe's `report_to: null`), which transformers' Trainer would refuse
             self.report_to = "none"
+        elif isinstance(self.report_to, str) and "," in self.report_to:  # a flag names one value: wandb,tensorboard
+            self.report_to = [name.strip() for name in self.report_to.split(",") if name.strip()]
         super().__post_init__()  # report_to is a list from here ("all" and "none" resolved)
         if problem := report_to_problem(self.report_to):
             raise ValueError(f"LOOPConfig: {problem}")

@@ -286,3 +286,8 @@ def test_report_to_a_name_that_is_no_tracker_says_which_it_resembles(tmp_path):
 def test_report_to_null_means_none(tmp_path):
     """A recipe's ``report_to: null``: no tracker (transformers' Trainer would refuse the [None] it made of it)."""
     assert LOOPConfig(output_dir=str(tmp_path), report_to=None).report_to == []
+
+
+def test_report_to_takes_several_trackers_as_one_comma_separated_value(tmp_path):
+    """``--report_to wandb,tensorboard``: the parser gives report_to one string (a YAML list fails in it)."""
+    assert LOOPConfig(output_dir=str(tmp_path), report_to="wandb, tensorboard").report_to == ["wandb", "tensorboard"]
