@@ -228,8 +228,8 @@ def close_environment(env: Environment) -> None:
 
 
 def summary(trainer: LOOPTrainer, window: int = 5) -> str:
-    """The closing lines: where the outputs are, and how reward and success moved from the first
-    ``window`` iterations to the last (success when the environment reports it)."""
+    """The closing lines: where the outputs are (the trackers' runs too), and how reward and success moved from
+    the first ``window`` iterations to the last (success when the environment reports it)."""
     history = trainer.history
     k = max(1, min(window, len(history) // 2))
 
@@ -251,6 +251,7 @@ def summary(trainer: LOOPTrainer, window: int = 5) -> str:
             f"  metrics:        {trainer.metrics_path}",
             f"  learning curve: {trainer.curve_path}",
             f"  model:          {trainer.args.output_dir}",
+            *(f"  {tracker + ':':15} {where}" for tracker, where in trainer.tracker_locations.items()),
         ]
     )
 

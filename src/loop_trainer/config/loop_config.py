@@ -25,6 +25,7 @@ from .episode import EpisodeSettings
 from .keys import only_the_training_arguments_loop_honours, refusing_unknown_keys
 from .output_dir import output_dir_problem
 from .ranges import above, any_number, at_least, between, check_ranges, setting, steps_or_fraction
+from .trackers import report_to_problem
 
 MAX_STALENESS_LIMIT = 8
 """The deepest overlap supported (``max_staleness``). Each step of lag is a batch the checkpoint holds and a
@@ -342,6 +343,18 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
         "failed to run); 0 writes none.",
         at_least(0, "rollouts shown in each iteration's viewer page; 0 writes none"),
     )
+    log_trajectories_every: int = setting(
+        1,
+        "With report_to (wandb, tensorboard): a table of sampled trajectories (task, transcript, reward, advantage, "
+        "kept) every N iterations; 0 logs none.",
+        at_least(0, "iterations between the trackers' tables of sampled trajectories; 0 logs none"),
+    )
+    num_trajectories_to_log: int | None = setting(
+        8,
+        "Trajectories in each table: the best, the worst and any that failed to run, as in the viewer. None: all of "
+        "the iteration's.",
+        at_least(1, "trajectories in each tracker table; None: all of the iteration's", none=True),
+    )
 
     # --- TrainingArguments fields with LOOP's defaults or ranges ---------------------------------
     learning_rate: float = setting(
@@ -461,7 +474,13 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
             if self.gradient_checkpointing is not None:
                 self.activation_checkpointing = self.gradient_checkpointing
             self.gradient_checkpointing = bool(self.activation_checkpointing)
-        super().__post_init__()
+        if self.report_to is None:  # (a recipe's `report_to: null`), which transformers' Trainer would refuse
+            self.report_to = "none"
+        elif isinstance(self.report_to, str) and "," in self.report_to:  # a flag names one value: wandb,tensorboard
+            self.report_to = [name.strip() for name in self.report_to.split(",") if name.strip()]
+        super().__post_init__()  # report_to is a list from here ("all" and "none" resolved)
+        if problem := report_to_problem(self.report_to):
+            raise ValueError(f"LOOPConfig: {problem}")
         if self.max_training_tokens is None:
             self.max_training_tokens = self.max_trajectory_tokens
         try:

@@ -135,6 +135,8 @@ _FREE = (
     "save_rollouts",
     "plot_curves",
     "viewer_rollouts_per_iteration",
+    "log_trajectories_every",
+    "num_trajectories_to_log",
     # checkpoints and the Hub
     "save_strategy",
     "save_steps",

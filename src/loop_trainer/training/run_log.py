@@ -231,13 +231,16 @@ class RunLog:
             append_metrics(self.output_dir, record)
             self.plot()
 
-    def plot(self, force: bool = False) -> None:
+    def plot(self, force: bool = False) -> Path | None:
+        """Redraw the learning curve (``force``: now, else at most every PLOT_INTERVAL_SECONDS); its path if drawn."""
         # Redrawing costs ~0.3 s: often enough to watch a run, not every iteration of a fast one.
         if not self.plot_curves or not self.history or not self.writes:
-            return
+            return None
         if force or time.monotonic() - self._last_plot >= PLOT_INTERVAL_SECONDS:
-            plot_learning_curve(self.history, self.curve_path)
+            path = plot_learning_curve(self.history, self.curve_path)
             self._last_plot = time.monotonic()
+            return path
+        return None
 
     def rollouts(self, iteration: int, batch: RolloutBatch, advantages: Mapping[int, float]) -> None:
         """The viewer page of ``iteration`` (1-based) and, with ``save_rollouts``, every trajectory;
@@ -245,16 +248,11 @@ class RunLog:
         if not self.writes:
             return
         if self.viewer_rollouts_per_iteration > 0:
-            # The best and the worst of the iteration, and every rollout that failed to run.
-            ranked = sorted(batch.trajectories, key=lambda t: t.reward)
-            count = self.viewer_rollouts_per_iteration
-            chosen = list(batch.failed[:count])
-            while ranked and len(chosen) < count:
-                chosen.append(ranked.pop())
-                if ranked and len(chosen) < count:
-                    chosen.append(ranked.pop(0))
             write_viewer(
-                [rollout_row(t, iteration, advantages) for t in chosen],
+                [
+                    rollout_row(t, iteration, advantages)
+                    for t in chosen_rollouts(batch, self.viewer_rollouts_per_iteration)
+                ],
                 self.output_dir / "viewer" / f"iteration-{iteration:05d}.html",
                 title=f"{self.env_name}: iteration {iteration}",
             )
@@ -267,6 +265,18 @@ class RunLog:
             folder = self.output_dir / "rollouts"
             folder.mkdir(parents=True, exist_ok=True)
             Dataset.from_list(rows).to_json(folder / f"iteration-{iteration:05d}.jsonl")
+
+
+def chosen_rollouts(batch: RolloutBatch, count: int) -> list[Trajectory]:
+    """``count`` of the batch's rollouts worth a look: those that failed to run, then the best and the worst in
+    turn (all of them when ``count`` covers the batch)."""
+    ranked = sorted(batch.trajectories, key=lambda t: t.reward)
+    chosen = list(batch.failed[:count])
+    while ranked and len(chosen) < count:
+        chosen.append(ranked.pop())
+        if ranked and len(chosen) < count:
+            chosen.append(ranked.pop(0))
+    return chosen
 
 
 def rollout_row(trajectory: Trajectory, iteration: int, advantages: Mapping[int, float]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ can be built and tested from its settings alone and mypy checks every key it rea
                ──▶ start_settings, optimizer_hyperparameters, recorded_keys ──▶ resume (training/resume.py)
                ──▶ publisher_settings   ──▶ HubPublisher            (publishing/publisher.py)
                ──▶ card_settings        ──▶ the model card          (publishing/model_card.py)
+               ──▶ tracker_settings     ──▶ TrackerLog              (training/trackers.py)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..publishing.publisher import PublisherSettings
 from ..rollout.generator import GeneratorSettings, VLLMSettings
 from ..stabilisers import SamplerCorrection
 from .resume import OptimizerHyperparameters, StartSettings
+from .trackers import TrackerSettings
 from .update import UpdateSettings, importance_cap
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "publisher_settings",
     "recorded_keys",
     "start_settings",
+    "tracker_settings",
     "update_settings",
 ]
 
@@ -200,4 +203,10 @@ def publisher_settings(config: LOOPConfig) -> PublisherSettings:
         hub_strategy=HubStrategy(config.hub_strategy),
         hub_token=config.hub_token,
         hub_revision=config.hub_revision,
+    )
+
+
+def tracker_settings(config: LOOPConfig) -> TrackerSettings:
+    return TrackerSettings(
+        trajectories_every=config.log_trajectories_every, trajectories_per_table=config.num_trajectories_to_log
     )

@@ -79,10 +79,12 @@ from .settings import (
     publisher_settings,
     recorded_keys,
     start_settings,
+    tracker_settings,
     update_settings,
 )
 from .signals import collapse_warning, training_check_rates
 from .stress import run_memory_stress_test
+from .trackers import TrackerLog
 from .update import PolicyUpdate
 
 logger = logging.getLogger(__name__)
@@ -256,6 +258,10 @@ class LOOPTrainer(Trainer):
             viewer_rollouts_per_iteration=args.viewer_rollouts_per_iteration,
             save_rollouts=args.save_rollouts,
         )
+        # report_to's wandb / tensorboard: the trajectory tables, the curve image, the collapse alert
+        self.trackers = TrackerLog(
+            tracker_settings(args), self.callback_handler.callbacks, writes=self.is_world_process_zero()
+        )
         self.checkpoints = CheckpointStager(args.should_save, self.accelerator.wait_for_everyone, args.save_total_limit)
         self.publisher = HubPublisher(publisher_settings(args), self._card_context)
         self.policy_update: PolicyUpdate | None = None
@@ -326,6 +332,7 @@ class LOOPTrainer(Trainer):
         started = time.time()
         model.zero_grad()
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        self.trackers.start(self._tracker_run_settings())
         while self.state.global_step < args.iterations and not self.control.should_training_stop:
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             record = self.run_iteration()
@@ -339,6 +346,7 @@ class LOOPTrainer(Trainer):
             warning = collapse_warning([*self.history, record])
             if warning is not None and self.is_world_process_zero():
                 logger.warning(warning)
+                self.trackers.alert(warning, self.state.global_step)
             self.run_log.record(record)
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             if self.control.should_log:
@@ -346,7 +354,7 @@ class LOOPTrainer(Trainer):
             if self.control.should_save:
                 self._save_checkpoint(model=model, trial=trial)
                 self.control = self.callback_handler.on_save(args, self.state, self.control)
-        self.run_log.plot(force=True)
+        self.trackers.curve(self.run_log.plot(force=True), self.state.global_step)
         if self.state.global_step >= args.iterations and args.should_save:  # a later overwrite may delete it
             mark_finished(args.output_dir, self.state.global_step)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
@@ -481,7 +489,10 @@ class LOOPTrainer(Trainer):
         record["env_abandoned_calls"] = float(self.rollout_engine.abandoned_calls)
         record.update({f"env_{key}": value for key, value in self.env.metrics().items()})
         self.state.num_input_tokens_seen += record["tokens"]
-        self.run_log.rollouts(iteration + 1, batch, dict(zip(map(id, trajectories), advantages.tolist(), strict=True)))
+        advantage_of = dict(zip(map(id, trajectories), advantages.tolist(), strict=True))
+        self.run_log.rollouts(iteration + 1, batch, advantage_of)
+        trained = {id(t) for t, k in zip(trajectories, scored.trained, strict=True) if k}
+        self.trackers.trajectories(iteration + 1, batch, advantage_of, trained)
         return record
 
     def _collect_scored(self, iteration: int) -> ScoredRollouts:
@@ -847,7 +858,21 @@ class LOOPTrainer(Trainer):
             )
         )
 
-    # --- The run log ---
+    # --- The run log and the trackers ---
+    def _tracker_run_settings(self) -> dict[str, Any]:
+        """What the trackers get besides LOOPConfig (which transformers' callbacks send): the environment."""
+        return {
+            "environment_name": self.env.name,
+            "num_train_tasks": len(self.train_dataset),
+            **(self.run_settings or {}),
+        }
+
+    @property
+    def tracker_locations(self) -> dict[str, str]:
+        """Where each ``report_to`` tracker's run is (wandb's run directory or URL, tensorboard's logdir), once
+        training has begun."""
+        return dict(self.trackers.locations)
+
     @property
     def history(self) -> list[dict[str, Any]]:
         return self.run_log.history
