@@ -1,11 +1,16 @@
 """A Prime Intellect ``verifiers`` environment as a LOOP environment: ``from_verifiers(vf_env)``.
 
-Supported: verifiers 0.3.x's (legacy) API, ``import verifiers as vf``: ``vf.MultiTurnEnv`` and what
-builds on its rollout loop (``vf.SingleTurnEnv``, ``vf.ToolEnv``, ``vf.StatefulToolEnv``, your own
-``env_response`` games), with the environment's ``vf.Rubric`` as the reward. Not supported: 0.4.0's
-v1 stack (``verifiers.v1``: Taskset, Harness, Env), which no longer exposes a turn-by-turn loop: it
-drives the model from a harness subprocess (a ``uv`` script) through an OpenAI-compatible HTTP
-endpoint, so LOOP could not append the sampled tokens exactly.
+Two APIs, told apart by what is passed:
+
+* verifiers 0.3.x's classic API (this module), ``import verifiers as vf``: ``vf.MultiTurnEnv`` and
+  what builds on its rollout loop (``vf.SingleTurnEnv``, ``vf.ToolEnv``, ``vf.StatefulToolEnv``, your
+  own ``env_response`` games), with the environment's ``vf.Rubric`` as the reward. 0.3.1 is its last
+  release (0.3.x keeps it in ``verifiers.legacy``, aliased at the top level; 0.4.0 removed it).
+* the ``verifiers.v1`` stack, the only one in 0.4 (0.3.1 ships it too): a ``vf.Taskset``, run by
+  :mod:`.verifiers_v1`: its tool-less chat tasks, scored by the
+  task's ``@vf.reward`` functions. v1 drives the model from a harness subprocess (a ``uv`` script)
+  through an OpenAI-compatible endpoint; LOOP plays the chat harness in-process instead, so that
+  it appends the sampled tokens exactly. v1 tools (MCP ``Toolset`` servers) are not supported yet.
 
 How: each episode runs ``vf_env.rollout(row, client, ...)`` as an asyncio task whose ``client`` is a
 bridge: when verifiers asks for a completion, the prompt goes to LOOP's rollout engine, the policy
@@ -57,8 +62,9 @@ from ..envs.base import (
 )
 from .trl.tool_calls import prepare_tokenizer
 from .verifiers_messages import plain_messages, vf_response
+from .verifiers_v1 import VerifiersTasksetEnvironment, is_v1_object
 
-__all__ = ["VerifiersEnvironment", "VerifiersEpisode", "from_verifiers"]
+__all__ = ["VerifiersEnvironment", "VerifiersEpisode", "VerifiersTasksetEnvironment", "from_verifiers"]
 
 logger = logging.getLogger(__name__)
 INSTALL = "pip install 'loop-trainer[verifiers]' (verifiers==0.3.1 with openai<3)"
@@ -83,8 +89,8 @@ def _verifiers() -> Any:
         raise EnvironmentSetupError(f"the verifiers adapter needs verifiers 0.3.x ({error}): {INSTALL}") from None
     if not str(vf.__version__).startswith("0.3."):
         raise EnvironmentSetupError(
-            f"verifiers {vf.__version__} is installed; LOOP's adapter runs the 0.3.x API "
-            f"(MultiTurnEnv, ToolEnv, Rubric), which 0.4.0 removed: {INSTALL}"
+            f"verifiers {vf.__version__} is installed, which has no MultiTurnEnv/ToolEnv/Rubric (0.4.0 removed "
+            f"them): pass a verifiers.v1 Taskset to from_verifiers, or for a 0.3 environment {INSTALL}"
         )
     rubrics = logging.getLogger("verifiers.legacy.rubrics")
     if not any(isinstance(handler, _RewardErrors) for handler in rubrics.handlers):
@@ -161,8 +167,8 @@ class VerifiersEnvironment(Environment):
             )
         if not isinstance(vf_env, vf.Environment):
             raise ValueError(
-                f"from_verifiers takes a verifiers 0.3.x vf.Environment (MultiTurnEnv, ToolEnv, ...), "
-                f"got {type(vf_env).__name__}"
+                f"from_verifiers takes a verifiers 0.3.x vf.Environment (MultiTurnEnv, ToolEnv, ...) or a "
+                f"verifiers.v1 Taskset, got {type(vf_env).__name__}"
             )
         rubric = vf_env.rubric
         if not any(weight for weight in rubric._get_reward_weights()):
@@ -363,9 +369,28 @@ def from_verifiers(
     env_args: Mapping[str, Any] | None = None,
     fail_on_reward_error: bool = False,
     allow_group_rewards: bool = False,
-) -> VerifiersEnvironment:
-    """``vf_env`` (a verifiers 0.3.x environment, or an id ``vf.load_environment`` knows) as a LOOP
-    environment for ``LOOPTrainer`` or ``loop-eval``."""
+    eval_taskset: Any = None,
+) -> Environment:
+    """``vf_env`` as a LOOP environment for ``LOOPTrainer`` or ``loop-eval``: a verifiers 0.3.x
+    environment (or an id ``vf.load_environment`` knows), with ``env_args``, ``fail_on_reward_error``
+    and ``allow_group_rewards`` as :class:`VerifiersEnvironment` takes them; or a verifiers.v1
+    ``Taskset`` (0.4's API), with ``eval_taskset`` as its "eval" split."""
+    if is_v1_object(vf_env):
+        classic = (
+            ("env_args", env_args is not None),
+            ("fail_on_reward_error", fail_on_reward_error),
+            ("allow_group_rewards", allow_group_rewards),
+        )
+        if used := [key for key, given in classic if given]:
+            raise ValueError(
+                f"{', '.join(used)} apply to verifiers 0.3 environments; a verifiers.v1 taskset takes eval_taskset "
+                "only (its task's reward functions fail the rollout when they raise)"
+            )
+        return VerifiersTasksetEnvironment(vf_env, eval_taskset=eval_taskset)
+    if eval_taskset is not None:
+        raise ValueError(
+            "eval_taskset is for a verifiers.v1 taskset; a verifiers 0.3 environment's eval split is its eval_dataset"
+        )
     return VerifiersEnvironment(
         vf_env, env_args, fail_on_reward_error=fail_on_reward_error, allow_group_rewards=allow_group_rewards
     )

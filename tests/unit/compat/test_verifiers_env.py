@@ -335,7 +335,7 @@ def test_a_missing_or_wrong_verifiers_is_one_actionable_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "verifiers", vf)
     monkeypatch.setattr(vf, "__version__", "0.4.0")
     verifiers_env._verifiers.cache_clear()
-    with pytest.raises(EnvironmentSetupError, match=r"verifiers 0.4.0 is installed.*loop-trainer\[verifiers\]"):
+    with pytest.raises(EnvironmentSetupError, match=r"verifiers 0.4.0 is installed.*v1 Taskset.*\[verifiers\]"):
         from_verifiers(object())
     monkeypatch.undo()
     verifiers_env._verifiers.cache_clear()

@@ -1,0 +1,280 @@
+"""verifiers.v1 tasksets (verifiers 0.4's API; 0.3.1 ships the same stack) through LOOP: ``from_verifiers``,
+run by the rollout engine and by LOOPTrainer with a scripted model. No network, no model hub, no ``uv``.
+
+The test venv holds verifiers 0.3.1 (0.4.0 pins mcp 2.0, which OpenEnv's fastmcp 3 cannot share a venv
+with); this file imports only ``verifiers.v1``, so it runs unchanged on 0.4.0 (docs/environments.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import verifiers.v1 as vf
+
+from loop_trainer import LOOPConfig, LOOPTrainer
+from loop_trainer.chat import ChatFormatter
+from loop_trainer.compat.verifiers import from_verifiers
+from loop_trainer.envs import EnvironmentSetupError, UnknownSplitError
+from loop_trainer.models.tiny import build_tiny_model
+from loop_trainer.rollout import EpisodeLimits, RolloutEngine
+from support.helpers import ScriptedBackend
+
+
+class SumData(vf.TaskData):
+    a: int
+    b: int
+
+
+class SumTask(vf.Task[SumData, vf.State, vf.TaskConfig]):
+    """Add two numbers: 2 for the sum (a weighted reward), 0.5 for a number, and the reply's length as a metric."""
+
+    @vf.reward(weight=2.0)
+    async def correct(self, trace) -> float:
+        return float(trace.last_reply == str(self.data.a + self.data.b))
+
+    @vf.reward(weight=0.5)
+    async def a_number(self, trace) -> float:
+        return float(trace.last_reply.isdigit())
+
+    @vf.metric
+    async def reply_length(self, trace) -> float:
+        return float(len(trace.last_reply))
+
+
+class SumTaskset(vf.Taskset[SumTask, vf.TasksetConfig]):
+    def __init__(self, pairs, **data):
+        super().__init__(vf.TasksetConfig())
+        self.pairs, self.data = pairs, data
+
+    def load(self):
+        for a, b in self.pairs:
+            data = SumData(prompt=f"What is {a}+{b}?", system_prompt="Reply with a number.", a=a, b=b, **self.data)
+            yield SumTask(data)
+
+
+def first(taskset, n):
+    """A view of ``taskset``'s first ``n`` tasks: ``take`` in 0.4, ``head`` in 0.3.1's v1."""
+    return taskset.take(n) if hasattr(taskset, "take") else taskset.head(n)
+
+
+def collect(tokenizer, env, backend, *, k=1, split="train"):
+    env.set_tokenizer(tokenizer)
+    with RolloutEngine(
+        env,
+        backend,
+        ChatFormatter(tokenizer),
+        EpisodeLimits(max_turns=4, max_new_tokens_per_turn=16),
+        show_progress=False,
+    ) as engine:
+        return engine.collect(env.tasks(split), rollouts_per_task=k)
+
+
+def test_a_taskset_runs_token_exact_with_the_tasks_rewards(qwen_tokenizer):
+    tok = qwen_tokenizer
+    env = from_verifiers(SumTaskset([(2, 3), (1, 1)]))
+    replies = {"What is 2+3?": "5", "What is 1+1?": "two"}
+    backend = ScriptedBackend(tok, lambda prompt: next(r for q, r in replies.items() if q in tok.decode(prompt)))
+    batch = collect(tok, env, backend)
+    assert not batch.failed, batch.failed[0].error
+    right, wrong = batch.trajectories
+    # the reward is the trace's, the weighted sum of the task's @vf.reward functions; the metric comes along
+    assert (right.task_id, right.reward, wrong.reward) == ("0", 2.5, 0.0)
+    assert right.info["rewards"] == {"correct": 1.0, "a_number": 1.0}
+    assert wrong.info["rewards"] == {"correct": 0.0, "a_number": 0.0}
+    assert right.info["metrics"] == {"reply_length": 1.0} and wrong.info["metrics"] == {"reply_length": 3.0}
+    assert right.info["stop_condition"] == "no_tools_called" and right.ending == "done" and right.num_turns == 1
+    # token-exact: the task's system prompt and prompt as the opening, then the one sampled reply
+    opening = [{"role": "system", "content": "Reply with a number."}, {"role": "user", "content": "What is 2+3?"}]
+    assert right.messages[: right.num_opening_messages] == opening
+    fmt = ChatFormatter(tok)
+    sampled = tok.encode("5", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert right.token_ids == fmt.opening_ids(opening) + sampled
+    assert [i for i, m in zip(right.token_ids, right.loss_mask, strict=True) if m] == sampled
+
+
+def test_two_loop_iterations_on_a_taskset(qwen_tokenizer, tmp_path):
+    tok, rng = qwen_tokenizer, random.Random(0)
+    scored: list[float] = []
+
+    class Recorded(SumTask):
+        @vf.reward(weight=2.0)
+        async def correct(self, trace) -> float:
+            scored.append(float(trace.last_reply == str(self.data.a + self.data.b)))
+            return scored[-1]
+
+    class RecordedTaskset(SumTaskset):
+        def load(self):
+            for task in super().load():
+                yield Recorded(task.data)
+
+    env = from_verifiers(RecordedTaskset([(1, 1), (1, 2), (2, 2), (0, 1)]))
+    model = build_tiny_model(
+        len(tok),
+        hidden_size=64,
+        num_layers=1,
+        num_heads=2,
+        seed=0,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.pad_token_id,
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    args = LOOPConfig(
+        output_dir=str(tmp_path / "run"),
+        iterations=2,
+        tasks_per_iteration=2,
+        rollouts_per_task=3,
+        minibatch_size=6,
+        ppo_epochs=1,
+        max_turns=2,
+        max_new_tokens_per_turn=4,
+        max_trajectory_tokens=200,
+        per_device_train_batch_size=6,
+        memory_stress_test=False,
+        activation_checkpointing=False,
+        disable_tqdm=True,
+        seed=0,
+        learning_rate=1e-3,
+        report_to=[],
+    )
+    backend = ScriptedBackend(tok, lambda prompt: str(rng.randint(1, 4)))
+    trainer = LOOPTrainer(model, env, args, processing_class=tok, generation_backend=backend)
+    trainer.train()
+    assert len(trainer.history) == 2
+    assert all(h["num_failed"] == 0 and h["num_rollouts"] == 6 for h in trainer.history)
+    # the rewards LOOP trained on are the task's: 2 x correct + 0.5 (every scripted reply is a number)
+    assert len(scored) == 12 and len(set(scored)) > 1
+    for i, h in enumerate(trainer.history):
+        assert h["reward_mean"] == pytest.approx(sum(2 * s + 0.5 for s in scored[6 * i : 6 * i + 6]) / 6)
+    assert sum(h["optimizer_steps"] for h in trainer.history) > 0
+    assert any(not p.equal(b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_splits_and_task_ids():
+    env = from_verifiers(SumTaskset([(1, 2), (3, 4)]), eval_taskset=SumTaskset([(5, 6)]))
+    assert env.tasks()["task_id"] == ["0", "1"] and env.tasks()["prompt"] == ["What is 1+2?", "What is 3+4?"]
+    assert env.tasks("eval")["prompt"] == ["What is 5+6?"]
+    assert env.name == "verifiers:SumTaskset" and env.default_eval_split == "eval"
+    with pytest.raises(UnknownSplitError, match="splits are 'train' \\(the taskset"):
+        from_verifiers(SumTaskset([(1, 2)])).tasks("eval")
+    # a durable id (0.4) or a name that names every task once is the task id
+    assert from_verifiers(SumTaskset([(1, 2)], name="sum-1")).tasks()["task_id"] == ["sum-1"]
+    assert from_verifiers(SumTaskset([(1, 2), (2, 3)], name="same")).tasks()["task_id"] == ["0", "1"]
+    # a view of a taskset is a taskset
+    assert from_verifiers(first(SumTaskset([(1, 2), (3, 4), (5, 6)]), 2)).tasks()["prompt"][-1] == "What is 3+4?"
+
+
+def test_a_raising_reward_fails_only_its_rollout(qwen_tokenizer):
+    class Fragile(SumTask):
+        @vf.reward
+        async def fragile(self, trace) -> float:
+            if self.data.a == 0:
+                raise ZeroDivisionError("oops")
+            return 1.0
+
+    class FragileTaskset(SumTaskset):
+        def load(self):
+            for task in super().load():
+                yield Fragile(task.data)
+
+    tok = qwen_tokenizer
+    batch = collect(tok, from_verifiers(FragileTaskset([(1, 1), (0, 1)])), ScriptedBackend(tok, lambda prompt: "2"))
+    [ok] = batch.trajectories
+    assert ok.task_id == "0" and ok.reward == 2.0 + 0.5 + 1.0
+    [failed] = batch.failed
+    assert failed.task_id == "1" and "ZeroDivisionError: oops" in failed.error and "\n" not in failed.error
+
+
+def test_what_cannot_run_in_process_is_refused_in_one_line():
+    class Search(vf.Toolset):
+        @vf.tool
+        async def search(self, query: str) -> str:
+            """Search."""
+            return query
+
+    class WithTools(SumTask):
+        @classmethod
+        def toolsets(cls, config):
+            return [Search(vf.ToolsetConfig())]
+
+    class Boxed(SumTask):
+        NEEDS_CONTAINER = True
+
+    class WithSetup(SumTask):
+        async def setup(self, trace, runtime):
+            return None
+
+    class NoReward(vf.Task[SumData, vf.State, vf.TaskConfig]):
+        pass
+
+    class RuntimeReward(SumTask):
+        @vf.reward
+        async def tests_pass(self, trace, runtime) -> float:
+            return 1.0
+
+    def taskset_of(task_cls, **data):
+        class One(SumTaskset):
+            def load(self):
+                for task in super().load():
+                    yield task_cls(task.data)
+
+        return One([(1, 2)], **data)
+
+    cases = {
+        WithTools: "WithTools has tools \\(Search\\): verifiers serves them over MCP",
+        Boxed: "Boxed needs a container",
+        WithSetup: "WithSetup defines setup, which run in a runtime",
+        NoReward: "NoReward has no reward",
+        RuntimeReward: "RuntimeReward's tests_pass need a runtime",
+    }
+    for task_cls, message in cases.items():
+        with pytest.raises(EnvironmentSetupError, match=f"^{message}"):
+            from_verifiers(taskset_of(task_cls)).tasks()
+
+    class Silent(SumTaskset):  # the user opens the conversation: a user simulator's task
+        def load(self):
+            yield SumTask(SumData(a=1, b=2))
+
+    with pytest.raises(EnvironmentSetupError, match="^SumTask has no prompt"):
+        from_verifiers(Silent([])).tasks()
+
+    class Endless(SumTaskset):
+        INFINITE = True
+
+    bound = r"pass taskset.take\(n\) \(verifiers 0.3.1: taskset.head\(n\)\)"
+    with pytest.raises(EnvironmentSetupError, match=f"^Endless is infinite; .* {bound}"):
+        from_verifiers(Endless([(1, 2)]))
+    assert from_verifiers(first(Endless([(1, 2)]), 1)).tasks()["task_id"] == ["0"]
+
+    class Shared(SumTaskset):
+        @classmethod
+        def toolsets(cls, config):
+            return [Search(vf.ToolsetConfig())]
+
+    with pytest.raises(EnvironmentSetupError, match="^Shared has shared tools \\(Search\\)"):
+        from_verifiers(Shared([(1, 2)]))
+
+    class Solo(vf.Env):  # an Env: a taskset and the agents that play it (not constructed: that loads by id)
+        async def run(self, task, agents):
+            return None
+
+    with pytest.raises(ValueError, match=r"pass its taskset, from_verifiers\(env.taskset\)"):
+        from_verifiers(object.__new__(Solo))
+    with pytest.raises(ValueError, match="^fail_on_reward_error apply to verifiers 0.3 environments"):
+        from_verifiers(SumTaskset([(1, 2)]), fail_on_reward_error=True)
+    with pytest.raises(ValueError, match="^eval_taskset is for a verifiers.v1 taskset"):
+        from_verifiers(object(), eval_taskset=SumTaskset([(1, 2)]))
+
+
+def test_an_episode_is_the_tasks_opening_and_one_reply():
+    env = from_verifiers(SumTaskset([(2, 2)]))
+
+    async def run():
+        episode = env.episode(env.tasks()[0])
+        opening = await asyncio.to_thread(episode.start)
+        step = episode.step("4")
+        return opening, step, await episode.score()
+
+    opening, step, score = asyncio.run(run())
+    assert opening[-1] == {"role": "user", "content": "What is 2+2?"} and step.done and not step.messages
+    assert score.reward == 2.5 and score.info["task_key"] == env.loaded["train"][0].key
