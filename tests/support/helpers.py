@@ -146,3 +146,30 @@ class AnyTemperature:
 
     def with_temperature(self, temperature: float) -> AnyTemperature:
         return self
+
+
+class PreferFindEpisode(Episode):
+    """One turn; reward 1 if the reply starts with 'find', else 0."""
+
+    def __init__(self):
+        self.reward = 0.0
+
+    def start(self):
+        return [{"role": "user", "content": "fetch code of ann"}]
+
+    def step(self, reply: str) -> Step:
+        self.reward = float(reply.startswith("find"))
+        return Step(done=True)
+
+    def score(self) -> Score:
+        return Score(self.reward)
+
+
+class PreferFindEnv(Environment):
+    name = "prefer-find"
+
+    def tasks(self, split: str = "train") -> Dataset:
+        return Dataset.from_list([{"task_id": f"t{i}"} for i in range(2)])
+
+    def episode(self, task: Mapping[str, Any]) -> Episode:
+        return PreferFindEpisode()

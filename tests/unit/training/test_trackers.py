@@ -10,49 +10,19 @@ import itertools
 import json
 import subprocess
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
-from datasets import Dataset
 
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.cli.train import cli, summary
-from loop_trainer.envs.base import Environment, Episode, Score, Step
 from loop_trainer.training.trackers import TABLE_COLUMNS, TrackerLog, TrackerSettings
-from support.helpers import ScriptedBackend
+from support.helpers import PreferFindEnv, ScriptedBackend
 
 ITERATIONS = 4
 ROLLOUTS = 2 * 4  # tasks_per_iteration x rollouts_per_task
 PER_TABLE = 3
-
-
-class OneReplyEpisode(Episode):
-    """One turn; reward 1 if the reply starts with 'find', else 0."""
-
-    def __init__(self):
-        self.reward = 0.0
-
-    def start(self):
-        return [{"role": "user", "content": "fetch code of ann"}]
-
-    def step(self, reply: str) -> Step:
-        self.reward = float(reply.startswith("find"))
-        return Step(done=True)
-
-    def score(self) -> Score:
-        return Score(self.reward)
-
-
-class OneReplyEnv(Environment):
-    name = "one-reply"
-
-    def tasks(self, split: str = "train") -> Dataset:
-        return Dataset.from_list([{"task_id": f"t{i}"} for i in range(2)])
-
-    def episode(self, task: Mapping[str, Any]) -> Episode:
-        return OneReplyEpisode()
 
 
 def scripted_run(tmp_path, vault_tiny, **overrides) -> LOOPTrainer:
@@ -83,9 +53,9 @@ def scripted_run(tmp_path, vault_tiny, **overrides) -> LOOPTrainer:
         **overrides,
     }
     trainer = LOOPTrainer(
-        model, OneReplyEnv(), LOOPConfig(**settings), processing_class=tok, generation_backend=backend
+        model, PreferFindEnv(), LOOPConfig(**settings), processing_class=tok, generation_backend=backend
     )
-    trainer.run_settings = {"environment": "test_trackers:OneReplyEnv", "environment_kwargs": {}}
+    trainer.run_settings = {"environment": "support.helpers:PreferFindEnv", "environment_kwargs": {}}
     trainer.train()
     return trainer
 
@@ -158,7 +128,7 @@ def test_wandb_offline_run_logs_iterations_config_tables_curve_and_alert(tmp_pat
     assert config["loop_run"] == {
         "environment_name": "one-reply",
         "num_train_tasks": 2,
-        "environment": "test_trackers:OneReplyEnv",
+        "environment": "support.helpers:PreferFindEnv",
         "environment_kwargs": {},
     }
 
@@ -188,7 +158,7 @@ def test_tensorboard_run_logs_iterations_config_tables_curve_and_warning(tmp_pat
     [(_, args)] = texts("args")  # LOOPConfig, by transformers' callback
     assert json.loads(args)["tasks_per_iteration"] == 2
     [(_, run_settings)] = texts("loop_run")
-    assert '"environment": "test_trackers:OneReplyEnv"' in run_settings
+    assert '"environment": "support.helpers:PreferFindEnv"' in run_settings
     tables = texts("trajectories")
     assert [step for step, _ in tables] == [2, 4]  # log_trajectories_every: 2
     assert tables[0][1].startswith(f"iteration 2: {PER_TABLE} of {ROLLOUTS} trajectories\n\n| iteration | task_id |")

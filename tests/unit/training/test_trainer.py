@@ -12,11 +12,11 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from loop_trainer import LOOPConfig, LOOPTrainer
-from loop_trainer.envs.base import Environment, Episode, Score, Step
+from loop_trainer.envs.base import Episode
 from loop_trainer.models.tiny import load_tokenizer
 from loop_trainer.training.activation_checkpointing import is_checkpointing
 from loop_trainer.training.run_log import read_metrics
-from support.helpers import ScriptedBackend
+from support.helpers import PreferFindEnv, PreferFindEpisode, ScriptedBackend
 
 REQUIRED_METRICS = {
     "iteration",
@@ -61,33 +61,6 @@ def tiny_args(tmp_path, **overrides) -> LOOPConfig:
     }
     base.update(overrides)
     return LOOPConfig(**base)
-
-
-class PreferFindEpisode(Episode):
-    """One turn; reward 1 if the reply starts with 'find', else 0."""
-
-    def __init__(self):
-        self.reward = 0.0
-
-    def start(self):
-        return [{"role": "user", "content": "fetch code of ann"}]
-
-    def step(self, reply: str) -> Step:
-        self.reward = float(reply.startswith("find"))
-        return Step(done=True)
-
-    def score(self) -> Score:
-        return Score(self.reward)
-
-
-class PreferFindEnv(Environment):
-    name = "prefer-find"
-
-    def tasks(self, split: str = "train") -> Dataset:
-        return Dataset.from_list([{"task_id": f"t{i}"} for i in range(2)])
-
-    def episode(self, task: Mapping[str, Any]) -> Episode:
-        return PreferFindEpisode()
 
 
 def reply_logprob(model, tok, reply: str) -> float:
