@@ -126,7 +126,7 @@ def test_wandb_offline_run_logs_iterations_config_tables_curve_and_alert(tmp_pat
             config.update(record["config"]["update"])
     assert config["tasks_per_iteration"] == 2 and config["num_trajectories_to_log"] == PER_TABLE  # LOOPConfig
     assert config["loop_run"] == {
-        "environment_name": "one-reply",
+        "environment_name": "prefer-find",
         "num_train_tasks": 2,
         "environment": "support.helpers:PreferFindEnv",
         "environment_kwargs": {},
