@@ -5,14 +5,24 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 
 import pytest
 
+import support.helpers
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.cli.train import cli
 from loop_trainer.models.tiny import build_tiny_for_environment
 from loop_trainer.rollout import RolloutFailureBudgetExceeded
 from support.helpers import FaultyEnv
+
+
+def raised_in_helpers(statement: str) -> str:
+    """``support/helpers.py:<line>`` of the one line holding ``statement``: where a failure's traceback points."""
+    lines = Path(support.helpers.__file__).read_text().splitlines()
+    (line,) = [number for number, text in enumerate(lines, start=1) if statement in text]
+    return f"support/helpers.py:{line}"
+
 
 FAILING = {"raises", "hangs", "dies"}
 # The hung task never answers, so it times out whatever the timeout; every other environment call
@@ -83,9 +93,9 @@ def test_each_fault_costs_only_its_rollout(tmp_path, caplog):
     failures = [record.getMessage() for record in failed]
     shown = [record.getMessage() for record in failed if record.levelno == logging.WARNING]
     for kind, message, raised_at in (
-        ("raises", "the tool crashed", "support/helpers.py:115"),
+        ("raises", "the tool crashed", raised_in_helpers('raise RuntimeError("the tool crashed")')),
         ("hangs", "TimeoutError", "loop_trainer/rollout/engine.py"),
-        ("dies", "environment server went away", "support/helpers.py:119"),
+        ("dies", "environment server went away", raised_in_helpers("raise ConnectionResetError(")),
     ):
         # Each failing task fails for its own reason (the hung one by its timeout), and only those fail.
         assert sum(f"rollout of task {kind}-" in line and message in line for line in failures) == 2 * 2
