@@ -143,6 +143,11 @@ def _did_you_mean(key: str, classes: Sequence[type], prefix: str = "") -> str:
     return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
 
 
+COMMA_SEPARATED = ("report_to",)
+"""Keys whose YAML list is one comma-separated flag (``report_to: [wandb, tensorboard]``): TrainingArguments
+parses them as one string, so the list's items as separate flags would be refused as unused arguments."""
+
+
 def _as_flags(config: dict[str, Any], source: str, classes: Sequence[type]) -> tuple[list[str], dict[str, Any]]:
     """YAML values as command-line flags, so argparse type-checks them like flags; ``None``
     values (which flags cannot spell) are returned separately as parser defaults."""
@@ -156,6 +161,8 @@ def _as_flags(config: dict[str, Any], source: str, classes: Sequence[type]) -> t
             nulls[key] = None
         elif isinstance(value, bool):
             flags += [f"--{key}", str(value).lower()]
+        elif isinstance(value, list) and key in COMMA_SEPARATED:
+            flags += [f"--{key}", ",".join(map(str, value))]
         elif isinstance(value, list):
             flags += [f"--{key}", *map(str, value)]
         elif isinstance(value, dict):

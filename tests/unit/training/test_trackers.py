@@ -258,6 +258,13 @@ def test_report_to_null_means_none(tmp_path):
     assert LOOPConfig(output_dir=str(tmp_path), report_to=None).report_to == []
 
 
-def test_report_to_takes_several_trackers_as_one_comma_separated_value(tmp_path):
-    """``--report_to wandb,tensorboard``: the parser gives report_to one string (a YAML list fails in it)."""
+def test_report_to_takes_several_trackers_as_one_comma_separated_value_or_a_yaml_list(tmp_path):
+    """``--report_to wandb,tensorboard``: the parser gives report_to one string; a recipe's YAML list
+    (``report_to: [wandb, tensorboard]``) reaches it as that string, not as two flags it would refuse."""
+    from loop_trainer.cli.recipe import parse_recipe
+
     assert LOOPConfig(output_dir=str(tmp_path), report_to="wandb, tensorboard").report_to == ["wandb", "tensorboard"]
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"output_dir: {tmp_path / 'o'}\nreport_to: [wandb, tensorboard]\n")
+    _, config, _ = parse_recipe(["--config", str(recipe)])
+    assert config.report_to == ["wandb", "tensorboard"]
