@@ -42,6 +42,7 @@ __all__ = [
     "sampler_mismatch_sums",
     "select_informative_groups",
     "tied_groups",
+    "trajectory_of_rows",
     "truncated_importance_weights",
 ]
 
@@ -94,6 +95,17 @@ def truncated_importance_weights(
     out = sampler_importance_weights(old_logprobs, sampler_logprobs, loss_mask, correction="token_truncate", cap=cap)
     count = loss_mask.bool().sum()
     return out.weights, out.truncated.sum().float() / count.clamp(min=1).float()
+
+
+def trajectory_of_rows(
+    num_rows: int, trajectory_ids: Tensor | None, device: torch.device | None = None
+) -> tuple[Tensor, int]:
+    """``([B]`` each row's trajectory as 0..n-1, ``n)``: rows with one label in ``trajectory_ids`` are segments of
+    one trajectory; None: every row is its own."""
+    if trajectory_ids is None:
+        return torch.arange(num_rows, device=device), num_rows
+    rows = torch.unique(trajectory_ids.to(device), return_inverse=True)[1]
+    return rows, int(rows.max()) + 1 if rows.numel() else 0
 
 
 @dataclass(frozen=True)
@@ -150,12 +162,7 @@ def sampler_importance_weights(
     sampled = loss_mask.bool()
     log_weight = torch.where(sampled, old_logprobs.detach().float() - sampler_logprobs.detach().float(), 0.0)
     if correction.startswith("sequence"):
-        rows = (
-            torch.arange(log_weight.shape[0], device=log_weight.device)
-            if trajectory_ids is None
-            else torch.unique(trajectory_ids.to(log_weight.device), return_inverse=True)[1]
-        )
-        num = int(rows.max()) + 1 if rows.numel() else 0
+        rows, num = trajectory_of_rows(log_weight.shape[0], trajectory_ids, log_weight.device)
         sums = log_weight.new_zeros(num).index_add(0, rows, log_weight.sum(dim=1))
         log_weight = torch.where(sampled, sums[rows][:, None], 0.0)
     above = sampled & (log_weight > math.log(cap)) if cap is not None else torch.zeros_like(sampled)
@@ -194,12 +201,7 @@ def sampler_mismatch_sums(
     sampled = loss_mask.bool()
     log_weight = torch.where(sampled, old_logprobs.detach().double() - sampler_logprobs.detach().double(), 0.0)
     weight = torch.exp(log_weight)
-    rows = (
-        torch.arange(log_weight.shape[0], device=log_weight.device)
-        if trajectory_ids is None
-        else torch.unique(trajectory_ids.to(log_weight.device), return_inverse=True)[1]
-    )
-    num = int(rows.max()) + 1 if rows.numel() else 0
+    rows, num = trajectory_of_rows(log_weight.shape[0], trajectory_ids, log_weight.device)
     sums = log_weight.new_zeros(num).index_add(0, rows, log_weight.sum(dim=1))
     has_tokens = log_weight.new_zeros(num).index_add(0, rows, sampled.sum(dim=1).double()) > 0
     return {

@@ -25,7 +25,13 @@ import torch
 
 from ..objective import RatioLevel, loop_policy_loss, reference_kl_penalty
 from ..rollout.records import stream_seed
-from ..stabilisers import SamplerCorrection, SamplerWeights, sampler_importance_weights, sampler_mismatch_sums
+from ..stabilisers import (
+    SamplerCorrection,
+    SamplerWeights,
+    sampler_importance_weights,
+    sampler_mismatch_sums,
+    trajectory_of_rows,
+)
 from .adapter_casts import adapter_input_casts_off
 from .batching import TrainingSample, chunks, collate, minibatch_indices, trajectory_rows, whole_chunks
 from .distribution import DistributionStrategy
@@ -298,9 +304,9 @@ class PolicyUpdate:
                 totals["truncated"] += float(bounded.truncated.sum())
                 totals["masked"] += float(bounded.masked.sum())
                 # a sequence correction treats each trajectory whole: count those it touched
-                rows = torch.arange(len(chunk)) if batch.trajectory_ids is None else batch.trajectory_ids
+                rows, num = trajectory_of_rows(len(chunk), batch.trajectory_ids)
                 for flags, key in ((bounded.truncated, "truncated"), (bounded.masked, "masked")):
-                    per_trajectory = torch.zeros(int(rows.max()) + 1).index_add(0, rows, flags.any(dim=1).float())
+                    per_trajectory = torch.zeros(num).index_add(0, rows, flags.any(dim=1).float())
                     totals[f"{key}_trajectories"] += float((per_trajectory > 0).sum())
         totals = dict(zip(totals, self.strategy.sum(list(totals.values())), strict=True))
         tokens, trajectories = totals["tokens"], totals["trajectories"]
