@@ -10,7 +10,9 @@ import torch
 from datasets import Dataset
 from transformers import Qwen2ForCausalLM
 
+from loop_trainer import LOOPConfig
 from loop_trainer.envs.base import Environment, Episode, Message, Score, Step
+from loop_trainer.models.tiny import build_tiny_model
 from loop_trainer.models.tiny_chat import tiny_qwen_config
 from loop_trainer.rollout.backend import Completion
 
@@ -173,3 +175,34 @@ class PreferFindEnv(Environment):
 
     def episode(self, task: Mapping[str, Any]) -> Episode:
         return PreferFindEpisode()
+
+
+def two_iterations_on_a_qwen_vocabulary(tokenizer, tmp_path, **episode) -> tuple[Any, Any]:
+    """A one-layer tiny model over ``tokenizer``'s (Qwen2.5's) vocabulary and the LOOPConfig of two small
+    iterations (2 tasks x 3 rollouts, one PPO epoch) with the ``episode`` limits: the adapters' training tests."""
+    model = build_tiny_model(
+        len(tokenizer),
+        hidden_size=64,
+        num_layers=1,
+        num_heads=2,
+        seed=0,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    args = LOOPConfig(
+        output_dir=str(tmp_path / "run"),
+        iterations=2,
+        tasks_per_iteration=2,
+        rollouts_per_task=3,
+        minibatch_size=6,
+        ppo_epochs=1,
+        per_device_train_batch_size=6,
+        memory_stress_test=False,
+        activation_checkpointing=False,
+        disable_tqdm=True,
+        seed=0,
+        learning_rate=1e-3,
+        report_to=[],
+        **episode,
+    )
+    return model, args

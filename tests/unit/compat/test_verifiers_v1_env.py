@@ -12,13 +12,12 @@ import random
 import pytest
 import verifiers.v1 as vf
 
-from loop_trainer import LOOPConfig, LOOPTrainer
+from loop_trainer import LOOPTrainer
 from loop_trainer.chat import ChatFormatter
 from loop_trainer.compat.verifiers import from_verifiers
 from loop_trainer.envs import EnvironmentSetupError, UnknownSplitError
-from loop_trainer.models.tiny import build_tiny_model
 from loop_trainer.rollout import EpisodeLimits, RolloutEngine
-from support.helpers import ScriptedBackend
+from support.helpers import ScriptedBackend, two_iterations_on_a_qwen_vocabulary
 
 
 class SumData(vf.TaskData):
@@ -109,34 +108,10 @@ def test_two_loop_iterations_on_a_taskset(qwen_tokenizer, tmp_path):
                 yield Recorded(task.data)
 
     env = from_verifiers(RecordedTaskset([(1, 1), (1, 2), (2, 2), (0, 1)]))
-    model = build_tiny_model(
-        len(tok),
-        hidden_size=64,
-        num_layers=1,
-        num_heads=2,
-        seed=0,
-        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tok.pad_token_id,
+    model, args = two_iterations_on_a_qwen_vocabulary(
+        tok, tmp_path, max_turns=2, max_new_tokens_per_turn=4, max_trajectory_tokens=200
     )
     before = [p.detach().clone() for p in model.parameters()]
-    args = LOOPConfig(
-        output_dir=str(tmp_path / "run"),
-        iterations=2,
-        tasks_per_iteration=2,
-        rollouts_per_task=3,
-        minibatch_size=6,
-        ppo_epochs=1,
-        max_turns=2,
-        max_new_tokens_per_turn=4,
-        max_trajectory_tokens=200,
-        per_device_train_batch_size=6,
-        memory_stress_test=False,
-        activation_checkpointing=False,
-        disable_tqdm=True,
-        seed=0,
-        learning_rate=1e-3,
-        report_to=[],
-    )
     backend = ScriptedBackend(tok, lambda prompt: str(rng.randint(1, 4)))
     trainer = LOOPTrainer(model, env, args, processing_class=tok, generation_backend=backend)
     trainer.train()
