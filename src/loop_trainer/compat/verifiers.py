@@ -7,10 +7,11 @@ Two APIs, told apart by what is passed:
   own ``env_response`` games), with the environment's ``vf.Rubric`` as the reward. 0.3.1 is its last
   release (0.3.x keeps it in ``verifiers.legacy``, aliased at the top level; 0.4.0 removed it).
 * the ``verifiers.v1`` stack, the only one in 0.4 (0.3.1 ships it too): a ``vf.Taskset``, run by
-  :mod:`.verifiers_v1`: its tool-less chat tasks, scored by the
+  :mod:`.verifiers_v1`: its chat tasks and their tools (``Toolset`` servers), scored by the
   task's ``@vf.reward`` functions. v1 drives the model from a harness subprocess (a ``uv`` script)
-  through an OpenAI-compatible endpoint; LOOP plays the chat harness in-process instead, so that
-  it appends the sampled tokens exactly. v1 tools (MCP ``Toolset`` servers) are not supported yet.
+  through an OpenAI-compatible endpoint and the tools over MCP; LOOP plays the chat harness
+  in-process instead (the tools' ``@vf.tool`` methods called in-process), so that it appends the
+  sampled tokens exactly.
 
 How: each episode runs ``vf_env.rollout(row, client, ...)`` as an asyncio task whose ``client`` is a
 bridge: when verifiers asks for a completion, the prompt goes to LOOP's rollout engine, the policy

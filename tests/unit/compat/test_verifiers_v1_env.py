@@ -57,13 +57,13 @@ def first(taskset, n):
     return taskset.take(n) if hasattr(taskset, "take") else taskset.head(n)
 
 
-def collect(tokenizer, env, backend, *, k=1, split="train"):
+def collect(tokenizer, env, backend, *, k=1, split="train", max_turns=4, max_new_tokens_per_turn=16):
     env.set_tokenizer(tokenizer)
     with RolloutEngine(
         env,
         backend,
         ChatFormatter(tokenizer),
-        EpisodeLimits(max_turns=4, max_new_tokens_per_turn=16),
+        EpisodeLimits(max_turns=max_turns, max_new_tokens_per_turn=max_new_tokens_per_turn),
         show_progress=False,
     ) as engine:
         return engine.collect(env.tasks(split), rollouts_per_task=k)
@@ -161,16 +161,35 @@ def test_a_raising_reward_fails_only_its_rollout(qwen_tokenizer):
 
 
 def test_what_cannot_run_in_process_is_refused_in_one_line():
+    from verifiers.v1.runtimes import DockerConfig
+
     class Search(vf.Toolset):
         @vf.tool
         async def search(self, query: str) -> str:
             """Search."""
             return query
 
-    class WithTools(SumTask):
-        @classmethod
-        def toolsets(cls, config):
-            return [Search(vf.ToolsetConfig())]
+    class OwnHandlers(Search):
+        def register(self, mcp):
+            return None
+
+    def with_tools(server):
+        class WithTools(SumTask):
+            @classmethod
+            def toolsets(cls, config):
+                return [server]
+
+        return WithTools
+
+    class Intercepting(SumTask):
+        @vf.intercept
+        async def rewrite(self, request: vf.Request) -> vf.Request:
+            return request
+
+    class RequestStop(SumTask):
+        @vf.stop
+        async def long_prompt(self, request: vf.Request) -> bool:
+            return False
 
     class Boxed(SumTask):
         NEEDS_CONTAINER = True
@@ -196,7 +215,11 @@ def test_what_cannot_run_in_process_is_refused_in_one_line():
         return One([(1, 2)], **data)
 
     cases = {
-        WithTools: "WithTools has tools \\(Search\\): verifiers serves them over MCP",
+        with_tools(Search(vf.ToolsetConfig(url="http://tools:8000/mcp"))): "WithTools's tool server Search is remote",
+        with_tools(Search(vf.ToolsetConfig(runtime=DockerConfig()))): "WithTools's tool server Search runs in a Docker",
+        with_tools(OwnHandlers(vf.ToolsetConfig())): "WithTools's tool server OwnHandlers registers MCP handlers",
+        Intercepting: "Intercepting intercepts model requests",
+        RequestStop: "RequestStop's stop long_prompt reads a Request",
         Boxed: "Boxed needs a container",
         WithSetup: "WithSetup defines setup, which run in a runtime",
         NoReward: "NoReward has no reward",
@@ -224,9 +247,9 @@ def test_what_cannot_run_in_process_is_refused_in_one_line():
     class Shared(SumTaskset):
         @classmethod
         def toolsets(cls, config):
-            return [Search(vf.ToolsetConfig())]
+            return [Search(vf.SharedToolsetConfig(url="http://tools:8000/mcp"))]
 
-    with pytest.raises(EnvironmentSetupError, match="^Shared has shared tools \\(Search\\)"):
+    with pytest.raises(EnvironmentSetupError, match="^Shared's shared tool server Search is remote"):
         from_verifiers(Shared([(1, 2)]))
 
     class Solo(vf.Env):  # an Env: a taskset and the agents that play it (not constructed: that loads by id)
@@ -246,10 +269,129 @@ def test_an_episode_is_the_tasks_opening_and_one_reply():
 
     async def run():
         episode = env.episode(env.tasks()[0])
-        opening = await asyncio.to_thread(episode.start)
-        step = episode.step("4")
+        opening = await episode.start()
+        step = await episode.step("4")
         return opening, step, await episode.score()
 
     opening, step, score = asyncio.run(run())
     assert opening[-1] == {"role": "user", "content": "What is 2+2?"} and step.done and not step.messages
     assert score.reward == 2.5 and score.info["task_key"] == env.loaded["train"][0].key
+
+
+class Cart(vf.State):
+    items: list[str] = []
+
+
+class Shop(vf.Toolset[vf.ToolsetConfig, Cart]):
+    """A shop whose tools fill the rollout's cart (the state a tool server shares with its rollout)."""
+
+    opened: list[str] = []  # which tasks a shop was set up for, and when shops closed
+
+    async def setup_task(self, task) -> None:
+        Shop.opened.append(task.data.want)
+
+    @vf.tool
+    async def add(self, item: str, count: int = 1) -> str:
+        """Put ``count`` of ``item`` in the cart."""
+        self.state.items = [*self.state.items, *[item] * count]
+        return f"{len(self.state.items)} in the cart"
+
+    @vf.tool(name="cart")
+    def contents(self) -> dict:
+        """What the cart holds."""
+        return {"items": self.state.items}
+
+    @vf.tool
+    async def pay(self) -> str:
+        """Pay."""
+        raise RuntimeError("the till is closed")
+
+
+class ShopData(vf.TaskData):
+    want: str
+
+
+class ShopTask(vf.Task[ShopData, Cart, vf.TaskConfig]):
+    @classmethod
+    def toolsets(cls, config):
+        return [Shop(vf.ToolsetConfig())]
+
+    @vf.reward
+    async def bought(self, trace) -> float:
+        return float(sorted(trace.state.items) == sorted(self.data.want.split()))
+
+    @vf.stop
+    async def cart_full(self, trace: vf.Trace) -> bool:
+        return len(trace.state.items) >= 3
+
+
+class ShopTaskset(vf.Taskset[ShopTask, vf.TasksetConfig]):
+    def __init__(self, wants):
+        super().__init__(vf.TasksetConfig())
+        self.wants = wants
+
+    def load(self):
+        for want in self.wants:
+            yield ShopTask(ShopData(prompt=f"Buy {want}.", want=want))
+
+
+def call(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+def test_a_task_with_tools_runs_them_in_process_on_the_rollouts_state(qwen_tokenizer):
+    tok = qwen_tokenizer
+    script = {
+        "Buy egg milk.": [
+            call("shop_add", '{"item": "egg"}'),
+            call("shop_cart", "{}") + "\n" + call("shop_pay", "{}"),
+            call("shop_add", '{"item": "milk", "count": "many"}') + "\n" + call("shop_steal", "{}"),
+            "<tool_call>\n{not json\n</tool_call>",
+            call("shop_add", '{"item": "milk"}'),
+            "Done.",
+        ],
+        "Buy tea tea tea.": [call("shop_add", '{"item": "tea", "count": 3}'), "never asked"],
+    }
+    Shop.opened.clear()
+    backend = ScriptedBackend(tok, lambda prompt: next(r for q, r in script.items() if q in tok.decode(prompt)).pop(0))
+    batch = collect(
+        tok, from_verifiers(ShopTaskset(["egg milk", "tea tea tea"])), backend, max_turns=8, max_new_tokens_per_turn=64
+    )
+    assert not batch.failed, batch.failed[0].error
+    shopped, full = batch.trajectories
+    assert sorted(Shop.opened) == ["egg milk", "tea tea tea"]  # a shop per episode, set up for its task
+    # the tools reach the model through the chat template, named <server>_<tool> as verifiers' harness names them
+    text = tok.decode(shopped.token_ids)
+    head = text[: text.index("Buy egg milk.")]
+    assert all(f'"name": "shop_{name}"' in head for name in ("add", "cart", "pay"))
+    assert "Put ``count`` of ``item`` in the cart." in head
+    results = [m["content"] for m in shopped.messages if m["role"] == "tool"]
+    assert results == [
+        "1 in the cart",
+        '{\n  "items": [\n    "egg"\n  ]\n}',
+        "Error executing tool pay: the till is closed",
+        results[3],  # a count that is not an integer: the arguments do not validate
+        "error: unknown tool 'shop_steal'",
+        results[5],  # a call whose JSON does not parse: answered, and the episode goes on
+        "2 in the cart",
+    ]
+    assert results[3].startswith("Error executing tool add: ") and "count" in results[3]
+    assert "malformed tool call" in results[5]
+    # the tools' state is what the task scores: egg and milk bought, no stray milk from the failed call
+    assert shopped.reward == 1.0 and shopped.info["stop_condition"] == "no_tools_called"
+    assert shopped.num_turns == 6 and shopped.info["tool_calls"] == 6
+    # a stop on the trace ends the episode before the next reply: three teas fill the cart
+    assert full.reward == 1.0 and full.num_turns == 1 and full.info["stop_condition"] == "cart_full"
+    assert full.ending == "done"
+    # token-exact: only the sampled replies are trained on
+    sampled = [i for i, m in zip(shopped.token_ids, shopped.loss_mask, strict=True) if m]
+    assert tok.decode(sampled).count("<tool_call>") == 7 and "1 in the cart" not in tok.decode(sampled)
+
+
+def test_the_verifiers_under_test_is_the_one_asked_for():
+    """`make test` runs this file twice: on .venv's verifiers 0.3.1 and on 0.4.0 (LOOP_EXPECT_VERIFIERS)."""
+    import os
+
+    import verifiers
+
+    assert verifiers.__version__ == os.environ.get("LOOP_EXPECT_VERIFIERS", "0.3.1")
