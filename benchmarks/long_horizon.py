@@ -114,19 +114,24 @@ def run_seed(seed: int, options: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     start = out / "start"
     spec = warm_up_spec(settings, seed)
+    lines: list[str] = []  # the warm-up's progress lines (warm_up.log)
     if kept_warm_start(out) == spec:  # kept by --keep-models, made by the same recipe, seed and fit rule
-        lines = (out / "warm_up.log").read_text().splitlines()
+        lines.extend((out / "warm_up.log").read_text().splitlines())
         warm_up_seconds = json.loads((out / "warm_up.json").read_text())["seconds"]
         print(f"seed {seed}: reusing the warm start saved in {start} ({warm_up_seconds / 60:.1f} min)", flush=True)
     else:
         env = make_environment(settings["environment"], **(settings.get("environment_kwargs") or {}))
-        lines = []
+
+        def report(line: str) -> None:  # kept for warm_up.log, and shown as it comes (a warm-up can run an hour)
+            lines.append(line)
+            print(f"seed {seed}: {line}", flush=True)
+
         model, tokenizer = build_tiny_from_spec(
             settings["model_name_or_path"],
             env,
             seed=seed,
             warm_up_steps=settings.get("tiny_instruct_steps"),
-            report=lines.append,
+            report=report,
             greedy_success=greedy_success_on_training_tasks(env, EpisodeSettings(**episode_settings(settings))),
         )
         model.save_pretrained(start)

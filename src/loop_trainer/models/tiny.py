@@ -194,6 +194,10 @@ class FitRule:
     probe_tasks: int = 64
     """With a :class:`SuccessProbe`: the training tasks it rolls out greedily at each check (``errands``: 3 s
     on one core, against 55 s for the 50 steps between checks)."""
+    length_pool: int = 8
+    """Batches drawn at once and regrouped by length (each conversation still drawn uniformly at random):
+    a random batch of ``errands`` demonstrations (170-440 tokens) is 31 % padding, a pool of 8 regrouped
+    5.5 %, and a step takes 0.8 s instead of 1.1 on one core. 1: every batch drawn on its own."""
 
     def least_steps(self, conversations: int, batch_size: int) -> int:
         """The steps before the warm-up may stop: ``min_passes`` over ``conversations``."""
@@ -259,8 +263,12 @@ def warm_start(
     best: tuple[float, int, dict[str, torch.Tensor]] | None = None  # held-out accuracy, step, weights
     started, loss_sum, losses = time.monotonic(), 0.0, 0
     model.train()
+    pooled = fit.length_pool if steps is None else 1  # a fixed number of steps draws as it always has
+    batches: list[list[int]] = []
     for step in range(1, most + 1):
-        picked = torch.randint(len(rows), (batch_size,), generator=generator).tolist()
+        if not batches:
+            batches = _length_grouped_batches(rows, batch_size, pooled, generator)
+        picked = batches.pop()
         width = max(len(rows[i][0]) for i in picked)
         input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
         labels = torch.full((batch_size, width), -100)
@@ -324,6 +332,19 @@ def warm_start(
         say(f"{label}: keeping step {best[1]}, its best held-out reply accuracy ({best[0]:.3f})")
     model.eval()
     return model
+
+
+def _length_grouped_batches(
+    rows: list[tuple[list[int], list[int]]], batch_size: int, pool: int, generator: torch.Generator
+) -> list[list[int]]:
+    """``pool`` batches of row indices drawn uniformly at random, regrouped so that each batch holds rows of
+    similar length (less padding), in random order; with ``pool`` 1, one batch exactly as drawn."""
+    picked = torch.randint(len(rows), (batch_size * pool,), generator=generator).tolist()
+    if pool == 1:
+        return [picked]
+    picked.sort(key=lambda i: len(rows[i][0]))
+    grouped = [picked[start : start + batch_size] for start in range(0, len(picked), batch_size)]
+    return [grouped[i] for i in torch.randperm(pool, generator=generator).tolist()]
 
 
 @torch.no_grad()

@@ -272,3 +272,20 @@ def test_the_greedy_probe_rolls_out_training_tasks_with_the_recipe_episode_limit
     two_turns = greedy_success_on_training_tasks(env, EpisodeSettings(max_turns=2, **limits))
     six_turns = greedy_success_on_training_tasks(env, EpisodeSettings(max_turns=6, **limits))
     assert two_turns(model, tokenizer, 16) == 0.0 < six_turns(model, tokenizer, 16)  # vault takes three calls
+
+
+def test_a_warm_up_until_fitted_groups_its_draws_by_length_and_a_fixed_one_draws_as_before():
+    import torch
+
+    from loop_trainer.models.tiny import _length_grouped_batches
+
+    rows = [([0] * length, [1] * length) for length in (5, 40, 9, 33, 17, 21, 2, 28)]
+    drawn = torch.randint(len(rows), (4 * 3,), generator=torch.Generator().manual_seed(7)).tolist()
+    grouped = _length_grouped_batches(rows, 4, 3, torch.Generator().manual_seed(7))
+    assert sorted(i for batch in grouped for i in batch) == sorted(drawn)  # the same uniform draws, regrouped
+    assert [len(batch) for batch in grouped] == [4, 4, 4]
+    spans = sorted((min(len(rows[i][0]) for i in b), max(len(rows[i][0]) for i in b)) for b in grouped)
+    assert all(spans[k][1] <= spans[k + 1][0] for k in range(2))  # batches do not overlap in length
+
+    single = _length_grouped_batches(rows, 4, 1, torch.Generator().manual_seed(7))
+    assert single == [torch.randint(len(rows), (4,), generator=torch.Generator().manual_seed(7)).tolist()]
