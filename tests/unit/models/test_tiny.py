@@ -289,3 +289,30 @@ def test_a_warm_up_until_fitted_groups_its_draws_by_length_and_a_fixed_one_draws
 
     single = _length_grouped_batches(rows, 4, 1, torch.Generator().manual_seed(7))
     assert single == [torch.randint(len(rows), (4,), generator=torch.Generator().manual_seed(7)).tolist()]
+
+
+def test_a_warm_up_until_fitted_ramps_the_fit_rules_rate_and_a_fixed_one_keeps_adamws_defaults(monkeypatch):
+    import torch
+
+    optimizers: list[dict] = []
+
+    class Recorded(torch.optim.AdamW):
+        def __init__(self, params, **settings):
+            optimizers.append({"betas": settings["betas"], "rates": []})
+            super().__init__(params, **settings)
+
+        def step(self, closure=None):
+            optimizers[-1]["rates"].append(self.param_groups[0]["lr"])
+            return super().step(closure)
+
+    monkeypatch.setattr(torch.optim, "AdamW", Recorded)
+    env, model, tokenizer = tiny_vault()
+    conversations = env.demonstrations(16, seed=0)
+    rule = FitRule(check_every=2, max_steps=4, learning_rate=4e-3, warmup_steps=2, adam_beta2=0.9)
+    warm_start(model, tokenizer, conversations, steps=None, held_out=conversations[:2], fit=rule, batch_size=4)
+    warm_start(model, tokenizer, conversations, steps=3, fit=rule, batch_size=4)
+    warm_start(model, tokenizer, conversations, steps=2, fit=rule, batch_size=4, learning_rate=3e-3)
+    until_fitted, fixed, fixed_rate = optimizers
+    assert until_fitted == {"betas": (0.9, 0.9), "rates": [2e-3, 4e-3, 4e-3, 4e-3]}
+    assert fixed == {"betas": (0.9, 0.999), "rates": [1e-3] * 3}  # the demo's record: AdamW's defaults at 1e-3
+    assert fixed_rate == {"betas": (0.9, 0.999), "rates": [3e-3] * 2}
