@@ -58,6 +58,19 @@ def plain_messages(messages: Any, source: str = "verifiers") -> list[Message]:
     return out
 
 
+def vf_tool_calls(tool_call: Any, parsed: Mapping[str, Any], turn: int) -> list[Any]:
+    """The parsed reply's tool calls as verifiers ``ToolCall``s (``tool_call``: the class; 0.3's ``vf.types``
+    and ``verifiers.v1`` each have one), numbered ``call_<turn>_<i>``, arguments as JSON text."""
+    return [
+        tool_call(
+            id=f"call_{turn}_{i}",
+            name=call["function"]["name"],
+            arguments=json.dumps(call["function"].get("arguments") or {}),
+        )
+        for i, call in enumerate(parsed.get("tool_calls") or [])
+    ]
+
+
 def vf_response(types: Any, reply: Reply, tokenizer: Any, tool_defs: list[dict[str, Any]] | None, turn: int) -> Any:
     """The policy's reply as the ``vf.Response`` verifiers awaits (``types``: ``vf.types``): its tool calls
     parsed from the sampled ids (when the rollout has ``tool_defs``) and numbered by ``turn``; a call that
@@ -67,14 +80,7 @@ def vf_response(types: Any, reply: Reply, tokenizer: Any, tool_defs: list[dict[s
         if tokenizer is None:
             raise EnvironmentSetupError("call set_tokenizer() before running verifiers tool episodes")
         parsed = parse_reply(tokenizer, reply, tool_defs)
-    calls = [
-        types.ToolCall(
-            id=f"call_{turn}_{i}",
-            name=call["function"]["name"],
-            arguments=json.dumps(call["function"].get("arguments") or {}),
-        )
-        for i, call in enumerate(parsed.get("tool_calls") or [])
-    ]
+    calls = vf_tool_calls(types.ToolCall, parsed, turn)
     content = parsed.get("content") or ""
     unparsed = unparsed_call(tokenizer, parsed) if not calls and tool_defs else None
     if unparsed is not None:

@@ -49,7 +49,7 @@ from datasets import Dataset
 
 from ..envs.base import Environment, EnvironmentSetupError, Episode, Message, Reply, Score, Step, UnknownSplitError
 from .trl.tool_calls import malformed_call_message, parse_reply, prepare_tokenizer
-from .verifiers_messages import plain_messages
+from .verifiers_messages import plain_messages, vf_tool_calls
 
 __all__ = ["VerifiersTasksetEnvironment", "is_v1_object"]
 
@@ -373,14 +373,7 @@ class VerifiersTaskEpisode(Episode):
         vf = self.v1.vf
         self.turn += 1
         parsed = parse_reply(self.tokenizer, reply, self.tools) if self.by_name else {"content": str(reply)}
-        calls = [
-            vf.ToolCall(
-                id=f"call_{self.turn}_{i}",
-                name=call["function"]["name"],
-                arguments=json.dumps(call["function"].get("arguments") or {}),
-            )
-            for i, call in enumerate(parsed.get("tool_calls") or [])
-        ]
+        calls = vf_tool_calls(vf.ToolCall, parsed, self.turn)
         content = parsed.get("content") or ""
         self._record(vf.AssistantMessage(content=content, tool_calls=calls or None), sampled=True)
         malformed = malformed_call_message(self.tokenizer, parsed) if self.by_name and not calls else None
