@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import math
 from collections.abc import Callable, Mapping
 from types import SimpleNamespace
@@ -163,10 +162,12 @@ class Tool:
     validated against the method's signature, the rollout's state visible as the server's
     ``self.state`` during the call and written back after it."""
 
-    def __init__(self, v1: SimpleNamespace, server: Any, method: Callable[..., Any]):
+    def __init__(self, v1: SimpleNamespace, server: Any, method: Callable[..., Any], rollout_state: type):
         import pydantic
 
         self.v1, self.server, self.method = v1, server, method
+        # base State has no fields: nothing to sync; else the rollout's state class, to read and write it as JSON
+        self.rollout_state: Any = pydantic.TypeAdapter(rollout_state) if server._state_cls is not v1.vf.State else None
         self.tool_name = getattr(method, "tool_name", None) or method.__name__
         prefix = server.server_name
         self.name = f"{prefix}_{self.tool_name}" if prefix else self.tool_name
@@ -197,14 +198,9 @@ class Tool:
         return _content(result)
 
     async def _with_state(self, arguments: dict[str, Any], trace: Any) -> Any:
-        server = self.server
-        syncs = server._state_cls is not self.v1.vf.State  # base State has no fields: nothing to sync
-        import pydantic
-
-        trace_state = pydantic.TypeAdapter(type(trace.state))
-        state = (
-            server._state_adapter.validate_json(trace_state.dump_json(trace.state)) if syncs else server._state_cls()
-        )
+        server, codec = self.server, self.rollout_state
+        # what the server pulls from its state channel: the rollout's state, in its own state class
+        state = server._state_adapter.validate_json(codec.dump_json(trace.state)) if codec else server._state_cls()
         token = self.v1.call_state.set(state)
         try:
             result = self.method(**arguments)
@@ -212,8 +208,8 @@ class Tool:
                 result = await result
         finally:
             self.v1.call_state.reset(token)
-        if syncs:  # the server's state replaces the rollout's, as its PUT on the state channel does
-            trace.state = trace_state.validate_json(server._state_adapter.dump_json(state))
+        if codec:  # the server's state replaces the rollout's, as its PUT on the state channel does
+            trace.state = codec.validate_json(server._state_adapter.dump_json(state))
         return result
 
 
@@ -297,18 +293,19 @@ class VerifiersTasksetEnvironment(Environment):
 
     def set_tokenizer(self, tokenizer: Any) -> None:
         """The tokenizer whose chat template the policy writes tool calls in (they are parsed with it);
-        one that cannot be parsed is refused only where a task has tools."""
+        one that cannot be parsed is refused only where a task has tools (``tool_parsing``: why not)."""
         try:
-            self.tokenizer = prepare_tokenizer(tokenizer)
+            self.tokenizer, self.tool_parsing = prepare_tokenizer(tokenizer), None
         except ValueError as error:
-            self.tokenizer, self.tokenizer_error = tokenizer, str(error)
+            self.tokenizer, self.tool_parsing = None, str(error)
 
     def episode(self, task: Mapping[str, Any]) -> VerifiersTaskEpisode:
         split, position = task["split"], task["position"]
         if split not in self.loaded:
             self.tasks(split)
+        why = getattr(self, "tool_parsing", "call set_tokenizer() before running verifiers tool episodes")
         return VerifiersTaskEpisode(
-            self.v1, self.loaded[split][position], self.tasksets[split], getattr(self, "tokenizer", None)
+            self.v1, self.loaded[split][position], self.tasksets[split], getattr(self, "tokenizer", None), why
         )
 
 
@@ -316,8 +313,10 @@ class VerifiersTaskEpisode(Episode):
     """One task played as verifiers' chat harness plays it: the opening, then replies and their tool
     calls until a reply calls none (or a stop or LOOP's limits end it), then the task's score."""
 
-    def __init__(self, v1: SimpleNamespace, task: Any, taskset: Any, tokenizer: Any):
+    def __init__(self, v1: SimpleNamespace, task: Any, taskset: Any, tokenizer: Any, tool_parsing: str | None):
+        """``tokenizer``: one that parses tool calls, or None, and then ``tool_parsing`` says why not."""
         self.v1, self.task, self.taskset, self.tokenizer = v1, task, taskset, tokenizer
+        self.tool_parsing = tool_parsing
         data, vf = task.data, v1.vf
         self.trace = vf.Trace(
             task=v1.TraceTask(type=type(task).__name__, data=data, key=task.key, hash=task.hash),
@@ -340,15 +339,14 @@ class VerifiersTaskEpisode(Episode):
 
     async def start(self) -> list[Message]:
         # verifiers launches the task's servers and the taskset's shared ones for a rollout; here, per episode
-        servers = [*type(self.task).toolsets(self.task.config), *type(self.taskset).toolsets(self.taskset.config)]
-        shared = len(type(self.task).toolsets(self.task.config))
-        for index, server in enumerate(servers):
+        own = type(self.task).toolsets(self.task.config)
+        for server in [*own, *type(self.taskset).toolsets(self.taskset.config)]:
             self.servers.append(server)  # closed by close(), even if its setup fails
             await server.setup()
-            if index < shared:  # taskset-scoped servers skip setup_task, as in verifiers
+            if any(server is mine for mine in own):  # taskset-scoped servers skip setup_task, as in verifiers
                 await server.setup_task(self.task)
             for method in self.v1.discover_decorated(server, "tool"):
-                tool = Tool(self.v1, server, method)
+                tool = Tool(self.v1, server, method, type(self.trace.state))
                 if tool.name in self.by_name:
                     raise EnvironmentSetupError(
                         f"two tools are named {tool.name!r} ({type(server).__name__} and "
@@ -357,15 +355,7 @@ class VerifiersTaskEpisode(Episode):
                 self.by_name[tool.name] = tool
         if self.by_name:
             if self.tokenizer is None:
-                raise EnvironmentSetupError("call set_tokenizer() before running verifiers tool episodes")
-            if (
-                getattr(self.tokenizer, "response_template", None) is None
-                and getattr(self.tokenizer, "response_schema", None) is None
-            ):
-                raise EnvironmentSetupError(
-                    f"{type(self.task).__name__} has tools, but the policy's chat template cannot be parsed for "
-                    "tool calls: use a model whose chat template TRL knows (Qwen2.5, Llama 3.1, ...)"
-                )
+                raise EnvironmentSetupError(f"{type(self.task).__name__} has tools, but {self.tool_parsing}")
             self.tools = [tool.schema for tool in self.by_name.values()]
         return plain_messages(self.prompt, source="the task's prompt")
 
@@ -383,9 +373,9 @@ class VerifiersTaskEpisode(Episode):
         answers: list[Message] = []
         if malformed is not None:  # answered, as any failed call is, and the episode goes on
             answers.append(malformed)
-        for call in calls:
+        for call, wanted in zip(calls, parsed.get("tool_calls") or [], strict=True):
             tool = self.by_name.get(call.name)
-            arguments = json.loads(call.arguments)
+            arguments = wanted["function"].get("arguments") or {}
             if tool is None:
                 result = f"error: unknown tool {call.name!r}"
             elif not isinstance(arguments, dict):

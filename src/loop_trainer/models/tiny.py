@@ -201,7 +201,7 @@ class FitRule:
     0.95 (with ``length_pool``) reach the copying jumps hundreds of steps sooner than a constant 1e-3 with
     beta2 0.999, the fixed-steps warm-up's: held-out reply accuracy 0.884 at step 2,100 against 0.872 (seed 3),
     0.864 at step 1,200 against 0.813 (seed 0). A fixed ``tiny_instruct_steps`` keeps 1e-3 (the demo's record).
-    Cooling the rate instead (linearly to 0 over 300 steps, from steps 900, 1,200 or 1,500 of seed 3) gained
+    Cooling the rate instead (linearly to 0 over 300 steps, from steps 900 or 1,200 of seed 3) gained
     nothing: the slow late gains are learning, not noise."""
     length_pool: int = 8
     """Batches drawn at once and regrouped by length (each conversation still drawn uniformly at random):

@@ -395,3 +395,16 @@ def test_the_verifiers_under_test_is_the_one_asked_for():
     import verifiers
 
     assert verifiers.__version__ == os.environ.get("LOOP_EXPECT_VERIFIERS", "0.3.1")
+
+
+def test_tools_with_a_chat_template_that_cannot_be_parsed_are_refused_in_one_line():
+    from loop_trainer.models.tiny import build_word_tokenizer
+
+    env = from_verifiers(ShopTaskset(["egg"]))
+    env.set_tokenizer(build_word_tokenizer(["buy", "egg"]))  # a template with no tool-call format TRL knows
+    with pytest.raises(EnvironmentSetupError) as refused:
+        asyncio.run(env.episode(env.tasks()[0]).start())
+    assert str(refused.value).startswith("ShopTask has tools, but ") and "\n" not in str(refused.value)
+    plain = from_verifiers(SumTaskset([(1, 2)]))  # without tools the same tokenizer is fine
+    plain.set_tokenizer(build_word_tokenizer(["buy", "egg"]))
+    assert asyncio.run(plain.episode(plain.tasks()[0]).start())[-1]["content"] == "What is 1+2?"
