@@ -176,3 +176,22 @@ def test_summary_reports_levels_check_kinds_and_calls(env):
     assert {f"success_rate_level_{level}" for level in (1, 2, 3)} <= set(summary)
     assert summary["passed_finished"] == 0.5 and summary["passed_no_stray_effects"] == 1.0
     assert summary["calls_mean"] > 5
+
+
+def test_demonstrations_read_the_task_line_right_unless_told_otherwise(env):
+    """The errand to do next (the person or item the task line names) is read right by default, however
+    unreliable the copying of results; `reading_accuracy` makes it unreliable too."""
+    tasks = env.demonstration_tasks(30, seed=3)
+
+    def looked_up(replies):
+        return [reply for reply in replies if reply.split()[0] in ("find", "item")]
+
+    def read_wrong(**noise):
+        wrong = 0
+        for task, conversation in zip(tasks, env.demonstrations(30, seed=3, **noise), strict=True):
+            replies = [m["content"] for m in conversation if m["role"] == "assistant"]
+            wrong += looked_up(replies) != looked_up(solve(task))
+        return wrong
+
+    assert read_wrong(accuracy=0.5) == 0
+    assert read_wrong(accuracy=0.5, reading_accuracy=0.5) > 20
