@@ -239,6 +239,8 @@ class VerifiersTasksetEnvironment(Environment):
         self.name = f"verifiers:{type(splits['train']).__name__}"
         self.loaded: dict[str, list[Any]] = {}
         self.datasets: dict[str, Dataset] = {}
+        self.tokenizer: Any = None  # set_tokenizer(): one that parses tool calls, or None and tool_parsing says why
+        self.tool_parsing: str | None = "call set_tokenizer() before running verifiers tool episodes"
 
     @staticmethod
     def _taskset(vf: Any, source: Any) -> Any:
@@ -303,9 +305,8 @@ class VerifiersTasksetEnvironment(Environment):
         split, position = task["split"], task["position"]
         if split not in self.loaded:
             self.tasks(split)
-        why = getattr(self, "tool_parsing", "call set_tokenizer() before running verifiers tool episodes")
         return VerifiersTaskEpisode(
-            self.v1, self.loaded[split][position], self.tasksets[split], getattr(self, "tokenizer", None), why
+            self.v1, self.loaded[split][position], self.tasksets[split], self.tokenizer, self.tool_parsing
         )
 
 

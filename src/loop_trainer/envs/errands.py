@@ -595,8 +595,8 @@ class ErrandsEnv(Environment):
         self, num_conversations: int, accuracy: float = 0.8, seed: int = 0, reading_accuracy: float = 1.0
     ) -> list[list[Message]]:
         """Conversations of an agent that knows every errand's calls but is unreliable: each value
-        it copies (a name or item out of the task, an id, price or order out of a result) is right
-        with probability ``accuracy`` and another of its kind otherwise; before an app's first use
+        it copies out of a result (an id, phone, sku, order or amount) is right with probability
+        ``accuracy`` and another of its kind otherwise; before an app's first use
         it looks its doc up one time in five. Each plays a real episode of its own world
         (:meth:`demonstration_tasks`), so a wrong value's consequences are what the world answers.
 
@@ -631,10 +631,10 @@ class ErrandsEnv(Environment):
     def _unreliable_calls(
         self, task: Mapping[str, Any], rng: random.Random, accuracy: float, reading_accuracy: float
     ) -> Iterator[Call]:
-        """The perfect calls with each copied value replaced, with probability 1 - ``accuracy``, by
-        another value of its kind that this world has (another person, another account it showed,
-        ...): the mistakes an LLM makes reading the wrong line, which keep the episode going. Later
-        calls copy from what the world actually answered."""
+        """The perfect calls with each value copied out of a result replaced, with probability 1 - ``accuracy``
+        (a person or item read off the task line: 1 - ``reading_accuracy``), by another value of its kind that this
+        world has (another person, another account it showed, ...): the mistakes an LLM makes reading the wrong
+        line, which keep the episode going. Later calls copy from what the world actually answered."""
         world = World(task)
 
         def noisy(value: str, pool: Sequence[str], right: float = accuracy) -> str:
