@@ -100,6 +100,7 @@ LOOP_EQUIVALENTS: dict[str, str | None] = {
     "gradient_accumulation_steps": "minibatch_size",
     "steps_per_generation": "minibatch_size",
     "auto_find_batch_size": "per_device_train_batch_size",
+    "group_by_length": "train_sampling_strategy",
     "num_generations": "rollouts_per_task",
     "generation_batch_size": "tasks_per_iteration",
     # the loss and the advantages

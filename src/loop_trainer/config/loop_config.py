@@ -397,6 +397,12 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
         "Trajectories per forward/backward pass (gradient accumulation inside a minibatch).",
         at_least(1, "trajectories per forward/backward pass"),
     )
+    train_sampling_strategy: str = setting(
+        "random",
+        "How a minibatch is cut into micro-batches: 'random' (in its shuffled order) or 'group_by_length' (its "
+        "trajectories sorted by length first, so a micro-batch pads less: the same gradient up to float rounding, "
+        "fewer padded tokens through the forward and backward passes).",
+    )
     activation_checkpointing: bool | None = setting(
         True, "Recompute activations in the backward pass (long trajectories need it)."
     )
@@ -463,6 +469,7 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
             ("sampler_correction", SAMPLER_CORRECTIONS),
             ("vllm_mode", ("colocate", "server")),
             ("malformed_tool_call", ("end_episode", "answer")),
+            ("train_sampling_strategy", ("random", "group_by_length")),
         ):
             value = getattr(self, name)
             if getattr(value, "value", value) not in choices:  # LOOP's loop has iterations, no epochs or eval loss

@@ -84,6 +84,7 @@ _COMPARED = (
     "max_training_tokens",
     "kl_abort_threshold",
     "per_device_train_batch_size",
+    "train_sampling_strategy",
     "max_grad_norm",
     # the stabilisers (docs/stabilisers.md)
     "epsilon_high",

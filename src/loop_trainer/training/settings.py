@@ -97,6 +97,7 @@ def update_settings(config: LOOPConfig, pad_token_id: int) -> UpdateSettings:
         sampler_importance_cap=importance_cap(config.sampler_importance_cap, config.max_staleness),
         sampler_importance_floor=config.sampler_importance_floor,
         sampler_correction=cast(SamplerCorrection, config.sampler_correction),  # LOOPConfig checked it is one
+        group_by_length=config.train_sampling_strategy == "group_by_length",
     )
 
 

@@ -85,6 +85,10 @@ class UpdateSettings:
     correction (LOOP)."""
     sampler_importance_floor: float | None = None
     """The lower bound of the weights toward the sampler; None: none."""
+    group_by_length: bool = False
+    """Cut each minibatch (and the fixed log-probs' passes) into micro-batches of trajectories sorted longest
+    first, so a micro-batch pads to a length near its own trajectories' (``train_sampling_strategy``). The
+    gradient is the same sum of trajectory losses, accumulated in another order."""
     sampler_correction: SamplerCorrection = "token_truncate"
     """How the bounds apply (:func:`~loop_trainer.stabilisers.sampler_importance_weights`): per token or per
     trajectory, truncated or masked."""
@@ -216,7 +220,8 @@ class PolicyUpdate:
         reference_policy = self.reference if self.settings.beta > 0 else None
         reference: dict[int, torch.Tensor] | None = {} if reference_policy is not None else None
         abs_diff_sum, abs_diff_max, count, entropy_sum, has_entropy = 0.0, 0.0, 0, 0.0, True
-        work = list(chunks(indices, self.settings.micro_batch_size))
+        in_passes = self._longest_first(samples, [[i] for i in indices])
+        work = list(chunks([i for [i] in in_passes], self.settings.micro_batch_size))
         real = len(work)
         # Stand-in passes (results dropped) where forward passes are collective.
         work += [[indices[0] if indices else 0]] * (strategy.matched_pass_count(real) - real)
@@ -336,6 +341,7 @@ class PolicyUpdate:
         if s.beta > 0 and fixed_reference is None:
             raise ValueError("beta > 0 needs the reference policy's log-probs (FixedLogprobs.reference)")
         num_trajectories, share = self._my_trajectories(samples, minibatch)
+        share = self._longest_first(samples, share)
         micro_batches = [(indices, False) for indices in whole_chunks(share, s.micro_batch_size)]
         needed = strategy.micro_batches_per_step(len(micro_batches), num_trajectories, s.micro_batch_size)
         if num_trajectories < len(minibatch):  # split episodes: shares differ in samples, so agree on the count
@@ -418,6 +424,13 @@ class PolicyUpdate:
             return step
         step.grad_norm, step.stepped = strategy.step()
         return step if step.stepped else None
+
+    def _longest_first(self, samples: list[TrainingSample], groups: list[list[int]]) -> list[list[int]]:
+        """``groups`` (each a trajectory's sample indices) as they are, or, with ``group_by_length``, sorted by
+        their longest sample, longest first (a stable sort: ties keep the shuffled order)."""
+        if not self.settings.group_by_length:
+            return groups
+        return sorted(groups, key=lambda group: -max(len(samples[i].token_ids) for i in group))
 
     def _my_trajectories(self, samples: list[TrainingSample], minibatch: list[int]) -> tuple[int, list[list[int]]]:
         """How many trajectories ``minibatch`` (sample indices) holds, and this process's share of them,
