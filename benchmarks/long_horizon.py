@@ -115,7 +115,8 @@ def run_seed(seed: int, options: argparse.Namespace) -> dict[str, Any]:
     start = out / "start"
     spec = warm_up_spec(settings, seed)
     lines: list[str] = []  # the warm-up's progress lines (warm_up.log)
-    if kept_warm_start(out) == spec:  # kept by --keep-models, made by the same recipe, seed and fit rule
+    reused = kept_warm_start(out) == spec
+    if reused:  # kept by --keep-models, made by the same recipe, seed and fit rule
         lines.extend((out / "warm_up.log").read_text().splitlines())
         warm_up_seconds = json.loads((out / "warm_up.json").read_text())["seconds"]
         print(f"seed {seed}: reusing the warm start saved in {start} ({warm_up_seconds / 60:.1f} min)", flush=True)
@@ -174,7 +175,9 @@ def run_seed(seed: int, options: argparse.Namespace) -> dict[str, Any]:
             (int(line.split("step ")[1].split("/")[0]) for line in reversed(lines) if ", loss" in line), None
         ),
         "training_seconds": training_seconds,
-        "seconds": time.perf_counter() - started,
+        "warm_up_reused": reused,
+        # a seed's whole cost: a reused warm start's minutes are the ones it took when it was made
+        "seconds": time.perf_counter() - started + (warm_up_seconds if reused else 0.0),
         "iterations": len(rows),
         "success": [r.get("success_rate") for r in rows],
         "reward": [r.get("reward_mean") for r in rows],
@@ -198,7 +201,8 @@ def markdown(runs: list[dict[str, Any]]) -> str:
         )
         turns = run["turns_mean"]
         lines.append(
-            f"| {run['seed']} | {run['warm_up_steps']}, {run['warm_up_seconds'] / 60:.1f} | "
+            f"| {run['seed']} | {run['warm_up_steps']}, {run['warm_up_seconds'] / 60:.1f}"
+            f"{' (kept)' if run.get('warm_up_reused') else ''} | "
             f"{run['iterations']}, {run['training_seconds'] / 60:.1f} | {run['seconds'] / 60:.1f} | "
             f"{e['start_T1']['success_rate']:.2f} -> **{e['end_T1']['success_rate']:.2f}** | "
             f"{e['start_T0']['success_rate']:.2f} -> {e['end_T0']['success_rate']:.2f} | {levels} | "

@@ -49,3 +49,7 @@ def test_a_kept_warm_start_is_reused_by_the_next_run_into_the_same_folder(tmp_pa
     assert start.read_bytes() == weights and again["iterations"] == 1
     assert again["warm_up_seconds"] == first["warm_up_seconds"] and again["warm_up_steps"] == 3
     assert again["evaluations"]["start_T0"] == first["evaluations"]["start_T0"]  # the same weights, the same seed
+    # a seed's total still counts the kept warm-up's minutes, and the table says it was kept
+    assert not first["warm_up_reused"] and again["warm_up_reused"]
+    assert again["seconds"] > again["warm_up_seconds"] + again["training_seconds"]
+    assert "| 3 | 3, " in (out / "README.md").read_text() and " (kept) |" in (out / "README.md").read_text()
