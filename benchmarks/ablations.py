@@ -180,8 +180,8 @@ def run_one(
     seconds = time.perf_counter() - started
     if code:
         raise SystemExit(f"{name} seed {seed} failed ({code}): loop-train {' '.join(argv)}")
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    rows = [r for r in rows if "reward_mean" in r and "iteration" in r]
+    logged = read_metrics(run_dir / "metrics.jsonl")
+    rows = [r for r in logged if "reward_mean" in r and "iteration" in r]
     return {
         "variant": name,
         "seed": seed,
@@ -193,7 +193,14 @@ def run_one(
         "entropy": [r.get("entropy") for r in rows],
         "clip": [r.get("clip_frac") for r in rows],
         "collapse_warnings": collapse_warnings(rows),
+        "held_out": held_out_checks(logged),
     }
+
+
+def held_out_checks(logged: list[dict[str, Any]]) -> list[list[float]]:
+    """The run's held-out checks (the recipe's ``eval_every``), as [iteration, success rate]: on a long task the
+    training batches' success moves by 0.1 from one iteration to the next, a check over the test split less."""
+    return [[row["iteration"], row["eval_success_rate"]] for row in logged if "eval_success_rate" in row]
 
 
 def collapse_warnings(rows: list[dict[str, Any]]) -> list[str]:
@@ -219,6 +226,11 @@ def summarize(runs: list[dict[str, Any]], names: list[str], last: int) -> list[d
                 "first5_success": statistics.fmean(statistics.fmean(r["success"][:last]) for r in mine),
                 "seconds_mean": statistics.fmean(r["seconds"] for r in mine),
                 "clip_mean": _mean_clip(mine),
+                # the last held-out check of each seed's run (None: the recipe makes none)
+                "held_out_mean": statistics.fmean(checks)
+                if (checks := [r["held_out"][-1][1] for r in mine if r.get("held_out")])
+                else None,
+                "held_out_iteration": max((r["held_out"][-1][0] for r in mine if r.get("held_out")), default=None),
                 "warned_seeds": [r["seed"] for r in mine if r.get("collapse_warnings")],
                 "success_by_seed": dict(zip([r["seed"] for r in mine], finals["success"], strict=True)),
             }
@@ -255,14 +267,18 @@ def separated_pairs(table: list[dict[str, Any]]) -> list[str]:
 def markdown(table: list[dict[str, Any]], last: int) -> str:
     lines = [
         f"| variant | paper TGC | success, last {last} its | reward, last {last} its | success, first {last} its "
-        "| clip fraction | seeds with a collapse warning | seconds per run |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| held-out success (last check) | clip fraction | seeds with a collapse warning | seconds per run |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in sorted(table, key=lambda r: -r["success_mean"]):
         warned = ", ".join(map(str, row["warned_seeds"])) or "none"
+        held_out = (
+            "-" if row.get("held_out_mean") is None else f"{row['held_out_mean']:.3f} (it {row['held_out_iteration']})"
+        )
         lines.append(
             f"| {row['variant']} | {row['paper_tgc'] or '-'} | {row['success_mean']:.3f} ± {row['success_std']:.3f} | "
             f"{row['reward_mean']:.3f} ± {row['reward_std']:.3f} | {row['first5_success']:.3f} | "
+            f"{held_out} | "
             f"{'-' if row.get('clip_mean') is None else format(row['clip_mean'], '.3f')} | {warned} | "
             f"{row['seconds_mean']:.0f} |"
         )
@@ -328,8 +344,9 @@ def resummarize(options: argparse.Namespace, argv: list[str] | None) -> None:
     runs = saved["runs"]
     for run in runs:
         run_dir = options.out / "runs" / f"{run['variant'].replace(' ', '_').replace('/', '')}-seed{run['seed']}"
-        rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward_mean" in r and "iteration" in r]
-        run["collapse_warnings"] = collapse_warnings(rows)
+        logged = read_metrics(run_dir / "metrics.jsonl")
+        run["collapse_warnings"] = collapse_warnings([r for r in logged if "reward_mean" in r and "iteration" in r])
+        run["held_out"] = held_out_checks(logged)
     names = list(dict.fromkeys(run["variant"] for run in runs))
     # the table of the runs as they were made (their command), the warnings as the code gives them now
     print(write_results(options, saved["command"], runs, names, saved.get("seconds", 0.0)))

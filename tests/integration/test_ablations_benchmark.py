@@ -23,6 +23,8 @@ def test_variants_start_from_the_long_horizon_benchmarks_kept_warm_start(tmp_pat
     long_horizon.main(
         ["--recipe", str(recipe), "--seeds", "3", "--out", str(kept), "--iterations", "1", "--keep-models"]
     )
+    # the variants' runs check the test split at iteration 2 (the long-horizon run above made no checks)
+    recipe.write_text(recipe.read_text().replace("eval_every: 0", "eval_every: 2") + "eval_split: test\n")
     out = tmp_path / "ablations"
     argv = ["--recipe", str(recipe), "--seeds", "3", "--iterations", "2", "--out", str(out), "--warm-starts", str(kept)]
     ablations.main([*argv, "--variants", "LOOP", "LOOP per trajectory"])
@@ -34,7 +36,10 @@ def test_variants_start_from_the_long_horizon_benchmarks_kept_warm_start(tmp_pat
         run_dir = out / "runs" / f"{run['variant'].replace(' ', '_')}-seed3"
         logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert run["clip"] == [row.get("clip_frac") for row in logged if "reward_mean" in row] and len(run["clip"]) == 2
-    assert "| clip fraction |" in (out / "ablations.md").read_text()
+        checks = [[row["iteration"], row["eval_success_rate"]] for row in logged if "eval_success_rate" in row]
+        assert run["held_out"] == checks and [iteration for iteration, _ in checks] == [2]
+    table = (out / "ablations.md").read_text()
+    assert "| clip fraction |" in table and "| held-out success (last check) |" in table and " (it 2) | " in table
     with pytest.raises(SystemExit, match="no kept warm start at .*seed-4 "):
         ablations.main([*argv[:2], "--seeds", "4", "--out", str(out), "--warm-starts", str(kept)])
     other = tmp_path / "other"
