@@ -167,6 +167,7 @@ def run_one(
         "lora_alpha": 2 * options.lora_r,
         "lora_target_modules": "all-linear",
         "learning_rate": options.learning_rate,
+        **({"disable_dropout": "true"} if options.disable_dropout else {}),
     }
     argv = []
     for key, value in {**common, **flags}.items():
@@ -360,6 +361,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", nargs="+", default=list(PAPER), choices=list(PAPER))
     parser.add_argument("--lora-r", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument(
+        "--disable-dropout",
+        action="store_true",
+        help="switch dropout off in every run (disable_dropout): the adapter's lora_dropout (0.05) otherwise makes the "
+        "trainer's forward differ from the sampler's, so the ratio is not 1 on policy",
+    )
     parser.add_argument("--beta", type=float, default=0.04, help="GRPO's KL coefficient (TRL's former default)")
     parser.add_argument("--workers", type=int, default=1, help="runs at a time, one process and one thread each")
     parser.add_argument("--last", type=int, default=5, help="final iterations averaged in the table")

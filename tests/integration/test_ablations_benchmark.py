@@ -27,7 +27,7 @@ def test_variants_start_from_the_long_horizon_benchmarks_kept_warm_start(tmp_pat
     recipe.write_text(recipe.read_text().replace("eval_every: 0", "eval_every: 2") + "eval_split: test\n")
     out = tmp_path / "ablations"
     argv = ["--recipe", str(recipe), "--seeds", "3", "--iterations", "2", "--out", str(out), "--warm-starts", str(kept)]
-    ablations.main([*argv, "--variants", "LOOP", "LOOP per trajectory"])
+    ablations.main([*argv, "--variants", "LOOP", "LOOP per trajectory", "--disable-dropout"])
     saved = json.loads((out / "ablations.json").read_text())
     assert not (out / "models").exists()  # no second warm-up
     by_name = {run["variant"]: run for run in saved["runs"]}
@@ -36,6 +36,7 @@ def test_variants_start_from_the_long_horizon_benchmarks_kept_warm_start(tmp_pat
         run_dir = out / "runs" / f"{run['variant'].replace(' ', '_')}-seed3"
         logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert run["clip"] == [row.get("clip_frac") for row in logged if "reward_mean" in row] and len(run["clip"]) == 2
+        assert "disable_dropout: true" in (run_dir / "recipe.yaml").read_text()  # the adapter's dropout is off
         checks = [[row["iteration"], row["eval_success_rate"]] for row in logged if "eval_success_rate" in row]
         assert run["held_out"] == checks and [iteration for iteration, _ in checks] == [2]
     table = (out / "ablations.md").read_text()
