@@ -153,4 +153,22 @@ def wrap_for_training(model: PreTrainedModel, args: LOOPConfig, peft_config: Any
         for module in policy.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
+    warn_of_active_dropout(policy)
     return policy
+
+
+def warn_of_active_dropout(policy: torch.nn.Module) -> None:
+    """One line when the policy trains with dropout on. The old policy's log-probs (and the sampler's) are taken
+    without dropout, the update's with it, so the PPO ratio is not 1 on policy and clipping acts on noise. PEFT's
+    ``lora_dropout`` (TRL's default 0.05) is the usual source: it grows with the adapter. Measured on ``errands``
+    (LoRA r 32, rate 1e-3): RLOO's single on-policy step, whose ratio should be exactly 1, clipped 0 % of the
+    trajectories at iteration 1, 6 % at 7 and 10-20 % from 13 on (docs/long-horizon.md)."""
+    rates = [module.p for module in policy.modules() if isinstance(module, torch.nn.Dropout) and module.p > 0]
+    if rates:
+        logger.warning(
+            "%d dropout layers are on (p up to %g, e.g. the adapter's lora_dropout): the PPO ratio compares a "
+            "dropout forward with the dropout-free old policy, so it is not 1 on policy; set disable_dropout: true "
+            "(or lora_dropout: 0)",
+            len(rates),
+            max(rates),
+        )
