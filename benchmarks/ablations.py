@@ -18,16 +18,17 @@ And rows that are not the paper's: LOOP with one stabiliser each (docs/stabilise
 (``dynamic_sampling_rounds: 2``), and ``LOOP + KL`` (GRPO's ``beta`` on LOOP). ``--variants`` runs some
 of them; the saved runs of the others in ``OUT/ablations.json`` are kept and tabled with them.
 
-Every variant trains a LoRA adapter (``beta`` needs one: LOOP's reference is the base model with the
-adapter disabled), with the same rank and learning rate. Each run is ``loop-train``'s entry point
-with the variant's flags. ``--workers 2`` runs two at a time, each in its own process on one torch
-thread (the tiny model gains nothing from a second thread, and one thread each avoids two OpenMP
-pools spin-waiting on two cores; the demo's numerics do not depend on the thread count). Reported
-per variant: the
-mean over seeds of the last-5-iterations mean reward and success rate (± the std over seeds), the runs
-whose history shows a collapse signature (the trainer's warning, :mod:`loop_trainer.training.signals`),
-wall seconds per run, and which pairs of variants separate beyond the seeds' spread (their mean ± std
-bands do not overlap); one PNG with every variant's mean success-rate curve.
+Every variant trains a LoRA adapter (``beta`` needs one: LOOP's reference is the base model with the adapter
+disabled), with the same rank and learning rate. The adapter keeps TRL's ``lora_dropout`` (0.05) unless
+``--disable-dropout`` is given: with it on, the update's forward differs from the old policy's, so the ratio is not
+1 on policy (on ``errands`` RLOO's single step clipped 10-20 % of trajectories; docs/long-horizon.md). Each run is
+``loop-train``'s entry point with the variant's flags. ``--workers 2`` runs two at a time, each in its own process
+on one torch thread (the tiny model gains nothing from a second thread, and one thread each avoids two OpenMP pools
+spin-waiting on two cores; the demo's numerics do not depend on the thread count). Reported per variant: the mean
+over seeds of the last-5-iterations mean reward and success rate (± the std over seeds), the runs whose history
+shows a collapse signature (the trainer's warning, :mod:`loop_trainer.training.signals`), wall seconds per run, and
+which pairs of variants separate beyond the seeds' spread (their mean ± std bands do not overlap); one PNG with
+every variant's mean success-rate curve.
 
     python -m benchmarks.ablations --workers 2                       # ~45 min on 2 cores
     python -m benchmarks.ablations --iterations 2 --seeds 0 --out /tmp/ablations-smoke   # a check
