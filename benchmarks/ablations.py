@@ -148,6 +148,11 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def iteration_rows(logged: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The training iterations' rows of a run's metrics (not its held-out checks or its closing summary)."""
+    return [r for r in logged if "reward_mean" in r and "iteration" in r]
+
+
 def run_one(
     name: str, flags: dict[str, Any], seed: int, options: argparse.Namespace, out: Path, model: str | None
 ) -> dict[str, Any]:
@@ -183,7 +188,7 @@ def run_one(
     if code:
         raise SystemExit(f"{name} seed {seed} failed ({code}): loop-train {' '.join(argv)}")
     logged = read_metrics(run_dir / "metrics.jsonl")
-    rows = [r for r in logged if "reward_mean" in r and "iteration" in r]
+    rows = iteration_rows(logged)
     return {
         "variant": name,
         "seed": seed,
@@ -217,6 +222,7 @@ def summarize(runs: list[dict[str, Any]], names: list[str], last: int) -> list[d
     table = []
     for name in names:
         mine = [r for r in runs if r["variant"] == name]
+        last_checks = [r["held_out"][-1] for r in mine if r.get("held_out")]  # none where the recipe makes none
         finals = {key: [statistics.fmean(r[key][-last:]) for r in mine] for key in ("reward", "success")}
         table.append(
             {
@@ -228,11 +234,8 @@ def summarize(runs: list[dict[str, Any]], names: list[str], last: int) -> list[d
                 "first5_success": statistics.fmean(statistics.fmean(r["success"][:last]) for r in mine),
                 "seconds_mean": statistics.fmean(r["seconds"] for r in mine),
                 "clip_mean": _mean_clip(mine),
-                # the last held-out check of each seed's run (None: the recipe makes none)
-                "held_out_mean": statistics.fmean(checks)
-                if (checks := [r["held_out"][-1][1] for r in mine if r.get("held_out")])
-                else None,
-                "held_out_iteration": max((r["held_out"][-1][0] for r in mine if r.get("held_out")), default=None),
+                "held_out_mean": statistics.fmean(rate for _, rate in last_checks) if last_checks else None,
+                "held_out_iteration": max((iteration for iteration, _ in last_checks), default=None),
                 "warned_seeds": [r["seed"] for r in mine if r.get("collapse_warnings")],
                 "success_by_seed": dict(zip([r["seed"] for r in mine], finals["success"], strict=True)),
             }
@@ -347,7 +350,7 @@ def resummarize(options: argparse.Namespace, argv: list[str] | None) -> None:
     for run in runs:
         run_dir = options.out / "runs" / f"{run['variant'].replace(' ', '_').replace('/', '')}-seed{run['seed']}"
         logged = read_metrics(run_dir / "metrics.jsonl")
-        run["collapse_warnings"] = collapse_warnings([r for r in logged if "reward_mean" in r and "iteration" in r])
+        run["collapse_warnings"] = collapse_warnings(iteration_rows(logged))
         run["held_out"] = held_out_checks(logged)
     names = list(dict.fromkeys(run["variant"] for run in runs))
     # the table of the runs as they were made (their command), the warnings as the code gives them now

@@ -35,7 +35,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from benchmarks.ablations import collapse_warnings, one_thread, read_metrics
+from benchmarks.ablations import collapse_warnings, iteration_rows, one_thread, read_metrics
 from benchmarks.common import RESULTS, ROOT, command_line
 
 EPISODE_KEYS = ("max_turns", "max_new_tokens_per_turn", "max_trajectory_tokens")
@@ -164,7 +164,7 @@ def run_seed(seed: int, options: argparse.Namespace) -> dict[str, Any]:
         evaluations[f"end_T{temperature:g}"] = evaluate(
             str(trained), settings, temperature, out / f"eval-end-T{temperature:g}", seed
         )
-    rows = [r for r in read_metrics(trained / "metrics.jsonl") if "reward_mean" in r and "iteration" in r]
+    rows = iteration_rows(read_metrics(trained / "metrics.jsonl"))
     if not options.keep_models:  # the results are the metrics; the weights are a few MB a seed
         for weights in (*start.glob("*.safetensors"), *trained.glob("*.safetensors")):
             weights.unlink()

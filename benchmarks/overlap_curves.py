@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.ablations import bands_separate, collapse_warnings, read_metrics, warmed_up_models
+from benchmarks.ablations import bands_separate, collapse_warnings, iteration_rows, read_metrics, warmed_up_models
 from benchmarks.common import RESULTS, ROOT, command_line, software
 from benchmarks.overlap import server_flags, start_server, wait_for
 
@@ -79,7 +79,7 @@ def run_one(
         server.wait(60)
     if code:
         raise SystemExit(f"{name} failed ({code}): loop-train {' '.join(argv)}\nserver log: {log}")
-    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward_mean" in r and "iteration" in r]
+    rows = iteration_rows(read_metrics(run_dir / "metrics.jsonl"))
     return {
         "mode": mode,
         "max_staleness": staleness,
