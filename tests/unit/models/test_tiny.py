@@ -180,8 +180,7 @@ def test_a_warm_up_with_a_success_probe_stops_when_greedy_success_reaches_the_le
     probed: list[dict[str, float]] = []
 
     def measure(probed_model):
-        assert probed_model is model
-        probed.append({name: float(value.sum()) for name, value in model.state_dict().items()})
+        probed.append({name: float(value.sum()) for name, value in probed_model.state_dict().items()})
         return next(readings)
 
     warm_start(
@@ -316,3 +315,64 @@ def test_a_warm_up_until_fitted_ramps_the_fit_rules_rate_and_a_fixed_one_keeps_a
     assert until_fitted == {"betas": (0.9, 0.9), "rates": [2e-3, 4e-3, 4e-3, 4e-3]}
     assert fixed == {"betas": (0.9, 0.999), "rates": [1e-3] * 3}  # the demo's record: AdamW's defaults at 1e-3
     assert fixed_rate == {"betas": (0.9, 0.999), "rates": [3e-3] * 2}
+
+
+@pytest.mark.parametrize("decay", [0.5, None])
+def test_a_warm_up_until_fitted_probes_and_keeps_the_moving_average_of_its_weights(monkeypatch, decay):
+    """Every check measures the weights' exponential moving average (``average_decay``), from the weights the
+    warm-up started with, and the model is left with the average the probe passed; ``None``: the last step's
+    weights, as before. A fixed count of steps (the demo's) never averages."""
+    import torch
+
+    after_steps: list[dict[str, torch.Tensor]] = []
+
+    class Recorded(torch.optim.AdamW):
+        def step(self, closure=None):
+            result = super().step(closure)
+            after_steps.append({name: value.detach().clone() for name, value in model.named_parameters()})
+            return result
+
+    monkeypatch.setattr(torch.optim, "AdamW", Recorded)
+    env, model, tokenizer = tiny_vault()
+    started = {name: value.detach().clone() for name, value in model.named_parameters()}
+    conversations = env.demonstrations(32, seed=0)
+    probed: list[dict[str, torch.Tensor]] = []
+
+    def measure(probed_model):
+        probed.append({name: value.detach().clone() for name, value in probed_model.named_parameters()})
+        return [0.0, 1.0][len(probed) - 1]  # fitted at the second check
+
+    rule = FitRule(check_every=3, max_steps=50, learning_rate=1e-2, warmup_steps=0, average_decay=decay)
+    warm_start(
+        model,
+        tokenizer,
+        conversations,
+        steps=None,
+        held_out=conversations[:2],
+        fit=rule,
+        batch_size=4,
+        report=lambda _: None,
+        probe=SuccessProbe(measure, level=0.8, tasks=4),
+    )
+    assert len(after_steps) == 6 and len(probed) == 2
+    expected = dict(started)
+    averages = []
+    for weights in after_steps:
+        expected = (
+            {name: expected[name] + (1 - decay) * (weights[name] - expected[name]) for name in weights}
+            if decay
+            else weights
+        )
+        averages.append(expected)
+    for probed_weights, step in zip(probed, (3, 6), strict=True):
+        for name, value in probed_weights.items():
+            torch.testing.assert_close(value, averages[step - 1][name])
+    final = dict(model.named_parameters())
+    for name, value in averages[-1].items():
+        torch.testing.assert_close(final[name].detach(), value)
+    last_step_is_kept = all(torch.equal(final[name].detach(), value) for name, value in after_steps[-1].items())
+    assert last_step_is_kept == (decay is None)
+
+    after_steps.clear()
+    warm_start(model, tokenizer, conversations, steps=2, fit=rule, batch_size=4)
+    assert all(torch.equal(value.detach(), after_steps[-1][name]) for name, value in model.named_parameters())
