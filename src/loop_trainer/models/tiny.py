@@ -202,8 +202,10 @@ class FitRule:
     0.95 (with ``length_pool``) reach the copying jumps hundreds of steps sooner than a constant 1e-3 with
     beta2 0.999, the fixed-steps warm-up's: held-out reply accuracy 0.884 at step 2,100 against 0.872 (seed 3),
     0.864 at step 1,200 against 0.813 (seed 0). A fixed ``tiny_instruct_steps`` keeps 1e-3 (the demo's record).
-    Cooling the rate instead (linearly to 0 over 300 steps, from steps 900 or 1,200 of seed 3) gained
-    nothing: the slow late gains are learning, not noise."""
+    Cooling the rate (linearly to 0 over 300 steps) from steps 900 or 1,200 of seed 3, before the task line
+    was learned, gained nothing; from the slow seeds' last plateau it lifted greedy success from 0.65-0.70 to
+    0.89-0.93. A warm-up until fitted cannot tell when that plateau comes, so it averages instead
+    (``average_decay``)."""
     average_decay: float | None = 0.99
     """The warm-up until fitted measures, probes and keeps an exponential moving average of the weights
     (each step: ``average += (1 - average_decay) * (weights - average)``), not the last step's weights;
