@@ -62,6 +62,8 @@ def evaluate(model: str, settings: dict[str, Any], temperature: float, out: Path
     for key in EPISODE_KEYS:
         if key in settings:
             argv += [f"--{key}", str(settings[key])]
+    if settings.get("eval_max_tasks") is not None:  # the recipe's held-out set, also for loop-eval
+        argv += ["--max_tasks", str(settings["eval_max_tasks"])]
     if loop_eval(argv):
         raise SystemExit(f"loop-eval failed: {' '.join(argv)}")
     return json.loads((out / "metrics.json").read_text())
