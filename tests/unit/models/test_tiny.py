@@ -60,7 +60,7 @@ def tiny_vault():
 def test_a_warm_up_without_a_step_count_stops_once_held_out_replies_are_fitted():
     env, model, tokenizer = tiny_vault()
     lines: list[str] = []
-    rule = FitRule(check_every=10, window=20, min_gain=0.01, max_steps=400)
+    rule = FitRule(check_every=10, window=20, min_gain=0.01, max_steps=400, cool_steps=0)
     warm_start(
         model,
         tokenizer,
@@ -91,7 +91,7 @@ def test_a_warm_up_without_a_step_count_stops_once_held_out_replies_are_fitted()
 def test_a_warm_up_at_its_step_limit_says_so_and_a_fixed_one_measures_nothing_held_out():
     env, model, tokenizer = tiny_vault()
     lines: list[str] = []
-    rule = FitRule(check_every=5, window=50, max_steps=10)
+    rule = FitRule(check_every=5, window=50, max_steps=10, cool_steps=0)
     conversations = env.demonstrations(32, seed=0)
     warm_start(
         model,
@@ -103,7 +103,7 @@ def test_a_warm_up_at_its_step_limit_says_so_and_a_fixed_one_measures_nothing_he
         batch_size=4,
         report=lines.append,
     )
-    assert "stopped at its limit of 10 steps, still improving; set tiny_instruct_steps" in lines[-1]
+    assert "reached its limit of 10 steps, still improving; set tiny_instruct_steps" in lines[-1]
     lines.clear()
     warm_start(model, tokenizer, conversations, steps=7, fit=rule, batch_size=4, report=lines.append)
     assert [line.split(", loss")[0] for line in lines] == ["warm-up: step 5/7", "warm-up: step 7/7"]
@@ -154,7 +154,7 @@ def test_a_warm_up_sees_every_demonstration_min_passes_times_before_it_may_stop(
     ``min_passes`` over its demonstrations (64 conversations, 8 a step: 5 passes are 40 steps)."""
     env, model, tokenizer = tiny_vault()
     lines: list[str] = []
-    rule = FitRule(check_every=10, window=20, min_gain=1.0, min_passes=min_passes, max_steps=400)  # always flat
+    rule = FitRule(check_every=10, window=20, min_gain=1.0, min_passes=min_passes, max_steps=400, cool_steps=0)  # flat
     warm_start(
         model,
         tokenizer,
@@ -175,7 +175,7 @@ def test_a_warm_up_with_a_success_probe_stops_when_greedy_success_reaches_the_le
     weights probed at the stop are the ones kept, even when an earlier check had a better accuracy."""
     env, model, tokenizer = tiny_vault()
     lines: list[str] = []
-    rule = FitRule(check_every=5, window=10, min_gain=1.0, min_passes=100.0, max_steps=400)
+    rule = FitRule(check_every=5, window=10, min_gain=1.0, min_passes=100.0, max_steps=400, cool_steps=0)
     readings = iter([0.0, 0.1, 0.79, 0.8, 1.0])
     probed: list[dict[str, float]] = []
 
@@ -211,14 +211,14 @@ def test_a_warm_up_whose_probe_never_reaches_the_level_says_so_at_its_limit():
         conversations,
         steps=None,
         held_out=conversations[:4],
-        fit=FitRule(check_every=5, window=5, min_gain=1.0, min_passes=0.0, max_steps=10),  # flat: would stop at 10
+        fit=FitRule(check_every=5, window=5, min_gain=1.0, min_passes=0.0, max_steps=10, cool_steps=0),  # flat: 10
         batch_size=4,
         report=lines.append,
         probe=SuccessProbe(lambda _: 0.5, level=0.9, tasks=4),
     )
     assert not any("fitted at step" in line for line in lines)
     assert lines[-1 - any("keeping step" in line for line in lines)].startswith(
-        "warm-up: stopped at its limit of 10 steps without reaching greedy success 0.9"
+        "warm-up: reached its limit of 10 steps without greedy success 0.9"
     )
 
 
@@ -290,7 +290,9 @@ def test_a_warm_up_until_fitted_groups_its_draws_by_length_and_a_fixed_one_draws
     assert single == [torch.randint(len(rows), (4,), generator=torch.Generator().manual_seed(7)).tolist()]
 
 
-def test_a_warm_up_until_fitted_ramps_the_fit_rules_rate_and_a_fixed_one_keeps_adamws_defaults(monkeypatch):
+def test_a_warm_up_until_fitted_ramps_the_fit_rules_rate_then_cools_it_and_a_fixed_one_keeps_adamws_defaults(
+    monkeypatch,
+):
     import torch
 
     optimizers: list[dict] = []
@@ -307,12 +309,14 @@ def test_a_warm_up_until_fitted_ramps_the_fit_rules_rate_and_a_fixed_one_keeps_a
     monkeypatch.setattr(torch.optim, "AdamW", Recorded)
     env, model, tokenizer = tiny_vault()
     conversations = env.demonstrations(16, seed=0)
-    rule = FitRule(check_every=2, max_steps=4, learning_rate=4e-3, warmup_steps=2, adam_beta2=0.9)
+    rule = FitRule(check_every=2, max_steps=4, learning_rate=4e-3, warmup_steps=2, adam_beta2=0.9, cool_steps=2)
     warm_start(model, tokenizer, conversations, steps=None, held_out=conversations[:2], fit=rule, batch_size=4)
     warm_start(model, tokenizer, conversations, steps=3, fit=rule, batch_size=4)
     warm_start(model, tokenizer, conversations, steps=2, fit=rule, batch_size=4, learning_rate=3e-3)
     until_fitted, fixed, fixed_rate = optimizers
-    assert until_fitted == {"betas": (0.9, 0.9), "rates": [2e-3, 4e-3, 4e-3, 4e-3]}
+    # at its limit (4 steps) it cools: 2 more steps, the rate falling linearly towards 0
+    assert until_fitted["betas"] == (0.9, 0.9)
+    assert until_fitted["rates"] == pytest.approx([2e-3, 4e-3, 4e-3, 4e-3, 4e-3 * 2 / 3, 4e-3 / 3])
     assert fixed == {"betas": (0.9, 0.999), "rates": [1e-3] * 3}  # the demo's record: AdamW's defaults at 1e-3
     assert fixed_rate == {"betas": (0.9, 0.999), "rates": [3e-3] * 2}
 
@@ -320,8 +324,9 @@ def test_a_warm_up_until_fitted_ramps_the_fit_rules_rate_and_a_fixed_one_keeps_a
 @pytest.mark.parametrize("decay", [0.5, None])
 def test_a_warm_up_until_fitted_probes_and_keeps_the_moving_average_of_its_weights(monkeypatch, decay):
     """Every check measures the weights' exponential moving average (``average_decay``), from the weights the
-    warm-up started with, and the model is left with the average the probe passed; ``None``: the last step's
-    weights, as before. A fixed count of steps (the demo's) never averages."""
+    warm-up started with, and the model is left with the average where the cooling after the probe ends
+    (``cool_steps``); ``None``: the last step's weights, as before. A fixed count of steps (the demo's) never
+    averages."""
     import torch
 
     after_steps: list[dict[str, torch.Tensor]] = []
@@ -340,9 +345,9 @@ def test_a_warm_up_until_fitted_probes_and_keeps_the_moving_average_of_its_weigh
 
     def measure(probed_model):
         probed.append({name: value.detach().clone() for name, value in probed_model.named_parameters()})
-        return [0.0, 1.0][len(probed) - 1]  # fitted at the second check
+        return [0.0, 1.0, 1.0][len(probed) - 1]  # fitted at the second check, then 3 cooled steps
 
-    rule = FitRule(check_every=3, max_steps=50, learning_rate=1e-2, warmup_steps=0, average_decay=decay)
+    rule = FitRule(check_every=3, max_steps=50, learning_rate=1e-2, warmup_steps=0, average_decay=decay, cool_steps=3)
     warm_start(
         model,
         tokenizer,
@@ -354,7 +359,7 @@ def test_a_warm_up_until_fitted_probes_and_keeps_the_moving_average_of_its_weigh
         report=lambda _: None,
         probe=SuccessProbe(measure, level=0.8, tasks=4),
     )
-    assert len(after_steps) == 6 and len(probed) == 2
+    assert len(after_steps) == 9 and len(probed) == 3
     expected = dict(started)
     averages = []
     for weights in after_steps:
@@ -364,7 +369,7 @@ def test_a_warm_up_until_fitted_probes_and_keeps_the_moving_average_of_its_weigh
             else weights
         )
         averages.append(expected)
-    for probed_weights, step in zip(probed, (3, 6), strict=True):
+    for probed_weights, step in zip(probed, (3, 6, 9), strict=True):
         for name, value in probed_weights.items():
             torch.testing.assert_close(value, averages[step - 1][name])
     final = dict(model.named_parameters())
