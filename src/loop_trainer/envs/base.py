@@ -145,7 +145,7 @@ class Environment(ABC):
     warm_up_success: float | None = None
     """For ``tiny-instruct:<env>`` warm-ups until fitted: the greedy success rate on the first
     ``FitRule.probe_tasks`` training tasks the warm-up must reach before it stops (probed every
-    ``FitRule.probe_every`` steps). None: it stops when its held-out reply accuracy plateaus. Set it
+    ``FitRule.check_every`` steps). None: it stops when its held-out reply accuracy plateaus. Set it
     where greedy success is a cliff in that accuracy (``errands``: a task of 10-30 dependent calls
     fails on one wrong value, so a plateau at 0.87 gives 0.02 and one at 0.91 gives 0.97)."""
 
