@@ -348,6 +348,7 @@ def warm_start(
             if steps is None and (best is None or history[-1] > best[0]):
                 best = (history[-1], step, {name: value.clone() for name, value in kept.state_dict().items()})
         say(f"{progress}, {time.monotonic() - started:.0f} s")
+        ended = False  # the stable phase ends at this check: fitted, or at the limit
         if steps is None and probe is not None:
             success = probe.measure(kept)
             model.train()
@@ -358,14 +359,14 @@ def warm_start(
             if cooling_from is None and success >= probe.level:
                 say(f"{label}: fitted at step {step} (greedy success {success:.2f} >= {probe.level:g})")
                 best = None  # the probed weights are the ones that reached the level (and cool from there)
-                cooling_from, last = step, step + fit.cool_steps
+                ended = True
             elif cooling_from is None and step == most:
                 say(
                     f"{label}: reached its limit of {most} steps without greedy success {probe.level:g}: LOOP "
                     "may get too few successes to learn from (set tiny_instruct_steps to train longer, or try "
                     "another seed)"
                 )
-                cooling_from, last = step, step + fit.cool_steps
+                ended = True
         elif steps is None and cooling_from is None:
             window = fit.window // fit.check_every
             gain = history[-1] - history[-1 - window] if len(history) > window else None
@@ -374,15 +375,17 @@ def warm_start(
                     f"{label}: fitted at step {step} (held-out reply accuracy gained {gain:.3f} "
                     f"over the last {fit.window} steps)"
                 )
-                cooling_from, last = step, step + fit.cool_steps
+                ended = True
             elif step == most:
                 say(
                     f"{label}: reached its limit of {most} steps, still improving; "
                     "set tiny_instruct_steps to train longer"
                 )
-                cooling_from, last = step, step + fit.cool_steps
-        if cooling_from == step and last > step:
-            say(f"{label}: cooling the rate from {rate:g} to 0 over {fit.cool_steps} more steps (fit.cool_steps)")
+                ended = True
+        if ended:
+            cooling_from, last = step, step + fit.cool_steps
+            if fit.cool_steps:
+                say(f"{label}: cooling the rate from {rate:g} to 0 over {fit.cool_steps} more steps (fit.cool_steps)")
     if kept is not model:
         model.load_state_dict(kept.state_dict())
     if best is not None and best[0] > history[-1]:  # past its best: the later steps fitted noise
