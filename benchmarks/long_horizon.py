@@ -73,7 +73,7 @@ def warm_up_spec(settings: dict[str, Any], seed: int) -> dict[str, Any]:
     """What a warm start depends on: the recipe's model, environment and warm-up, the seed and the fit rule
     (a warm start kept before a change to any of them is made again, not reused)."""
     from loop_trainer.envs import make_environment
-    from loop_trainer.models.tiny import FitRule
+    from loop_trainer.models.tiny import DEFAULT_TINY_LAYERS, FitRule, tiny_layers_of
 
     env = make_environment(settings["environment"], **(settings.get("environment_kwargs") or {}))
     spec = {
@@ -85,6 +85,8 @@ def warm_up_spec(settings: dict[str, Any], seed: int) -> dict[str, Any]:
         "fit_rule": dataclasses.asdict(FitRule()),
         "warm_up_success": getattr(env, "warm_up_success", None),
         **({"probe_episodes": episode_settings(settings)} if getattr(env, "warm_up_success", None) else {}),
+        # only where it is not the default, so that the warm starts kept before depth was a setting still match
+        **({"tiny_layers": tiny_layers_of(env)} if tiny_layers_of(env) != DEFAULT_TINY_LAYERS else {}),
     }
     return json.loads(json.dumps(spec))  # as it reads back from warm_up.json
 

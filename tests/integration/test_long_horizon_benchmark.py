@@ -57,3 +57,20 @@ def test_a_kept_warm_start_is_reused_by_the_next_run_into_the_same_folder(tmp_pa
     assert not first["warm_up_reused"] and again["warm_up_reused"]
     assert again["seconds"] > again["warm_up_seconds"] + again["training_seconds"]
     assert "| 3 | 3, " in (out / "README.md").read_text() and " (kept) |" in (out / "README.md").read_text()
+
+
+def test_the_warm_start_spec_names_a_depth_only_where_the_environment_declares_one(monkeypatch):
+    """A kept warm start is reused only under the same spec: a deeper tiny model is another start, while the
+    starts kept before depth was a setting (2 layers, no key) still match."""
+    import loop_trainer.envs as envs
+    from benchmarks.long_horizon import warm_up_spec
+    from loop_trainer.envs import VaultEnv
+
+    settings = {"model_name_or_path": "tiny-instruct:vault", "environment": "vault"}
+    assert "tiny_layers" not in warm_up_spec(settings, seed=0)
+
+    class DeepVault(VaultEnv):
+        tiny_layers = 4
+
+    monkeypatch.setattr(envs, "make_environment", lambda name, **kwargs: DeepVault(**kwargs))
+    assert warm_up_spec(settings, seed=0)["tiny_layers"] == 4

@@ -148,6 +148,11 @@ class Environment(ABC):
     ``FitRule.check_every`` steps). None: it stops when its held-out reply accuracy plateaus. Set it
     where greedy success is a cliff in that accuracy (``errands``: a task of 10-30 dependent calls
     fails on one wrong value, so a plateau at 0.87 gives 0.02 and one at 0.91 gives 0.97)."""
+    tiny_layers: int | None = None
+    """For ``tiny:<env>`` / ``tiny-instruct:<env>``: the tiny model's number of decoder layers (its
+    width stays 128). None: 2. Set more where a reply needs look-ups composed on look-ups (which errand
+    of a task line comes after the last one done in the history): each layer costs about as much as
+    the first two in the warm-up and in every iteration."""
 
     @abstractmethod
     def tasks(self, split: str = "train") -> Dataset:

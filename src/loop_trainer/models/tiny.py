@@ -41,6 +41,8 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ROLES = ("system", "user", "assistant", "tool")
 RANDOM_PREFIX = "tiny:"
 INSTRUCT_PREFIX = "tiny-instruct:"
+DEFAULT_TINY_LAYERS = 2
+"""The tiny model's decoder layers unless its environment names ``tiny_layers``."""
 WARM_UP_CONVERSATIONS = 512
 """The demonstrations a warm-up of a fixed number of steps (``tiny_instruct_steps``) replays (the demo's 400)."""
 WARM_UP_BATCH_SIZE = 32
@@ -104,7 +106,7 @@ def tiny_config(
     vocab_size: int,
     *,
     hidden_size: int = 128,
-    num_layers: int = 2,
+    num_layers: int = DEFAULT_TINY_LAYERS,
     num_heads: int = 4,
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
@@ -127,7 +129,7 @@ def build_tiny_model(
     vocab_size: int,
     *,
     hidden_size: int = 128,
-    num_layers: int = 2,
+    num_layers: int = DEFAULT_TINY_LAYERS,
     num_heads: int = 4,
     seed: int = 0,
     eos_token_id: int | None = None,
@@ -150,12 +152,31 @@ def build_tiny_model(
     return model
 
 
-def build_tiny_for_environment(words: Iterable[str], seed: int = 0) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
+def build_tiny_for_environment(
+    words: Iterable[str], seed: int = 0, num_layers: int = DEFAULT_TINY_LAYERS
+) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
     tokenizer = build_word_tokenizer(words)
     model = build_tiny_model(
-        len(tokenizer), seed=seed, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+        len(tokenizer),
+        seed=seed,
+        num_layers=num_layers,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     return model, tokenizer
+
+
+def tiny_layers_of(env: Any) -> int:
+    """The depth ``env`` declares for its tiny model (``Environment.tiny_layers``; None: 2 layers)."""
+    layers = getattr(env, "tiny_layers", None)
+    if layers is None:
+        return DEFAULT_TINY_LAYERS
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise ValueError(
+            f"the '{getattr(env, 'name', type(env).__name__)}' environment's tiny_layers is {layers!r}: "
+            "set it to a whole number of decoder layers, 1 or more (or None for the default 2)"
+        )
+    return layers
 
 
 @dataclass(frozen=True)
@@ -483,7 +504,8 @@ def build_tiny_from_spec(
         raise ValueError(f"'{name}' is a tiny model for the '{label}' environment, but the environment is '{env.name}'")
     if not hasattr(env, "vocabulary"):
         raise ValueError(f"'{name}' needs an environment with a vocabulary(); '{env.name}' has none")
-    model, tokenizer = build_tiny_for_environment(env.vocabulary(), seed=seed)
+    layers = tiny_layers_of(env)
+    model, tokenizer = build_tiny_for_environment(env.vocabulary(), seed=seed, num_layers=layers)
     if name.startswith(INSTRUCT_PREFIX):
         if not hasattr(env, "demonstrations"):
             raise ValueError(f"'{name}' needs an environment with demonstrations(); '{env.name}' has none")
@@ -506,7 +528,7 @@ def build_tiny_from_spec(
         if warm_up_steps is None and fit.cool_steps:
             plan += f", then {fit.cool_steps} steps with the rate cooled to 0"
         (report or logger.info)(
-            f"{name}: replaying {drawn + held_out} of the environment's episodes for the "
+            f"{name} ({layers} layers): replaying {drawn + held_out} of the environment's episodes for the "
             f"warm-up (at most {env_timeout:g} s), then {plan}"
         )
         conversations = replay_demonstrations(env, drawn, seed, env_timeout)

@@ -244,6 +244,30 @@ def test_the_probe_reaches_the_warm_up_only_where_the_environment_names_a_level(
     assert "until greedy success on 64 training tasks reaches 0.8" in lines[-1]
 
 
+def test_the_tiny_model_has_the_depth_its_environment_declares():
+    """``tiny_layers`` on the environment sets the decoder's depth for ``tiny:`` and ``tiny-instruct:`` alike;
+    a depth that is not a positive whole number is refused with one line."""
+
+    class DeepVault(VaultEnv):
+        tiny_layers = 3
+
+    lines: list[str] = []
+    shallow, _ = build_tiny_from_spec("tiny:vault", VaultEnv(num_tasks=4))
+    deep, _ = build_tiny_from_spec("tiny:vault", DeepVault(num_tasks=4))
+    warmed, _ = build_tiny_from_spec(
+        "tiny-instruct:vault", DeepVault(num_tasks=4), warm_up_steps=1, report=lines.append
+    )
+    assert shallow.config.num_hidden_layers == 2 and len(shallow.model.layers) == 2
+    assert deep.config.num_hidden_layers == warmed.config.num_hidden_layers == 3 and len(deep.model.layers) == 3
+    assert lines[0].startswith("tiny-instruct:vault (3 layers): replaying")
+
+    for bad in (0, 2.5, True, "4"):
+        DeepVault.tiny_layers = bad
+        with pytest.raises(ValueError) as caught:
+            build_tiny_from_spec("tiny:vault", DeepVault(num_tasks=4))
+        assert "\n" not in str(caught.value) and "tiny_layers" in str(caught.value)
+
+
 def test_the_greedy_probe_rolls_out_training_tasks_with_the_recipe_episode_limits():
     """What loop-train hands the warm-up: greedy success on the first tasks of the train split (the test split
     stays unseen), under the run's episode limits."""
