@@ -3,7 +3,8 @@ warm-up, with held-out evaluations (``loop-eval`` on the test split) of the warm
 trained one.
 
 Per seed, in one process on one core and one torch thread (``--workers 2`` runs two seeds at once, one per
-core of a 2-core machine):
+core of a 2-core machine; ``--threads 2`` gives one seed both cores, a 4-layer model's warm-up step then costs
+what a 2-layer one's does on one, ``benchmarks/tiny_depth_cost.py``):
 
 1. the recipe's ``tiny-instruct:`` model is built and warmed up (``tiny_instruct_steps`` or until fitted),
    its progress kept, and saved;
@@ -35,7 +36,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from benchmarks.ablations import collapse_warnings, iteration_rows, one_thread, read_metrics
+from benchmarks.ablations import collapse_warnings, iteration_rows, read_metrics
 from benchmarks.common import RESULTS, ROOT, command_line
 
 EPISODE_KEYS = ("max_turns", "max_new_tokens_per_turn", "max_trajectory_tokens")
@@ -67,6 +68,12 @@ def evaluate(model: str, settings: dict[str, Any], temperature: float, out: Path
     if loop_eval(argv):
         raise SystemExit(f"loop-eval failed: {' '.join(argv)}")
     return json.loads((out / "metrics.json").read_text())
+
+
+def torch_threads(count: int) -> None:
+    import torch
+
+    torch.set_num_threads(count)
 
 
 def warm_up_spec(settings: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -245,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recipe", default=str(ROOT / "recipes" / "errands.yaml"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--iterations", type=int, default=None, help="override the recipe's iterations")
-    parser.add_argument("--workers", type=int, default=1, help="seeds at a time, one process and one thread each")
+    parser.add_argument("--workers", type=int, default=1, help="seeds at a time, one process each")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per seed (a core each)")
     parser.add_argument("--out", type=Path, default=RESULTS / "long-horizon")
     parser.add_argument(
         "--keep-models",
@@ -259,15 +267,19 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     runs = []
     if options.workers > 1:
-        with ProcessPoolExecutor(options.workers, mp_context=get_context("spawn"), initializer=one_thread) as pool:
+        spawn, threads = get_context("spawn"), (options.threads,)
+        with ProcessPoolExecutor(options.workers, spawn, initializer=torch_threads, initargs=threads) as pool:
             futures = [pool.submit(run_seed, seed, options) for seed in options.seeds]
             runs = [future.result() for future in futures]
     else:
-        one_thread()
+        torch_threads(options.threads)
         runs = [run_seed(seed, options) for seed in options.seeds]
     command = command_line("benchmarks.long_horizon", argv)
     (options.out / "long_horizon.json").write_text(
-        json.dumps({"command": command, "seconds": time.perf_counter() - started, "runs": runs}, indent=1)
+        json.dumps(
+            {"command": command, "threads": options.threads, "seconds": time.perf_counter() - started, "runs": runs},
+            indent=1,
+        )
     )
     plot(runs, options.out / "curves.png")
     table = markdown(runs)

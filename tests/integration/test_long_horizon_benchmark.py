@@ -13,6 +13,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the repository root, for the benchmarks package
 
+from benchmarks import long_horizon  # noqa: E402
 from benchmarks.long_horizon import main  # noqa: E402
 from support.miniature_errands import miniature_recipe  # noqa: E402
 
@@ -23,8 +24,11 @@ def test_one_seed_of_a_miniature_recipe(tmp_path, monkeypatch):
     recipe = yaml.safe_load(path.read_text())
     path.write_text(yaml.safe_dump({**recipe, "eval_max_tasks": 1}))  # the recipe's held-out set caps loop-eval too
     out = tmp_path / "results"
-    main(["--recipe", str(path), "--seeds", "3", "--out", str(out)])
+    threads: list[int] = []  # --threads reaches torch (recorded, not set: the test process keeps its own)
+    monkeypatch.setattr(long_horizon, "torch_threads", threads.append)
+    main(["--recipe", str(path), "--seeds", "3", "--out", str(out), "--threads", "2"])
     saved = json.loads((out / "long_horizon.json").read_text())
+    assert threads == [2] and saved["threads"] == 2
     (run,) = saved["runs"]
     assert run["seed"] == 3 and run["iterations"] == 2 and run["warm_up_steps"] == 3
     assert len(run["turns_mean"]) == 2 and all(turns >= 1 for turns in run["turns_mean"])
