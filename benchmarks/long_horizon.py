@@ -113,6 +113,8 @@ def kept_warm_start(seed_dir: Path) -> dict[str, Any] | None:
 
 
 def run_seed(seed: int, options: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
     from loop_trainer.cli.evaluate import greedy_success_on_training_tasks
     from loop_trainer.cli.train import cli as loop_train
     from loop_trainer.config import EpisodeSettings
@@ -181,6 +183,7 @@ def run_seed(seed: int, options: argparse.Namespace) -> dict[str, Any]:
             weights.unlink()
     return {
         "seed": seed,
+        "threads": torch.get_num_threads(),
         "warm_up_seconds": warm_up_seconds,
         "warm_up_steps": next(
             (int(line.split("step ")[1].split("/")[0]) for line in reversed(lines) if ", loss" in line), None
@@ -242,7 +245,9 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         axis.set_xlabel("iteration")
         axis.grid(alpha=0.3)
     success_axis.legend(fontsize=8)
-    figure.suptitle("LOOP on errands (10-30 dependent calls), tiny-instruct model, one core per seed")
+    threads = sorted({run.get("threads", 1) for run in runs})
+    per_seed = "one core per seed" if threads == [1] else f"{'/'.join(map(str, threads))} torch threads per seed"
+    figure.suptitle(f"LOOP on errands (10-30 dependent calls), tiny-instruct model, {per_seed}")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
