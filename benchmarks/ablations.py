@@ -46,7 +46,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, ROOT, command_line
+from benchmarks.common import RESULTS, ROOT, command_line, torch_threads
 
 PAPER: dict[str, float | None] = {
     "LOOP": 71.3,
@@ -136,12 +136,6 @@ def kept_warm_starts(folder: Path, seeds: list[int], recipe: str) -> dict[int, s
                 f"run long_horizon.py --keep-models with {recipe}"
             )
     return {seed: str(folder / f"seed-{seed}" / "start") for seed in seeds}
-
-
-def one_thread() -> None:
-    import torch
-
-    torch.set_num_threads(1)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -413,7 +407,9 @@ def main(argv: list[str] | None = None) -> None:
     jobs = [(name, seed) for seed in options.seeds for name in options.variants]
     workers = None
     if options.workers > 1:
-        workers = ProcessPoolExecutor(options.workers, mp_context=get_context("spawn"), initializer=one_thread)
+        workers = ProcessPoolExecutor(
+            options.workers, mp_context=get_context("spawn"), initializer=torch_threads, initargs=(1,)
+        )
     try:
         pending = [
             (

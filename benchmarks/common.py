@@ -34,6 +34,13 @@ def command_line(module: str, argv: Sequence[str] | None = None, python: str = "
     return shlex.join([python, "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
+def torch_threads(count: int) -> None:
+    """Give torch ``count`` threads in this process (a benchmark's worker initializer: one per core it owns)."""
+    import torch
+
+    torch.set_num_threads(count)
+
+
 def package_versions(names: Iterable[str]) -> dict[str, str | None]:
     """Each distribution's installed version (``importlib.metadata``); None where it is not installed."""
     versions: dict[str, str | None] = {}

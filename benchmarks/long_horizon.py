@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.ablations import collapse_warnings, iteration_rows, read_metrics
-from benchmarks.common import RESULTS, ROOT, command_line
+from benchmarks.common import RESULTS, ROOT, command_line, torch_threads
 
 EPISODE_KEYS = ("max_turns", "max_new_tokens_per_turn", "max_trajectory_tokens")
 
@@ -70,12 +70,6 @@ def evaluate(model: str, settings: dict[str, Any], temperature: float, out: Path
     return json.loads((out / "metrics.json").read_text())
 
 
-def torch_threads(count: int) -> None:
-    import torch
-
-    torch.set_num_threads(count)
-
-
 def warm_up_spec(settings: dict[str, Any], seed: int) -> dict[str, Any]:
     """What a warm start depends on: the recipe's model, environment and warm-up, the seed and the fit rule
     (a warm start kept before a change to any of them is made again, not reused)."""
@@ -83,6 +77,7 @@ def warm_up_spec(settings: dict[str, Any], seed: int) -> dict[str, Any]:
     from loop_trainer.models.tiny import DEFAULT_TINY_LAYERS, FitRule, tiny_layers_of
 
     env = make_environment(settings["environment"], **(settings.get("environment_kwargs") or {}))
+    layers = tiny_layers_of(env)
     spec = {
         "model_name_or_path": settings["model_name_or_path"],
         "environment": settings["environment"],
@@ -93,7 +88,7 @@ def warm_up_spec(settings: dict[str, Any], seed: int) -> dict[str, Any]:
         "warm_up_success": getattr(env, "warm_up_success", None),
         **({"probe_episodes": episode_settings(settings)} if getattr(env, "warm_up_success", None) else {}),
         # only where it is not the default, so that the warm starts kept before depth was a setting still match
-        **({"tiny_layers": tiny_layers_of(env)} if tiny_layers_of(env) != DEFAULT_TINY_LAYERS else {}),
+        **({"tiny_layers": layers} if layers != DEFAULT_TINY_LAYERS else {}),
     }
     return json.loads(json.dumps(spec))  # as it reads back from warm_up.json
 

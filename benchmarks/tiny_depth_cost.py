@@ -5,7 +5,7 @@ batches, for a 2- and a 4-layer model. LOOP: seconds an iteration of the recipe 
 kept warm starts, 2 layers (``cooled-seeds-0-3``) and 4 (``four-layers-seeds-0-3``), the same tasks for both.
 Each at 1 and 2 torch threads. Run it alone: another torch process on the same cores stalls both.
 
-    python -m benchmarks.tiny_depth_cost                       # about 12 minutes on 2 cores
+    python -m benchmarks.tiny_depth_cost                       # about 6 minutes on 2 cores
     python -m benchmarks.tiny_depth_cost --steps 20 --iterations 3
 """
 
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+from benchmarks.common import RESULTS, ROOT, command_line, software, torch_threads
+
 KEPT_STARTS = {
     2: RESULTS / "long-horizon" / "cooled-seeds-0-3" / "seed-0" / "start",
     4: RESULTS / "long-horizon" / "four-layers-seeds-0-3" / "seed-0" / "start",
@@ -33,12 +33,10 @@ KEPT_STARTS = {
 
 def warm_up_seconds_per_step(layers: int, threads: int, steps: int, conversations: int) -> float:
     """The fit rule's warm-up (its rate, beta2, length pooling and weight average) for ``steps`` steps."""
-    import torch
-
     from loop_trainer.envs import ErrandsEnv
     from loop_trainer.models.tiny import FitRule, build_tiny_for_environment, warm_start
 
-    torch.set_num_threads(threads)
+    torch_threads(threads)
     env = ErrandsEnv()
     model, tokenizer = build_tiny_for_environment(env.vocabulary(), seed=0, num_layers=layers)
     drawn = env.demonstrations(conversations, seed=0)
@@ -99,8 +97,11 @@ def main(argv: list[str] | None = None) -> None:
         )
     table = "\n".join(lines)
     options.out.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python -m benchmarks.tiny_depth_cost", *(argv if argv is not None else sys.argv[1:])])
-    (options.out / "tiny_depth_cost.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    command = command_line("benchmarks.tiny_depth_cost", argv)
+    measured_with = software(["torch", "transformers"], host=True, checkout=True)
+    (options.out / "tiny_depth_cost.json").write_text(
+        json.dumps({"command": command, "software": measured_with, "rows": rows}, indent=1)
+    )
     title = "# The tiny model's depth and threads on errands"
     (options.out / "README.md").write_text(f"{title}\n\n`{command}`\n\n{table}\n")
     print(table)
