@@ -145,12 +145,15 @@ class Evaluator:
         self.engine.close()
 
 
-def greedy_success_on_training_tasks(env: Environment, settings: EpisodeSettings) -> Callable[[Any, Any, int], float]:
+def greedy_success_on_training_tasks(
+    env: Environment, settings: EpisodeSettings
+) -> Callable[[Any, Any, int], dict[str, float]]:
     """``measure(model, tokenizer, tasks)``: the greedy success rate of ``model`` on the first ``tasks``
     tasks of ``env``'s train split, episodes limited by ``settings`` (what a ``tiny-instruct:`` warm-up
-    whose environment names a ``warm_up_success`` stops on; the test split stays unseen)."""
+    whose environment names a ``warm_up_success`` stops on; the test split stays unseen): ``success_rate``,
+    and the summary's other success rates (``errands``: ``success_rate_level_N`` for each level)."""
 
-    def measure(model: Any, tokenizer: Any, tasks: int) -> float:
+    def measure(model: Any, tokenizer: Any, tasks: int) -> dict[str, float]:
         env.prepare()  # a no-op once prepared
         model.eval()
         greedy = build_transformers_backend(
@@ -161,7 +164,12 @@ def greedy_success_on_training_tasks(env: Environment, settings: EpisodeSettings
         )
         evaluator = Evaluator(env, greedy, ChatFormatter(tokenizer), settings)
         try:
-            return float(evaluator.run("train", max_tasks=tasks, seed=0).metrics["success_rate"])
+            metrics = evaluator.run("train", max_tasks=tasks, seed=0).metrics
+            return {
+                name: float(value)
+                for name, value in metrics.items()
+                if name.startswith("success_rate") and isinstance(value, (int, float))
+            }
         finally:
             evaluator.close()
 

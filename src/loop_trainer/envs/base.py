@@ -142,12 +142,15 @@ class Environment(ABC):
     default_eval_split: str | None = None
     """The split ``loop-eval`` evaluates when neither ``--split`` nor the evaluated run's ``eval_split``
     names one (the built-in worlds: ``test``; AppWorld: ``dev``). None: ``--split`` is required."""
-    warm_up_success: float | None = None
+    warm_up_success: float | Mapping[str, float] | None = None
     """For ``tiny-instruct:<env>`` warm-ups until fitted: the greedy success rate on the first
     ``FitRule.probe_tasks`` training tasks the warm-up must reach before it stops (probed every
     ``FitRule.check_every`` steps). None: it stops when its held-out reply accuracy plateaus. Set it
     where greedy success is a cliff in that accuracy (``errands``: a task of 10-30 dependent calls
-    fails on one wrong value, so a plateau at 0.87 gives 0.02 and one at 0.91 gives 0.97)."""
+    fails on one wrong value, so a plateau at 0.87 gives 0.02 and one at 0.91 gives 0.97). A mapping
+    names several of the probe's readings, each with its own rate: ``success_rate`` and the rates the
+    environment's ``summarize`` reports beside it (``errands``: ``success_rate_level_N``), so a warm-up
+    can wait for its hardest tasks as well as the mean."""
     tiny_layers: int | None = None
     """For ``tiny:<env>`` / ``tiny-instruct:<env>``: the tiny model's number of decoder layers (its
     width stays 128). None: 2. Set more where a reply needs look-ups composed on look-ups (which errand

@@ -22,7 +22,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -263,9 +263,57 @@ class SuccessProbe:
     tells the last plateau from an earlier one (two seeds of three stopped on their next-to-last, with
     starts LOOP could not learn from)."""
 
-    measure: Callable[[Qwen2ForCausalLM], float]
-    level: float
+    measure: Callable[[Qwen2ForCausalLM], Mapping[str, float]]
+    """The greedy rollouts' success rates: ``success_rate`` and any ``success_rate_<part>`` (``errands``: by
+    level), all shown in the progress lines."""
+    level: float | Mapping[str, float]
+    """The environment's ``warm_up_success``: the rate ``success_rate`` must reach, or the readings that must
+    each reach their own rate (``{"success_rate": 0.8, "success_rate_level_3": 0.8}``)."""
     tasks: int
+
+    @property
+    def targets(self) -> dict[str, float]:
+        """Each reading the warm-up stops on, and the rate it must reach."""
+        if isinstance(self.level, Mapping):
+            return {name: float(rate) for name, rate in self.level.items()}
+        return {"success_rate": float(self.level)}
+
+    def describe(self) -> str:
+        """The level in words: ``0.8``, or ``success_rate 0.8, level 3 0.8`` for several readings."""
+        if not isinstance(self.level, Mapping):
+            return f"{self.level:g}"
+        return ", ".join(f"{_reading_name(name)} {rate:g}" for name, rate in self.targets.items())
+
+    def reached(self, readings: Mapping[str, float]) -> bool:
+        """Whether every target reading is at its rate; one line naming the reading if the probe lacks it."""
+        missing = [name for name in self.targets if name not in readings]
+        if missing:
+            raise ValueError(
+                f"warm_up_success names {', '.join(missing)}, which the greedy probe does not read "
+                f"(it reads {', '.join(sorted(readings))}): name only those in the environment's warm_up_success"
+            )
+        return all(readings[name] >= rate for name, rate in self.targets.items())
+
+
+def _reading_name(name: str) -> str:
+    """``success_rate_level_3`` -> ``level 3``; ``success_rate`` stays as it is."""
+    return name.removeprefix("success_rate_").replace("_", " ") if name != "success_rate" else name
+
+
+def checked_warm_up_success(env: Any) -> float | Mapping[str, float] | None:
+    """``env``'s ``warm_up_success`` (None, a rate, or a mapping of readings to rates), each rate in (0, 1];
+    anything else is refused with one line."""
+    level = getattr(env, "warm_up_success", None)
+    rates = level.values() if isinstance(level, Mapping) else [] if level is None else [level]
+    if (isinstance(level, Mapping) and (not level or not all(isinstance(k, str) for k in level))) or not all(
+        isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 < rate <= 1 for rate in rates
+    ):
+        raise ValueError(
+            f"the '{getattr(env, 'name', type(env).__name__)}' environment's warm_up_success is {level!r}: set it to "
+            "a success rate in (0, 1], a mapping of the probe's readings to such rates "
+            "(e.g. {'success_rate': 0.8, 'success_rate_level_3': 0.8}), or None"
+        )
+    return level
 
 
 def warm_start(
@@ -371,19 +419,25 @@ def warm_start(
         say(f"{progress}, {time.monotonic() - started:.0f} s")
         ended = False  # the stable phase ends at this check: fitted, or at the limit
         if steps is None and probe is not None:
-            success = probe.measure(kept)
+            readings = probe.measure(kept)
             model.train()
-            say(
-                f"{label}: step {step}, greedy success on {probe.tasks} training tasks {success:.2f} "
-                f"(fitted at {probe.level:g}), {time.monotonic() - started:.0f} s"
+            success = readings["success_rate"]
+            parts = ", ".join(
+                f"{_reading_name(name)} {value:.2f}"
+                for name, value in sorted(readings.items())
+                if name.startswith("success_rate_")
             )
-            if cooling_from is None and success >= probe.level:
-                say(f"{label}: fitted at step {step} (greedy success {success:.2f} >= {probe.level:g})")
+            say(
+                f"{label}: step {step}, greedy success on {probe.tasks} training tasks {success:.2f}"
+                f"{f' ({parts})' if parts else ''} (fitted at {probe.describe()}), {time.monotonic() - started:.0f} s"
+            )
+            if cooling_from is None and probe.reached(readings):
+                say(f"{label}: fitted at step {step} (greedy success {success:.2f} >= {probe.describe()})")
                 best = None  # the probed weights are the ones that reached the level (and cool from there)
                 ended = True
             elif cooling_from is None and step == most:
                 say(
-                    f"{label}: reached its limit of {most} steps without greedy success {probe.level:g}: LOOP "
+                    f"{label}: reached its limit of {most} steps without greedy success {probe.describe()}: LOOP "
                     "may get too few successes to learn from (set tiny_instruct_steps to train longer, or try "
                     "another seed)"
                 )
@@ -490,14 +544,15 @@ def build_tiny_from_spec(
     env_timeout: float = 300.0,
     warm_up_steps: int | None = None,
     report: Callable[[str], None] | None = None,
-    greedy_success: Callable[[Qwen2ForCausalLM, PreTrainedTokenizerFast, int], float] | None = None,
+    greedy_success: Callable[[Qwen2ForCausalLM, PreTrainedTokenizerFast, int], Mapping[str, float]] | None = None,
 ) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
     """Build the model a ``tiny:<env>`` / ``tiny-instruct:<env>`` spec names, for ``env``; the warm-up's
     replay of the environment's episodes gets ``env_timeout`` seconds in all. ``warm_up_steps``
     (the ``tiny_instruct_steps`` key): the warm-up's steps; ``None``: until the demonstrations are
     fitted (:class:`FitRule`), which follows what the environment's demonstrations take to learn.
     ``report`` receives the warm-up's progress lines (default: the log). ``greedy_success(model,
-    tokenizer, tasks)``: the greedy success rate on the first ``tasks`` training tasks, which a warm-up
+    tokenizer, tasks)``: the greedy success rates on the first ``tasks`` training tasks (``success_rate``, and
+    by level where the environment reports levels), which a warm-up
     until fitted stops on where the environment names a ``warm_up_success`` (:class:`SuccessProbe`)."""
     label = name.split(":", 1)[1]
     if label != env.name:
@@ -512,14 +567,15 @@ def build_tiny_from_spec(
         fit = FitRule()
         held_out = fit.held_out_conversations if warm_up_steps is None else 0
         drawn = fit.conversations if warm_up_steps is None else WARM_UP_CONVERSATIONS
-        level = getattr(env, "warm_up_success", None)
+        level = checked_warm_up_success(env)
         probe = None
         if warm_up_steps is None and level is not None and greedy_success is not None:
             probe = SuccessProbe(lambda m: greedy_success(m, tokenizer, fit.probe_tasks), level, fit.probe_tasks)
         plan = (
             f"{warm_up_steps} supervised steps"
             if warm_up_steps is not None
-            else f"supervised steps until greedy success on {fit.probe_tasks} training tasks reaches {level:g} "
+            else f"supervised steps until greedy success on {fit.probe_tasks} training tasks reaches "
+            f"{probe.describe()} "
             f"(the environment's warm_up_success; checked every {fit.check_every} steps, at most {fit.max_steps})"
             if probe is not None
             else f"supervised steps until {held_out} held-out ones are fitted (at least "

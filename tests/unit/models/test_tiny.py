@@ -181,7 +181,8 @@ def test_a_warm_up_with_a_success_probe_stops_when_greedy_success_reaches_the_le
 
     def measure(probed_model):
         probed.append({name: float(value.sum()) for name, value in probed_model.state_dict().items()})
-        return next(readings)
+        success = next(readings)
+        return {"success_rate": success, "success_rate_level_1": 1.0, "success_rate_level_2": success / 2}
 
     warm_start(
         model,
@@ -195,10 +196,60 @@ def test_a_warm_up_with_a_success_probe_stops_when_greedy_success_reaches_the_le
         probe=SuccessProbe(measure, level=0.8, tasks=12),
     )
     assert len(probed) == 4  # steps 5, 10, 15, 20: stopped at the first reading >= 0.8
-    assert "warm-up: step 15, greedy success on 12 training tasks 0.79 (fitted at 0.8)" in "\n".join(lines)
+    probe_line = (
+        "warm-up: step 15, greedy success on 12 training tasks 0.79 (level 1 1.00, level 2 0.40) (fitted at 0.8)"
+    )
+    assert probe_line in "\n".join(lines)
     assert lines[-1] == "warm-up: fitted at step 20 (greedy success 0.80 >= 0.8)"
     assert probed[-1] == {name: float(value.sum()) for name, value in model.state_dict().items()}
     assert not model.training
+
+
+def test_a_warm_up_whose_environment_names_several_readings_stops_when_each_reaches_its_rate():
+    """warm_up_success as a mapping: the mean reaching its rate is not enough while a named level lags."""
+    env, model, tokenizer = tiny_vault()
+    lines: list[str] = []
+    readings = iter([(0.5, 0.1), (0.9, 0.5), (0.9, 0.8)])  # (success_rate, success_rate_level_3)
+
+    def measure(_):
+        mean, hardest = next(readings)
+        return {"success_rate": mean, "success_rate_level_3": hardest}
+
+    warm_start(
+        model,
+        tokenizer,
+        env.demonstrations(32, seed=0),
+        steps=None,
+        held_out=env.demonstrations(4, seed=1),
+        fit=FitRule(check_every=2, window=2, min_gain=1.0, min_passes=100.0, max_steps=50, cool_steps=0),
+        batch_size=4,
+        report=lines.append,
+        probe=SuccessProbe(measure, level={"success_rate": 0.8, "success_rate_level_3": 0.8}, tasks=6),
+    )
+    assert (
+        "warm-up: step 4, greedy success on 6 training tasks 0.90 (level 3 0.50) "
+        "(fitted at success_rate 0.8, level 3 0.8)" in "\n".join(lines)
+    )
+    assert not any("fitted at step 4" in line for line in lines)
+    assert lines[-1] == "warm-up: fitted at step 6 (greedy success 0.90 >= success_rate 0.8, level 3 0.8)"
+
+
+def test_a_warm_up_success_the_probe_cannot_read_or_out_of_range_is_refused_with_one_line():
+    from loop_trainer.models.tiny import checked_warm_up_success
+
+    class Named(VaultEnv):
+        warm_up_success = {"success_rate_level_4": 0.8}
+
+    probe = SuccessProbe(lambda _: {}, level=Named.warm_up_success, tasks=4)
+    with pytest.raises(ValueError) as caught:
+        probe.reached({"success_rate": 1.0, "success_rate_level_1": 1.0})
+    assert "\n" not in str(caught.value) and "success_rate_level_4" in str(caught.value)
+    assert checked_warm_up_success(Named(num_tasks=4)) == {"success_rate_level_4": 0.8}
+    for bad in (0, 1.5, True, "0.8", {}, {"success_rate": 2.0}, {1: 0.5}):
+        Named.warm_up_success = bad
+        with pytest.raises(ValueError) as caught:
+            checked_warm_up_success(Named(num_tasks=4))
+        assert "\n" not in str(caught.value) and "warm_up_success" in str(caught.value)
 
 
 def test_a_warm_up_whose_probe_never_reaches_the_level_says_so_at_its_limit():
@@ -214,7 +265,7 @@ def test_a_warm_up_whose_probe_never_reaches_the_level_says_so_at_its_limit():
         fit=FitRule(check_every=5, window=5, min_gain=1.0, min_passes=0.0, max_steps=10, cool_steps=0),  # flat: 10
         batch_size=4,
         report=lines.append,
-        probe=SuccessProbe(lambda _: 0.5, level=0.9, tasks=4),
+        probe=SuccessProbe(lambda _: {"success_rate": 0.5}, level=0.9, tasks=4),
     )
     assert not any("fitted at step" in line for line in lines)
     assert lines[-1 - any("keeping step" in line for line in lines)].startswith(
@@ -231,7 +282,7 @@ def test_the_probe_reaches_the_warm_up_only_where_the_environment_names_a_level(
     probes = []
     monkeypatch.setattr(tiny, "replay_demonstrations", lambda env, n, seed, timeout: [])
     monkeypatch.setattr(tiny, "warm_start", lambda *args, probe=None, **kwargs: probes.append(probe))
-    greedy = lambda model, tokenizer, tasks: 1.0  # noqa: E731
+    greedy = lambda model, tokenizer, tasks: {"success_rate": 1.0}  # noqa: E731
     lines: list[str] = []
     for name, env, steps in [
         ("tiny-instruct:vault", VaultEnv(num_tasks=4), None),
@@ -287,14 +338,27 @@ def test_the_greedy_probe_rolls_out_training_tasks_with_the_recipe_episode_limit
 
     env.episode = recorded
     measure = greedy_success_on_training_tasks(env, EpisodeSettings(max_turns=2, max_new_tokens_per_turn=3))
-    assert measure(model, tokenizer, 4) == 0.0  # an untrained model solves nothing
+    assert measure(model, tokenizer, 4) == {"success_rate": 0.0}  # an untrained model solves nothing
     assert sorted(seen) == sorted(env.tasks("train")["task_id"][:4])
     assert 4 <= len(replies) <= 8 and all(len(reply.token_ids) <= 3 for reply in replies)
     warm_start(model, tokenizer, env.demonstrations(512, seed=0), steps=200, report=lambda _: None)
     limits = {"max_new_tokens_per_turn": 4, "max_trajectory_tokens": 1024}
     two_turns = greedy_success_on_training_tasks(env, EpisodeSettings(max_turns=2, **limits))
     six_turns = greedy_success_on_training_tasks(env, EpisodeSettings(max_turns=6, **limits))
-    assert two_turns(model, tokenizer, 16) == 0.0 < six_turns(model, tokenizer, 16)  # vault takes three calls
+    assert two_turns(model, tokenizer, 16)["success_rate"] == 0.0 < six_turns(model, tokenizer, 16)["success_rate"]
+
+
+def test_the_greedy_probe_reads_success_by_level_where_the_environment_reports_levels():
+    """errands summarises success by level; the probe hands those rates to the warm-up's progress lines."""
+    from loop_trainer.cli.evaluate import greedy_success_on_training_tasks
+    from loop_trainer.config import EpisodeSettings
+    from loop_trainer.envs import ErrandsEnv
+
+    env = ErrandsEnv(num_tasks=2, levels=[1, 3])
+    model, tokenizer = build_tiny_from_spec("tiny:errands", env)
+    measure = greedy_success_on_training_tasks(env, EpisodeSettings(max_turns=2, max_new_tokens_per_turn=3))
+    nothing = {"success_rate": 0.0, "success_rate_level_1": 0.0, "success_rate_level_3": 0.0}
+    assert measure(model, tokenizer, 4) == nothing
 
 
 def test_a_warm_up_until_fitted_groups_its_draws_by_length_and_a_fixed_one_draws_as_before():
@@ -369,7 +433,7 @@ def test_a_warm_up_until_fitted_probes_and_keeps_the_moving_average_of_its_weigh
 
     def measure(probed_model):
         probed.append({name: value.detach().clone() for name, value in probed_model.named_parameters()})
-        return [0.0, 1.0, 1.0][len(probed) - 1]  # fitted at the second check, then 3 cooled steps
+        return {"success_rate": [0.0, 1.0, 1.0][len(probed) - 1]}  # fitted at the second check, then 3 cooled steps
 
     rule = FitRule(check_every=3, max_steps=50, learning_rate=1e-2, warmup_steps=0, average_decay=decay, cool_steps=3)
     warm_start(
