@@ -77,7 +77,7 @@ def warm_up_spec(settings: dict[str, Any], seed: int) -> dict[str, Any]:
     from loop_trainer.models.tiny import DEFAULT_TINY_LAYERS, FitRule, tiny_layers_of
 
     env = make_environment(settings["environment"], **(settings.get("environment_kwargs") or {}))
-    layers = tiny_layers_of(env)
+    layers, level = tiny_layers_of(env), getattr(env, "warm_up_success", None)
     spec = {
         "model_name_or_path": settings["model_name_or_path"],
         "environment": settings["environment"],
@@ -85,8 +85,8 @@ def warm_up_spec(settings: dict[str, Any], seed: int) -> dict[str, Any]:
         "tiny_instruct_steps": settings.get("tiny_instruct_steps"),
         "seed": seed,
         "fit_rule": dataclasses.asdict(FitRule()),
-        "warm_up_success": getattr(env, "warm_up_success", None),
-        **({"probe_episodes": episode_settings(settings)} if getattr(env, "warm_up_success", None) else {}),
+        "warm_up_success": level,
+        **({"probe_episodes": episode_settings(settings)} if level else {}),
         # only where it is not the default, so that the warm starts kept before depth was a setting still match
         **({"tiny_layers": layers} if layers != DEFAULT_TINY_LAYERS else {}),
     }

@@ -284,6 +284,13 @@ class SuccessProbe:
             return f"{self.level:g}"
         return ", ".join(f"{_reading_name(name)} {rate:g}" for name, rate in self.targets.items())
 
+    @staticmethod
+    def parts(readings: Mapping[str, float]) -> str:
+        """The readings beside the mean, as a progress line shows them: ``level 1 1.00, level 3 0.57``."""
+        return ", ".join(
+            f"{_reading_name(name)} {value:.2f}" for name, value in sorted(readings.items()) if name != "success_rate"
+        )
+
     def reached(self, readings: Mapping[str, float]) -> bool:
         """Whether every target reading is at its rate; one line naming the reading if the probe lacks it."""
         missing = [name for name in self.targets if name not in readings]
@@ -295,6 +302,10 @@ class SuccessProbe:
         return all(readings[name] >= rate for name, rate in self.targets.items())
 
 
+def _is_rate(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+
+
 def _reading_name(name: str) -> str:
     """``success_rate_level_3`` -> ``level 3``; ``success_rate`` stays as it is."""
     return name.removeprefix("success_rate_").replace("_", " ") if name != "success_rate" else name
@@ -304,10 +315,10 @@ def checked_warm_up_success(env: Any) -> float | Mapping[str, float] | None:
     """``env``'s ``warm_up_success`` (None, a rate, or a mapping of readings to rates), each rate in (0, 1];
     anything else is refused with one line."""
     level = getattr(env, "warm_up_success", None)
-    rates = level.values() if isinstance(level, Mapping) else [] if level is None else [level]
-    if (isinstance(level, Mapping) and (not level or not all(isinstance(k, str) for k in level))) or not all(
-        isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 < rate <= 1 for rate in rates
-    ):
+    if level is None:
+        return None
+    rates = level if isinstance(level, Mapping) else {"success_rate": level}
+    if not rates or not all(isinstance(name, str) and _is_rate(rate) for name, rate in rates.items()):
         raise ValueError(
             f"the '{getattr(env, 'name', type(env).__name__)}' environment's warm_up_success is {level!r}: set it to "
             "a success rate in (0, 1], a mapping of the probe's readings to such rates "
@@ -422,11 +433,7 @@ def warm_start(
             readings = probe.measure(kept)
             model.train()
             success = readings["success_rate"]
-            parts = ", ".join(
-                f"{_reading_name(name)} {value:.2f}"
-                for name, value in sorted(readings.items())
-                if name.startswith("success_rate_")
-            )
+            parts = probe.parts(readings)
             say(
                 f"{label}: step {step}, greedy success on {probe.tasks} training tasks {success:.2f}"
                 f"{f' ({parts})' if parts else ''} (fitted at {probe.describe()}), {time.monotonic() - started:.0f} s"
