@@ -148,6 +148,26 @@ def test_a_run_killed_between_rounds_of_dynamic_sampling_resumes_exactly(instruc
     assert [[m[k] for k in keys] for m in metrics(killed_dir)] == [[m[k] for k in keys] for m in expected]
 
 
+@pytest.mark.slow
+def test_a_killed_run_with_a_kl_penalty_resumes_against_the_starting_weights(instruct_model, tmp_path_factory):
+    """Full fine-tuning with beta > 0 keeps a frozen copy of the starting weights as the KL reference: the
+    resumed run builds it from the weights it started from, not from the checkpoint's."""
+    options = ("--beta", "0.5")
+    straight = tmp_path_factory.mktemp("kl-straight")
+    assert drive(instruct_model, straight, *options).returncode == 0
+    expected = metrics(straight)
+    assert expected[-1]["kl_ref"] > 0  # the policy has moved from its start
+    kill_at = next(m["iteration"] for m in expected if m["iteration"] >= 2 and m["optimizer_steps"])
+    killed_dir = tmp_path_factory.mktemp("kl-killed")
+    killed = drive(instruct_model, killed_dir, *options, "--kill-in", "update", "--kill-at", str(kill_at))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    resumed = drive(instruct_model, killed_dir, *options, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_weights(straight, killed_dir)
+    got = metrics(killed_dir)
+    assert [m.get("kl_ref") for m in got] == pytest.approx([m.get("kl_ref") for m in expected], abs=1e-7)
+
+
 @pytest.fixture(scope="module")
 def overlapped(instruct_model, tmp_path_factory):
     """``max_staleness: 1`` on a generator with weights of its own, 3 iterations: each batch but the first

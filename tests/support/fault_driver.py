@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--partial", action="store_true")
     parser.add_argument("--context-keep", type=int, help="context_keep_observations: episodes split into segments")
     parser.add_argument("--ratio-level", default="token")
+    parser.add_argument("--beta", type=float, default=0.0, help="a KL penalty: full fine-tuning's frozen reference")
     options = parser.parse_args()
 
     distributed = {}
@@ -110,6 +111,7 @@ def main() -> None:
         ),
         context_keep_observations=options.context_keep,
         ratio_level=options.ratio_level,
+        beta=options.beta,
         minibatch_size=8,
         max_turns=6,
         max_new_tokens_per_turn=4,

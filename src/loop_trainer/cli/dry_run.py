@@ -68,12 +68,18 @@ def model_shape(model_args: ModelConfig) -> ModelShape:
         raise RecipeError(str(error)) from None
 
 
-def planned_zero_stage(world: int) -> int:
+def planned_zero_stage(world: int, kl_reference_copy: bool = False) -> int:
     """The ZeRO stage the plan assumes: accelerate's DeepSpeed stage where a launch sets one, else
-    ZeRO-3 on several GPUs (the documented setup) and none on one GPU (measured there, no DeepSpeed)."""
+    ZeRO-3 on several GPUs (the documented setup; ZeRO-2 where the KL reference is a frozen copy of the
+    weights, which ZeRO-3 refuses) and none on one GPU (measured there, no DeepSpeed)."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
         return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 3))
-    return 3 if world > 1 else 0
+    return (2 if kl_reference_copy else 3) if world > 1 else 0
+
+
+def keeps_kl_reference_copy(args: LOOPConfig, model_args: ModelConfig) -> bool:
+    """Whether the run keeps a frozen copy of the weights as the KL reference (beta > 0, no adapter)."""
+    return args.beta > 0 and not model_args.use_peft
 
 
 def planned_world(script_args: ScriptArguments) -> int:
@@ -106,7 +112,7 @@ def plan_for(
             model_shape(model_args),
             world_size=world,
             gpu_memory_gib=script_args.plan_gpu_memory_gib,
-            zero_stage=planned_zero_stage(world),
+            zero_stage=planned_zero_stage(world, keeps_kl_reference_copy(args, model_args)),
             lora=lora,
             bf16=model_args.dtype in (None, "auto", "bfloat16", "float16"),
             activation_checkpointing=bool(args.activation_checkpointing),
@@ -120,6 +126,7 @@ def plan_for(
             generation_batch=min(args.generation_batch_limit, args.max_concurrent_episodes, episodes),
             max_trajectory_tokens=args.max_trajectory_tokens,
             vllm_server=args.use_vllm and args.vllm_mode == "server",
+            kl_reference_copy=keeps_kl_reference_copy(args, model_args),
             suggested_lora=adapter,
             _suggest=suggest,
         )
@@ -182,7 +189,7 @@ def dry_run(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCon
     print(summary(script_args, args, model_args, world))
     for warning in launch_warnings(script_args, args, world):
         print(f"warning: {warning}")
-    stage = planned_zero_stage(world)
+    stage = planned_zero_stage(world, keeps_kl_reference_copy(args, model_args))
     print(
         f"\nMemory plan per GPU: {world} GPUs x {script_args.plan_gpu_memory_gib:g} GiB, "
         f"{f'ZeRO-{stage}' if stage else 'no DeepSpeed'} (estimates; see docs/recipes.md)"

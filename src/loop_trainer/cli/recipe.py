@@ -231,11 +231,5 @@ def parse_recipe(argv: Sequence[str] | None = None, classes: Sequence[type] = DA
     for obj in parsed:
         if isinstance(obj, ModelConfig):
             refuse_unused_model_keys(obj)
-            loop_config = next((o for o in parsed if isinstance(o, LOOPConfig)), None)
-            if loop_config is not None and loop_config.beta > 0 and not obj.use_peft:
-                raise RecipeError(
-                    f"beta={loop_config.beta} needs use_peft: true: LOOP's KL reference is the base model "
-                    "with the LoRA adapter disabled, never a second copy of the model"
-                )
     parsed[0].effective_recipe = effective
     return parsed

@@ -202,6 +202,19 @@ def _zero3_cannot_sample_with_the_training_model(config: LOOPConfig, launch: Lau
     return None
 
 
+KL_COPY_NEEDS_WHOLE_WEIGHTS = (
+    "beta > 0 with full fine-tuning keeps a frozen copy of the starting weights as the KL reference, which "
+    "ZeRO-3's sharded weights do not allow: train a LoRA adapter (use_peft: true; the reference is then the base "
+    "model with the adapter disabled), or set beta: 0"
+)
+
+
+def _kl_reference_copy_needs_whole_weights(config: LOOPConfig, launch: Launch) -> str | None:
+    if config.beta > 0 and launch.lora is False and launch.zero_stage == 3:
+        return KL_COPY_NEEDS_WHOLE_WEIGHTS
+    return None
+
+
 STALENESS_DEFAULT_CAP = 2.0
 """The cap of the weights toward the sampler when ``max_staleness`` > 0 and ``sampler_importance_cap`` is unset
 (:data:`loop_trainer.training.update.STALE_IMPORTANCE_CAP`, which a test keeps equal to this)."""
@@ -255,6 +268,7 @@ RULES: tuple[Rule, ...] = (
     _merge_needs_whole_weights,
     _colocated_vllm_is_one_gpu,
     _zero3_cannot_sample_with_the_training_model,
+    _kl_reference_copy_needs_whole_weights,
     _sampler_correction_needs_its_bounds,
     _sampler_floor_below_the_cap,
 )

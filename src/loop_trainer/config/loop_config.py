@@ -109,8 +109,9 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
     )
     beta: float = setting(
         0.0,
-        "KL penalty to the base model (the adapter disabled; LoRA only). 0: none, the paper's LOOP.",
-        at_least(0, "the coefficient of the KL penalty to the base model (0: none, the paper's LOOP)"),
+        "KL penalty to the starting weights (LoRA: the adapter disabled; full fine-tuning: a frozen copy, not under "
+        "ZeRO-3). 0: none, the paper's LOOP.",
+        at_least(0, "the coefficient of the KL penalty to the starting weights (0: none, the paper's LOOP)"),
     )
     # --- stabilisers: each off by default (LOOP as the paper); docs/stabilisers.md ---------------
     epsilon_high: float | None = setting(

@@ -6,7 +6,9 @@ Assumptions (estimates, not measurements; the start-up stress test measures the 
     18 bytes per parameter: bf16 weight 2 + fp32 master 4 + fp32 gradient 4 + Adam m 4 + Adam v 4.
   * LoRA: the bf16 base is frozen (2 bytes/param, sharded by ZeRO-3); each adapter weight costs the
     same 18 bytes; lora_dropout 0 unless lora["dropout"] says otherwise (dropout copies each input).
-  * No reference model (LOOP's beta is 0). Flash/SDPA attention: no [T x T] scores.
+  * No reference model (LOOP's beta is 0), but for ``kl_reference_copy`` (beta > 0 without an adapter: a frozen
+    copy of the weights, whole on every GPU; an adapter's reference is its own base model). Flash/SDPA
+    attention: no [T x T] scores.
   * Activations follow a Qwen2/Llama-style decoder layer (attention + gated MLP); parameter counts
     are exact for any architecture transformers can build.
   * Calibrated on one H100 (``make gpu-check``, 2026-11-23: Qwen2.5 0.5B-7B shapes, LoRA r=8, 8k-32k
@@ -147,6 +149,7 @@ def plan_memory(
     vllm_server: bool = False,
     logprob_chunk_tokens: int = LOGPROB_TOKEN_TILE,
     headroom_fraction: float = 0.1,
+    kl_reference_copy: bool = False,
     suggested_lora: dict | None = None,
     _suggest: bool = True,
 ) -> MemoryPlan:
@@ -193,6 +196,8 @@ def plan_memory(
             both,
         )
     )
+    if kl_reference_copy and not lora:
+        rows.append(MemoryRow("KL reference (frozen copy)", _gib(n * wb), f"{n / 1e9:.2f}e9 params x {wb} B", both))
     trainable = shape.lora_params(lora["r"], lora.get("target_modules", "all-linear")) if lora else n
     state = trainable * ((wb if lora else 0) / shard_w + (master + 8) / shard_o + 4 / shard_g)
     label = (

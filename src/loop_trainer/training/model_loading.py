@@ -24,6 +24,7 @@ from ..evaluation import greedy_success_on_training_tasks
 from ..models.packaged import resolve_model_path
 from ..models.tiny import build_tiny_from_spec, is_tiny_spec
 from .activation_checkpointing import get_peft_model, update_checkpointing_kwargs
+from .reference import AdapterDisabled, ReferencePolicy, frozen_copy
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +94,12 @@ def load_policy(
     quantization_config: Any = None,
     peft_config: Any = None,
     env: Environment | None = None,
-) -> tuple[Any, PreTrainedTokenizerBase]:
-    """The model LOOPTrainer trains (loaded if ``model`` is an id, then :func:`wrap_for_training`) and its
-    tokenizer (:func:`load_tokenizer`). ``model`` may be any name ``loop-train`` takes: an id or directory,
-    ``packaged:<model>`` (:mod:`loop_trainer.models.packaged`), or ``tiny:<env>`` / ``tiny-instruct:<env>``
+) -> tuple[Any, PreTrainedTokenizerBase, ReferencePolicy | None]:
+    """The model LOOPTrainer trains (loaded if ``model`` is an id, then :func:`wrap_for_training`), its
+    tokenizer (:func:`load_tokenizer`) and, when ``beta > 0``, the KL penalty's reference policy
+    (:mod:`.reference`: the adapter disabled, or a frozen copy of the starting weights without one).
+    ``model`` may be any name ``loop-train`` takes: an id or directory, ``packaged:<model>``
+    (:mod:`loop_trainer.models.packaged`), or ``tiny:<env>`` / ``tiny-instruct:<env>``
     (:mod:`loop_trainer.models.tiny`, built for ``env``)."""
     if isinstance(model, str) and is_tiny_spec(model):
         for given, what in ((processing_class, "processing_class"), (quantization_config, "quantization_config")):
@@ -112,13 +115,14 @@ def load_policy(
             "quantization_config applies when LOOPTrainer loads the model from an id; this model is already loaded"
         )
     tokenizer = load_tokenizer(model, processing_class)
+    adapter = peft_config is not None or hasattr(model, "disable_adapter")
+    reference: ReferencePolicy | None = None
+    if args.beta > 0 and not adapter:  # copied before the policy gets its fused head
+        reference = frozen_copy(model, args.temperature, zero3=is_zero3(args))
     policy = wrap_for_training(model, args, peft_config)
-    if args.beta > 0 and not hasattr(policy, "disable_adapter"):
-        raise ValueError(
-            f"LOOPConfig: beta={args.beta} needs a LoRA adapter (use_peft: true): LOOP's reference "
-            "policy is the base model with the adapter disabled, never a second copy of the model"
-        )
-    return policy, tokenizer
+    if args.beta > 0 and adapter:
+        reference = AdapterDisabled(policy)
+    return policy, tokenizer, reference
 
 
 def wrap_for_training(model: PreTrainedModel, args: LOOPConfig, peft_config: Any = None) -> Any:
@@ -126,7 +130,7 @@ def wrap_for_training(model: PreTrainedModel, args: LOOPConfig, peft_config: Any
     if asked. ZeRO-3 with checkpointing and an adapter needs reentrant checkpointing (as in TRL)."""
     # Per-token log-probs without [tokens x vocab] logits: model(..., labels=..., fused_lm_head=True).
     add_fused_lm_head(model, temperature=args.temperature, outputs=("log_probs", "entropy"))
-    zero3 = args.deepspeed_plugin is not None and args.deepspeed_plugin.zero_stage == 3
+    zero3 = is_zero3(args)
     policy: Any = model  # the model, or the PeftModel around it
     if peft_config is not None:
         from peft import PeftConfig
@@ -155,6 +159,10 @@ def wrap_for_training(model: PreTrainedModel, args: LOOPConfig, peft_config: Any
                 module.p = 0.0
     warn_of_active_dropout(policy)
     return policy
+
+
+def is_zero3(args: LOOPConfig) -> bool:
+    return args.deepspeed_plugin is not None and args.deepspeed_plugin.zero_stage == 3
 
 
 def warn_of_active_dropout(policy: torch.nn.Module) -> None:

@@ -65,6 +65,7 @@ from .dynamic_sampling import ScoredRollouts, collect_scored, score_rollouts
 from .logprobs import sequence_logprobs
 from .model_loading import load_policy
 from .overlap import OverlappedRollouts, staleness_metrics, tag_versions
+from .reference import FrozenCopy
 from .resume import apply_setting_changes, plan_start, resume_settings
 from .rollout_resources import RolloutResources
 from .run_log import LOOPPrinterCallback, LOOPProgressCallback, RunLog
@@ -189,7 +190,9 @@ class LOOPTrainer(Trainer):
                 len(tasks),
                 args.train_split,
             )
-        policy, self.tokenizer = load_policy(model, args, processing_class, quantization_config, peft_config, env)
+        policy, self.tokenizer, self.reference_policy = load_policy(
+            model, args, processing_class, quantization_config, peft_config, env
+        )
         super().__init__(
             model=policy,
             args=args,
@@ -391,12 +394,13 @@ class LOOPTrainer(Trainer):
         strategy = DistributionStrategy(
             self.accelerator, self.model_wrapped, self.optimizer, self.lr_scheduler, args.max_grad_norm
         )
-        reference = (lambda: self.accelerator.unwrap_model(self.model).disable_adapter()) if args.beta > 0 else None
+        if isinstance(self.reference_policy, FrozenCopy):
+            self.reference_policy.to(self.accelerator.device)
         self.policy_update = PolicyUpdate(
             update_settings(args, self.tokenizer.pad_token_id),
             strategy,
             self.accelerator.autocast,
-            reference=reference,
+            reference=self.reference_policy,
             activation_context=activation_offloading(
                 self.accelerator.unwrap_model(self.model), args.activation_offloading
             ),

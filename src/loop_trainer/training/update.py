@@ -36,6 +36,7 @@ from .adapter_casts import adapter_input_casts_off
 from .batching import TrainingSample, chunks, collate, minibatch_indices, trajectory_rows, whole_chunks
 from .distribution import DistributionStrategy
 from .logprobs import token_logprobs, token_logprobs_and_entropy
+from .reference import ReferencePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -129,15 +130,15 @@ class PolicyUpdate:
         settings: UpdateSettings,
         strategy: DistributionStrategy,
         autocast: Callable[[], contextlib.AbstractContextManager],
-        reference: Callable[[], contextlib.AbstractContextManager] | None = None,
+        reference: ReferencePolicy | None = None,
         activation_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
-        """``reference``: a context in which the model is the reference policy of the KL penalty
-        (the base model: the LoRA adapter disabled); needed when ``settings.beta > 0``.
+        """``reference``: the KL penalty's reference policy (:mod:`.reference`: the base model with the LoRA
+        adapter disabled, or a frozen copy of the starting weights); needed when ``settings.beta > 0``.
         ``activation_context``: the context of every forward whose backward follows (the minibatch
         steps'; ``activation_offloading``: TRL's offloader of the tensors saved for the backward)."""
         if settings.beta > 0 and reference is None:
-            raise ValueError("beta > 0 needs a reference policy (a LoRA adapter to disable)")
+            raise ValueError("beta > 0 needs a reference policy (loop_trainer.training.reference)")
         self.settings = settings
         self.strategy = strategy
         self.autocast = autocast
@@ -232,8 +233,7 @@ class PolicyUpdate:
                     logprobs, entropy = token_logprobs_and_entropy(model, batch)
                     logprobs = logprobs.float()
                     if reference_policy is not None:
-                        with reference_policy():
-                            reference_logprobs = token_logprobs(model, batch).float()
+                        reference_logprobs = reference_policy.logprobs(model, batch).float()
                 if k >= real:
                     continue
                 if reference is not None:

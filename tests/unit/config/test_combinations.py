@@ -61,6 +61,16 @@ def test_several_versions_on_a_server_need_lora_adapters():
     assert problems(config(max_staleness=1, use_vllm=True, vllm_mode="server"), Launch(lora=False)) == []
 
 
+def test_a_kl_penalty_without_an_adapter_is_refused_under_zero3():
+    keys = config(beta=0.1)
+    # full fine-tuning's reference would be a copy of the sharded weights
+    refused(keys, Launch(zero_stage=3, lora=False), "train a LoRA adapter (use_peft: true")
+    assert problems(keys, Launch(zero_stage=3, lora=True)) == []  # the adapter's base is the reference
+    assert problems(keys, Launch(zero_stage=2, num_processes=8, lora=False)) == []  # whole weights: a copy
+    assert problems(keys, Launch(zero_stage=3)) == []  # not known yet: the trainer checks again
+    assert problems(config(), Launch(zero_stage=3, lora=False)) == []
+
+
 def test_activation_offloading_needs_a_gpu():
     keys = config()
     keys.activation_offloading = True
@@ -173,4 +183,4 @@ def test_the_staleness_cap_is_the_updates():
 
 
 def test_each_rule_has_its_test_above():
-    assert len(RULES) == 13, "a rule was added or removed: give it its test in this file, then update this count"
+    assert len(RULES) == 14, "a rule was added or removed: give it its test in this file, then update this count"

@@ -370,3 +370,15 @@ def test_when_no_combination_fits_the_fix_says_so_with_the_nearest(qwen7b):
     assert plan.fix.plan.peak_gib > plan.fix.plan.budget_gib
     line = plan.format().splitlines()[-1]
     assert line.startswith("  no combination of the settings the planner can change fits; the nearest, world_size: 64")
+
+
+def test_a_kl_reference_without_an_adapter_is_a_whole_copy_of_the_weights(qwen7b):
+    node = {**NODE, "zero_stage": 2}  # ZeRO-3 refuses the copy (config.combinations)
+    plain = plan_memory(qwen7b, **node)
+    with_copy = plan_memory(qwen7b, kl_reference_copy=True, **node)
+    [row] = [r for r in with_copy.rows if r.name == "KL reference (frozen copy)"]
+    assert row.gib == pytest.approx(qwen7b.num_params * 2 / 2**30)  # bf16, not sharded
+    assert with_copy.training_gib == pytest.approx(plain.training_gib + row.gib * 1.05)  # and its fragmentation
+    # with an adapter the reference is its own base model: nothing more
+    adapter = plan_memory(qwen7b, lora=LORA_7B, kl_reference_copy=True, **node)
+    assert adapter.rows == plan_memory(qwen7b, lora=LORA_7B, **node).rows

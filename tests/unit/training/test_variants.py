@@ -102,10 +102,11 @@ def test_grpo_with_a_kl_penalty_to_the_adapter_disabled_base(tmp_path):
     assert records[-1]["kl_ref"] > 0  # the adapter has moved away from the base model
 
 
-def test_beta_without_an_adapter_is_refused_in_one_line(capsys):
-    assert cli(["--model_name_or_path", "tiny:vault", "--beta", "0.1", "--dry-run"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("loop-train: error: beta=0.1 needs use_peft: true")
+def test_beta_without_an_adapter_plans_a_frozen_copy_of_the_weights(capsys):
+    assert cli(["--model_name_or_path", "tiny:vault", "--beta", "0.1", "--dry-run"]) == 0
+    assert "KL reference (frozen copy)" in capsys.readouterr().out
+    assert cli(["--model_name_or_path", "tiny:vault", "--beta", "0.1", "--use_peft", "true", "--dry-run"]) == 0
+    assert "KL reference" not in capsys.readouterr().out  # the adapter's reference is its own base model
 
 
 def test_the_kl_penalty_is_exactly_zero_while_the_adapter_is_untouched(tmp_path, vault_tiny):
@@ -151,11 +152,100 @@ def test_the_kl_penalty_is_exactly_zero_while_the_adapter_is_untouched(tmp_path,
     record = trainer.run_iteration()
     assert steps[0] == 0.0  # lora_B starts at zero: policy == reference, k3 == 0 exactly
     assert steps[-1] > 0 and record["kl_ref"] > 0
+
+
+def test_full_fine_tuning_refers_to_a_frozen_copy_of_its_starting_weights(tmp_path, vault_tiny):
+    from loop_trainer import LOOPConfig, LOOPTrainer
+    from loop_trainer.training.batching import collate
+    from loop_trainer.training.logprobs import token_logprobs
+    from loop_trainer.training.reference import FrozenCopy
+
+    env, model, tok = vault_tiny
+    start = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    args = LOOPConfig(
+        output_dir=str(tmp_path / "run"),
+        iterations=1,
+        tasks_per_iteration=4,
+        rollouts_per_task=3,
+        minibatch_size=4,
+        max_turns=3,
+        max_new_tokens_per_turn=4,
+        max_trajectory_tokens=200,
+        per_device_train_batch_size=4,
+        activation_checkpointing=False,
+        advantage_threshold=0.0,
+        learning_rate=5e-2,
+        beta=0.5,
+        disable_tqdm=True,
+        report_to=[],
+        save_strategy="no",
+    )
+    trainer = LOOPTrainer(model, env, args, processing_class=tok)
+    trainer.prepare_for_iterations()
+    reference = trainer.policy_update.reference
+    assert isinstance(reference, FrozenCopy) and reference.model is not model
+    assert not any(p.requires_grad for p in reference.model.parameters())
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert not optimized & {id(p) for p in reference.model.parameters()}
+    steps, step = [], trainer.policy_update.minibatch_step
+
+    def recording(*a, **k):
+        result = step(*a, **k)
+        steps.append(None if result is None else result.kl_ref)
+        return result
+
+    trainer.policy_update.minibatch_step = recording
+    samples: list = []
+    record_samples = trainer.policy_update.fixed_logprobs
+
+    def keeping(batch, *a, **k):
+        samples.extend(batch)
+        return record_samples(batch, *a, **k)
+
+    trainer.policy_update.fixed_logprobs = keeping
+    record = trainer.run_iteration()
+    assert steps[0] == pytest.approx(0.0, abs=1e-6)  # policy == its starting weights: k3 == 0
+    assert steps[-1] > 0 and record["kl_ref"] > 0
+    moved = model.state_dict()
+    assert any(not torch.equal(moved[name], start[name]) for name in start)  # the policy trained ...
+    kept = reference.model.state_dict()
+    assert all(torch.equal(kept[name], start[name]) for name in start)  # ... its reference did not
+    # the copy's log-probs are the starting model's, through a fused head of its own (not the policy's)
+    from trl.trainer import add_fused_lm_head
+
     from loop_trainer.models.tiny import build_tiny_for_environment
 
-    full_model, _ = build_tiny_for_environment(env.vocabulary(), seed=0)
-    with pytest.raises(ValueError, match="beta=0.5 needs a LoRA adapter"):
-        LOOPTrainer(full_model, env, args, processing_class=tok)  # full fine-tuning: no base to refer to
+    fresh, _ = build_tiny_for_environment(env.vocabulary(), seed=0)
+    fresh.load_state_dict(start)
+    add_fused_lm_head(fresh, temperature=args.temperature)
+    batch = collate(samples[:4], tok.pad_token_id)
+    with torch.no_grad():
+        assert torch.equal(reference.logprobs(model, batch), token_logprobs(fresh.eval(), batch))
+
+
+def test_a_frozen_copy_runs_its_own_weights_even_of_a_model_given_a_fused_head(vault_tiny):
+    from trl.trainer import add_fused_lm_head
+
+    from loop_trainer.config.combinations import ConfigCombinationError
+    from loop_trainer.training.batching import collate
+    from loop_trainer.training.logprobs import token_logprobs
+    from loop_trainer.training.reference import frozen_copy
+
+    _, model, tok = vault_tiny
+    add_fused_lm_head(model)  # its forward now holds the model it was added to
+    reference = frozen_copy(model, temperature=1.0, zero3=False)
+    batch = collate(_samples(tok), tok.pad_token_id)
+    with torch.no_grad():
+        before = token_logprobs(model.eval(), batch)
+        logits = reference.model(input_ids=batch.input_ids).logits  # the plain forward too
+        assert torch.equal(reference.logprobs(model, batch), before)
+        for parameter in model.parameters():
+            parameter.add_(0.05)
+        assert not torch.equal(token_logprobs(model, batch), before)  # the policy moved
+        assert torch.equal(reference.logprobs(model, batch), before)  # its reference did not
+        assert torch.equal(reference.model(input_ids=batch.input_ids).logits, logits)
+    with pytest.raises(ConfigCombinationError, match="use_peft: true"):
+        frozen_copy(model, temperature=1.0, zero3=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,7 +275,16 @@ def _policy_update(model, pad_token_id, **overrides):
         "pad_token_id": pad_token_id,
     }
     settings.update(overrides)
-    return PolicyUpdate(UpdateSettings(**settings), strategy, contextlib.nullcontext, reference=contextlib.nullcontext)
+    return PolicyUpdate(UpdateSettings(**settings), strategy, contextlib.nullcontext, reference=_Itself())
+
+
+class _Itself:
+    """A reference policy that is the policy itself."""
+
+    def logprobs(self, policy, batch):
+        from loop_trainer.training.logprobs import token_logprobs
+
+        return token_logprobs(policy, batch)
 
 
 def _samples(tokenizer):
@@ -210,7 +309,7 @@ def test_reference_logprobs_reach_the_penalty_as_an_explicit_argument(vault_tiny
     update = _policy_update(model, tok.pad_token_id, beta=0.5)
     samples = _samples(tok)
     fixed, _ = update.fixed_logprobs(samples)
-    # the reference context here is a no-op: the reference policy is the policy itself
+    # the reference policy here is the policy itself
     assert fixed.reference is not None and fixed.reference.keys() == fixed.old.keys() == {0, 1, 2, 3}
     assert all(torch.equal(fixed.reference[i], fixed.old[i]) for i in fixed.old)
     assert not [name for name in vars(update) if "logprob" in name]  # nothing kept on the side
