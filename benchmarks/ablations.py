@@ -8,7 +8,7 @@ Variants (Chen et al. 2025, Table 1, test-normal TGC in brackets):
 * LOOP per trajectory [53.3]: ``ratio_level: trajectory``.
 * LOOP + std [61.9]: ``std_normalize_advantages: true``.
 * GRPO w/o KL [59.0]: ``advantage_estimator: group_mean`` + std normalisation.
-* GRPO [58.0]: the same + a KL penalty ``beta`` to the base model (the LoRA adapter disabled).
+* GRPO [58.0]: the same + a KL penalty ``beta`` to the starting weights (here the base model: the adapter disabled).
 * RLOO [57.2]: leave-one-out advantage, trajectory ratio, one epoch of one minibatch per iteration:
   a single on-policy gradient step (the ratio is 1, clipping never acts), i.e. REINFORCE with a
   leave-one-out baseline. Without the single step it would be "LOOP per trajectory" again.
@@ -18,8 +18,9 @@ And rows that are not the paper's: LOOP with one stabiliser each (docs/stabilise
 (``dynamic_sampling_rounds: 2``), and ``LOOP + KL`` (GRPO's ``beta`` on LOOP). ``--variants`` runs some
 of them; the saved runs of the others in ``OUT/ablations.json`` are kept and tabled with them.
 
-Every variant trains a LoRA adapter (``beta`` needs one: LOOP's reference is the base model with the adapter
-disabled), with the same rank and learning rate. The adapter keeps TRL's ``lora_dropout`` (0.05) unless
+Every variant trains a LoRA adapter, with the same rank and learning rate (``beta``'s reference is then the base
+model with the adapter disabled; full fine-tuning would keep a frozen copy of the starting weights).
+The adapter keeps TRL's ``lora_dropout`` (0.05) unless
 ``--disable-dropout`` is given: with it on, the update's forward differs from the old policy's, so the ratio is not
 1 on policy (on ``errands`` RLOO's single step clipped 10-20 % of trajectories; docs/long-horizon.md). Each run is
 ``loop-train``'s entry point with the variant's flags. ``--workers 2`` runs two at a time, each in its own process

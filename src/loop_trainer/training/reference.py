@@ -53,8 +53,10 @@ class FrozenCopy:
     def __init__(self, model: torch.nn.Module):
         self.model = model
 
-    def to(self, device: torch.device) -> FrozenCopy:
-        self.model.to(device)
+    def to(self, device: torch.device, dtype: torch.dtype) -> FrozenCopy:
+        """Onto the policy's device, in the dtype its parameters ended in once prepared (a DeepSpeed engine
+        casts them to bfloat16; accelerate's mixed precision keeps them and autocasts both passes alike)."""
+        self.model.to(device=device, dtype=dtype)
         return self
 
     def logprobs(self, policy: torch.nn.Module, batch: Batch) -> Tensor:
@@ -66,6 +68,13 @@ def frozen_copy(model: PreTrainedModel, temperature: float, zero3: bool) -> Froz
     reference of full fine-tuning; refused under ZeRO-3, whose sharded weights a copy would gather."""
     if zero3:
         raise ConfigCombinationError(KL_COPY_NEEDS_WHOLE_WEIGHTS)
+    devices = set((getattr(model, "hf_device_map", None) or {}).values())
+    if len(devices) > 1:  # accelerate's dispatch hooks, which a copy would share with the policy
+        raise ConfigCombinationError(
+            f"beta > 0 with full fine-tuning keeps a frozen copy of the starting weights, and this model is split over "
+            f"{len(devices)} devices (device_map): launch one process per GPU with accelerate launch, train a LoRA "
+            "adapter (use_peft: true), or set beta: 0"
+        )
     reference = copy.deepcopy(model).eval().requires_grad_(False)
     # A model already given a fused head carries it as an instance attribute whose plain (unfused) path calls
     # the original model's forward: drop it from the copy, or the copy's plain passes would run the policy.

@@ -49,7 +49,7 @@ SUCCESS_SEEN = 0.05
 TRUNCATED_LIMIT = 0.8
 TRUNCATED_START = 0.4
 
-LOWER_STEP = "try a lower learning_rate, or beta > 0 (a KL penalty to the base model; LoRA only)"
+LOWER_STEP = "try a lower learning_rate, or beta > 0 (a KL penalty to the starting weights)"
 # each signature's advice, clause by clause: two signatures that share a clause print it once
 ADVICE: dict[str, tuple[str, ...]] = {
     "entropy": ("try epsilon_high (clip-higher, e.g. 0.28 with epsilon 0.2) or a lower learning_rate",),

@@ -395,7 +395,8 @@ class LOOPTrainer(Trainer):
             self.accelerator, self.model_wrapped, self.optimizer, self.lr_scheduler, args.max_grad_norm
         )
         if isinstance(self.reference_policy, FrozenCopy):
-            self.reference_policy.to(self.accelerator.device)
+            policy_dtype = next(self.accelerator.unwrap_model(self.model).parameters()).dtype
+            self.reference_policy.to(self.accelerator.device, policy_dtype)
         self.policy_update = PolicyUpdate(
             update_settings(args, self.tokenizer.pad_token_id),
             strategy,

@@ -246,6 +246,13 @@ def test_a_frozen_copy_runs_its_own_weights_even_of_a_model_given_a_fused_head(v
         assert torch.equal(reference.model(input_ids=batch.input_ids).logits, logits)
     with pytest.raises(ConfigCombinationError, match="use_peft: true"):
         frozen_copy(model, temperature=1.0, zero3=True)
+    model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 1}  # dispatched over two GPUs
+    with pytest.raises(ConfigCombinationError, match="split over 2 devices"):
+        frozen_copy(model, temperature=1.0, zero3=False)
+    # put where the policy is, in the dtype it was prepared in (a DeepSpeed engine casts it to bfloat16)
+    reference.to(torch.device("cpu"), torch.bfloat16)
+    assert {p.dtype for p in reference.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
 # ---------------------------------------------------------------------------------------------
