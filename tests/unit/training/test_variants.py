@@ -109,13 +109,11 @@ def test_beta_without_an_adapter_plans_a_frozen_copy_of_the_weights(capsys):
     assert "KL reference" not in capsys.readouterr().out  # the adapter's reference is its own base model
 
 
-def test_the_kl_penalty_is_exactly_zero_while_the_adapter_is_untouched(tmp_path, vault_tiny):
-    from peft import LoraConfig
+def _kl_run(tmp_path):
+    """One short iteration of the tiny model with a KL penalty, every rollout kept."""
+    from loop_trainer import LOOPConfig
 
-    from loop_trainer import LOOPConfig, LOOPTrainer
-
-    env, model, tok = vault_tiny
-    args = LOOPConfig(
+    return LOOPConfig(
         output_dir=str(tmp_path / "run"),
         iterations=1,
         tasks_per_iteration=4,
@@ -133,6 +131,28 @@ def test_the_kl_penalty_is_exactly_zero_while_the_adapter_is_untouched(tmp_path,
         report_to=[],
         save_strategy="no",
     )
+
+
+def _recorded_kl_ref(trainer) -> list:
+    """The KL estimate to the reference of each minibatch step the trainer takes from now on (None: skipped)."""
+    steps, step = [], trainer.policy_update.minibatch_step
+
+    def recording(*a, **k):
+        result = step(*a, **k)
+        steps.append(None if result is None else result.kl_ref)
+        return result
+
+    trainer.policy_update.minibatch_step = recording
+    return steps
+
+
+def test_the_kl_penalty_is_exactly_zero_while_the_adapter_is_untouched(tmp_path, vault_tiny):
+    from peft import LoraConfig
+
+    from loop_trainer import LOOPTrainer
+
+    env, model, tok = vault_tiny
+    args = _kl_run(tmp_path)
     trainer = LOOPTrainer(
         model,
         env,
@@ -141,45 +161,21 @@ def test_the_kl_penalty_is_exactly_zero_while_the_adapter_is_untouched(tmp_path,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     )
     trainer.prepare_for_iterations()
-    steps, step = [], trainer.policy_update.minibatch_step
-
-    def recording(*a, **k):
-        result = step(*a, **k)
-        steps.append(None if result is None else result.kl_ref)
-        return result
-
-    trainer.policy_update.minibatch_step = recording
+    steps = _recorded_kl_ref(trainer)
     record = trainer.run_iteration()
     assert steps[0] == 0.0  # lora_B starts at zero: policy == reference, k3 == 0 exactly
     assert steps[-1] > 0 and record["kl_ref"] > 0
 
 
 def test_full_fine_tuning_refers_to_a_frozen_copy_of_its_starting_weights(tmp_path, vault_tiny):
-    from loop_trainer import LOOPConfig, LOOPTrainer
+    from loop_trainer import LOOPTrainer
     from loop_trainer.training.batching import collate
     from loop_trainer.training.logprobs import token_logprobs
     from loop_trainer.training.reference import FrozenCopy
 
     env, model, tok = vault_tiny
     start = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    args = LOOPConfig(
-        output_dir=str(tmp_path / "run"),
-        iterations=1,
-        tasks_per_iteration=4,
-        rollouts_per_task=3,
-        minibatch_size=4,
-        max_turns=3,
-        max_new_tokens_per_turn=4,
-        max_trajectory_tokens=200,
-        per_device_train_batch_size=4,
-        activation_checkpointing=False,
-        advantage_threshold=0.0,
-        learning_rate=5e-2,
-        beta=0.5,
-        disable_tqdm=True,
-        report_to=[],
-        save_strategy="no",
-    )
+    args = _kl_run(tmp_path)
     trainer = LOOPTrainer(model, env, args, processing_class=tok)
     trainer.prepare_for_iterations()
     reference = trainer.policy_update.reference
@@ -187,14 +183,7 @@ def test_full_fine_tuning_refers_to_a_frozen_copy_of_its_starting_weights(tmp_pa
     assert not any(p.requires_grad for p in reference.model.parameters())
     optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
     assert not optimized & {id(p) for p in reference.model.parameters()}
-    steps, step = [], trainer.policy_update.minibatch_step
-
-    def recording(*a, **k):
-        result = step(*a, **k)
-        steps.append(None if result is None else result.kl_ref)
-        return result
-
-    trainer.policy_update.minibatch_step = recording
+    steps = _recorded_kl_ref(trainer)
     samples: list = []
     record_samples = trainer.policy_update.fixed_logprobs
 
