@@ -97,6 +97,7 @@ def plan_for(
         "dropout": model_args.lora_dropout,
     }
     lora = adapter if model_args.use_peft else None
+    reference_copy = keeps_kl_reference_copy(args, model_args)
     # A vLLM server generates on GPUs of its own: only a colocated engine shares the trainer's.
     colocated = args.use_vllm and args.vllm_mode == "colocate"
     try:  # the combined-key checks on the launch being planned: GPUs, whatever machine runs the dry run
@@ -112,7 +113,7 @@ def plan_for(
             model_shape(model_args),
             world_size=world,
             gpu_memory_gib=script_args.plan_gpu_memory_gib,
-            zero_stage=planned_zero_stage(world, keeps_kl_reference_copy(args, model_args)),
+            zero_stage=planned_zero_stage(world, reference_copy),
             lora=lora,
             bf16=model_args.dtype in (None, "auto", "bfloat16", "float16"),
             activation_checkpointing=bool(args.activation_checkpointing),
@@ -126,7 +127,7 @@ def plan_for(
             generation_batch=min(args.generation_batch_limit, args.max_concurrent_episodes, episodes),
             max_trajectory_tokens=args.max_trajectory_tokens,
             vllm_server=args.use_vllm and args.vllm_mode == "server",
-            kl_reference_copy=keeps_kl_reference_copy(args, model_args),
+            kl_reference_copy=reference_copy,
             suggested_lora=adapter,
             _suggest=suggest,
         )

@@ -79,9 +79,6 @@ def frozen_copy(model: PreTrainedModel, temperature: float, zero3: bool) -> Froz
     # A model already given a fused head carries it as an instance attribute whose plain (unfused) path calls
     # the original model's forward: drop it from the copy, or the copy's plain passes would run the policy.
     vars(reference).pop("forward", None)
-    for module in reference.modules():  # eval() switches dropout off; p = 0 keeps it off whatever sets train()
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
     # the log-probs at the sampling temperature, through the same fused head as the policy's
     add_fused_lm_head(reference, temperature=temperature, outputs=("log_probs",))
     return FrozenCopy(reference)
