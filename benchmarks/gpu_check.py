@@ -40,6 +40,7 @@ SECTIONS = {  # name -> (module, seconds allowed in GPU mode); the memory plan f
     "real_model": ("benchmarks.gpu_battery.real_model", 420),
     "long_horizon": ("benchmarks.gpu_battery.long_horizon", 240),
 }
+SECTION_LIMIT_VARIABLE = "GPU_CHECK_SECTION_LIMIT"  # a section's own time limit, in seconds, for it to plan by
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets")
 
 
@@ -78,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         help="auto: gpu where CUDA is available, else cpu; quick: one shape per section on a GPU",
     )
     parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    parser.add_argument(
+        "--seconds",
+        type=int,
+        default=None,
+        help="cap every section's time limit at this (a section that reads its limit plans within it: vllm)",
+    )
     parser.add_argument("--_section", nargs=3, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     if options._section:
@@ -121,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         section_out = options.out / f".{name}.json"
         section_out.unlink(missing_ok=True)
         limit = SECTIONS[name][1] * (1 if mode != "cpu" else 2)
+        limit = min(limit, options.seconds) if options.seconds else limit
         print(f"--- {name} (at most {limit} s)", flush=True)
         command = [sys.executable, "-m", "benchmarks.gpu_check", "--_section", name, mode, str(section_out.resolve())]
         record: dict = {}
@@ -131,7 +139,12 @@ def main(argv: list[str] | None = None) -> int:
                 timeout=limit,
                 capture_output=True,
                 text=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"},
+                env={
+                    **os.environ,
+                    "PYTHONUNBUFFERED": "1",
+                    "TOKENIZERS_PARALLELISM": "false",
+                    SECTION_LIMIT_VARIABLE: str(limit),
+                },
             )
             (options.out / f"{name}.log").write_text(done.stdout + done.stderr)
             if done.returncode == 0:

@@ -22,18 +22,31 @@ and the bound the synchronous run's own phases set: (its iteration) / (its longe
 
 With ``--processes N`` each mode is a ``torch.distributed.run`` launch of N training processes (DDP over gloo),
 all pinned to ``--trainer-cores``, each collecting its share of every batch from the one server.
+
+With ``--gpu`` both share one GPU: the server (vLLM's CUDA build, bf16, ``--gpu-memory-utilization``
+``--server-memory``, CUDA graphs for decode steps without torch.compile; eager with Triton's attention if
+that engine fails to start) holds part of its memory and the trainer (``bf16: true``) the rest; nothing is
+pinned to a core.
+A recipe of full fine-tuning (no ``use_peft``) is served as full weights, which the trainer streams into
+the server every iteration and probe-checks (``vllm_sync_tolerance`` 0.25, bf16's)::
+
+    python -m benchmarks.overlap --gpu --recipe recipes/errands.yaml --model-dir WARM_START --iterations 12 \
+        --time-limit 300 --out overlap-gpu.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,23 +72,70 @@ DEMO: dict[str, Any] = {  # LOOPConfig keyword arguments
 }
 
 
+@dataclass(frozen=True)
+class GpuServer:
+    """How the server shares one GPU with the trainer (``--gpu``)."""
+
+    memory_fraction: float = 0.2  # vLLM's gpu_memory_utilization: the trainer keeps the rest
+    max_num_seqs: int = 128
+    # True: the fallback when the first engine fails to start: no CUDA graphs, and Triton's attention kernels
+    # instead of FlashAttention 3 (whose build may lack a small model's head size)
+    eager: bool = False
+
+
 def start_server(
-    model_dir: str, port: int, core: int, log: Path, lora_rank: int | None = 8, max_model_len: int = 512
+    model_dir: str,
+    port: int,
+    core: int,
+    log: Path,
+    lora_rank: int | None = 8,
+    max_model_len: int = 512,
+    gpu: GpuServer | None = None,
 ) -> subprocess.Popen:
-    """vllm-cpu's OpenAI server on ``model_dir``, pinned to ``core``; ``lora_rank`` None serves full weights
-    (the trainer reloads them in place every iteration)."""
+    """vLLM's OpenAI server on ``model_dir``: vllm-cpu pinned to ``core``, or with ``gpu`` on the GPU it shares
+    with the trainer. ``lora_rank`` None serves full weights (the trainer reloads them in place every iteration).
+    The server leads a process group of its own, so :func:`stop_server` ends its engine process too."""
     from loop_trainer.rollout.vllm_server import SERVER_ENV
 
-    # taskset pins the server; vLLM's own OpenMP binding would pick cores itself
-    env = {**os.environ, **SERVER_ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    env = {**os.environ, **SERVER_ENV}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    command = ["taskset", "-c", str(core), sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-    command += ["--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
-    command += ["--enforce-eager", "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs"]
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    command += ["--model", model_dir, "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs"]
     command += ["--generation-config", "vllm"]
+    if gpu is None:
+        # taskset pins the server; vLLM's own OpenMP binding would pick cores itself
+        env |= {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        command = ["taskset", "-c", str(core), *command, "--dtype", "float32", "--enforce-eager"]
+    else:
+        import importlib.util
+
+        if importlib.util.find_spec("flashinfer") is None:
+            env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # the GPU carry leaves FlashInfer out
+        command += ["--dtype", "bfloat16", "--gpu-memory-utilization", str(gpu.memory_fraction)]
+        command += ["--max-num-seqs", str(gpu.max_num_seqs)]
+        if gpu.eager:
+            command += ["--enforce-eager", "--attention-backend", "TRITON_ATTN"]
+        else:  # decode steps replayed as CUDA graphs; no Dynamo or Inductor, so the start stays short
+            graphs = {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 128}
+            command += ["--compilation-config", json.dumps(graphs)]
     if lora_rank is not None:
         command += ["--enable-lora", "--max-lora-rank", str(lora_rank)]
-    return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (the API server and its engine core), SIGKILL after 60 s."""
+    import signal
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(60)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 
 
 def wait_for(url: str, process: subprocess.Popen, log: Path, timeout: float = 600) -> None:
@@ -201,9 +261,16 @@ def server_flags(url: str, sync_dir: Path, staleness: int) -> dict[str, Any]:
 
 
 def run_recipe_mode(
-    recipe: str, model_dir: str, url: str, staleness: int, iterations: int, workdir: Path
+    recipe: str,
+    model_dir: str,
+    url: str,
+    staleness: int,
+    iterations: int,
+    workdir: Path,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A recipe as ``loop-train`` runs it, on the model the server serves, with the server's keys added."""
+    """A recipe as ``loop-train`` runs it, on the model the server serves, with the server's keys (and
+    ``extra`` flags) added."""
     from loop_trainer.cli.recipe import parse_recipe
     from loop_trainer.cli.train import main as train
 
@@ -214,6 +281,7 @@ def run_recipe_mode(
         "iterations": iterations,
         **server_flags(url, workdir / f"sync-{staleness}", staleness),
         "memory_stress_test": "false",
+        **(extra or {}),
     }
     started = time.perf_counter()
     trainer = train(*parse_recipe([part for key, value in flags.items() for part in (f"--{key}", str(value))]))
@@ -278,20 +346,40 @@ def main(argv: list[str] | None = None) -> None:
         help="with --processes: the cores they share, as taskset lists them (default: --trainer-core)",
     )
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1], help="the max_staleness of each mode")
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="the server and the trainer share this machine's GPU (vLLM's CUDA build); nothing is pinned to a core",
+    )
+    parser.add_argument(
+        "--server-memory", type=float, default=0.2, help="with --gpu: the server's gpu_memory_utilization"
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="seconds: a mode that would start after this much time is not run (reported), so a short device "
+        "call keeps what finished",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a training process of --processes (JSON job)
     parser.add_argument("--out", type=Path)
     options = parser.parse_args(argv)
     if options.worker:
         worker(json.loads(options.worker))
         return
-    os.sched_setaffinity(0, {options.trainer_core})  # before any thread: they all inherit it
+    if options.gpu and (options.processes > 1 or not options.recipe):
+        parser.error("--gpu runs a --recipe in one training process (the demo's tiny model is CPU-sized)")
+    if not options.gpu:
+        os.sched_setaffinity(0, {options.trainer_core})  # before any thread: they all inherit it
     import torch
 
     from loop_trainer.envs import VaultEnv
     from loop_trainer.models.tiny import build_tiny_from_spec
     from loop_trainer.net import free_local_port
 
-    torch.set_num_threads(1)
+    if not options.gpu:
+        torch.set_num_threads(1)
+    began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="overlap-") as directory:
         workdir = Path(directory)
         if options.recipe:
@@ -301,10 +389,13 @@ def main(argv: list[str] | None = None) -> None:
 
             settings = yaml.safe_load(Path(options.recipe).read_text())
             model_dir = options.model_dir or resolve_model_path(settings["model_name_or_path"])
-            lora_rank, max_model_len = settings["lora_r"], 2 * settings["max_trajectory_tokens"]
+            lora_rank = settings["lora_r"] if settings.get("use_peft") else None  # None: full weights
+            max_model_len = 2 * settings["max_trajectory_tokens"]
+            # on the GPU the trainer computes in bf16 like the server, and the probe check allows bf16's noise
+            extra = {"bf16": "true", "vllm_sync_tolerance": 0.25} if options.gpu else {}
 
             def run(staleness: int, iterations: int, where: Path) -> dict[str, Any]:
-                return run_recipe_mode(options.recipe, model_dir, url, staleness, iterations, where)
+                return run_recipe_mode(options.recipe, model_dir, url, staleness, iterations, where, extra)
         else:
             model, tokenizer = build_tiny_from_spec(
                 "tiny-instruct:vault", VaultEnv(num_tasks=64), seed=0, warm_up_steps=400
@@ -323,28 +414,65 @@ def main(argv: list[str] | None = None) -> None:
                 return run_mode(model_dir, url, staleness, iterations, where, options.ppo_epochs)
 
         port, log = free_local_port(), workdir / "server.log"
-        server = start_server(model_dir, port, options.server_core, log, lora_rank, max_model_len)
         url = f"http://127.0.0.1:{port}"
+        gpu = GpuServer(memory_fraction=options.server_memory) if options.gpu else None
+        server = start_server(model_dir, port, options.server_core, log, lora_rank, max_model_len, gpu)
+        runs: list[dict[str, Any]] = []
+        not_run: list[int] = []
         try:
-            wait_for(url, server, log)
+            start_timeout = 180 if gpu else 600  # on a GPU a hung start would spend the device call
+            try:
+                wait_for(url, server, log, start_timeout)
+            except RuntimeError:
+                if gpu is None or gpu.eager:
+                    raise
+                print(f"the server with CUDA graphs did not start; eager instead:\n{log.read_text()[-3000:]}")
+                if options.out:
+                    shutil.copyfile(log, options.out.with_suffix(".server-first-try.log"))
+                stop_server(server)
+                gpu = GpuServer(memory_fraction=options.server_memory, eager=True)
+                server = start_server(model_dir, port, options.server_core, log, lora_rank, max_model_len, gpu)
+                wait_for(url, server, log, start_timeout)
+            server_seconds = time.perf_counter() - began
+            print(f"the vLLM server is up after {server_seconds:.0f} s", flush=True)
             # a discarded iteration first: the server's first requests and adapter load would land on one mode
             run(0, 1, workdir / "warm-up")
-            runs = [run(staleness, options.iterations, workdir) for staleness in options.staleness]
+            for staleness in options.staleness:
+                if options.time_limit and runs and time.perf_counter() - began > options.time_limit * 0.55:
+                    not_run.append(staleness)  # another mode as long as the last would pass the limit
+                    continue
+                runs.append(run(staleness, options.iterations, workdir))
         except Exception:
             print(f"the vLLM server's log ends:\n{log.read_text()[-60000:]}", file=sys.stderr)
             raise
         finally:
-            server.terminate()
-            server.wait(60)
+            stop_server(server)
+            if options.out:  # the server's whole log beside the result (a device call's only record of it)
+                shutil.copyfile(log, options.out.with_suffix(".server.log"))
+    if len(runs) < 2:
+        raise SystemExit(f"only {len(runs)} mode finished within --time-limit {options.time_limit} s: {runs}")
     result = {
-        "command": command_line("benchmarks.overlap", python=".vllm-venv/bin/python"),
+        "command": command_line("benchmarks.overlap", python="python3" if options.gpu else ".vllm-venv/bin/python"),
         "workload": options.recipe
         or f"the demo's shape, tiny-instruct:vault with LoRA r=8, {options.ppo_epochs} PPO epochs",
         "software": software(("torch", "vllm", "transformers", "trl"), host=True, checkout=True),
-        "cores": {
+        "cores": None
+        if options.gpu
+        else {
             "server": options.server_core,
             "trainer": options.trainer_cores if options.processes > 1 else options.trainer_core,
         },
+        "gpu": None
+        if gpu is None
+        else {
+            "device": torch.cuda.get_device_name(0),
+            "server_memory_fraction": gpu.memory_fraction,
+            "server_cuda_graphs": not gpu.eager,
+            "server_start_seconds": server_seconds,
+            "trainer_peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        },
+        "served": "full weights" if lora_rank is None else f"LoRA r={lora_rank}",
+        "modes_not_run": not_run,
         "num_processes": options.processes,
         "runs": runs,
         "speedup": runs[1]["iterations_per_hour"] / runs[0]["iterations_per_hour"],

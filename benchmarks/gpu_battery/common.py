@@ -4,6 +4,7 @@ how a model, tokenizer, environment and LOOPTrainer are built for a measurement.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import tempfile
@@ -119,7 +120,23 @@ CPU_SIZES = Sizes(
 
 
 def sizes_for(mode: str) -> Sizes:
-    return {"gpu": GPU_SIZES, "quick": QUICK_SIZES, "cpu": CPU_SIZES}[mode]
+    """The mode's sizes; ``GENERATION_CONCURRENCY`` (e.g. "64 256") replaces the concurrent episodes the
+    decode and vllm sections collect at (both then run every one named)."""
+    sizes = {"gpu": GPU_SIZES, "quick": QUICK_SIZES, "cpu": CPU_SIZES}[mode]
+    chosen = generation_concurrency_override()
+    return dataclasses.replace(sizes, generation_concurrency=chosen) if chosen else sizes
+
+
+def generation_concurrency_override() -> list[int]:
+    """``GENERATION_CONCURRENCY``'s counts, sorted (empty when unset)."""
+    text = os.environ.get("GENERATION_CONCURRENCY", "")
+    try:
+        counts = sorted({int(part) for part in text.replace(",", " ").split()})
+    except ValueError:
+        raise ValueError(f"GENERATION_CONCURRENCY: whole numbers, e.g. '64 256'; got {text!r}") from None
+    if any(count < 1 for count in counts):
+        raise ValueError(f"GENERATION_CONCURRENCY: counts of at least 1; got {text!r}")
+    return counts
 
 
 def device_for(mode: str) -> str:

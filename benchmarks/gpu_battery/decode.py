@@ -17,7 +17,7 @@ the same seeds:
   (``SlotDecoder.compile_step``, being measured: it fuses the modelling code's small kernels).
 
 ``DECODE_VARIANTS`` ('|'-separated) runs only the named variants, at the largest concurrency and
-without profiles (a short device call).
+without profiles (a short device call); ``GENERATION_CONCURRENCY`` ("64 256") names the concurrencies.
 
 Reported per run: sampled tokens/s (sampled tokens / wall seconds of the collection, after a
 warm-up), milliseconds per decode step (the decode loop's busy seconds / its steps), mean rows per
@@ -40,6 +40,7 @@ from typing import Any
 from benchmarks.gpu_battery.common import (
     build_model,
     device_for,
+    generation_concurrency_override,
     loop_config,
     lora_config,
     qwen_tokenizer,
@@ -198,7 +199,8 @@ def run(mode: str) -> dict[str, Any]:
 
     sizes = sizes_for(mode)
     device = device_for(mode)
-    concurrency = sorted({sizes.generation_concurrency[0], sizes.generation_concurrency[-1]})
+    override = generation_concurrency_override()  # GENERATION_CONCURRENCY: exactly these counts
+    concurrency = override or sorted({sizes.generation_concurrency[0], sizes.generation_concurrency[-1]})
     rows: list[dict[str, Any]] = []
     with scratch() as output_dir:
         args = loop_config(output_dir, device, max_turns=sizes.generation_turns)
@@ -210,7 +212,7 @@ def run(mode: str) -> dict[str, Any]:
             # first: a failed graph capture must not leave the profile (or the eager rows) unmeasured
             selected = _selected()
             restricted = selected != VARIANTS  # a short call: the largest concurrency, no profiles
-            concurrency = concurrency[-1:] if restricted else concurrency
+            concurrency = concurrency[-1:] if restricted and not override else concurrency
             profiles = (
                 [_profile(trainer, "dynamic", concurrency[-1], min(16, sizes.generation_new_tokens))]
                 if not restricted

@@ -69,8 +69,11 @@ def measure(spec: dict[str, Any], record: dict[str, Any], save: Any) -> None:
 
         return logprobs
 
-    policy = get_peft_model(load_policy(), lora_config(LORA_RANK)).eval()  # LOOPTrainer's LoRA policy
-    stop = stop_token_ids(policy, tokenizer)
+    # LOOPTrainer's LoRA policy, or (spec "lora" false) a full fine-tuning policy: the engine then has no LoRA
+    # layers and takes the full weights, as the trainer streams them without an adapter
+    with_lora = spec.get("lora", True)
+    policy = get_peft_model(load_policy(), lora_config(LORA_RANK)).eval() if with_lora else None
+    stop = stop_token_ids(policy if with_lora else load_policy(), tokenizer)
     max_batch = max(sizes.generation_concurrency)
     started = time.perf_counter()
     llm = build_colocated_llm(
@@ -80,7 +83,7 @@ def measure(spec: dict[str, Any], record: dict[str, Any], save: Any) -> None:
         max_num_seqs=max_batch,
         gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
         seed=0,
-        lora_rank=LORA_RANK,
+        lora_rank=LORA_RANK if with_lora else None,
         **spec["settings"],
     )
     record["startup_seconds"] = time.perf_counter() - started
@@ -92,11 +95,12 @@ def measure(spec: dict[str, Any], record: dict[str, Any], save: Any) -> None:
     tolerance = default_tolerance(dtype)
     probe = probe_token_ids(len(tokenizer), PROBE_TOKENS, avoid=set(tokenizer.all_special_ids))
     with VLLMBackend(llm, stop_token_ids=stop, temperature=1.0) as backend:
-        sync = WeightSync(policy, backend, scorer(policy), probe, tolerance=None, workdir=spec["workdir"])
-        record["lora"] = _lora_syncs(sync, policy, tolerance)
-        record["lora"]["decode_diff_max"] = decode_gap(backend, scorer(policy), probe[:16])
-        print(f"vllm: LoRA syncs {record['lora']}", flush=True)
-        save()
+        if policy is not None:
+            sync = WeightSync(policy, backend, scorer(policy), probe, tolerance=None, workdir=spec["workdir"])
+            record["lora"] = _lora_syncs(sync, policy, tolerance)
+            record["lora"]["decode_diff_max"] = decode_gap(backend, scorer(policy), probe[:16])
+            print(f"vllm: LoRA syncs {record['lora']}", flush=True)
+            save()
 
         env = _shaped_vault(num_tasks=max(64, max_batch))
         env.set_tokenizer(tokenizer)
@@ -167,7 +171,7 @@ def _weight_reload(backend: Any, model: Any, scorer: Any, probe: list[int], tole
 
     from loop_trainer.rollout.weight_sync import WeightSync
 
-    backend.lora_request = None  # the probe and the reload are about the base weights
+    backend.lora_request = None  # the probe and the reload are about the base weights (no-op without LoRA)
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(1.5)
     sync = WeightSync(model, backend, scorer(model), probe, tolerance=None, workdir=workdir + "-full")

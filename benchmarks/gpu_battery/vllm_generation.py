@@ -40,10 +40,17 @@ from benchmarks.gpu_battery.vllm_engine import GPU_MEMORY_UTILIZATION, LORA_RANK
 MARGIN_S = 25  # left of the section's limit for the parent to write its result
 
 
+FULL_WEIGHTS = " (full weights, no LoRA)"  # an engine name's suffix: no LoRA layers, full weight sync
+
+
 def engine_variants(mode: str, max_batch: int) -> list[tuple[str, dict[str, Any], int]]:
-    """(name, extra build_colocated_llm arguments, at most seconds) in the order they are tried."""
+    """(name, extra build_colocated_llm arguments, at most seconds) in the order they are tried.
+    ``VLLM_BATTERY_FULL_WEIGHTS=1``: the engine a full fine-tuning run builds instead (no LoRA layers),
+    whose full weight reload is the trainer's per-iteration sync (a LoRA engine names its layers
+    ``base_layer``, so it cannot take them: the 2026-11-26 H200 run)."""
+    suffix = FULL_WEIGHTS if os.environ.get("VLLM_BATTERY_FULL_WEIGHTS") == "1" else ""
     if mode == "cpu":
-        return [("eager (CPU)", {}, 600)]
+        return [("eager (CPU)" + suffix, {}, 600)]
     graphs: dict[str, Any] = {  # vLLM's compilation_config
         "mode": "NONE",  # no Dynamo, no Inductor
         "cudagraph_mode": "FULL_DECODE_ONLY",
@@ -51,11 +58,11 @@ def engine_variants(mode: str, max_batch: int) -> list[tuple[str, dict[str, Any]
         "cudagraph_specialize_lora": False,
     }
     variants: list[tuple[str, dict[str, Any], int]] = [
-        ("CUDA graphs, no torch.compile", {"compilation_config": graphs}, 240),
-        ("eager", {"enforce_eager": True}, 200),
+        ("CUDA graphs, no torch.compile" + suffix, {"compilation_config": graphs}, 240),
+        ("eager" + suffix, {"enforce_eager": True}, 200),
     ]
     if os.environ.get("VLLM_BATTERY_COMPILED") == "1":
-        variants.append(("torch.compile + CUDA graphs (vLLM's default)", {}, 300))
+        variants.append(("torch.compile + CUDA graphs (vLLM's default)" + suffix, {}, 300))
     return variants
 
 
@@ -83,11 +90,12 @@ def run(mode: str) -> dict[str, Any]:
     import torch
     import vllm
 
-    from benchmarks.gpu_check import SECTIONS
+    from benchmarks.gpu_check import SECTION_LIMIT_VARIABLE, SECTIONS
 
     started = time.perf_counter()
-    limit = SECTIONS["vllm"][1] if "vllm" in SECTIONS else 420  # what benchmarks/gpu_check.py allows it
-    deadline = started + limit * (2 if mode == "cpu" else 1) - MARGIN_S
+    # what benchmarks/gpu_check.py allows it (its --seconds may lower it)
+    limit = float(os.environ.get(SECTION_LIMIT_VARIABLE) or SECTIONS["vllm"][1] * (2 if mode == "cpu" else 1))
+    deadline = started + limit - MARGIN_S
     sizes = sizes_for(mode)
     dtype = "float32" if mode == "cpu" else "bfloat16"
     result: dict[str, Any] = {
@@ -99,7 +107,7 @@ def run(mode: str) -> dict[str, Any]:
         "concurrency": sizes.generation_concurrency,
         "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
         "max_model_len": MAX_MODEL_LEN,
-        "lora_rank": LORA_RANK,
+        "lora_rank": None if os.environ.get("VLLM_BATTERY_FULL_WEIGHTS") == "1" else LORA_RANK,
         "runs": [],
     }
     with scratch() as directory:
@@ -112,7 +120,7 @@ def run(mode: str) -> dict[str, Any]:
         result["model_save_seconds"] = time.perf_counter() - started
         print(f"vllm: {sizes.loop_shape} saved ({dtype}) in {result['model_save_seconds']:.1f} s", flush=True)
         for name, settings, cap in engine_variants(mode, max(sizes.generation_concurrency)):
-            if result["runs"] and result["runs"][-1]["status"] == "ok" and name == "eager":
+            if result["runs"] and result["runs"][-1]["status"] == "ok" and name.startswith("eager"):
                 continue  # the fallback is for a failed first engine only
             left = deadline - time.perf_counter()
             if left < 60:
@@ -125,6 +133,7 @@ def run(mode: str) -> dict[str, Any]:
                 "settings": settings,
                 "model_dir": str(model_dir),
                 "dtype": dtype,
+                "lora": not name.endswith(FULL_WEIGHTS),
                 "workdir": str(Path(directory) / f"run-{len(result['runs'])}"),
             }
             result["runs"].append(_run_engine(spec, Path(directory)))
@@ -183,7 +192,9 @@ def _run_engine(spec: dict[str, Any], directory: Path) -> dict[str, Any]:
 def render(result: dict) -> list[str]:
     lines = [
         f"## Generation on a colocated vLLM engine ({result['shape']}, {result['dtype']}, vLLM "
-        f"{result['vllm_version']}, LoRA r={result['lora_rank']}, {result['turns']} turns x "
+        f"{result['vllm_version']}, "
+        + (f"LoRA r={result['lora_rank']}" if result.get("lora_rank") else "full weights, no LoRA")
+        + f", {result['turns']} turns x "
         f"{result['new_tokens_per_turn']} new tokens)",
         "",
         f"The trainer's engine (build_colocated_llm + VLLMBackend, gpu_memory_utilization "
@@ -210,13 +221,17 @@ def render(result: dict) -> list[str]:
             f"(stale {_f(reload.get('stale_probe_diff_max'), 3)}), "
             f"decode |Δ| max {_f(reload.get('decode_diff_max'), 4)}"
         )
-        lines.append(
-            f"- **{run['engine']}**: started in {_f(run.get('startup_seconds'), 1)} s ({run.get('compilation')}; "
-            f"KV cache {run.get('kv_cache_tokens')} tokens); "
+        lora_text = (
             f"LoRA first load {_f(lora.get('first_load_seconds'), 2)} s, "
             f"hot-swap {_f(lora.get('swap_seconds'), 2)} s, probe |Δ| max {_f(lora.get('swap_probe_diff_max'), 4)} "
             f"(stale {_f(lora.get('stale_probe_diff_max'), 3)}, tolerance {lora.get('tolerance')}), "
             f"decode |Δ| max {_f(lora.get('decode_diff_max'), 4)}; "
+            if lora
+            else ""
+        )
+        lines.append(
+            f"- **{run['engine']}**: started in {_f(run.get('startup_seconds'), 1)} s ({run.get('compilation')}; "
+            f"KV cache {run.get('kv_cache_tokens')} tokens); {lora_text}"
             f"full weight reload {reload_text}" + (f"; then: {run['error'][-200:]}" if run.get("error") else "")
         )
         rows += [
