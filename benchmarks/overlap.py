@@ -28,7 +28,7 @@ With ``--gpu`` both share one GPU: the server (vLLM's CUDA build, bf16, ``--gpu-
 that engine fails to start) holds part of its memory and the trainer (``bf16: true``) the rest; nothing is
 pinned to a core.
 A recipe of full fine-tuning (no ``use_peft``) is served as full weights, which the trainer streams into
-the server every iteration and probe-checks (``vllm_sync_tolerance`` 0.25, bf16's)::
+the server every iteration and probe-checks (``vllm_sync_tolerance``: ``--sync-tolerance``, default bf16's 0.25)::
 
     python -m benchmarks.overlap --gpu --recipe recipes/errands.yaml --model-dir WARM_START --iterations 12 \
         --time-limit 300 --out overlap-gpu.json
@@ -315,6 +315,10 @@ def summary(staleness: int, history: list[dict[str, Any]], wall: float) -> dict[
         "turns_mean": [r["turns_mean"] for r in history],
         "reward_mean": [r["reward_mean"] for r in history],
         "policy_staleness": [r["policy_staleness"] for r in history],
+        # each iteration's weight sync into the server (absent where nothing was synced)
+        "weight_sync_seconds": [r.get("weight_sync_seconds") for r in history],
+        "weight_sync_logprob_diff_max": [r.get("weight_sync_logprob_diff_max") for r in history],
+        "weight_sync_logprob_diff_mean": [r.get("weight_sync_logprob_diff_mean") for r in history],
     }
 
 
@@ -355,6 +359,12 @@ def main(argv: list[str] | None = None) -> None:
         "--server-memory", type=float, default=0.2, help="with --gpu: the server's gpu_memory_utilization"
     )
     parser.add_argument(
+        "--sync-tolerance",
+        type=float,
+        default=0.25,
+        help="with --gpu: vllm_sync_tolerance (bf16's default 0.25; each sync's probe gap is reported either way)",
+    )
+    parser.add_argument(
         "--time-limit",
         type=float,
         default=None,
@@ -392,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
             lora_rank = settings["lora_r"] if settings.get("use_peft") else None  # None: full weights
             max_model_len = 2 * settings["max_trajectory_tokens"]
             # on the GPU the trainer computes in bf16 like the server, and the probe check allows bf16's noise
-            extra = {"bf16": "true", "vllm_sync_tolerance": 0.25} if options.gpu else {}
+            extra = {"bf16": "true", "vllm_sync_tolerance": options.sync_tolerance} if options.gpu else {}
 
             def run(staleness: int, iterations: int, where: Path) -> dict[str, Any]:
                 return run_recipe_mode(options.recipe, model_dir, url, staleness, iterations, where, extra)
