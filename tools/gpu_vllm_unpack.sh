@@ -8,11 +8,14 @@
 # corrupt or the two chunks are from different builds; 1 = vLLM does not import. Part 1 empties the
 # site folder first (only one this script made). VLLM_UNPACK_SKIP_IMPORT=1 skips the import check.
 #
-# The two device calls (here: `make gpu-wheels gpu-vllm-chunks` first; nothing else may run between them):
-#   call 1: carry [".gpu-wheels", ".vllm-chunks/c1"]  (~3.3 + ~11 + 35 MiB)
+# The two device calls (here: `make gpu-wheels gpu-vllm-chunks` first; nothing else may run between them).
+# The working tree travels with each call: with the committed warm starts it is 51.6 MB, too much beside a
+# chunk, so leave benchmarks/results/ out while the calls run (it is not needed there):
+#   git sparse-checkout set --no-cone '/*' '!/benchmarks/results/'   ... calls ...   git sparse-checkout disable
+#   call 1: carry [".gpu-wheels", ".vllm-chunks/c1"]  (~3 + ~11 + 36 MiB)
 #     bash tools/gpu_vllm_unpack.sh 1 && python3 -m pip install -q --no-index --no-deps --no-compile
 #       --no-cache-dir --upgrade --target /tmp/loop-gpu/site-packages .gpu-wheels/*.whl
-#   call 2 (at once, within the 30 s warm window): carry [".vllm-chunks/c2"]  (~3.3 + 54 MiB)
+#   call 2 (at once, within the 30 s warm window): carry [".vllm-chunks/c2"]  (~3 + 54 MiB)
 #     bash tools/gpu_vllm_unpack.sh 2 && HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 #       PYTHONPATH=$PWD/src:/tmp/loop-gpu/site-packages:/tmp/site python3 -m benchmarks.gpu_check
 #       --sections vllm --out $OUT/gpu-check-vllm
@@ -20,8 +23,9 @@
 # .gpu-wheels, and it comes first: its pins are the CPU lock's, the ones the battery is tested with.)
 # Call 1 may run the other sections after the install, e.g. `&& GPU_CHECK_OUT=$OUT/gpu-check bash
 # tools/gpu_check.sh --sections memory update loop_bf16` (vllm needs /tmp/site, so not there): the
-# warm window starts when call 1 returns. Call 2's vllm section: ~2 minutes expected (not yet run on a
-# GPU), at most 420 s.
+# warm window starts when call 1 returns. Call 2's vllm section: 89 s on an H200 (2026-11-30), at most 420 s
+# (`--seconds` lowers it); `python3 -m benchmarks.overlap --gpu ...` runs there too (the server's wheels are
+# in the chunks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}

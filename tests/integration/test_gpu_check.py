@@ -153,3 +153,25 @@ def test_a_training_run_stopped_at_its_time_limit_keeps_the_iterations_it_logged
     assert 1 <= len(run.records) < 1000 and [r["iteration"] for r in run.records] == list(
         range(1, len(run.records) + 1)
     )
+
+
+def test_generation_concurrency_names_the_counts_the_generation_sections_collect_at(monkeypatch):
+    from benchmarks.gpu_battery.common import GPU_SIZES, sizes_for
+
+    monkeypatch.setenv("GENERATION_CONCURRENCY", "256, 64")
+    assert sizes_for("gpu").generation_concurrency == [64, 256]
+    assert sizes_for("gpu").loop_shape == GPU_SIZES.loop_shape  # only the counts change
+    monkeypatch.setenv("GENERATION_CONCURRENCY", "64 many")
+    with pytest.raises(ValueError, match="GENERATION_CONCURRENCY: whole numbers"):
+        sizes_for("gpu")
+    monkeypatch.delenv("GENERATION_CONCURRENCY")
+    assert sizes_for("gpu").generation_concurrency == GPU_SIZES.generation_concurrency
+
+
+def test_the_full_weight_engine_is_built_without_lora_layers(monkeypatch):
+    from benchmarks.gpu_battery.vllm_generation import FULL_WEIGHTS, engine_variants
+
+    assert all(not name.endswith(FULL_WEIGHTS) for name, _, _ in engine_variants("gpu", 64))
+    monkeypatch.setenv("VLLM_BATTERY_FULL_WEIGHTS", "1")
+    names = [name for name, _, _ in engine_variants("gpu", 64)] + [name for name, _, _ in engine_variants("cpu", 8)]
+    assert names and all(name.endswith(FULL_WEIGHTS) for name in names)
