@@ -165,8 +165,9 @@ def test_full_weights_sync_layer_by_layer_including_the_tied_lm_head(vault, llm,
         tolerance=1e-3,
         workdir=str(tmp_path / "stale"),
     )
+    assert stale(1).over_tolerance  # once: a warning (bf16 noise can reach the tolerance once)
     with pytest.raises(WeightSyncError, match="not sampling from the trained policy"):
-        stale(1)
+        stale(2)  # twice in a row: stale weights stay stale
 
     report = sync(1)
     assert report.logprob_diff_max <= 1e-3 and report.seconds > 0

@@ -297,8 +297,9 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
     )
     vllm_sync_tolerance: float | None = setting(
         None,
-        "After each weight sync, stop if vLLM's and the trainer's log-probs on the probe sequence differ by "
-        "more than this (default: 1e-3 in fp32, 0.25 in bf16; negative: never stop).",
+        "After each weight sync, warn if vLLM's and the trainer's log-probs on the probe sequence differ by "
+        "more than this, and stop at two syncs in a row (default: 1e-3 in fp32, 0.25 in bf16; negative: never "
+        "stop).",
         any_number(
             "the largest log-prob difference after a weight sync; negative: never stop; None: 1e-3 in fp32, "
             "0.25 in bf16",

@@ -19,7 +19,7 @@ from loop_trainer.models.tiny import build_word_tokenizer
 from loop_trainer.rollout import EpisodeLimits, RolloutEngine, RolloutFailureBudgetExceeded, TransformersBackend
 from loop_trainer.rollout.vllm_backend import VLLMBackend
 from loop_trainer.rollout.vllm_server import VLLMServerBackend
-from loop_trainer.rollout.weight_sync import WeightSync
+from loop_trainer.rollout.weight_sync import WeightSync, WeightSyncError
 from support.helpers import EchoEnv, EchoEpisode, ScriptedBackend
 from support.qwen import QWEN25_DEFAULT_SYSTEM_PROMPT
 
@@ -660,6 +660,63 @@ def test_weight_sync_removes_its_temporary_directory_on_close(tmp_path):
         model, object(), lambda ids: torch.zeros(len(ids) - 1), [1, 2], tolerance=None, workdir=str(given)
     ).close()
     assert given.is_dir()  # the caller's directory is the caller's
+
+
+class _GappedGenerator:
+    """A full-weight generator whose probe log-probs are the trainer's plus ``gap`` (what a sync left)."""
+
+    def __init__(self):
+        self.gap, self.loads = 0.0, 0
+
+    def wake_up(self, tags=None):
+        pass
+
+    def load_weights(self, weights):
+        assert [name for name, _ in weights] == ["weight", "bias"]
+        self.loads += 1
+
+    def probe_logprobs(self, ids):
+        return torch.full((len(ids) - 1,), -2.0 + self.gap)
+
+
+def _gapped_sync(tolerance=0.25):
+    generator = _GappedGenerator()
+    model = torch.nn.Linear(2, 2)
+    return generator, WeightSync(model, generator, lambda ids: torch.full((len(ids) - 1,), -2.0), [1, 2, 3], tolerance)
+
+
+def test_one_sync_over_the_tolerance_warns_and_two_in_a_row_stop_the_run(caplog):
+    generator, sync = _gapped_sync()
+    with sync:
+        assert sync(0).metrics()["weight_sync_over_tolerance"] == 0.0
+        generator.gap = 0.3  # bf16 noise can reach this once
+        with caplog.at_level("WARNING", logger="loop_trainer.rollout.weight_sync"):
+            report = sync(1)
+        assert report.over_tolerance and report.metrics()["weight_sync_over_tolerance"] == 1.0
+        assert report.logprob_diff_max == pytest.approx(0.3)
+        assert "syncing policy 1" in caplog.text and "stops if the next sync is over it too" in caplog.text
+        generator.gap = 0.1
+        assert not sync(2).over_tolerance  # back within it: the next one over it is a first again
+        generator.gap = 0.3
+        assert sync(3).over_tolerance
+        with pytest.raises(WeightSyncError, match=r"policy 4 \(and 3's before it\).*up to 0\.3 \(tolerance 0\.25\)"):
+            sync(4)
+    assert generator.loads == 5  # every sync pushed the weights before it was checked
+
+
+def test_a_probe_gap_that_is_not_a_number_stops_the_run_at_once():
+    generator, sync = _gapped_sync()
+    with sync:
+        generator.gap = float("nan")
+        with pytest.raises(WeightSyncError, match="after syncing policy 0 the generator"):
+            sync(0)
+
+
+def test_without_a_tolerance_no_gap_stops_the_run():
+    generator, sync = _gapped_sync(tolerance=None)
+    with sync:
+        generator.gap = 5.0
+        assert [sync(version).over_tolerance for version in range(3)] == [False, False, False]
 
 
 class FakeColocatedEngine:
