@@ -72,8 +72,9 @@ def measure(spec: dict[str, Any], record: dict[str, Any], save: Any) -> None:
     # LOOPTrainer's LoRA policy, or (spec "lora" false) a full fine-tuning policy: the engine then has no LoRA
     # layers and takes the full weights, as the trainer streams them without an adapter
     with_lora = spec.get("lora", True)
-    policy = get_peft_model(load_policy(), lora_config(LORA_RANK)).eval() if with_lora else None
-    stop = stop_token_ids(policy if with_lora else load_policy(), tokenizer)
+    base = load_policy()
+    policy = get_peft_model(base, lora_config(LORA_RANK)).eval() if with_lora else None
+    stop = stop_token_ids(base, tokenizer)
     max_batch = max(sizes.generation_concurrency)
     started = time.perf_counter()
     llm = build_colocated_llm(
@@ -115,7 +116,9 @@ def measure(spec: dict[str, Any], record: dict[str, Any], save: Any) -> None:
             print(f"vllm generation: {row}", flush=True)
             save()
 
-        record["weight_reload"] = _weight_reload(backend, load_policy(), scorer, probe, tolerance, spec["workdir"])
+        # a plain model for the base weights: the LoRA policy wrapped ``base`` in place
+        reloaded = load_policy() if with_lora else base
+        record["weight_reload"] = _weight_reload(backend, reloaded, scorer, probe, tolerance, spec["workdir"])
         print(f"vllm: weight reload {record['weight_reload']}", flush=True)
         save()
 

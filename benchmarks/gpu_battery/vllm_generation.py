@@ -43,12 +43,17 @@ MARGIN_S = 25  # left of the section's limit for the parent to write its result
 FULL_WEIGHTS = " (full weights, no LoRA)"  # an engine name's suffix: no LoRA layers, full weight sync
 
 
+def full_weights() -> bool:
+    """``VLLM_BATTERY_FULL_WEIGHTS=1``: the section measures the engine a full fine-tuning run builds."""
+    return os.environ.get("VLLM_BATTERY_FULL_WEIGHTS") == "1"
+
+
 def engine_variants(mode: str, max_batch: int) -> list[tuple[str, dict[str, Any], int]]:
     """(name, extra build_colocated_llm arguments, at most seconds) in the order they are tried.
     ``VLLM_BATTERY_FULL_WEIGHTS=1``: the engine a full fine-tuning run builds instead (no LoRA layers),
     whose full weight reload is the trainer's per-iteration sync (a LoRA engine names its layers
     ``base_layer``, so it cannot take them: the 2026-11-26 H200 run)."""
-    suffix = FULL_WEIGHTS if os.environ.get("VLLM_BATTERY_FULL_WEIGHTS") == "1" else ""
+    suffix = FULL_WEIGHTS if full_weights() else ""
     if mode == "cpu":
         return [("eager (CPU)" + suffix, {}, 600)]
     graphs: dict[str, Any] = {  # vLLM's compilation_config
@@ -107,7 +112,7 @@ def run(mode: str) -> dict[str, Any]:
         "concurrency": sizes.generation_concurrency,
         "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
         "max_model_len": MAX_MODEL_LEN,
-        "lora_rank": None if os.environ.get("VLLM_BATTERY_FULL_WEIGHTS") == "1" else LORA_RANK,
+        "lora_rank": None if full_weights() else LORA_RANK,
         "runs": [],
     }
     with scratch() as directory:
@@ -133,7 +138,7 @@ def run(mode: str) -> dict[str, Any]:
                 "settings": settings,
                 "model_dir": str(model_dir),
                 "dtype": dtype,
-                "lora": not name.endswith(FULL_WEIGHTS),
+                "lora": not full_weights(),
                 "workdir": str(Path(directory) / f"run-{len(result['runs'])}"),
             }
             result["runs"].append(_run_engine(spec, Path(directory)))
