@@ -38,6 +38,7 @@ from benchmarks.gpu_battery import memory as mfu_section
 from benchmarks.gpu_battery.common import (
     GIB,
     TINY_CONFIG,
+    bf16_peak,
     device_for,
     gpu_name,
     qwen_tokenizer,
@@ -92,13 +93,21 @@ def _profiler_range(name: str, tokens: int | None = None, *, device: str) -> Ite
             mfu_section._sync(device)
 
 
-def without_checkpointing(trainer: Any, shape: Any, samples: list[Any], device: str, tokens: int) -> dict[str, Any]:
-    """The update with activation checkpointing off (on CUDA a warm-up, then timed), where the
-    memory plan says it fits; otherwise why not."""
+def checkpointing_variant(
+    trainer: Any, shape: Any, samples: list[Any], device: str, tokens: int, every_n_layers: int | None
+) -> dict[str, Any]:
+    """The update with activation checkpointing off (``every_n_layers`` None) or on every n-th decoder layer only
+    (transformers' ``every_n_layers``: the others keep their activations, less recomputation), where the memory
+    plan says it fits: on CUDA a warm-up, then timed, with its MFU counted as :func:`measure_mfu` counts it (model
+    FLOPs: no recomputation); otherwise why not. Leaves the model checkpointed as the variant set it."""
     import torch
 
     from loop_trainer.models.memory_plan import plan_memory
-    from loop_trainer.training.activation_checkpointing import is_checkpointing
+    from loop_trainer.training.activation_checkpointing import (
+        checkpointing_kwargs,
+        enable_checkpointing,
+        is_checkpointing,
+    )
 
     gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB if device == "cuda" else None
     plan = plan_memory(
@@ -108,21 +117,28 @@ def without_checkpointing(trainer: Any, shape: Any, samples: list[Any], device: 
         zero_stage=0,
         lora={"r": mfu_section.LORA_R, "target_modules": "all-linear", "dropout": 0.0},
         bf16=device == "cuda",
-        activation_checkpointing=False,
+        activation_checkpointing=every_n_layers is not None,
+        checkpoint_every_n_layers=every_n_layers or 1,
         max_training_tokens=tokens,
         per_device_train_batch_size=1,
     )
-    result: dict[str, Any] = {"plan_gib": plan.training_gib, "gpu_gib": gpu_gib}
+    result: dict[str, Any] = {"every_n_layers": every_n_layers, "plan_gib": plan.training_gib, "gpu_gib": gpu_gib}
     if gpu_gib is not None and plan.training_gib > FITS_FRACTION * gpu_gib:
         return {**result, "ran": False, "why": f"the plan needs {plan.training_gib:.0f} GiB of {gpu_gib:.0f}"}
     model = trainer.accelerator.unwrap_model(trainer.model)
-    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
-    disable()
-    if is_checkpointing(model):
-        return {**result, "ran": False, "why": "checkpointing could not be switched off"}
+    if every_n_layers is None:
+        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        disable()
+        if is_checkpointing(model):
+            return {**result, "ran": False, "why": "checkpointing could not be switched off"}
+    else:
+        enable_checkpointing(model, {**checkpointing_kwargs(trainer.args), "every_n_layers": every_n_layers})
+        layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+        result["checkpointed_layers"] = sum(bool(getattr(m, "gradient_checkpointing", False)) for m in layers)
+        result["layers"] = len(layers)
     try:
         if device == "cuda":
-            trainer.update_policy(samples)  # warm-up: the allocator grows to the uncheckpointed peak
+            trainer.update_policy(samples)  # warm-up: the allocator grows to this variant's peak
             torch.cuda.reset_peak_memory_stats()
         mfu_section._sync(device)
         started = time.perf_counter()
@@ -132,7 +148,13 @@ def without_checkpointing(trainer: Any, shape: Any, samples: list[Any], device: 
     except torch.OutOfMemoryError as error:
         return {**result, "ran": False, "why": f"out of memory: {str(error).splitlines()[0][:200]}"}
     peak = torch.cuda.max_memory_allocated() / GIB if device == "cuda" else None
-    return {**result, "ran": True, "update_seconds": seconds, "peak_allocated_gib": peak}
+    scored = [sum(s.loss_mask) - (1 if s.loss_mask[0] else 0) for s in samples]
+    flops = mfu_section.update_flops(
+        shape, [len(s.token_ids) for s in samples], scored, lora_r=mfu_section.LORA_R, epochs=trainer.args.ppo_epochs
+    )
+    dense_peak = bf16_peak(gpu_name()) if device == "cuda" else None
+    mfu = flops["model_flops"] / seconds / dense_peak if dense_peak else None
+    return {**result, "ran": True, "update_seconds": seconds, "peak_allocated_gib": peak, "mfu_model": mfu}
 
 
 def kernel_profile(trainer: Any, samples: list[Any], vocab_size: int, device: str, started: float) -> dict[str, Any]:
@@ -171,9 +193,17 @@ def profile_update(sizes: Any, device: str, tokenizer: Any, started: float) -> d
         kernels = _attempt(
             "kernel profile", started, kernel_profile, trainer, samples, shape.vocab_size, device, started
         )
-        _progress(f"profile summarized: busy {kernels.get('busy_fraction')}; checkpointing off next", started)
+        _progress(f"profile summarized: busy {kernels.get('busy_fraction')}; every other layer next", started)
+        every_other = _attempt(
+            "update checkpointing every other layer",
+            started,
+            *(checkpointing_variant, trainer, shape, samples, device, tokens, 2),
+        )
+        _progress(f"every other layer checkpointed: {every_other}; checkpointing off next", started)
         uncheckpointed = _attempt(
-            "update without checkpointing", started, without_checkpointing, trainer, shape, samples, device, tokens
+            "update without checkpointing",
+            started,
+            *(checkpointing_variant, trainer, shape, samples, device, tokens, None),
         )
         _progress(f"without checkpointing: {uncheckpointed}", started)
         trainer.close()
@@ -185,6 +215,7 @@ def profile_update(sizes: Any, device: str, tokenizer: Any, started: float) -> d
         "lora_r": mfu_section.LORA_R,
         "mfu": mfu,
         **kernels,
+        "every_other_layer_checkpointed": every_other,
         "without_checkpointing": uncheckpointed,
     }
 
@@ -323,16 +354,24 @@ def _kernel_lines(k: dict[str, Any]) -> list[str]:
             for t in k["top_kernels"]
         ]
         lines += _table(["top kernels", "category", "count", "s", "share"], rows)
-    off = k["without_checkpointing"]
-    if "error" in off:
-        return lines + _error("the update without checkpointing", off)
-    outcome = (
-        f"update {_f(off['update_seconds'], 2)} s, peak {_f(off['peak_allocated_gib'])} GiB "
-        f"(plan {_f(off['plan_gib'])} GiB)"
-        if off["ran"]
-        else f"not run: {off['why']}"
-    )
-    return lines + [f"Without activation checkpointing: {outcome}.", ""]
+    for key, label in (
+        ("every_other_layer_checkpointed", "Every other layer checkpointed (every_n_layers 2)"),
+        ("without_checkpointing", "Without activation checkpointing"),
+    ):
+        variant = k.get(key)
+        if variant is None:  # a result from before the variant was measured
+            continue
+        if "error" in variant:
+            lines += _error(label, variant)
+            continue
+        outcome = (
+            f"update {_f(variant['update_seconds'], 2)} s, MFU {_f(variant.get('mfu_model'), 3)}, peak "
+            f"{_f(variant['peak_allocated_gib'])} GiB (plan {_f(variant['plan_gib'])} GiB)"
+            if variant["ran"]
+            else f"not run: {variant['why']}"
+        )
+        lines += [f"{label}: {outcome}.", ""]
+    return lines
 
 
 def _stage_row(label: str, gib: float | None, record: dict[str, Any]) -> list[str]:

@@ -22,7 +22,8 @@ def test_profile_section_in_cpu_mode_accounts_for_all_the_time_and_orders_the_me
     record = json.loads((out / "gpu-check.json").read_text())["sections"]["profile"]
     assert record["status"] == "ok"
     kernels, memory = record["result"]["kernels"], record["result"]["memory"]
-    for part in (kernels, kernels["without_checkpointing"], memory, memory["loop"], memory["grpo"]):
+    every_other = kernels["every_other_layer_checkpointed"]
+    for part in (kernels, every_other, kernels["without_checkpointing"], memory, memory["loop"], memory["grpo"]):
         assert "error" not in part and "skipped" not in part, part
 
     total = kernels["timed_seconds"]
@@ -37,6 +38,9 @@ def test_profile_section_in_cpu_mode_accounts_for_all_the_time_and_orders_the_me
     assert 0 < kernels["recompute_seconds"] < total  # checkpointing on: layers ran again in the backward
     assert kernels["mfu"] is None  # no GPU: no MFU
     assert kernels["without_checkpointing"]["ran"]
+    # transformers' every_n_layers 2 checkpoints layers 0, 2, ...; the plan counts the others' activations
+    assert every_other["ran"] and every_other["layers"] >= 2
+    assert every_other["checkpointed_layers"] == -(-every_other["layers"] // 2)
 
     loop = memory["loop"]
     stages = [s["stage"] for s in loop["stages"]]

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 import re
+import shlex
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -26,6 +28,7 @@ from ..models.memory_plan import MemoryPlan, plan_memory
 from ..models.model_shape import ModelShape, load_model_shape
 from ..models.packaged import resolve_model_path
 from ..models.tiny import is_tiny_spec, tiny_config
+from ..training.activation_checkpointing import checkpointing_kwargs, checkpointing_kwargs_key
 from .recipe import RecipeError, ScriptArguments
 
 EXIT_DOES_NOT_FIT = 3
@@ -117,6 +120,7 @@ def plan_for(
             lora=lora,
             bf16=model_args.dtype in (None, "auto", "bfloat16", "float16"),
             activation_checkpointing=bool(args.activation_checkpointing),
+            checkpoint_every_n_layers=checkpointing_kwargs(args).get("every_n_layers", 1),
             activation_offloading=args.activation_offloading,
             max_training_tokens=args.max_training_tokens,
             per_device_train_batch_size=args.per_device_train_batch_size,
@@ -286,9 +290,12 @@ def recipe_settings(changes: dict[str, Any], args: LOOPConfig) -> list[tuple[str
                 settings += [("use_vllm", True), ("vllm_mode", "colocate")]
         elif name == "lora":
             settings.append(("use_peft", True))
+        elif name == "checkpoint_every_n_layers":  # a key inside the checkpointing kwargs
+            kwargs = {**checkpointing_kwargs(args), "every_n_layers": value}
+            settings.append((checkpointing_kwargs_key(args), kwargs))
         else:
             settings.append((RECIPE_KEY_OF_PLAN_PARAMETER.get(name, name), value))
-    return list(dict.fromkeys(settings))
+    return [setting for index, setting in enumerate(settings) if setting not in settings[:index]]  # each once
 
 
 def with_settings(
@@ -308,7 +315,7 @@ def fix_line(plan: MemoryPlan, script_args: ScriptArguments, args: LOOPConfig, m
         return None
     settings = recipe_settings(plan.fix.changes, args)
     listed = ", ".join(f"{key}: {shown(value)}" for key, value in settings)
-    flags = " ".join(f"--{key} {shown(value)}" for key, value in settings)
+    flags = " ".join(f"--{key} {shlex.quote(shown(value))}" for key, value in settings)
     try:
         replanned, _ = plan_for(*with_settings(settings, script_args, args, model_args), suggest=False)
     except RecipeError as error:  # a combination the recipe's other keys refuse
@@ -331,6 +338,8 @@ def shown(value: Any) -> str:
     """A value as a recipe or flag spells it."""
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, dict):  # a mapping-valued key: JSON, as a flag takes it and a recipe reads it
+        return json.dumps(value)
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 

@@ -490,6 +490,8 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
         super().__post_init__()  # report_to is a list from here ("all" and "none" resolved)
         if problem := report_to_problem(self.report_to):
             raise ValueError(f"LOOPConfig: {problem}")
+        if problem := every_n_layers_problem(self):
+            raise ValueError(f"LOOPConfig: {problem}")
         if self.max_training_tokens is None:
             self.max_training_tokens = self.max_trajectory_tokens
         try:
@@ -518,3 +520,16 @@ LOOPConfig.__init__ = refusing_unknown_keys(LOOPConfig, LOOPConfig.__init__)  # 
 LOOP_OWN_KEYS = frozenset(LOOPConfig.__annotations__) - frozenset(
     f.name for f in dataclasses.fields(LOOPConfig) if not f.init
 ) | {f.name for f in dataclasses.fields(EpisodeSettings)}
+
+
+def every_n_layers_problem(config: LOOPConfig) -> str | None:
+    """What is wrong with the checkpointing kwargs' ``every_n_layers`` (transformers checkpoints the decoder layers
+    whose index is a multiple of it; the memory plan counts the others' activations), or None."""
+    kwargs = getattr(config, "activation_checkpointing_kwargs", None) or config.gradient_checkpointing_kwargs or {}
+    value = kwargs.get("every_n_layers", 1) if isinstance(kwargs, dict) else 1
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return None
+    return (
+        "activation_checkpointing_kwargs' every_n_layers must be a whole number >= 1 (1 checkpoints every decoder "
+        f"layer, 2 every other one), got {value!r}"
+    )

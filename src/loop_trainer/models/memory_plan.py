@@ -137,6 +137,7 @@ def plan_memory(
     lora: dict | None = None,
     bf16: bool = True,
     activation_checkpointing: bool = True,
+    checkpoint_every_n_layers: int = 1,
     activation_offloading: bool = False,
     max_training_tokens: int = 32000,
     per_device_train_batch_size: int = 1,
@@ -161,6 +162,14 @@ def plan_memory(
         raise ValueError("memory plan: need world_size >= 1, zero_stage in 0..3, 0 < vllm_gpu_memory_utilization <= 1")
     if use_vllm and vllm_server:
         raise ValueError("memory plan: use_vllm (a colocated engine) and vllm_server exclude each other")
+    if (
+        isinstance(checkpoint_every_n_layers, bool)
+        or not isinstance(checkpoint_every_n_layers, int)
+        or (checkpoint_every_n_layers < 1)
+    ):
+        raise ValueError(
+            f"memory plan: checkpoint_every_n_layers must be a whole number >= 1, not {checkpoint_every_n_layers!r}"
+        )
     if use_vllm and world_size % vllm_tensor_parallel_size:
         raise ValueError(
             f"memory plan: vllm_tensor_parallel_size {vllm_tensor_parallel_size} must divide world_size {world_size}"
@@ -233,9 +242,12 @@ def plan_memory(
         targets = shapes if lora.get("target_modules", "all-linear") == "all-linear" else lora["target_modules"]
         per_token += sum(shapes[t.split(".")[-1]][0] for t in targets)
     if activation_checkpointing:
+        # transformers checkpoints the decoder layers whose index is a multiple of every_n_layers; the others
+        # keep all their activations, as without checkpointing.
+        checkpointed = -(-layers // checkpoint_every_n_layers)
         # Offloaded (TRL's offloader), a layer input stays on the GPU only while the forward's stash of the
         # last OFFLOAD_STASH_LAYERS holds it, or once the backward has brought it back for its layer.
-        resident = min(layers, OFFLOAD_STASH_LAYERS + 1) if activation_offloading else layers
+        resident = min(checkpointed, OFFLOAD_STASH_LAYERS + 1) if activation_offloading else checkpointed
         rows.append(
             MemoryRow(
                 "checkpointed layer inputs" + (" (offloaded to CPU but the stash)" if activation_offloading else ""),
@@ -244,6 +256,17 @@ def plan_memory(
                 train,
             )
         )
+        if checkpointed < layers:
+            # Counted on the GPU even when offloading moves some of them: the plan errs high.
+            rows.append(
+                MemoryRow(
+                    "activations of the layers not checkpointed",
+                    _gib((layers - checkpointed) * tokens * per_token * wb),
+                    f"{layers - checkpointed} layers (every_n_layers {checkpoint_every_n_layers}) x T={tokens} "
+                    f"x (8h+3kv+4I={per_token}) x {wb} B",
+                    train,
+                )
+            )
         rows.append(
             MemoryRow(
                 "recomputed layer (backward)",
@@ -411,10 +434,13 @@ def _levers(args: dict, lora: dict) -> list[_Lever]:
     levers = []
     if colocated and not args["vllm_sleep_mode"]:
         levers.append(_Lever("sleep", 1, {"vllm_sleep_mode": True}))
+    every_layer = {"activation_checkpointing": True, "checkpoint_every_n_layers": 1}
     if not args["activation_checkpointing"]:
-        levers.append(_Lever("checkpointing", 1, {"activation_checkpointing": True}))
+        levers.append(_Lever("checkpointing", 1, every_layer))
+    elif args["checkpoint_every_n_layers"] > 1:
+        levers.append(_Lever("checkpointing", 1, {"checkpoint_every_n_layers": 1}))
     if not args["activation_offloading"]:  # offloading moves what checkpointing keeps, so it brings it along
-        levers.append(_Lever("offloading", 1, {"activation_offloading": True, "activation_checkpointing": True}))
+        levers.append(_Lever("offloading", 1, {"activation_offloading": True, **every_layer}))
     if args["per_device_train_batch_size"] > 1:
         levers.append(_Lever("batch", 1, {"per_device_train_batch_size": 1}))
     if not colocated and not server:

@@ -50,14 +50,18 @@ def checkpointing_kwargs(args: LOOPConfig) -> dict[str, Any]:
     return dict(cast(dict[str, Any], kwargs))  # TrainingArguments parsed a JSON string into a dict
 
 
-def update_checkpointing_kwargs(args: LOOPConfig, **changes: Any) -> None:
-    """Set ``changes`` in the config's checkpointing kwargs, under the name this transformers reads."""
-    name = (
+def checkpointing_kwargs_key(args: LOOPConfig) -> str:
+    """The config key this transformers reads the checkpointing kwargs from (before 5.18: gradient_...)."""
+    return (
         "activation_checkpointing_kwargs"
         if hasattr(args, "activation_checkpointing_kwargs")
-        else ("gradient_checkpointing_kwargs")
+        else "gradient_checkpointing_kwargs"
     )
-    setattr(args, name, {**checkpointing_kwargs(args), **changes})
+
+
+def update_checkpointing_kwargs(args: LOOPConfig, **changes: Any) -> None:
+    """Set ``changes`` in the config's checkpointing kwargs, under the name this transformers reads."""
+    setattr(args, checkpointing_kwargs_key(args), {**checkpointing_kwargs(args), **changes})
 
 
 def enable_checkpointing(model: Any, kwargs: dict[str, Any] | None = None) -> None:

@@ -70,8 +70,18 @@ def fix_flags(out: str) -> list[str]:
         [*R7B, "--max_training_tokens", "131072", "--activation_checkpointing", "false"],
         [*R32B, "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", "0.9"],  # 32B weights on one GPU
         [*R32B, "--use_peft", "false", "--plan_gpus", "1", "--activation_checkpointing", "false"],
+        [*R7B, "--max_training_tokens", "131072", "--activation_checkpointing_kwargs", '{"every_n_layers": 4}'],
     ],
-    ids=["24GiB", "40GiB", "small-vllm-share", "transformers", "long-uncheckpointed", "32b-colocated", "32b-full"],
+    ids=[
+        "24GiB",
+        "40GiB",
+        "small-vllm-share",
+        "transformers",
+        "long-uncheckpointed",
+        "32b-colocated",
+        "32b-full",
+        "long-every-4th-layer",
+    ],
 )
 def test_the_settings_proposed_together_make_the_recipe_fit(flags, capsys):
     status, out = dry_run(capsys, *flags)

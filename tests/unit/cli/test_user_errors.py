@@ -63,6 +63,16 @@ def test_an_output_dir_that_cannot_be_created_is_one_line(capsys):
     assert len(err) == 1 and err[0].startswith("loop-train: error: output_dir '/proc/loop-trainer-cannot-be-here'")
 
 
+@pytest.mark.parametrize("every", ["0", "1.5", '"two"'])
+def test_a_checkpointing_every_n_layers_that_is_not_a_whole_number_is_one_line(tmp_path, capsys, every):
+    kwargs = f'{{"every_n_layers": {every}}}'
+    flags = ["--activation_checkpointing", "true", "--activation_checkpointing_kwargs", kwargs]
+    for extra in ([], ["--dry-run"]):
+        assert cli([*TINY, "--output_dir", str(tmp_path / "c"), *flags, *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "every_n_layers must be a whole number >= 1" in err[0], err
+
+
 class SplitByKeyEnv(VaultEnv):
     """Answers an unknown split the way many environments do: a KeyError from a dict lookup."""
 

@@ -287,6 +287,40 @@ def test_activation_offloading_keeps_only_the_offloaders_stash_of_layer_inputs(q
     assert "activation_offloading" not in offloaded_long.fix.changes  # already on: not proposed
 
 
+def test_every_n_layers_keeps_the_other_layers_activations(qwen7b):
+    """transformers checkpoints the layers whose index is a multiple of every_n_layers: ceil(28 / n) of the
+    7B's 28 keep only their input, the rest all their activations, as without checkpointing."""
+    tokens, h, kv, i = 32000, 3584, 512, 18944
+    layer_input, layer_whole = tokens * h * 2 / 2**30, tokens * (8 * h + 3 * kv + 4 * i) * 2 / 2**30
+    every = {n: plan_memory(qwen7b, lora=LORA_7B, **NODE, checkpoint_every_n_layers=n) for n in (1, 2, 4, 28, 64)}
+    assert not any(r.name.startswith("activations of the layers not") for r in every[1].rows)
+    for n, checkpointed in ((2, 14), (4, 7), (28, 1), (64, 1)):
+        rows = {r.name: r.gib for r in every[n].rows}
+        assert rows["checkpointed layer inputs"] == pytest.approx(checkpointed * layer_input)
+        assert rows["activations of the layers not checkpointed"] == pytest.approx((28 - checkpointed) * layer_whole)
+    trained = [every[n].training_gib for n in (1, 2, 4, 28)]
+    assert trained == sorted(trained) and trained[0] < trained[-1]
+    uncheckpointed = plan_memory(qwen7b, lora=LORA_7B, **{**NODE, "activation_checkpointing": False})
+    assert every[28].training_gib < uncheckpointed.training_gib  # one layer still checkpointed
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="checkpoint_every_n_layers must be a whole number"):
+            plan_memory(qwen7b, lora=LORA_7B, **NODE, checkpoint_every_n_layers=bad)
+
+
+def test_a_plan_that_does_not_fit_with_every_n_layers_is_fixed_by_checkpointing_every_layer(qwen7b):
+    one_gpu = {**NODE, "world_size": 1, "max_training_tokens": 16000, "max_trajectory_tokens": 16000}
+    one_gpu = {**one_gpu, "vllm_server": True}  # training alone on the GPU
+    assert plan_memory(qwen7b, lora=LORA_7B, **one_gpu).fits
+    shorter = {**one_gpu, "max_training_tokens": 8000}
+    assert plan_memory(qwen7b, lora=LORA_7B, **shorter, checkpoint_every_n_layers=2).fits
+    plan = plan_memory(qwen7b, lora=LORA_7B, **one_gpu, checkpoint_every_n_layers=2)
+    assert not plan.fits and plan.fix.changes == {"checkpoint_every_n_layers": 1} and plan.fix.plan.fits
+    # without checkpointing, the lever that turns it on checkpoints every layer, whatever every_n_layers said
+    unchecked = {**one_gpu, "activation_checkpointing": False}
+    off = plan_memory(qwen7b, lora=LORA_7B, **unchecked, checkpoint_every_n_layers=2)
+    assert off.fix.changes == {"activation_checkpointing": True, "checkpoint_every_n_layers": 1} and off.fix.plan.fits
+
+
 # --- the fix: settings that together fit ----------------------------------------------------------------------
 def _sweep() -> list[tuple]:
     """Plans that do not fit, across models, GPU sizes, world sizes, engines and training lengths (a fixed
@@ -310,7 +344,7 @@ def _sweep() -> list[tuple]:
 
 def _relieves(name, before, after) -> bool:
     """Whether a change lowers the memory a GPU needs (the only direction a fix may move a setting)."""
-    if name in ("max_training_tokens", "generation_batch", "per_device_train_batch_size"):
+    if name in ("max_training_tokens", "generation_batch", "per_device_train_batch_size", "checkpoint_every_n_layers"):
         return after < before
     if name == "world_size":
         return after > before

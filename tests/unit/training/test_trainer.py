@@ -104,6 +104,20 @@ def test_driving_iterations_by_hand_still_checkpoints_activations(tmp_path, vaul
     assert is_checkpointing(model)
 
 
+def test_every_n_layers_checkpoints_the_layers_it_names(tmp_path, vault_tiny):
+    # transformers' own key, through the recipe's checkpointing kwargs: the memory plan counts the layers it leaves
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    _, model, tok = vault_tiny
+    backend = ScriptedBackend(tok, lambda prompt: "find ann")
+    kwargs = {"every_n_layers": 2}
+    args = tiny_args(tmp_path, activation_checkpointing=True, iterations=1, activation_checkpointing_kwargs=kwargs)
+    trainer = LOOPTrainer(model, PreferFindEnv(), args, processing_class=tok, generation_backend=backend)
+    trainer.run_iteration()
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert len(layers) >= 2 and [m.gradient_checkpointing for m in layers] == [i % 2 == 0 for i in range(len(layers))]
+
+
 def test_iterations_driven_by_hand_sample_each_update_s_weights(tmp_path, vault_tiny):
     # global_step does not move without train(); the training model's sampler must still see each update.
     _, model, tok = vault_tiny
