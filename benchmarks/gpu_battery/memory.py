@@ -191,9 +191,14 @@ def measure_memory(trainer: Any, shape: Any, tokens: int, device: str, gpu_gib: 
     return row
 
 
+def scored_tokens(samples: list[Any]) -> list[int]:
+    """Each sample's labelled tokens, as the update scores them (a loss-masked first token has no prefix to score)."""
+    return [sum(s.loss_mask) - (1 if s.loss_mask[0] else 0) for s in samples]
+
+
 def measure_mfu(trainer: Any, shape: Any, tokens: int, count: int, device: str) -> dict[str, Any]:
     samples = [_trajectory(tokens, shape.vocab_size, seed) for seed in range(count)]
-    scored = [sum(s.loss_mask) - (1 if s.loss_mask[0] else 0) for s in samples]
+    scored = scored_tokens(samples)
     trainer.args.max_training_tokens = tokens
     trainer.update_policy(samples)  # warm-up: kernels, cuBLAS heuristics, Adam state
     seconds = []

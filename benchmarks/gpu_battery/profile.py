@@ -101,13 +101,11 @@ def checkpointing_variant(
     plan says it fits: on CUDA a warm-up, then timed, with its MFU counted as :func:`measure_mfu` counts it (model
     FLOPs: no recomputation); otherwise why not. Leaves the model checkpointed as the variant set it."""
     import torch
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
+    from loop_trainer.config.loop_config import checkpointing_kwargs
     from loop_trainer.models.memory_plan import plan_memory
-    from loop_trainer.training.activation_checkpointing import (
-        checkpointing_kwargs,
-        enable_checkpointing,
-        is_checkpointing,
-    )
+    from loop_trainer.training.activation_checkpointing import enable_checkpointing, is_checkpointing
 
     gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB if device == "cuda" else None
     plan = plan_memory(
@@ -133,8 +131,8 @@ def checkpointing_variant(
             return {**result, "ran": False, "why": "checkpointing could not be switched off"}
     else:
         enable_checkpointing(model, {**checkpointing_kwargs(trainer.args), "every_n_layers": every_n_layers})
-        layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-        result["checkpointed_layers"] = sum(bool(getattr(m, "gradient_checkpointing", False)) for m in layers)
+        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]  # what every_n_layers counts
+        result["checkpointed_layers"] = sum(bool(m.gradient_checkpointing) for m in layers)
         result["layers"] = len(layers)
     try:
         if device == "cuda":
@@ -148,9 +146,12 @@ def checkpointing_variant(
     except torch.OutOfMemoryError as error:
         return {**result, "ran": False, "why": f"out of memory: {str(error).splitlines()[0][:200]}"}
     peak = torch.cuda.max_memory_allocated() / GIB if device == "cuda" else None
-    scored = [sum(s.loss_mask) - (1 if s.loss_mask[0] else 0) for s in samples]
     flops = mfu_section.update_flops(
-        shape, [len(s.token_ids) for s in samples], scored, lora_r=mfu_section.LORA_R, epochs=trainer.args.ppo_epochs
+        shape,
+        [len(s.token_ids) for s in samples],
+        mfu_section.scored_tokens(samples),
+        lora_r=mfu_section.LORA_R,
+        epochs=trainer.args.ppo_epochs,
     )
     dense_peak = bf16_peak(gpu_name()) if device == "cuda" else None
     mfu = flops["model_flops"] / seconds / dense_peak if dense_peak else None

@@ -23,12 +23,12 @@ from trl import ModelConfig
 
 from ..config import LOOPConfig, mapping_setting
 from ..config.combinations import ConfigCombinationError, Generator, check_combinations
+from ..config.loop_config import checkpointing_kwargs, checkpointing_kwargs_key
 from ..envs import available_environments
 from ..models.memory_plan import MemoryPlan, plan_memory
 from ..models.model_shape import ModelShape, load_model_shape
 from ..models.packaged import resolve_model_path
 from ..models.tiny import is_tiny_spec, tiny_config
-from ..training.activation_checkpointing import checkpointing_kwargs, checkpointing_kwargs_key
 from .recipe import RecipeError, ScriptArguments
 
 EXIT_DOES_NOT_FIT = 3

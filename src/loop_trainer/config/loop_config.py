@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from transformers import TrainingArguments
@@ -522,11 +523,25 @@ LOOP_OWN_KEYS = frozenset(LOOPConfig.__annotations__) - frozenset(
 ) | {f.name for f in dataclasses.fields(EpisodeSettings)}
 
 
+def checkpointing_kwargs(args: LOOPConfig) -> dict[str, Any]:
+    """A copy of the activation checkpointing kwargs, under the name this transformers reads."""
+    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs or {}
+    return dict(cast(dict[str, Any], kwargs))  # TrainingArguments parsed a JSON string into a dict
+
+
+def checkpointing_kwargs_key(args: LOOPConfig) -> str:
+    """The config key this transformers reads the checkpointing kwargs from (before 5.18: gradient_...)."""
+    return (
+        "activation_checkpointing_kwargs"
+        if hasattr(args, "activation_checkpointing_kwargs")
+        else "gradient_checkpointing_kwargs"
+    )
+
+
 def every_n_layers_problem(config: LOOPConfig) -> str | None:
     """What is wrong with the checkpointing kwargs' ``every_n_layers`` (transformers checkpoints the decoder layers
     whose index is a multiple of it; the memory plan counts the others' activations), or None."""
-    kwargs = getattr(config, "activation_checkpointing_kwargs", None) or config.gradient_checkpointing_kwargs or {}
-    value = kwargs.get("every_n_layers", 1) if isinstance(kwargs, dict) else 1
+    value = checkpointing_kwargs(config).get("every_n_layers", 1)
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return None
     return (

@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
+
+from ..config.loop_config import checkpointing_kwargs, checkpointing_kwargs_key
 
 if TYPE_CHECKING:
     from ..config import LOOPConfig
@@ -43,20 +45,6 @@ def get_peft_model(model: Any, peft_config: Any, **kwargs: Any) -> Any:
 
     with peft_wrapping():
         return wrap(model, peft_config, **kwargs)
-
-
-def checkpointing_kwargs(args: LOOPConfig) -> dict[str, Any]:
-    kwargs = getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs or {}
-    return dict(cast(dict[str, Any], kwargs))  # TrainingArguments parsed a JSON string into a dict
-
-
-def checkpointing_kwargs_key(args: LOOPConfig) -> str:
-    """The config key this transformers reads the checkpointing kwargs from (before 5.18: gradient_...)."""
-    return (
-        "activation_checkpointing_kwargs"
-        if hasattr(args, "activation_checkpointing_kwargs")
-        else "gradient_checkpointing_kwargs"
-    )
 
 
 def update_checkpointing_kwargs(args: LOOPConfig, **changes: Any) -> None:

@@ -44,6 +44,7 @@ from ..chat import ChatFormatter, stop_token_ids
 from ..compat.trl.arguments import environment_for, loop_config_for
 from ..config import LOOPConfig, mapping_setting
 from ..config.combinations import Generator, check_combinations
+from ..config.loop_config import checkpointing_kwargs
 from ..envs.base import Environment, load_tasks
 from ..evaluation import Evaluator, write_evaluation_viewer
 from ..publishing.publisher import HubPublisher
@@ -52,12 +53,7 @@ from ..rollout.generator import RolloutGenerator, build_generator, require_vllm
 from ..rollout.partial import CarriedGroup, ContinuingCollection, gather_carried, load_carried, save_carried
 from ..rollout.sharding import collect_share, gather_shares, task_share
 from ..rollout.weight_sync import is_peft
-from .activation_checkpointing import (
-    activation_offloading,
-    checkpointing_kwargs,
-    enable_checkpointing,
-    is_checkpointing,
-)
+from .activation_checkpointing import activation_offloading, enable_checkpointing, is_checkpointing
 from .batching import TrainingSample, training_samples
 from .checkpoints import CheckpointStager, mark_finished, read_loop_state
 from .distribution import DistributionStrategy, check_launch, zero_stage
