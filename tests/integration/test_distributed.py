@@ -7,7 +7,7 @@ update must agree. The cases cover per-device batches of 1 and 2 (gradient accum
 ``no_sync``), two PPO epochs, minibatches that split unevenly over the ranks (3 = 2 + 1) or leave
 a rank with no trajectory at all (the zero stand-in), activation checkpointing (DDP without
 ``find_unused_parameters``), a decaying learning-rate schedule and a LoRA adapter. The same driver
-runs the DeepSpeed ZeRO-3 comparison (tests/vllm_deepspeed/test_zero3.py, in the DeepSpeed venv).
+runs the DeepSpeed comparisons (tests/vllm_deepspeed/test_zero_updates.py, in the DeepSpeed venv).
 """
 
 from __future__ import annotations

@@ -4,12 +4,13 @@
 --nproc_per_node 2`` the same command runs data-parallel (gloo, DDP through accelerate). Under
 ``accelerate launch`` with a DeepSpeed config (``ACCELERATE_USE_DEEPSPEED=true``, e.g.
 recipes/accelerate/zero3.yaml) it runs through DeepSpeed (gloo on CPU). For each case (a fresh
-tiny model and trainer, one ``update_policy`` call) rank 0 writes ``OUTPUT_DIR/<case>/result.json``
+tiny model and trainer, ``update_policy`` once or ``updates`` times) rank 0 writes ``OUTPUT_DIR/<case>/result.json``
 (``update_policy``'s metrics, each optimizer step's loss and pre-clip gradient norm, the world
 size; under DeepSpeed the engine's settings and how it partitioned the parameters) and
 ``OUTPUT_DIR/<case>/weights.pt`` (every parameter after the update, gathered under ZeRO-3), and
 prints the JSON. tests/integration/test_distributed.py compares 1 and 2 processes (DDP),
-tests/vllm_deepspeed/test_zero3.py 1 process and 2 ZeRO-3 processes.
+tests/vllm_deepspeed/test_zero_updates.py 1 process and 2 DeepSpeed processes (ZeRO-3; ZeRO-2 with
+the optimizer state on the CPU).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ CASE_DEFAULTS = {
     "peft": False,  # a LoRA adapter (r 4 on q/v projections) is what gets trained
     "nan_advantage": None,  # index of a sample whose advantage is NaN: its minibatches are skipped
     "stress_test": False,  # run the start-up memory stress test first: it must not change any weight
+    "updates": 1,  # update_policy calls on the same samples, one after the other (as iterations follow)
 }
 DEEPSPEED = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
@@ -100,8 +102,15 @@ def deepspeed_facts(trainer, wrapped) -> dict:
     assert isinstance(wrapped, deepspeed.DeepSpeedEngine), type(wrapped)
     params = list(wrapped.module.parameters())
     partitioned = [p for p in params if hasattr(p, "ds_id")]
+    optimizer = wrapped.basic_optimizer
+    # ZeRO-1/2 keep this rank's fp32 master partition (what the optimizer steps) in single_partition_of_fp32_groups.
+    masters = getattr(wrapped.optimizer, "single_partition_of_fp32_groups", [])
     return {
         "zero_stage": wrapped.zero_optimization_stage(),
+        "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+        "offload_optimizer": wrapped.zero_cpu_offload(),
+        "master_devices": sorted({str(m.device) for m in masters}),
+        "master_numel": sum(m.numel() for m in masters),
         "gradient_clipping": wrapped.gradient_clipping(),
         "gradient_accumulation_steps": wrapped.gradient_accumulation_steps(),
         "micro_batch_size": wrapped.train_micro_batch_size_per_gpu(),
@@ -181,7 +190,8 @@ def run_case(name: str, case: dict, output_dir: Path, state: PartialState, expec
     samples = make_samples(tokenizer, case["samples"])
     if case["nan_advantage"] is not None:
         samples[case["nan_advantage"]].advantage = math.nan
-    metrics = trainer.update_policy(samples)
+    for _ in range(case["updates"]):
+        metrics = trainer.update_policy(samples)
     metrics["world_size"] = trainer.accelerator.num_processes
     metrics["learning_rate_after"] = trainer.optimizer.param_groups[0]["lr"]
     metrics["steps"] = steps

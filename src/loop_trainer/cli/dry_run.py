@@ -75,9 +75,20 @@ def planned_zero_stage(world: int, kl_reference_copy: bool = False) -> int:
     """The ZeRO stage the plan assumes: accelerate's DeepSpeed stage where a launch sets one, else
     ZeRO-3 on several GPUs (the documented setup; ZeRO-2 where the KL reference is a frozen copy of the
     weights, which ZeRO-3 refuses) and none on one GPU (measured there, no DeepSpeed)."""
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
+    if launched_with_deepspeed():
         return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 3))
     return (2 if kl_reference_copy else 3) if world > 1 else 0
+
+
+def launched_with_deepspeed() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true")
+
+
+def offloaded(what: str) -> bool:
+    """Whether the launch's DeepSpeed config places ``what`` ("optimizer" or "param") off the GPU (cpu or nvme;
+    accelerate's ``offload_optimizer_device`` / ``offload_param_device``)."""
+    device = os.environ.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{what.upper()}_DEVICE", "none").lower()
+    return launched_with_deepspeed() and device not in ("", "none")
 
 
 def keeps_kl_reference_copy(args: LOOPConfig, model_args: ModelConfig) -> bool:
@@ -117,6 +128,7 @@ def plan_for(
             world_size=world,
             gpu_memory_gib=script_args.plan_gpu_memory_gib,
             zero_stage=planned_zero_stage(world, reference_copy),
+            offload_optimizer=offloaded("optimizer"),
             lora=lora,
             bf16=model_args.dtype in (None, "auto", "bfloat16", "float16"),
             activation_checkpointing=bool(args.activation_checkpointing),
@@ -139,6 +151,11 @@ def plan_for(
         raise RecipeError(in_recipe_keys(str(error))) from None
     plan.reasons = [in_recipe_keys(reason) for reason in plan.reasons]
     plan.notes = [in_recipe_keys(note) for note in plan.notes]
+    if offloaded("param"):
+        plan.notes.append(
+            "offload_param_device: the launch keeps ZeRO-3's weight partitions off the GPU; the plan counts them "
+            "on it (an overestimate by the 'model weights' row)"
+        )
     return plan, world
 
 
@@ -195,9 +212,10 @@ def dry_run(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCon
     for warning in launch_warnings(script_args, args, world):
         print(f"warning: {warning}")
     stage = planned_zero_stage(world, keeps_kl_reference_copy(args, model_args))
+    deepspeed = f"ZeRO-{stage}" + (", optimizer state on the CPU" if offloaded("optimizer") else "")
     print(
         f"\nMemory plan per GPU: {world} GPUs x {script_args.plan_gpu_memory_gib:g} GiB, "
-        f"{f'ZeRO-{stage}' if stage else 'no DeepSpeed'} (estimates; see docs/recipes.md)"
+        f"{deepspeed if stage else 'no DeepSpeed'} (estimates; see docs/recipes.md)"
     )
     if args.use_vllm and args.vllm_mode == "server":
         plan.notes.append("generation runs on the vLLM server's own GPUs (vllm_mode: server), not planned here")

@@ -4,6 +4,9 @@ the model's config.json, no GPU and no weights (parameters are counted on a meta
 Assumptions (estimates, not measurements; the start-up stress test measures the real thing):
   * DeepSpeed ZeRO stage 3 (1 and 2 shard less), bf16 mixed precision, AdamW. Full fine-tuning keeps
     18 bytes per parameter: bf16 weight 2 + fp32 master 4 + fp32 gradient 4 + Adam m 4 + Adam v 4.
+  * ZeRO-Offload (``offload_optimizer``, accelerate's ``offload_optimizer_device: cpu``): the fp32 master,
+    gradient and Adam state live in CPU memory (a note gives its size); the GPU keeps the bf16 weights and a
+    staging buffer and a bucket for the gradients on their way there.
   * LoRA: the bf16 base is frozen (2 bytes/param, sharded by ZeRO-3); each adapter weight costs the
     same 18 bytes; lora_dropout 0 unless lora["dropout"] says otherwise (dropout copies each input).
   * No reference model (LOOP's beta is 0), but for ``kl_reference_copy`` (beta > 0 without an adapter: a frozen
@@ -134,6 +137,7 @@ def plan_memory(
     world_size: int = 1,
     gpu_memory_gib: float = 80.0,
     zero_stage: int = 3,
+    offload_optimizer: bool = False,
     lora: dict | None = None,
     bf16: bool = True,
     activation_checkpointing: bool = True,
@@ -157,11 +161,14 @@ def plan_memory(
     """The memory one GPU needs in the training phase (update) and the generation phase (rollouts).
     With ``vllm_server`` generation runs on a vLLM server's GPUs and only the training phase counts.
     A plan that does not fit carries a :class:`Fix` (:func:`find_fix`): the settings to change together;
-    ``suggested_lora`` is the adapter it may propose for full fine-tuning (default: r 16, all linear layers)."""
+    ``suggested_lora`` is the adapter it may propose for full fine-tuning (default: r 16, all linear layers).
+    ``offload_optimizer``: DeepSpeed keeps the optimizer state in CPU memory (ZeRO-Offload, ``zero_stage`` >= 1)."""
     if world_size < 1 or zero_stage not in (0, 1, 2, 3) or not 0 < vllm_gpu_memory_utilization <= 1:
         raise ValueError("memory plan: need world_size >= 1, zero_stage in 0..3, 0 < vllm_gpu_memory_utilization <= 1")
     if use_vllm and vllm_server:
         raise ValueError("memory plan: use_vllm (a colocated engine) and vllm_server exclude each other")
+    if offload_optimizer and not zero_stage:
+        raise ValueError("memory plan: offload_optimizer is DeepSpeed's (ZeRO-Offload): it needs zero_stage >= 1")
     if (
         isinstance(checkpoint_every_n_layers, bool)
         or not isinstance(checkpoint_every_n_layers, int)
@@ -208,13 +215,35 @@ def plan_memory(
     if kl_reference_copy and not lora:
         rows.append(MemoryRow("KL reference (frozen copy)", _gib(n * wb), f"{n / 1e9:.2f}e9 params x {wb} B", both))
     trainable = shape.lora_params(lora["r"], lora.get("target_modules", "all-linear")) if lora else n
-    state = trainable * ((wb if lora else 0) / shard_w + (master + 8) / shard_o + 4 / shard_g)
-    label = (
-        f"LoRA r={lora['r']}: {trainable / 1e6:.1f}e6 params x (2 bf16 + 4 master + 4 grad + 8 Adam)"
-        if lora
-        else f"{n / 1e9:.2f}e9 params x ({master} fp32 master + 4 fp32 grad + 8 Adam m,v)"
-    )
+    # fp32 master, fp32 gradient and Adam's moments: on the GPU, or in CPU memory under ZeRO-Offload
+    host_state = trainable * ((master + 8) / shard_o + 4 / shard_g)
+    state = trainable * (wb if lora else 0) / shard_w + (0 if offload_optimizer else host_state)
+    if offload_optimizer:
+        label = (
+            f"LoRA r={lora['r']}: {trainable / 1e6:.1f}e6 params x 2 bf16 (master, grad, Adam: CPU)"
+            if lora
+            else "the bf16 weights above (master, grad, Adam: CPU)"
+        )
+    else:
+        label = (
+            f"LoRA r={lora['r']}: {trainable / 1e6:.1f}e6 params x (2 bf16 + 4 master + 4 grad + 8 Adam)"
+            if lora
+            else f"{n / 1e9:.2f}e9 params x ({master} fp32 master + 4 fp32 grad + 8 Adam m,v)"
+        )
     rows.append(MemoryRow("trainable state", _gib(state), f"{label} / {world_size if zero_stage else 1}", both))
+    if offload_optimizer:
+        # Gradients on their way to the CPU: DeepSpeed keeps a GPU buffer the size of the largest trainable parameter
+        # (the embedding or an MLP matrix; the whole adapter bounds an adapter's) and a reduction bucket
+        # (transformers sets reduce_bucket_size to hidden^2 elements), both in the compute dtype.
+        largest = trainable if lora else max(shape.embedding_params, h * i)
+        rows.append(
+            MemoryRow(
+                "gradients on their way to the CPU",
+                _gib((largest + h * h) * wb),
+                f"(largest trainable parameter {largest / 1e6:.1f}e6 + bucket {h}^2) x {wb} B",
+                train,
+            )
+        )
     if zero_stage == 3:
         # At most ~2 layers are gathered at once (current + prefetched; stage3_prefetch_bucket_size) plus
         # the largest single tensor (embedding / lm_head); full FT also holds those layers' bf16 grads
@@ -366,6 +395,11 @@ def plan_memory(
         rule = "max(training, generation)" + (" (vLLM sleep mode frees its memory)" if use_vllm else "")
     budget = (1 - headroom_fraction) * gpu_memory_gib
     notes, reasons = [], []
+    if offload_optimizer:
+        notes.append(
+            f"optimizer state off the GPU (ZeRO-Offload): {_gib(host_state):.2f} GiB of CPU memory (or NVMe) per "
+            f"process (this process's share of {trainable / 1e6:.1f}e6 params x ({master} master + 4 grad + 8 Adam) B)"
+        )
     if use_vllm:
         assert sequences is not None  # computed above for a colocated engine
         notes.append(

@@ -138,10 +138,11 @@ class DistributionStrategy:
         if engine is None:
             self.optimizer.zero_grad()
         else:
-            # accelerate's DeepSpeed optimizer wrapper ignores zero_grad(). ZeRO's own zero_grad
-            # also restarts accumulation: with ZeRO-3 the next backward overwrites the reduced
-            # gradient partitions (micro_step_id 0) instead of adding to them.
+            # accelerate's DeepSpeed optimizer wrapper ignores zero_grad(). ZeRO-3's own zero_grad
+            # also restarts accumulation: the next backward overwrites the reduced gradient
+            # partitions (micro_step_id 0) instead of adding to them. ZeRO-1/2's does neither.
             engine.optimizer.zero_grad()
+            restart_zero_accumulation(engine.optimizer)
 
     # --- metrics across processes ---------------------------------------------------------------
     def sum(self, values: Sequence[float]) -> list[float]:
@@ -160,6 +161,28 @@ def deepspeed_engine(accelerator: Accelerator) -> Any | None:
     """The DeepSpeed engine accelerate wrapped the model in (None without DeepSpeed)."""
     wrapper = getattr(accelerator, "deepspeed_engine_wrapped", None)
     return None if wrapper is None else wrapper.engine
+
+
+def restart_zero_accumulation(optimizer: Any) -> None:
+    """Forget a discarded step's gradients in a ZeRO-1/2 optimizer the way its own skipped (overflow) step does;
+    its ``zero_grad`` clears only the parameters' ``.grad``. Left behind, the reduced gradient partitions reach the
+    next step (the start-up stress test's reached the first one), and with the optimizer state on the CPU
+    (ZeRO-Offload) the accumulation counter makes the next minibatch's first backward add to the discarded
+    gradients kept in host memory, and the host buffers' NaN flag skips the next step as well
+    (tests/vllm_deepspeed/test_zero_updates.py). DeepSpeed 0.19's attributes; any other optimizer is left as it is."""
+    from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpeedZeroOptimizer
+
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return
+    optimizer.micro_step_id = INITIAL_MICRO_STEP_ID  # as step() does first: the next backward overwrites
+    optimizer._release_preflattened_grad_buffers()
+    if optimizer.cpu_offload:
+        optimizer._offload_accumulated_param_ids = set()  # as step() does: no parameter awaits its host copy
+        optimizer.reset_cpu_buffers()  # the NaN flag and per-parameter norms of what was discarded
+    else:  # what the step would have taken (averaged) and what earlier backwards summed for it (all_grad_tensors)
+        for gradients in (optimizer.averaged_gradients, optimizer.all_grad_tensors):
+            for group in gradients:
+                gradients[group] = None
 
 
 def check_launch(accelerator: Accelerator) -> None:

@@ -416,3 +416,33 @@ def test_a_kl_reference_without_an_adapter_is_a_whole_copy_of_the_weights(qwen7b
     # with an adapter the reference is its own base model: nothing more
     adapter = plan_memory(qwen7b, lora=LORA_7B, kl_reference_copy=True, **node)
     assert adapter.rows == plan_memory(qwen7b, lora=LORA_7B, **node).rows
+
+
+def test_offloading_the_optimizer_leaves_the_bf16_weights_and_the_gradients_on_their_way(qwen7b):
+    """ZeRO-Offload (accelerate's offload_optimizer_device: cpu): the fp32 master, gradient and Adam state leave
+    the GPU for CPU memory, whose size a note gives; a staging buffer of the largest parameter and a hidden^2 bucket
+    stay. Full fine-tuning of the 7B on one GPU, ZeRO-2."""
+    one_gpu = {**NODE, "world_size": 1, "zero_stage": 2, "gpu_memory_gib": 141}
+    on_gpu = plan_memory(qwen7b, **one_gpu)
+    offloaded = plan_memory(qwen7b, offload_optimizer=True, **one_gpu)
+    rows = {r.name: r for r in offloaded.rows}
+    n, h, i = qwen7b.num_params, qwen7b.hidden_size, qwen7b.intermediate_size
+    state = {r.name: r for r in on_gpu.rows}["trainable state"].gib
+    assert state == pytest.approx(n * 16 / 2**30)  # fp32 master 4 + fp32 grad 4 + Adam 8
+    assert rows["trainable state"].gib == 0 and "CPU" in rows["trainable state"].explanation
+    staged = (max(qwen7b.embedding_params, h * i) + h * h) * 2
+    assert rows["gradients on their way to the CPU"].gib == pytest.approx(staged / 2**30)
+    allocated = on_gpu.training_gib - {r.name: r for r in on_gpu.rows}["CUDA context"].gib
+    # the state leaves, the staging comes, the 5% fragmentation follows both
+    assert offloaded.training_gib == pytest.approx(on_gpu.training_gib - (state - staged / 2**30) * 1.05)
+    assert offloaded.training_gib < allocated / 2  # the 7B's 105 GiB of state was most of it
+    [note] = [n for n in offloaded.notes if "ZeRO-Offload" in n]
+    assert f"{state:.2f} GiB of CPU memory" in note
+    # an adapter keeps its bf16 weights on the GPU; its staging is bounded by the whole adapter
+    adapter = plan_memory(qwen7b, lora=LORA_7B, offload_optimizer=True, **one_gpu)
+    trainable = qwen7b.lora_params(LORA_7B["r"], "all-linear")
+    adapter_rows = {r.name: r for r in adapter.rows}
+    assert adapter_rows["trainable state"].gib == pytest.approx(trainable * 2 / 2**30)
+    assert adapter_rows["gradients on their way to the CPU"].gib == pytest.approx((trainable + h * h) * 2 / 2**30)
+    with pytest.raises(ValueError, match="offload_optimizer .* needs zero_stage >= 1"):
+        plan_memory(qwen7b, offload_optimizer=True, **{**one_gpu, "zero_stage": 0})
