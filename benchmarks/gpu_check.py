@@ -35,6 +35,7 @@ SECTIONS = {  # name -> (module, seconds allowed in GPU mode); the memory plan f
     "loop_bf16": ("benchmarks.gpu_battery.loop_bf16", 240),
     "decode": ("benchmarks.gpu_battery.decode", 300),
     "profile": ("benchmarks.gpu_battery.profile", 300),
+    "offload": ("benchmarks.gpu_battery.optimizer_offload", 300),
     "zero3": ("benchmarks.gpu_battery.zero3", 240),
     "vllm": ("benchmarks.gpu_battery.vllm_generation", 420),
     "real_model": ("benchmarks.gpu_battery.real_model", 420),

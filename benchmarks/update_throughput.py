@@ -82,6 +82,10 @@ class Spec:
     hidden_size/layers/heads/kv_heads."""
     activation_offloading: bool = False
     """LOOP only (GPU only): ``activation_offloading`` on, as the GPU battery's third memory run."""
+    deepspeed: bool = False
+    """LOOP only: run under ``accelerate launch`` with a DeepSpeed config (the GPU battery's offload section); on CPU
+    the worker then creates the gloo process group accelerate does not, and keeps ``use_cpu`` off (with it
+    accelerate never picks DeepSpeed)."""
 
 
 # --- workload --------------------------------------------------------------------------------
@@ -249,6 +253,12 @@ def run_loop(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) ->
     from loop_trainer.models.tiny import build_word_tokenizer
     from loop_trainer.training.batching import TrainingSample
 
+    placement: dict[str, Any] = {"use_cpu": spec.device == "cpu"}
+    if spec.deepspeed and spec.device == "cpu":
+        from accelerate import PartialState
+
+        PartialState(backend="gloo")  # before the LOOPConfig, which then registers the launch's DeepSpeed config
+        placement = {"use_cpu": False, "accelerator_config": {"use_configured_state": True}}
     args = LOOPConfig(
         output_dir=output_dir,
         iterations=1,
@@ -260,12 +270,12 @@ def run_loop(spec: Spec, trajectories: list[dict[str, Any]], output_dir: str) ->
         activation_checkpointing=spec.checkpointing,
         activation_offloading=spec.activation_offloading,
         bf16=spec.device == "cuda",
-        use_cpu=spec.device == "cpu",
         max_trajectory_tokens=max(spec.lengths),
         epsilon=LOOP_EPSILON,
         seed=spec.seed,
         disable_tqdm=True,
         plot_curves=False,
+        **placement,
     )
     trainer = LOOPTrainer(build_model(spec), VaultEnv(), args, processing_class=build_word_tokenizer(["x"]))
     samples = [

@@ -263,3 +263,50 @@ def train_in_a_child(argv: list[str], output_dir: str | Path, time_limit_s: floa
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """A committed run's ``metrics.jsonl`` (empty if the file is absent)."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def deepspeed_missing(mode: str) -> str | None:
+    """Why a DeepSpeed section cannot run in this Python, or None where it can."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("deepspeed") is not None:
+        return None
+    where = "carry .gpu-wheels (tools/gpu_wheels.sh)" if mode != "cpu" else "run it in .vllm-venv"
+    return f"DeepSpeed is not installed in this Python ({sys.executable}): {where}"
+
+
+def deepspeed_launch(config: Path, mode: str, module: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that run ``python -m <module...>`` as one process under ``accelerate launch
+    --config_file <config>``, the way a user launches a DeepSpeed run (torchrun underneath: a one-rank NCCL group on
+    CUDA; on CPU ``--mixed_precision no``, and the worker creates the gloo group). A free port each time."""
+    import sys
+
+    from loop_trainer.net import free_local_port
+
+    # torch's c10d wrappers warn on every ZeRO collective (deprecated names DeepSpeed still calls).
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore::FutureWarning"}
+    for stale in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED"):
+        env.pop(stale, None)
+    if mode == "cpu":  # where the tests cache DeepSpeed's JIT-compiled CPU ops (tests/vllm_deepspeed/conftest.py)
+        cache = Path(os.environ.get("LOOP_CACHE_DIR", Path.home() / ".cache" / "loop_trainer"))
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(cache / "torch-extensions"))
+    else:  # ops DeepSpeed compiles on the GPU machine (CPU Adam) build for its card, whatever nvcc's CUDA version
+        env.setdefault("DS_SKIP_CUDA_CHECK", "1")
+        env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    precision = ["--mixed_precision", "no"] if mode == "cpu" else []  # a recipe's bf16 needs a GPU
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config),
+        "--num_processes",
+        "1",
+        "--main_process_port",
+        str(free_local_port()),
+        *precision,
+        "-m",
+        *module,
+    ]
+    return command, env

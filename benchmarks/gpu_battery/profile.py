@@ -25,6 +25,7 @@ import functools
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,6 +40,7 @@ from benchmarks.gpu_battery.common import (
     GIB,
     TINY_CONFIG,
     bf16_peak,
+    deepspeed_launch,
     device_for,
     gpu_name,
     qwen_tokenizer,
@@ -245,24 +247,37 @@ def update_spec(sizes: Any, device: str) -> Any:
     )
 
 
-def watched_in_a_process(trainer: str, spec: Any, deadline: float, started: float) -> dict[str, Any]:
+def watched_in_a_process(
+    trainer: str, spec: Any, deadline: float, started: float, launch: Path | None = None
+) -> dict[str, Any]:
     """:mod:`.profile_memory`'s watch of ``trainer`` in a child process, stopped at ``deadline``
-    (seconds since ``started``); a fresh process also starts with an empty allocator."""
+    (seconds since ``started``); a fresh process also starts with an empty allocator. With ``launch`` (an accelerate
+    config) the child runs under ``accelerate launch``, as a user's DeepSpeed run does."""
     limit = deadline - (time.perf_counter() - started)
     if limit < MIN_WATCH_S:
         return {"skipped": f"{limit:.0f} s left before the section's deadline: too little for the {trainer} run"}
     with scratch() as directory:
         spec_path, out_path = Path(directory) / "spec.json", Path(directory) / "out.json"
         spec_path.write_text(json.dumps(dataclasses.asdict(spec)))
-        argv = [sys.executable, "-m", "benchmarks.gpu_battery.profile_memory", trainer, str(spec_path), str(out_path)]
+        module = ["benchmarks.gpu_battery.profile_memory", trainer, str(spec_path), str(out_path)]
+        if launch is None:
+            argv, env = [sys.executable, "-m", *module], dict(os.environ)
+        else:
+            argv, env = deepspeed_launch(launch, "cpu" if spec.device == "cpu" else "gpu", module)
+        env["HF_HUB_OFFLINE"] = "1"  # as update_throughput's workers: no hub lookups
+        # its own session, so that the deadline ends a launcher's worker with it
+        child = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
         try:
-            env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # as update_throughput's workers: no hub lookups
-            done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
+            stdout, stderr = child.communicate(timeout=limit)
         except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.communicate()
             return {"skipped": f"stopped after {limit:.0f} s, at the section's deadline"}
-        print(done.stdout[-2000:], flush=True)
-        if done.returncode:
-            return {"error": f"exit {done.returncode}:\n{done.stdout[-1000:]}\n{done.stderr[-2500:]}"}
+        print(stdout[-2000:], flush=True)
+        if child.returncode or not out_path.exists():
+            return {"error": f"exit {child.returncode}:\n{stdout[-1000:]}\n{stderr[-2500:]}"}
         return json.loads(out_path.read_text())
 
 
@@ -379,7 +394,7 @@ def _stage_row(label: str, gib: float | None, record: dict[str, Any]) -> list[st
     return [label, _f(gib), *(_f(record[f"{term}_gib"]) for term in ("weights", "gradients", "optimizer_state"))]
 
 
-def _trainer_lines(trainer: str, result: dict[str, Any]) -> list[str]:
+def trainer_memory_lines(trainer: str, result: dict[str, Any]) -> list[str]:
     if "stages" not in result:
         return [f"{trainer}: {result['skipped']}", ""] if "skipped" in result else _error(f"{trainer} memory", result)
     spans = [s for s in result["stages"] if "peak_gib" in s]
@@ -417,13 +432,13 @@ def _memory_lines(m: dict[str, Any]) -> list[str]:
         f"LOOP / GRPO peak allocated: {_f(m.get('loop_over_grpo_peak'), 3)}",
         "",
     ]
-    lines += _trainer_lines("loop", m["loop"]) + _trainer_lines("grpo", m["grpo"])
+    lines += trainer_memory_lines("loop", m["loop"]) + trainer_memory_lines("grpo", m["grpo"])
     if "loop_offloaded" in m:
         lines += [
             f"LOOP with activation_offloading / GRPO peak allocated: {_f(m.get('loop_offloaded_over_grpo_peak'), 3)}",
             "",
         ]
-        lines += _trainer_lines("loop, activation_offloading", m["loop_offloaded"])
+        lines += trainer_memory_lines("loop, activation_offloading", m["loop_offloaded"])
     return lines
 
 

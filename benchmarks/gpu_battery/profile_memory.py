@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import os
 import sys
 import traceback
 from collections import defaultdict
@@ -35,11 +36,13 @@ from benchmarks.gpu_battery.profile_marks import around, mark_checkpointed_layer
 MAX_TRACE_ENTRIES = 3_000_000  # one update of the 1.5B model makes a few 100k
 
 
-def storages(tensors: Any) -> dict[int, int]:
-    """address -> bytes of each distinct storage behind ``tensors``."""
+def storages(tensors: Any, device_type: str | None = None) -> dict[int, int]:
+    """address -> bytes of each distinct storage behind ``tensors`` (those on ``device_type`` where it is given)."""
     found: dict[int, int] = {}
     for tensor in tensors:
         if tensor is None or not hasattr(tensor, "untyped_storage") or tensor.device.type == "meta":
+            continue
+        if device_type is not None and tensor.device.type != device_type:
             continue
         storage = tensor.untyped_storage()
         if storage.nbytes():
@@ -65,16 +68,21 @@ class StageLog:
         self.running_peak = 0
         self.history: dict[str, Any] | None = None
         self.history_error: str | None = None
+        self.engine: dict[str, Any] | None = None  # the DeepSpeed engine's settings, where one wrapped the model
         self._last_tokens: int | None = None
         self._steps = 0
         self._open = 0
 
     def _tensors(self) -> dict[str, dict[int, int]]:
+        """The trainer's weights, gradients and optimizer state on the device it trains on (on a GPU, not what a
+        ZeRO-Offload run keeps in host memory)."""
         parameters = list(self.model.parameters()) if self.model is not None else []
+        on = "cuda" if self.cuda else None
+        optimizer = _optimizer_tensors(self.optimizer) if self.optimizer is not None else []
         return {
-            "weights": storages(parameters),
-            "gradients": storages(p.grad for p in parameters),
-            "optimizer_state": storages(_optimizer_tensors(self.optimizer)) if self.optimizer is not None else {},
+            "weights": storages(parameters, on),
+            "gradients": storages((p.grad for p in parameters), on),
+            "optimizer_state": storages(optimizer, on),
         }
 
     def _allocated(self) -> dict[str, float | None]:
@@ -294,6 +302,7 @@ def _result(trainer: str, log: StageLog, measured: dict[str, Any], outside: int)
         "padded_width": measured.get("padded_width"),
         "peak_allocated_gib": log.running_peak / GIB if log.cuda else None,
         "breakdown": {"error": log.history_error} if log.history_error else None,
+        "deepspeed": log.engine,
     }
     if log.history is not None:
         try:
@@ -320,8 +329,18 @@ def observe_loop(spec: Any, trajectories: list[dict[str, Any]], output_dir: str)
             log.point("trainer built (fused head; adapter if any)")
 
         def prepare_for_iterations(self, *args: Any, **kwargs: Any) -> Any:
+            from loop_trainer.training.distribution import deepspeed_engine
+
             prepared = super().prepare_for_iterations(*args, **kwargs)
             log.optimizer = self.optimizer
+            engine = deepspeed_engine(self.accelerator)
+            if engine is not None:
+                optimizer = type(engine.basic_optimizer)
+                log.engine = {
+                    "zero_stage": engine.zero_optimization_stage(),
+                    "offload_optimizer": engine.zero_cpu_offload(),
+                    "optimizer": f"{optimizer.__module__}.{optimizer.__qualname__}",
+                }
             log.point("optimizer created")
             return prepared
 
@@ -410,3 +429,7 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    if "WORLD_SIZE" in os.environ:  # under accelerate launch: skip a process-group teardown that could hang it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

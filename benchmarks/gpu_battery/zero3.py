@@ -22,7 +22,6 @@ which parameters DeepSpeed took over, the status and sizes of the largest one ou
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -37,6 +36,8 @@ from typing import Any
 from benchmarks.gpu_battery.common import (
     GIB,
     build_model,
+    deepspeed_launch,
+    deepspeed_missing,
     device_for,
     loop_config,
     lora_config,
@@ -83,41 +84,13 @@ SIZES = {
 def run(mode: str) -> dict[str, Any]:
     """Launch the worker the way a user launches a ZeRO-3 run, wait for it (killing its whole
     process group past the time limit, so nothing is left holding the GPU), return its result."""
-    if importlib.util.find_spec("deepspeed") is None:
-        where = "carry .gpu-wheels (tools/gpu_wheels.sh)" if mode != "cpu" else "run it in .vllm-venv"
-        return {"skipped": f"DeepSpeed is not installed in this Python ({sys.executable}): {where}"}
-    from loop_trainer.net import free_local_port
-
+    missing = deepspeed_missing(mode)
+    if missing:
+        return {"skipped": missing}
     sizes = SIZES[mode]
-    # torch's c10d wrappers warn on every ZeRO-3 collective (deprecated names DeepSpeed still calls).
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore::FutureWarning"}
-    for stale in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED"):
-        env.pop(stale, None)
-    if mode == "cpu":  # where the tests cache DeepSpeed's JIT-compiled CPU ops (tests/vllm_deepspeed/conftest.py)
-        cache = Path(os.environ.get("LOOP_CACHE_DIR", Path.home() / ".cache" / "loop_trainer"))
-        env.setdefault("TORCH_EXTENSIONS_DIR", str(cache / "torch-extensions"))
-    else:  # no op is compiled on the GPU path; these keep DeepSpeed's op checks quiet if one is looked at
-        env.setdefault("DS_SKIP_CUDA_CHECK", "1")
-        env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-    precision = ["--mixed_precision", "no"] if mode == "cpu" else []  # the recipe's bf16 needs a GPU
     with scratch() as directory:
         out = Path(directory) / "zero3.json"
-        command = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(ZERO3_CONFIG),
-            "--num_processes",
-            "1",
-            "--main_process_port",
-            str(free_local_port()),
-            *precision,
-            "-m",
-            "benchmarks.gpu_battery.zero3",
-            mode,
-            str(out),
-        ]
+        command, env = deepspeed_launch(ZERO3_CONFIG, mode, ["benchmarks.gpu_battery.zero3", mode, str(out)])
         print(f"zero3: {' '.join(command[1:])}", flush=True)
         worker = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
         try:

@@ -32,12 +32,14 @@ def test_without_cuda_the_battery_runs_every_section_in_cpu_mode_and_says_so(cpu
         "loop_bf16": "ok",
         "decode": "ok",
         "profile": "ok",
+        "offload": "ok",
         "zero3": "ok",
         "vllm": "ok",
         "real_model": "ok",
         "long_horizon": "ok",
     }
-    for name in ("zero3", "vllm", "real_model"):  # no DeepSpeed, no vLLM, no GPU: they say so, in the summary too
+    # no DeepSpeed, no vLLM, no GPU: they say so, in the summary too
+    for name in ("offload", "zero3", "vllm", "real_model"):
         assert "skipped" in results["sections"][name]["result"]
         assert f"**{name}: skipped**" in (out / "gpu-check.md").read_text()
 
