@@ -276,10 +276,24 @@ def deepspeed_missing(mode: str) -> str | None:
     return f"DeepSpeed is not installed in this Python ({sys.executable}): {where}"
 
 
+def deepspeed_environment(mode: str) -> dict[str, str]:
+    """What a DeepSpeed process of the battery adds to the environment: on CPU the tests' cache of DeepSpeed's
+    JIT-compiled CPU ops (tests/vllm_deepspeed/conftest.py); on the GPU settings that keep DeepSpeed's CUDA op checks
+    quiet where one is looked at (the image's nvcc is not torch's CUDA version)."""
+    if mode == "cpu":
+        cache = Path(os.environ.get("LOOP_CACHE_DIR", Path.home() / ".cache" / "loop_trainer"))
+        return {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache / "torch-extensions"))}
+    return {
+        "DS_SKIP_CUDA_CHECK": os.environ.get("DS_SKIP_CUDA_CHECK", "1"),
+        "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0"),
+    }
+
+
 def deepspeed_launch(config: Path, mode: str, module: list[str]) -> tuple[list[str], dict[str, str]]:
     """The command and environment that run ``python -m <module...>`` as one process under ``accelerate launch
     --config_file <config>``, the way a user launches a DeepSpeed run (torchrun underneath: a one-rank NCCL group on
-    CUDA; on CPU ``--mixed_precision no``, and the worker creates the gloo group). A free port each time."""
+    CUDA; on CPU ``--mixed_precision no``, and the worker creates the gloo group). A free port each time. Start it in
+    a session of its own and end it with :func:`stop_process_tree`."""
     import sys
 
     from loop_trainer.net import free_local_port
@@ -288,12 +302,7 @@ def deepspeed_launch(config: Path, mode: str, module: list[str]) -> tuple[list[s
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore::FutureWarning"}
     for stale in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED"):
         env.pop(stale, None)
-    if mode == "cpu":  # where the tests cache DeepSpeed's JIT-compiled CPU ops (tests/vllm_deepspeed/conftest.py)
-        cache = Path(os.environ.get("LOOP_CACHE_DIR", Path.home() / ".cache" / "loop_trainer"))
-        env.setdefault("TORCH_EXTENSIONS_DIR", str(cache / "torch-extensions"))
-    else:  # ops DeepSpeed compiles on the GPU machine (CPU Adam) build for its card, whatever nvcc's CUDA version
-        env.setdefault("DS_SKIP_CUDA_CHECK", "1")
-        env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    env.update(deepspeed_environment(mode))
     precision = ["--mixed_precision", "no"] if mode == "cpu" else []  # a recipe's bf16 needs a GPU
     command = [
         sys.executable,
@@ -310,3 +319,20 @@ def deepspeed_launch(config: Path, mode: str, module: list[str]) -> tuple[list[s
         *module,
     ]
     return command, env
+
+
+def stop_process_tree(process: Any) -> None:
+    """Kill a child process (a ``subprocess.Popen``) and every process under it, and wait for them. Under
+    ``accelerate launch`` torchrun starts each worker in a session of its own, so killing the child's process group
+    would leave the worker holding the GPU (and the pipes a ``communicate`` waits on)."""
+    import psutil
+
+    try:
+        parent = psutil.Process(process.pid)
+        family = [*parent.children(recursive=True), parent]  # before any dies: orphans are found no more
+    except psutil.NoSuchProcess:
+        family = []
+    for member in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.kill()
+    psutil.wait_procs(family, timeout=30)

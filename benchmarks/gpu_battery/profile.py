@@ -25,7 +25,6 @@ import functools
 import gc
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -47,6 +46,7 @@ from benchmarks.gpu_battery.common import (
     scratch,
     shape_config,
     sizes_for,
+    stop_process_tree,
 )
 from benchmarks.gpu_battery.profile_kernels import PHASE_RANGES, read_events, summarize
 from benchmarks.gpu_battery.profile_marks import RANGE, update_phases
@@ -248,13 +248,19 @@ def update_spec(sizes: Any, device: str) -> Any:
 
 
 def watched_in_a_process(
-    trainer: str, spec: Any, deadline: float, started: float, launch: Path | None = None
+    trainer: str,
+    spec: Any,
+    deadline: float,
+    started: float,
+    launch: Path | None = None,
+    min_seconds: float = MIN_WATCH_S,
 ) -> dict[str, Any]:
     """:mod:`.profile_memory`'s watch of ``trainer`` in a child process, stopped at ``deadline``
-    (seconds since ``started``); a fresh process also starts with an empty allocator. With ``launch`` (an accelerate
-    config) the child runs under ``accelerate launch``, as a user's DeepSpeed run does."""
+    (seconds since ``started``), started only with ``min_seconds`` left; a fresh process also starts with an empty
+    allocator. With ``launch`` (an accelerate config) the child runs under ``accelerate launch``, as a user's
+    DeepSpeed run does."""
     limit = deadline - (time.perf_counter() - started)
-    if limit < MIN_WATCH_S:
+    if limit < min_seconds:
         return {"skipped": f"{limit:.0f} s left before the section's deadline: too little for the {trainer} run"}
     with scratch() as directory:
         spec_path, out_path = Path(directory) / "spec.json", Path(directory) / "out.json"
@@ -272,8 +278,9 @@ def watched_in_a_process(
         try:
             stdout, stderr = child.communicate(timeout=limit)
         except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.communicate()
+            stop_process_tree(child)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.communicate(timeout=30)
             return {"skipped": f"stopped after {limit:.0f} s, at the section's deadline"}
         print(stdout[-2000:], flush=True)
         if child.returncode or not out_path.exists():

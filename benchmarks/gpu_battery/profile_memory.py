@@ -428,8 +428,15 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
-    if "WORLD_SIZE" in os.environ:  # under accelerate launch: skip a process-group teardown that could hang it
+    if "WORLD_SIZE" not in os.environ:
+        main(sys.argv[1:])
+    else:  # under accelerate launch: end without a process-group teardown that could hang the launch
+        status = 0
+        try:
+            main(sys.argv[1:])
+        except BaseException:  # noqa: BLE001 - said on stderr and in the exit status, which the section reads
+            traceback.print_exc()
+            status = 1
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(status)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -44,6 +43,7 @@ from benchmarks.gpu_battery.common import (
     qwen_tokenizer,
     scratch,
     shape_config,
+    stop_process_tree,
 )
 from benchmarks.gpu_battery.loop_bf16 import GAP_METRICS, _shaped_vault
 from benchmarks.gpu_battery.report import _f, _table
@@ -96,8 +96,7 @@ def run(mode: str) -> dict[str, Any]:
         try:
             code = worker.wait(timeout=sizes.worker_seconds)
         except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
+            stop_process_tree(worker)
             raise RuntimeError(f"the ZeRO-3 worker did not finish in {sizes.worker_seconds} s (killed)") from None
         if code != 0 or not out.exists():
             raise RuntimeError(f"the ZeRO-3 worker exited with status {code} (its output is above)")

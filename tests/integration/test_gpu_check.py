@@ -4,6 +4,7 @@ runs: every section runs on tiny shapes, and the result says it is not a GPU res
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -177,3 +178,29 @@ def test_the_full_weight_engine_is_built_without_lora_layers(monkeypatch):
     monkeypatch.setenv("VLLM_BATTERY_FULL_WEIGHTS", "1")
     names = [name for name, _, _ in engine_variants("gpu", 64)] + [name for name, _, _ in engine_variants("cpu", 8)]
     assert names and all(name.endswith(FULL_WEIGHTS) for name in names)
+
+
+def test_stopping_a_launched_child_ends_the_worker_it_started_in_a_session_of_its_own():
+    """Under `accelerate launch`, torchrun starts its worker in a session of its own: a section that stops the
+    launcher at its deadline must end the worker too (else it holds the GPU, and the pipes the section reads)."""
+    import subprocess
+
+    import psutil
+
+    from benchmarks.gpu_battery.common import stop_process_tree
+
+    # a launcher that starts a sleeping worker in a new session, as torchrun does, and waits on it
+    launcher = (
+        "import subprocess, sys, time; "
+        "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True); "
+        "print(w.pid, flush=True); w.wait()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert child.stdout is not None
+    worker = psutil.Process(int(child.stdout.readline()))
+    assert worker.is_running() and os.getsid(worker.pid) != os.getsid(child.pid)
+    stop_process_tree(child)
+    child.wait(timeout=10)  # ended (killed, or returned once its worker was)
+    assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE

@@ -4,6 +4,7 @@ needs DeepSpeed installed) for TrainingArguments as soon as the launch's variabl
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,27 @@ def test_a_launch_that_offloads_the_optimizer_is_planned_with_it(capsys, monkeyp
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "cpu")
     _, both = dry_run(capsys, *flags)
     assert "note: offload_param_device: the launch keeps ZeRO-3's weight partitions off the GPU" in both
+
+
+def test_a_deepspeed_json_is_read_for_the_stage_and_the_offload(capsys, monkeypatch, tmp_path):
+    """An accelerate config that names a DeepSpeed JSON (``deepspeed_config_file``) passes no stage or offload
+    variables: the plan reads them from the JSON. Offload at another stage than 2 is noted, not planned. Under
+    ZeRO-3 the plan's meta-device count stays outside DeepSpeed's zero.Init (which would start a process group)."""
+    flags = [*R7B, "--use_peft", "false", "--plan_gpus", "1", "--plan_gpu_memory_gib", "141"]
+    config = tmp_path / "ds.json"
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(config))
+    settings = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    }
+    config.write_text(json.dumps(settings))
+    _, zero2 = dry_run(capsys, *flags)
+    assert "1 GPUs x 141 GiB, ZeRO-2, optimizer state on the CPU (estimates" in zero2
+    assert "gradients on their way to the CPU" in zero2
+    settings["zero_optimization"]["stage"] = 3
+    config.write_text(json.dumps(settings))
+    _, zero3 = dry_run(capsys, *flags)
+    assert "1 GPUs x 141 GiB, ZeRO-3 (estimates" in zero3 and "gradients on their way to the CPU" not in zero3
+    assert "note: offload_optimizer_device at ZeRO-3: the plan counts the optimizer state on the GPU" in zero3

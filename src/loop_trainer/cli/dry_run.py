@@ -71,24 +71,52 @@ def model_shape(model_args: ModelConfig) -> ModelShape:
         raise RecipeError(str(error)) from None
 
 
+@dataclasses.dataclass(frozen=True)
+class DeepSpeedLaunch:
+    """What the `accelerate launch` running this process set for DeepSpeed."""
+
+    zero_stage: int
+    offload_optimizer: bool  # optimizer state off the GPU (offload_optimizer_device cpu or nvme)
+    offload_param: bool  # ZeRO-3's weight partitions off the GPU (offload_param_device)
+
+
+def deepspeed_launch() -> DeepSpeedLaunch | None:
+    """The launch's DeepSpeed settings (None without DeepSpeed): from its DeepSpeed JSON where the accelerate config
+    names one (``deepspeed_config_file``: accelerate then passes no stage or offload variables), else from the
+    variables accelerate sets from the accelerate config's ``deepspeed_config``."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() not in ("1", "true"):
+        return None
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if path:  # read by the training arguments already: a file that does not parse stopped the run before this
+        with open(path) as file:
+            zero = json.load(file).get("zero_optimization", {})
+
+        def device(key: str) -> str:
+            return str((zero.get(key) or {}).get("device", "none")).lower()
+
+        stage, optimizer, param = zero.get("stage", 0), device("offload_optimizer"), device("offload_param")
+    else:
+        stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 3)
+        optimizer = os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none").lower()
+        param = os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none").lower()
+    return DeepSpeedLaunch(int(stage), optimizer not in ("", "none"), param not in ("", "none"))
+
+
 def planned_zero_stage(world: int, kl_reference_copy: bool = False) -> int:
     """The ZeRO stage the plan assumes: accelerate's DeepSpeed stage where a launch sets one, else
     ZeRO-3 on several GPUs (the documented setup; ZeRO-2 where the KL reference is a frozen copy of the
     weights, which ZeRO-3 refuses) and none on one GPU (measured there, no DeepSpeed)."""
-    if launched_with_deepspeed():
-        return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 3))
+    launch = deepspeed_launch()
+    if launch is not None:
+        return launch.zero_stage
     return (2 if kl_reference_copy else 3) if world > 1 else 0
 
 
-def launched_with_deepspeed() -> bool:
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true")
-
-
-def offloaded(what: str) -> bool:
-    """Whether the launch's DeepSpeed config places ``what`` ("optimizer" or "param") off the GPU (cpu or nvme;
-    accelerate's ``offload_optimizer_device`` / ``offload_param_device``)."""
-    device = os.environ.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{what.upper()}_DEVICE", "none").lower()
-    return launched_with_deepspeed() and device not in ("", "none")
+def planned_offload() -> bool:
+    """Whether the plan keeps the optimizer state off the GPU: where the launch offloads it at ZeRO-2, the stage
+    the plan models it for (at another stage a note says the plan counts it on the GPU)."""
+    launch = deepspeed_launch()
+    return launch is not None and launch.offload_optimizer and launch.zero_stage == 2
 
 
 def keeps_kl_reference_copy(args: LOOPConfig, model_args: ModelConfig) -> bool:
@@ -128,7 +156,7 @@ def plan_for(
             world_size=world,
             gpu_memory_gib=script_args.plan_gpu_memory_gib,
             zero_stage=planned_zero_stage(world, reference_copy),
-            offload_optimizer=offloaded("optimizer"),
+            offload_optimizer=planned_offload(),
             lora=lora,
             bf16=model_args.dtype in (None, "auto", "bfloat16", "float16"),
             activation_checkpointing=bool(args.activation_checkpointing),
@@ -151,7 +179,13 @@ def plan_for(
         raise RecipeError(in_recipe_keys(str(error))) from None
     plan.reasons = [in_recipe_keys(reason) for reason in plan.reasons]
     plan.notes = [in_recipe_keys(note) for note in plan.notes]
-    if offloaded("param"):
+    deepspeed = deepspeed_launch()
+    if deepspeed is not None and deepspeed.offload_optimizer and not planned_offload():
+        plan.notes.append(
+            f"offload_optimizer_device at ZeRO-{deepspeed.zero_stage}: the plan counts the optimizer state on the GPU "
+            "(an overestimate by the 'trainable state' row; it models the offload at ZeRO-2)"
+        )
+    if deepspeed is not None and deepspeed.offload_param:
         plan.notes.append(
             "offload_param_device: the launch keeps ZeRO-3's weight partitions off the GPU; the plan counts them "
             "on it (an overestimate by the 'model weights' row)"
@@ -212,7 +246,7 @@ def dry_run(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCon
     for warning in launch_warnings(script_args, args, world):
         print(f"warning: {warning}")
     stage = planned_zero_stage(world, keeps_kl_reference_copy(args, model_args))
-    deepspeed = f"ZeRO-{stage}" + (", optimizer state on the CPU" if offloaded("optimizer") else "")
+    deepspeed = f"ZeRO-{stage}" + (", optimizer state on the CPU" if planned_offload() else "")
     print(
         f"\nMemory plan per GPU: {world} GPUs x {script_args.plan_gpu_memory_gib:g} GiB, "
         f"{deepspeed if stage else 'no DeepSpeed'} (estimates; see docs/recipes.md)"

@@ -4,9 +4,9 @@ the model's config.json, no GPU and no weights (parameters are counted on a meta
 Assumptions (estimates, not measurements; the start-up stress test measures the real thing):
   * DeepSpeed ZeRO stage 3 (1 and 2 shard less), bf16 mixed precision, AdamW. Full fine-tuning keeps
     18 bytes per parameter: bf16 weight 2 + fp32 master 4 + fp32 gradient 4 + Adam m 4 + Adam v 4.
-  * ZeRO-Offload (``offload_optimizer``, accelerate's ``offload_optimizer_device: cpu``): the fp32 master,
-    gradient and Adam state live in CPU memory (a note gives its size); the GPU keeps the bf16 weights and a
-    staging buffer and a bucket for the gradients on their way there.
+  * ZeRO-Offload at stage 2 (``offload_optimizer``, accelerate's ``offload_optimizer_device: cpu``): the fp32
+    master, gradient and Adam state live in CPU memory (a note gives its size); the GPU keeps the bf16 weights, the
+    reduction bucket and the buffers of the gradients on their way there.
   * LoRA: the bf16 base is frozen (2 bytes/param, sharded by ZeRO-3); each adapter weight costs the
     same 18 bytes; lora_dropout 0 unless lora["dropout"] says otherwise (dropout copies each input).
   * No reference model (LOOP's beta is 0), but for ``kl_reference_copy`` (beta > 0 without an adapter: a frozen
@@ -123,6 +123,8 @@ def _shown(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+# DeepSpeed's reduce_bucket_size default (elements): ZeRO-2 allocates a bucket of it for the gradients' reduction.
+ZERO_REDUCE_BUCKET = 500_000_000
 # TRL's activation offloader keeps the tensors of the last 5 offloads on the GPU until their copies land.
 OFFLOAD_STASH_LAYERS = 5
 
@@ -167,8 +169,11 @@ def plan_memory(
         raise ValueError("memory plan: need world_size >= 1, zero_stage in 0..3, 0 < vllm_gpu_memory_utilization <= 1")
     if use_vllm and vllm_server:
         raise ValueError("memory plan: use_vllm (a colocated engine) and vllm_server exclude each other")
-    if offload_optimizer and not zero_stage:
-        raise ValueError("memory plan: offload_optimizer is DeepSpeed's (ZeRO-Offload): it needs zero_stage >= 1")
+    if offload_optimizer and zero_stage != 2:
+        raise ValueError(
+            "memory plan: offload_optimizer (ZeRO-Offload) is planned for zero_stage 2 only "
+            "(recipes/accelerate/zero2-offload.yaml); stages 1 and 3 keep other buffers"
+        )
     if (
         isinstance(checkpoint_every_n_layers, bool)
         or not isinstance(checkpoint_every_n_layers, int)
@@ -232,15 +237,19 @@ def plan_memory(
         )
     rows.append(MemoryRow("trainable state", _gib(state), f"{label} / {world_size if zero_stage else 1}", both))
     if offload_optimizer:
-        # Gradients on their way to the CPU: DeepSpeed keeps a GPU buffer the size of the largest trainable parameter
-        # (the embedding or an MLP matrix; the whole adapter bounds an adapter's) and a reduction bucket
-        # (transformers sets reduce_bucket_size to hidden^2 elements), both in the compute dtype.
+        # Gradients on their way to the CPU (DeepSpeed 0.19's ZeRO-2): the reduction bucket (reduce_bucket_size, whose
+        # default an accelerate yaml leaves), a buffer the size of the largest trainable parameter for accumulating
+        # micro-batches, and at the accumulation boundary each gradient's fp64 copy for its norm, a parameter larger
+        # than the bucket also cloned: counted for the largest (the embedding or an MLP matrix; an adapter's whole
+        # size bounds its largest).
         largest = trainable if lora else max(shape.embedding_params, h * i)
+        staged = ZERO_REDUCE_BUCKET * wb + largest * (wb + 8) + (largest * wb if largest > ZERO_REDUCE_BUCKET else 0)
         rows.append(
             MemoryRow(
                 "gradients on their way to the CPU",
-                _gib((largest + h * h) * wb),
-                f"(largest trainable parameter {largest / 1e6:.1f}e6 + bucket {h}^2) x {wb} B",
+                _gib(staged),
+                f"bucket {ZERO_REDUCE_BUCKET:.0e} x {wb} B + largest trainable parameter {largest / 1e6:.1f}e6 x "
+                f"({wb} B + 8 B fp64 norm copy)" + (f" + its clone x {wb} B" if largest > ZERO_REDUCE_BUCKET else ""),
                 train,
             )
         )
@@ -396,9 +405,13 @@ def plan_memory(
     budget = (1 - headroom_fraction) * gpu_memory_gib
     notes, reasons = [], []
     if offload_optimizer:
+        # DeepSpeed also keeps a bf16 copy of the partition in host memory, and the gradients summed over the
+        # micro-batches of a step there
+        host = host_state + trainable * 2 * wb / shard_o
         notes.append(
-            f"optimizer state off the GPU (ZeRO-Offload): {_gib(host_state):.2f} GiB of CPU memory (or NVMe) per "
-            f"process (this process's share of {trainable / 1e6:.1f}e6 params x ({master} master + 4 grad + 8 Adam) B)"
+            f"optimizer state off the GPU (ZeRO-Offload): {_gib(host):.2f} GiB of CPU memory (or NVMe) per process "
+            f"(this process's share of {trainable / 1e6:.1f}e6 params x ({master} master + 4 grad + 8 Adam + "
+            f"{wb} bf16 copy + {wb} accumulated grad) B)"
         )
     if use_vllm:
         assert sequences is not None  # computed above for a colocated engine

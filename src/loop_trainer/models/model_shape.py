@@ -4,7 +4,9 @@ a meta-device model: no weights, no GPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -66,7 +68,7 @@ class ModelShape:
                 ) from None
         text = config.get_text_config()  # multimodal configs nest the decoder
         try:
-            with init_empty_weights():
+            with init_empty_weights(), _no_zero3_init():
                 model = AutoModelForCausalLM.from_config(text)
         except (KeyError, ValueError) as error:
             raise ValueError(
@@ -132,6 +134,20 @@ class ModelShape:
         replicated when TP exceeds the KV-head count)."""
         kv_heads = max(1, self.num_key_value_heads // tensor_parallel_size)
         return 2 * self.num_hidden_layers * kv_heads * self.head_dim * dtype_bytes
+
+
+@contextlib.contextmanager
+def _no_zero3_init() -> Iterator[None]:
+    """Build the counted model outside DeepSpeed's ``zero.Init``: under a ZeRO-3 launch the training arguments register
+    DeepSpeed's config with transformers, whose ``from_config`` would then partition the meta-device model (and start
+    a process group to do it). ``set_zero3_state`` is transformers' own guard against a nested ``zero.Init``."""
+    try:
+        from transformers.modeling_utils import set_zero3_state
+    except ImportError:  # a transformers without the guard: nothing to guard against either
+        yield
+        return
+    with set_zero3_state():
+        yield
 
 
 def shipped_shapes() -> list[str]:

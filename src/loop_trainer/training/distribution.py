@@ -176,13 +176,13 @@ def restart_zero_accumulation(optimizer: Any) -> None:
         return
     optimizer.micro_step_id = INITIAL_MICRO_STEP_ID  # as step() does first: the next backward overwrites
     optimizer._release_preflattened_grad_buffers()
+    # what the step would have taken (averaged) and what earlier backwards summed for it (all_grad_tensors)
+    for gradients in (optimizer.averaged_gradients, optimizer.all_grad_tensors):
+        for group in gradients:
+            gradients[group] = None
     if optimizer.cpu_offload:
         optimizer._offload_accumulated_param_ids = set()  # as step() does: no parameter awaits its host copy
         optimizer.reset_cpu_buffers()  # the NaN flag and per-parameter norms of what was discarded
-    else:  # what the step would have taken (averaged) and what earlier backwards summed for it (all_grad_tensors)
-        for gradients in (optimizer.averaged_gradients, optimizer.all_grad_tensors):
-            for group in gradients:
-                gradients[group] = None
 
 
 def check_launch(accelerator: Accelerator) -> None:
