@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from loop_trainer.net import free_local_port
-from support.driver import PYTHON, run_driver
+from support.driver import COMPARED_METRICS, PYTHON, run_driver
 
 TIMEOUT = 240
 
@@ -89,17 +89,7 @@ def test_two_processes_match_one(runs, case):
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-6), (k, one, two)
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5), (k, one, two)
         assert one["grad_norm"] > 10 * MAX_GRAD_NORM, (k, one)
-    for key in (
-        "loss",
-        "grad_norm",
-        "kl",
-        "clip_frac",
-        "ratio_mean",
-        "ratio_min",
-        "ratio_max",
-        "sampler_logprob_diff",
-        "sampler_logprob_diff_max",
-    ):
+    for key in COMPARED_METRICS:
         assert double[key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
     assert double["learning_rate_after"] == pytest.approx(single["learning_rate_after"])
 

@@ -16,6 +16,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]  # tests/support/ -> the repository
 DRIVER = ROOT / "tests" / "support" / "ddp_driver.py"
 PYTHON = [sys.executable]
+# update_policy's metrics that must agree between the same update on one process and on several
+COMPARED_METRICS = (
+    "loss",
+    "grad_norm",
+    "kl",
+    "clip_frac",
+    "ratio_mean",
+    "ratio_min",
+    "ratio_max",
+    "sampler_logprob_diff",
+    "sampler_logprob_diff_max",
+)
 
 
 def run_driver(
