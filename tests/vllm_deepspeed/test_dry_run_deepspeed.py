@@ -49,7 +49,7 @@ def test_a_launch_that_offloads_the_optimizer_is_planned_with_it(capsys, monkeyp
     assert "offload_param_device" not in offloaded
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "cpu")
     _, both = dry_run(capsys, *flags)
-    assert "note: offload_param_device: the launch keeps ZeRO-3's weight partitions off the GPU" in both
+    assert "note: the launch's offload_param_device keeps ZeRO-3's weight partitions off the GPU" in both
 
 
 def test_a_deepspeed_json_is_read_for_the_stage_and_the_offload(capsys, monkeypatch, tmp_path):

@@ -187,7 +187,7 @@ def plan_for(
         )
     if deepspeed is not None and deepspeed.offload_param:
         plan.notes.append(
-            "offload_param_device: the launch keeps ZeRO-3's weight partitions off the GPU; the plan counts them "
+            "the launch's offload_param_device keeps ZeRO-3's weight partitions off the GPU; the plan counts them "
             "on it (an overestimate by the 'model weights' row)"
         )
     return plan, world
