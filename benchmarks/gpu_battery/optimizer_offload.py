@@ -18,11 +18,12 @@ tiny shape (fp32, gloo; no allocator numbers), in the DeepSpeed venv; elsewhere 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any
 
 from benchmarks.common import ROOT
-from benchmarks.gpu_battery.common import deepspeed_missing, device_for, sizes_for
+from benchmarks.gpu_battery.common import deepspeed_environment, deepspeed_missing, device_for, sizes_for
 from benchmarks.gpu_battery.profile import trainer_memory_lines, update_spec, watched_in_a_process
 from benchmarks.gpu_battery.report import _f
 
@@ -35,10 +36,6 @@ def build_cpu_adam(mode: str) -> str | None:
     """DeepSpeed's CPU Adam compiled here (or loaded from the cache the children share), before any child needs it:
     the compile (about a minute) is then not inside a watched run, and a machine where it cannot be built says so.
     Returns why it cannot, or None."""
-    import os
-
-    from benchmarks.gpu_battery.common import deepspeed_environment
-
     os.environ.update(deepspeed_environment(mode))  # the children's extension cache and op settings
     try:
         from deepspeed.ops.op_builder import CPUAdamBuilder

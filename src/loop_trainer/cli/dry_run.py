@@ -79,6 +79,12 @@ class DeepSpeedLaunch:
     offload_optimizer: bool  # optimizer state off the GPU (offload_optimizer_device cpu or nvme)
     offload_param: bool  # ZeRO-3's weight partitions off the GPU (offload_param_device)
 
+    @property
+    def offload_planned(self) -> bool:
+        """Whether the plan keeps the optimizer state off the GPU: where the launch offloads it at ZeRO-2, the stage
+        the plan models it for (at another stage a note says the plan counts it on the GPU)."""
+        return self.offload_optimizer and self.zero_stage == 2
+
 
 def deepspeed_launch() -> DeepSpeedLaunch | None:
     """The launch's DeepSpeed settings (None without DeepSpeed): from its DeepSpeed JSON where the accelerate config
@@ -112,13 +118,6 @@ def planned_zero_stage(world: int, kl_reference_copy: bool = False) -> int:
     return (2 if kl_reference_copy else 3) if world > 1 else 0
 
 
-def planned_offload() -> bool:
-    """Whether the plan keeps the optimizer state off the GPU: where the launch offloads it at ZeRO-2, the stage
-    the plan models it for (at another stage a note says the plan counts it on the GPU)."""
-    launch = deepspeed_launch()
-    return launch is not None and launch.offload_optimizer and launch.zero_stage == 2
-
-
 def keeps_kl_reference_copy(args: LOOPConfig, model_args: ModelConfig) -> bool:
     """Whether the run keeps a frozen copy of the weights as the KL reference (beta > 0, no adapter)."""
     return args.beta > 0 and not model_args.use_peft
@@ -140,6 +139,7 @@ def plan_for(
     }
     lora = adapter if model_args.use_peft else None
     reference_copy = keeps_kl_reference_copy(args, model_args)
+    deepspeed = deepspeed_launch()  # the launch's DeepSpeed stage and offload, read once
     # A vLLM server generates on GPUs of its own: only a colocated engine shares the trainer's.
     colocated = args.use_vllm and args.vllm_mode == "colocate"
     try:  # the combined-key checks on the launch being planned: GPUs, whatever machine runs the dry run
@@ -156,7 +156,7 @@ def plan_for(
             world_size=world,
             gpu_memory_gib=script_args.plan_gpu_memory_gib,
             zero_stage=planned_zero_stage(world, reference_copy),
-            offload_optimizer=planned_offload(),
+            offload_optimizer=deepspeed is not None and deepspeed.offload_planned,
             lora=lora,
             bf16=model_args.dtype in (None, "auto", "bfloat16", "float16"),
             activation_checkpointing=bool(args.activation_checkpointing),
@@ -179,8 +179,7 @@ def plan_for(
         raise RecipeError(in_recipe_keys(str(error))) from None
     plan.reasons = [in_recipe_keys(reason) for reason in plan.reasons]
     plan.notes = [in_recipe_keys(note) for note in plan.notes]
-    deepspeed = deepspeed_launch()
-    if deepspeed is not None and deepspeed.offload_optimizer and not planned_offload():
+    if deepspeed is not None and deepspeed.offload_optimizer and not deepspeed.offload_planned:
         plan.notes.append(
             f"offload_optimizer_device at ZeRO-{deepspeed.zero_stage}: the plan counts the optimizer state on the GPU "
             "(an overestimate by the 'trainable state' row; it models the offload at ZeRO-2)"
@@ -246,7 +245,8 @@ def dry_run(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCon
     for warning in launch_warnings(script_args, args, world):
         print(f"warning: {warning}")
     stage = planned_zero_stage(world, keeps_kl_reference_copy(args, model_args))
-    deepspeed = f"ZeRO-{stage}" + (", optimizer state on the CPU" if planned_offload() else "")
+    launch = deepspeed_launch()
+    deepspeed = f"ZeRO-{stage}" + (", optimizer state on the CPU" if launch and launch.offload_planned else "")
     print(
         f"\nMemory plan per GPU: {world} GPUs x {script_args.plan_gpu_memory_gib:g} GiB, "
         f"{deepspeed if stage else 'no DeepSpeed'} (estimates; see docs/recipes.md)"
