@@ -1,0 +1,66 @@
+"""Running tests/support/fault_driver.py (a LOOP training process that can SIGKILL itself at a named moment) alone
+or as 2 processes under ``accelerate launch --config_file <a DeepSpeed recipe>`` (fp32 on CPU, gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from loop_trainer.net import free_local_port
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = ROOT / "tests" / "support" / "fault_driver.py"
+ACCELERATE_RECIPES = ROOT / "recipes" / "accelerate"
+
+
+def save_vault_model(path: Path) -> Path:
+    """The demo's warm-started tiny model (400 steps), saved for the driver processes."""
+    from loop_trainer.envs import VaultEnv
+    from loop_trainer.models.tiny import build_tiny_from_spec
+
+    model, tokenizer = build_tiny_from_spec("tiny-instruct:vault", VaultEnv(num_tasks=16), seed=0, warm_up_steps=400)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def launch_fault_driver(
+    model: Path, output_dir: Path, *options: str, config: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The fault driver on ``model`` into ``output_dir``: one plain process (``config`` None) or 2 processes under
+    ``recipes/accelerate/<config>``. Returns the finished process (a killed run's return code is not 0)."""
+    cache = Path(os.environ.get("LOOP_CACHE_DIR", Path.home() / ".cache" / "loop_trainer"))
+    environment = {
+        **os.environ,
+        "PYTHONPATH": str(DRIVER.parent),
+        "OMP_NUM_THREADS": "1",
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache / "torch-extensions")),
+    }
+    # The colocated vLLM tests before these leave a distributed environment in this process's variables.
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED"):
+        environment.pop(name, None)
+    launcher = [sys.executable]
+    if config is not None:
+        launcher += ["-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_RECIPES / config)]
+        launcher += ["--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_local_port())]
+    return subprocess.run(
+        [*launcher, str(DRIVER), str(model), str(output_dir), *options],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=600,
+    )
+
+
+def metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(output_dir / "final" / "model.safetensors")

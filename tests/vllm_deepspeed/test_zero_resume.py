@@ -1,0 +1,56 @@
+"""A DeepSpeed run SIGKILLed mid-update or mid-checkpoint, then resumed, ends exactly where the same launch ends
+uninterrupted: DeepSpeed writes its own checkpoint (each process its share of the optimizer state), which must come
+back whole through the staged checkpoint, and the optimizer on the host (ZeRO-Offload) must resume its Adam state.
+
+Two launches of tests/support/fault_driver.py (4 iterations, 2 processes, fp32 on CPU, gloo):
+
+- ``zero3.yaml``, overlapped (``max_staleness: 1``, the generator holding its own weights, as ZeRO-3 on several
+  processes needs), killed as iteration 3's checkpoint is being written: the checkpoint of iteration 2 is resumed
+  and the in-flight batch it kept is trained again.
+- ``zero2-offload.yaml`` (the optimizer in CPU memory, DeepSpeed's CPU Adam), killed after iteration 3's first
+  optimizer step: the weights have moved past the checkpoint of iteration 2, which must win.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fault_launch import final_weights, launch_fault_driver, metrics, save_vault_model  # tests/vllm_deepspeed
+
+pytest.importorskip("deepspeed")
+
+LAUNCHES = {
+    "zero3_overlapped_killed_in_save": ("zero3.yaml", ("--max-staleness", "1"), "save"),
+    "zero2_offload_killed_in_update": ("zero2-offload.yaml", (), "update"),
+}
+
+
+@pytest.fixture(scope="module")
+def vault_model(tmp_path_factory):
+    return save_vault_model(tmp_path_factory.mktemp("tiny-instruct"))
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_a_killed_deepspeed_run_resumes_to_the_same_weights(vault_model, tmp_path, launch):
+    config, options, kill_in = LAUNCHES[launch]
+    uninterrupted = launch_fault_driver(vault_model, tmp_path / "uninterrupted", *options, config=config)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-6000:]
+
+    run = tmp_path / "killed"
+    killed = launch_fault_driver(vault_model, run, *options, "--kill-in", kill_in, "--kill-at", "3", config=config)
+    assert killed.returncode != 0, "the driver was to kill itself in iteration 3"
+    assert killed.stderr.count("Signal 9 (SIGKILL) received") == 2, killed.stderr[-6000:]  # both, by themselves
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert list((run / "checkpoint-2").glob("global_step*")), "DeepSpeed's own checkpoint is in the staged one"
+    resumed = launch_fault_driver(vault_model, run, *options, "--resume", config=config)
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+
+    want, have = metrics(tmp_path / "uninterrupted"), metrics(run)
+    assert [m["iteration"] for m in have] == [1, 2, 3, 4]  # continuous, nothing doubled
+    keys = ("reward_mean", "num_rollouts", "num_kept", "optimizer_steps", "sampled_tokens")
+    assert [[m[k] for k in keys] for m in have] == [[m[k] for k in keys] for m in want]
+    assert [m["loss"] for m in have] == pytest.approx([m["loss"] for m in want], abs=1e-6)
+    expected, got = final_weights(tmp_path / "uninterrupted"), final_weights(run)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
