@@ -96,6 +96,28 @@ def test_missing_recipe_file():
 
 
 @pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "bad.json .deepspeed_config_file in the accelerate config. is not found"),
+        (
+            '{"zero_optimization": {"stage": 2,}}',
+            "bad.json .deepspeed_config_file in the accelerate config. is not valid JSON: Expecting",
+        ),
+        ("[2]", "bad.json must hold a JSON object"),
+    ],
+)
+def test_a_deepspeed_config_file_that_does_not_parse_is_named(tmp_path, monkeypatch, content, message):
+    # accelerate launch passes a config's deepspeed_config_file on as these variables; JSON's error names no file
+    path = tmp_path / "bad.json"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+    with pytest.raises(RecipeError, match=message):
+        parse_recipe(["--environment", "vault"])
+
+
+@pytest.mark.parametrize(
     ("flags", "message"),
     [
         (["--model_name_or_path", "/no/such/model"], "cannot load model_name_or_path '/no/such/model'"),
