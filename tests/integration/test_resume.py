@@ -130,6 +130,23 @@ def test_a_run_killed_twice_still_ends_where_it_would_have(instruct_model, unint
 
 
 @pytest.mark.slow
+def test_a_run_killed_on_two_ddp_processes_resumes_on_one(instruct_model, uninterrupted, tmp_path):
+    """Without DeepSpeed the optimizer state is whole and rollouts are seeded per task and rollout: a run written by
+    2 processes goes on with 1 (fewer GPUs after a preemption), the same samples, and ends where 1 process ends, to
+    the float tolerance at which 1 and 2 processes agree."""
+    killed = drive(instruct_model, tmp_path, "--kill-in", "update", "--kill-at", "3", processes=2)
+    assert killed.returncode != 0, killed.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*"))[-1] == "checkpoint-2"
+    resumed = drive(instruct_model, tmp_path, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    before, after = metrics(uninterrupted), metrics(tmp_path)
+    assert [(m["reward_mean"], m["num_kept"]) for m in after] == [(m["reward_mean"], m["num_kept"]) for m in before]
+    want, have = final_weights(uninterrupted), final_weights(tmp_path)
+    for name in want:
+        torch.testing.assert_close(have[name], want[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
 def test_a_run_killed_between_rounds_of_dynamic_sampling_resumes_exactly(instruct_model, tmp_path_factory):
     options = ("--dynamic-sampling-rounds", "3", "--rollouts-per-task", "2")  # pairs tie often: rounds happen
     straight = tmp_path_factory.mktemp("dynamic-straight")

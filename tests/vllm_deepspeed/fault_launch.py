@@ -31,10 +31,11 @@ def save_vault_model(path: Path) -> Path:
 
 
 def launch_fault_driver(
-    model: Path, output_dir: Path, *options: str, config: str | None = None
+    model: Path, output_dir: Path, *options: str, config: str | None = None, processes: int = 2
 ) -> subprocess.CompletedProcess[str]:
-    """The fault driver on ``model`` into ``output_dir``: one plain process (``config`` None) or 2 processes under
-    ``recipes/accelerate/<config>``. Returns the finished process (a killed run's return code is not 0)."""
+    """The fault driver on ``model`` into ``output_dir``: one plain process (``config`` None) or ``processes``
+    processes under ``recipes/accelerate/<config>``. Returns the finished process (a killed run's return code is
+    not 0)."""
     cache = Path(os.environ.get("LOOP_CACHE_DIR", Path.home() / ".cache" / "loop_trainer"))
     environment = {
         **os.environ,
@@ -48,7 +49,8 @@ def launch_fault_driver(
     launcher = [sys.executable]
     if config is not None:
         launcher += ["-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_RECIPES / config)]
-        launcher += ["--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_local_port())]
+        launcher += ["--num_processes", str(processes), "--mixed_precision", "no"]
+        launcher += ["--main_process_port", str(free_local_port())]
     return subprocess.run(
         [*launcher, str(DRIVER), str(model), str(output_dir), *options],
         capture_output=True,

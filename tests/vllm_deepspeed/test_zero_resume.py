@@ -8,7 +8,8 @@ Two launches of tests/support/fault_driver.py (4 iterations, 2 processes, fp32 o
   processes needs), killed as iteration 3's checkpoint is being written: the checkpoint of iteration 2 is resumed
   and the in-flight batch it kept is trained again.
 - ``zero2-offload.yaml`` (the optimizer in CPU memory, DeepSpeed's CPU Adam), killed after iteration 3's first
-  optimizer step: the weights have moved past the checkpoint of iteration 2, which must win.
+  optimizer step: the weights have moved past the checkpoint of iteration 2, which must win. Resuming it on 1
+  process, or without DeepSpeed, is refused first: neither can load the optimizer state ZeRO partitioned over 2.
 """
 
 from __future__ import annotations
@@ -42,6 +43,19 @@ def test_a_killed_deepspeed_run_resumes_to_the_same_weights(vault_model, tmp_pat
     assert killed.stderr.count("Signal 9 (SIGKILL) received") == 2, killed.stderr[-6000:]  # both, by themselves
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     assert list((run / "checkpoint-2").glob("global_step*")), "DeepSpeed's own checkpoint is in the staged one"
+    if launch == "zero2_offload_killed_in_update":
+        # A launch that cannot load the partitioned optimizer state is refused before anything trains: DeepSpeed on
+        # 1 process would fail deep in its load; without DeepSpeed the optimizer would silently start afresh.
+        for processes, other_config, written in (
+            (1, config, "DeepSpeed ZeRO-2's, partitioned over 1 process"),
+            (1, None, "whole (no DeepSpeed)"),
+        ):
+            refused = launch_fault_driver(vault_model, run, "--resume", config=other_config, processes=processes)
+            assert refused.returncode != 0
+            assert "CheckpointError: resume_from_checkpoint:" in refused.stderr, refused.stderr[-6000:]
+            assert f"this launch's would be {written}" in refused.stderr
+            assert "zero_stage 2 and --num_processes 2" in refused.stderr
+        assert len(metrics(run)) == 2  # nothing was trained or logged
     resumed = launch_fault_driver(vault_model, run, *options, "--resume", config=config)
     assert resumed.returncode == 0, resumed.stderr[-6000:]
 

@@ -182,8 +182,9 @@ _FREE = (
     "vllm_server_host",
     "vllm_server_port",
     "vllm_sync_dir",
-    # how one computation is spread over processes (1 and 2 processes agree to float tolerance; a DeepSpeed
-    # checkpoint needs DeepSpeed to load, which accelerate checks itself)
+    # how one computation is spread over processes (1 and 2 processes agree to float tolerance); where that decides
+    # whether a checkpoint's optimizer state can load at all (DeepSpeed, its ZeRO stage and process count), the
+    # trainer records it as the run setting optimizer_state_layout, never changeable (training/resume.py)
     "accelerator_config",
     "deepspeed",
     "local_rank",

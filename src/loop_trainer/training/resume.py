@@ -62,7 +62,18 @@ class OptimizerHyperparameters:
 # Recorded besides LOOPConfig's keys (config/resume_policy.py classifies those): the environment (loop-train's
 # ScriptArguments, handed to the trainer as LOOPTrainer.run_settings), the size of the training split, the model,
 # the adapter, and the transformers sampler's fast parts as resolved (their keys unset are decided by the device).
-RUN_SETTINGS = ("environment", "environment_kwargs", "num_train_tasks", "model", "adapter", "sampling_parts")
+RUN_SETTINGS = (
+    "environment",
+    "environment_kwargs",
+    "num_train_tasks",
+    "model",
+    "adapter",
+    "sampling_parts",
+    "optimizer_state_layout",
+)
+OPTIMIZER_STATE_LAYOUT = "optimizer_state_layout"
+"""The run setting of how the checkpoint holds the optimizer state (``distribution.optimizer_state_layout``): never
+changeable on resume, since no launch of another layout can load it."""
 
 
 def jsonable(value: Any) -> Any:
@@ -93,6 +104,15 @@ def compare_settings(
     ]
     if not changed:
         return []
+    layout = next(((old, new) for key, old, new in changed if key == OPTIMIZER_STATE_LAYOUT), None)
+    if layout is not None:
+        written, launched = layout
+        raise CheckpointError(
+            f"resume_from_checkpoint: {checkpoint}'s optimizer state is {_describe_layout(written)} and this launch's "
+            f"would be {_describe_layout(launched)}, which cannot load it: resume it under a launch like the one that "
+            f"wrote it ({_launch_advice(written)}), or start a new run from its weights (--model_name_or_path "
+            f"{checkpoint} and another output_dir)"
+        )
     listed = ", ".join(f"{key} {_show(old)} -> {_show(new)}" for key, old, new in changed)
     fixed = [key for key, _, _ in changed if key in FIXED_KEYS]
     if fixed:
@@ -107,6 +127,27 @@ def compare_settings(
             f"from iteration {int(state.get('iteration', 0)) + 1} on"
         )
     return changed
+
+
+def _describe_layout(layout: Mapping[str, int] | None) -> str:
+    if layout is None:
+        return "whole (no DeepSpeed)"
+    stage = layout["deepspeed_zero_stage"]
+    if not stage:
+        return "DeepSpeed's, without ZeRO"
+    processes = layout["processes"]
+    return f"DeepSpeed ZeRO-{stage}'s, partitioned over {processes} process{'es' if processes != 1 else ''}"
+
+
+def _launch_advice(layout: Mapping[str, int] | None) -> str:
+    if layout is None:
+        return "without DeepSpeed, on any number of processes"
+    if not layout["deepspeed_zero_stage"]:
+        return "accelerate launch with a DeepSpeed config of zero_stage 0"
+    return (
+        f"accelerate launch with a DeepSpeed config of zero_stage {layout['deepspeed_zero_stage']} and "
+        f"--num_processes {layout['processes']}"
+    )
 
 
 def _show(value: Any) -> str:

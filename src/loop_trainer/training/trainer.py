@@ -56,7 +56,7 @@ from ..rollout.weight_sync import is_peft
 from .activation_checkpointing import activation_offloading, enable_checkpointing, is_checkpointing
 from .batching import TrainingSample, training_samples
 from .checkpoints import CheckpointStager, mark_finished, read_loop_state
-from .distribution import DistributionStrategy, check_launch, zero_stage
+from .distribution import DistributionStrategy, check_launch, optimizer_state_layout, zero_stage
 from .dynamic_sampling import ScoredRollouts, collect_scored, score_rollouts
 from .logprobs import sequence_logprobs
 from .model_loading import load_policy
@@ -761,7 +761,11 @@ class LOOPTrainer(Trainer):
             env_name=self.env.name,
             num_train_tasks=len(self.train_dataset),
             model=self.accelerator.unwrap_model(self.model),
-            run_settings={"sampling_parts": self.sampling_parts(), **(self.run_settings or {})},
+            run_settings={
+                "sampling_parts": self.sampling_parts(),
+                "optimizer_state_layout": optimizer_state_layout(self.accelerator),
+                **(self.run_settings or {}),
+            },
         )
 
     def sampling_parts(self) -> dict[str, bool] | None:

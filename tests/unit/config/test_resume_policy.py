@@ -69,3 +69,37 @@ def test_a_lora_run_resumed_with_a_sampling_key_changed_is_refused_naming_it(vau
         assert resume.compare_settings(tmp_path, recorded(), allow_changes=False) == []
     finally:
         policy.unload()
+
+
+@pytest.mark.parametrize(
+    ("written", "launched", "says"),
+    [
+        (
+            {"deepspeed_zero_stage": 2, "processes": 2},
+            {"deepspeed_zero_stage": 2, "processes": 1},
+            "is DeepSpeed ZeRO-2's, partitioned over 2 processes and this launch's would be DeepSpeed ZeRO-2's, "
+            "partitioned over 1 process, which cannot load it: resume it under a launch like the one that wrote it "
+            "(accelerate launch with a DeepSpeed config of zero_stage 2 and --num_processes 2)",
+        ),
+        ({"deepspeed_zero_stage": 3, "processes": 8}, None, "this launch's would be whole (no DeepSpeed)"),
+        (None, {"deepspeed_zero_stage": 3, "processes": 8}, "without DeepSpeed, on any number of processes"),
+        ({"deepspeed_zero_stage": 2, "processes": 2}, {"deepspeed_zero_stage": 3, "processes": 2}, "ZeRO-3's"),
+    ],
+)
+def test_a_checkpoint_whose_optimizer_state_the_launch_cannot_load_is_refused_even_with_changes_allowed(
+    tmp_path, written, launched, says
+):
+    import json
+
+    from loop_trainer.training.checkpoints import LOOP_STATE_FILE, CheckpointError
+
+    settings = {"learning_rate": 1e-4, "optimizer_state_layout": written}
+    (tmp_path / LOOP_STATE_FILE).write_text(json.dumps({"iteration": 3, "settings": settings}))
+    current = {**settings, "optimizer_state_layout": launched}
+    for allow_changes in (False, True):
+        with pytest.raises(CheckpointError, match="optimizer state") as refused:
+            resume.compare_settings(tmp_path, current, allow_changes=allow_changes)
+        assert says in str(refused.value)
+        assert f"--model_name_or_path {tmp_path} and another output_dir" in str(refused.value)
+    # DDP on another number of processes loads the whole state: nothing to refuse
+    assert resume.compare_settings(tmp_path, settings, allow_changes=False) == []
