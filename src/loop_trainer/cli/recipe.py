@@ -178,7 +178,7 @@ def check_deepspeed_config_file() -> None:
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() not in ("1", "true"):
         return
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if not path:
+    if not path or path.lstrip().startswith("{"):  # unset, or the settings themselves (DeepSpeed accepts JSON text)
         return
     named = f"the DeepSpeed config file {path} (deepspeed_config_file in the accelerate config)"
     if not os.path.isfile(path):

@@ -110,8 +110,7 @@ def compare_settings(
         raise CheckpointError(
             f"resume_from_checkpoint: {checkpoint}'s optimizer state is {_describe_layout(written)} and this launch's "
             f"would be {_describe_layout(launched)}, which cannot load it: resume it under a launch like the one that "
-            f"wrote it ({_launch_advice(written)}), or start a new run from its weights (--model_name_or_path "
-            f"{checkpoint} and another output_dir)"
+            f"wrote it ({_launch_advice(written)}), or {_new_run_advice(checkpoint)}"
         )
     listed = ", ".join(f"{key} {_show(old)} -> {_show(new)}" for key, old, new in changed)
     fixed = [key for key, _, _ in changed if key in FIXED_KEYS]
@@ -142,12 +141,24 @@ def _describe_layout(layout: Mapping[str, int] | None) -> str:
 def _launch_advice(layout: Mapping[str, int] | None) -> str:
     if layout is None:
         return "without DeepSpeed, on any number of processes"
-    if not layout["deepspeed_zero_stage"]:
-        return "accelerate launch with a DeepSpeed config of zero_stage 0"
-    return (
-        f"accelerate launch with a DeepSpeed config of zero_stage {layout['deepspeed_zero_stage']} and "
-        f"--num_processes {layout['processes']}"
-    )
+    stage = layout["deepspeed_zero_stage"]
+    config = f"a DeepSpeed config of zero_stage {stage} (zero_optimization.stage in a DeepSpeed JSON)"
+    if not stage:
+        return f"accelerate launch with {config}"
+    return f"accelerate launch with {config} and --num_processes {layout['processes']}"
+
+
+def _new_run_advice(checkpoint: str | os.PathLike[str]) -> str:
+    """How to go on from ``checkpoint`` on another launch: a new run from its weights, which is not the same run
+    (a fresh optimizer and schedule, the tasks from the start). Under ZeRO-3 the checkpoint holds the whole weights
+    only where the launch gathered them on save (stage3_gather_16bit_weights_on_model_save); else DeepSpeed's
+    zero_to_fp32.py, which it writes beside them, rebuilds them."""
+    directory = Path(checkpoint)
+    weights = [*directory.glob("*.safetensors"), *directory.glob("pytorch_model*.bin")]
+    start = "start a new run from its weights (not an exact continuation: a fresh optimizer and schedule)"
+    if weights:
+        return f"{start}: --model_name_or_path {checkpoint} and another output_dir"
+    return f"{start}: write them with the zero_to_fp32.py in {checkpoint} and pass that folder as --model_name_or_path"
 
 
 def _show(value: Any) -> str:

@@ -117,6 +117,14 @@ def test_a_deepspeed_config_file_that_does_not_parse_is_named(tmp_path, monkeypa
         parse_recipe(["--environment", "vault"])
 
 
+def test_deepspeed_settings_given_inline_are_left_to_deepspeed(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", '{"zero_optimization": {"stage": 2}}')
+    from loop_trainer.cli.recipe import check_deepspeed_config_file
+
+    check_deepspeed_config_file()  # not a path: nothing to name
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

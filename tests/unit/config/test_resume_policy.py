@@ -79,7 +79,8 @@ def test_a_lora_run_resumed_with_a_sampling_key_changed_is_refused_naming_it(vau
             {"deepspeed_zero_stage": 2, "processes": 1},
             "is DeepSpeed ZeRO-2's, partitioned over 2 processes and this launch's would be DeepSpeed ZeRO-2's, "
             "partitioned over 1 process, which cannot load it: resume it under a launch like the one that wrote it "
-            "(accelerate launch with a DeepSpeed config of zero_stage 2 and --num_processes 2)",
+            "(accelerate launch with a DeepSpeed config of zero_stage 2 (zero_optimization.stage in a DeepSpeed JSON) "
+            "and --num_processes 2)",
         ),
         ({"deepspeed_zero_stage": 3, "processes": 8}, None, "this launch's would be whole (no DeepSpeed)"),
         (None, {"deepspeed_zero_stage": 3, "processes": 8}, "without DeepSpeed, on any number of processes"),
@@ -100,6 +101,11 @@ def test_a_checkpoint_whose_optimizer_state_the_launch_cannot_load_is_refused_ev
         with pytest.raises(CheckpointError, match="optimizer state") as refused:
             resume.compare_settings(tmp_path, current, allow_changes=allow_changes)
         assert says in str(refused.value)
-        assert f"--model_name_or_path {tmp_path} and another output_dir" in str(refused.value)
+        # no weights in it (ZeRO-3 without gathering them on save): DeepSpeed's script rebuilds them
+        assert f"write them with the zero_to_fp32.py in {tmp_path}" in str(refused.value)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="not an exact continuation") as refused:
+        resume.compare_settings(tmp_path, current, allow_changes=False)
+    assert f"--model_name_or_path {tmp_path} and another output_dir" in str(refused.value)
     # DDP on another number of processes loads the whole state: nothing to refuse
     assert resume.compare_settings(tmp_path, settings, allow_changes=False) == []

@@ -161,3 +161,22 @@ def test_activation_offloading_is_refused_without_a_gpu_and_builds_trls_offloade
     if torch.cuda.is_available():  # the offloader itself needs a GPU
         on = activation_offloading(model, True)
         assert on() is on() and type(on()).__name__ == "OffloadActivations"  # one offloader, entered each time
+
+
+@pytest.mark.parametrize(
+    ("stage", "processes", "layout"),
+    [
+        (None, 4, None),  # no DeepSpeed: Trainer's whole optimizer.pt, any number of processes
+        (0, 4, {"deepspeed_zero_stage": 0}),  # DeepSpeed without ZeRO: its own checkpoint, not partitioned
+        (2, 4, {"deepspeed_zero_stage": 2, "processes": 4}),
+        (3, 8, {"deepspeed_zero_stage": 3, "processes": 8}),
+    ],
+)
+def test_the_optimizer_state_layout_a_checkpoint_records_follows_the_launch(stage, processes, layout):
+    from types import SimpleNamespace
+
+    from loop_trainer.training.distribution import optimizer_state_layout
+
+    plugin = None if stage is None else SimpleNamespace(zero_stage=stage)
+    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=processes)
+    assert optimizer_state_layout(accelerator) == layout
