@@ -3,31 +3,15 @@ ends exactly where an uninterrupted run of the same seed ends."""
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from loop_trainer.net import free_local_port
-
-DRIVER = Path(__file__).resolve().parents[1] / "support" / "fault_driver.py"
-
-
-def save_instruct_model(path: Path) -> Path:
-    """The demo's warm-started tiny model, saved to ``path`` for the driver processes."""
-    from loop_trainer.envs import VaultEnv
-    from loop_trainer.models.tiny import build_tiny_from_spec
-
-    model, tokenizer = build_tiny_from_spec("tiny-instruct:vault", VaultEnv(num_tasks=16), seed=0, warm_up_steps=400)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+from support.fault_launch import final_weights, launch_fault_driver, metrics
+from support.fault_launch import save_vault_model as save_instruct_model
 
 
 @pytest.fixture(scope="module")
@@ -38,24 +22,7 @@ def instruct_model(tmp_path_factory):
 
 def drive(model: Path, output_dir: Path, *options: str, processes: int = 1) -> subprocess.CompletedProcess[str]:
     """The fault driver, alone or as ``processes`` training processes (torchrun, gloo)."""
-    environment = {**os.environ, "PYTHONPATH": str(DRIVER.parent)}
-    launcher = [sys.executable]
-    if processes > 1:
-        environment["OMP_NUM_THREADS"] = "1"
-        port = str(free_local_port())
-        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
-        launcher += ["--master_addr", "127.0.0.1", "--master_port", port]
-    return subprocess.run(
-        [*launcher, str(DRIVER), str(model), str(output_dir), *options],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=600,
-    )
-
-
-def final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(output_dir / "final" / "model.safetensors")
+    return launch_fault_driver(model, output_dir, *options, processes=processes)
 
 
 def assert_same_weights(expected: Path, got: Path) -> None:
@@ -64,10 +31,6 @@ def assert_same_weights(expected: Path, got: Path) -> None:
     assert want.keys() == have.keys()
     for name in want:
         torch.testing.assert_close(have[name], want[name], rtol=0, atol=1e-6, msg=name)
-
-
-def metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

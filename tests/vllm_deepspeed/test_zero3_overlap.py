@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fault_launch import final_weights, launch_fault_driver, metrics, save_vault_model  # tests/vllm_deepspeed
+
+from support.fault_launch import final_weights, launch_fault_driver, metrics, save_vault_model
 
 pytest.importorskip("deepspeed")
 
@@ -20,8 +21,8 @@ OVERLAPPED = ("--max-staleness", "1", "--iterations", "3")
 
 def test_overlap_on_two_zero3_processes_matches_one_process(tmp_path):
     model_dir = save_vault_model(tmp_path / "model")
-    for output_dir, config in ((tmp_path / "one", None), (tmp_path / "zero3", "zero3.yaml")):
-        result = launch_fault_driver(model_dir, output_dir, *OVERLAPPED, config=config)
+    for output_dir, config, processes in ((tmp_path / "one", None, 1), (tmp_path / "zero3", "zero3.yaml", 2)):
+        result = launch_fault_driver(model_dir, output_dir, *OVERLAPPED, config=config, processes=processes)
         assert result.returncode == 0, result.stderr[-6000:]
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "zero3")
     keys = ("reward_mean", "num_rollouts", "num_kept", "optimizer_steps", "policy_staleness", "sampled_tokens")

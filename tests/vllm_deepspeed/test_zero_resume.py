@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fault_launch import final_weights, launch_fault_driver, metrics, save_vault_model  # tests/vllm_deepspeed
+
+from support.fault_launch import final_weights, launch_fault_driver, metrics, save_vault_model
 
 pytest.importorskip("deepspeed")
 
@@ -34,11 +35,12 @@ def vault_model(tmp_path_factory):
 @pytest.mark.parametrize("launch", list(LAUNCHES))
 def test_a_killed_deepspeed_run_resumes_to_the_same_weights(vault_model, tmp_path, launch):
     config, options, kill_in = LAUNCHES[launch]
-    uninterrupted = launch_fault_driver(vault_model, tmp_path / "uninterrupted", *options, config=config)
+    uninterrupted = launch_fault_driver(vault_model, tmp_path / "uninterrupted", *options, config=config, processes=2)
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-6000:]
 
     run = tmp_path / "killed"
-    killed = launch_fault_driver(vault_model, run, *options, "--kill-in", kill_in, "--kill-at", "3", config=config)
+    kill = ("--kill-in", kill_in, "--kill-at", "3")
+    killed = launch_fault_driver(vault_model, run, *options, *kill, config=config, processes=2)
     assert killed.returncode != 0, "the driver was to kill itself in iteration 3"
     # by themselves (torchrun may stop the second rank first, if it is slower to reach the same point)
     assert "Signal 9 (SIGKILL) received" in killed.stderr, killed.stderr[-6000:]
@@ -57,7 +59,7 @@ def test_a_killed_deepspeed_run_resumes_to_the_same_weights(vault_model, tmp_pat
             assert f"this launch's would be {written}" in refused.stderr
             assert "and --num_processes 2)" in refused.stderr
         assert len(metrics(run)) == 2  # nothing was trained or logged
-    resumed = launch_fault_driver(vault_model, run, *options, "--resume", config=config)
+    resumed = launch_fault_driver(vault_model, run, *options, "--resume", config=config, processes=2)
     assert resumed.returncode == 0, resumed.stderr[-6000:]
 
     want, have = metrics(tmp_path / "uninterrupted"), metrics(run)

@@ -1,5 +1,6 @@
-"""Running tests/support/fault_driver.py (a LOOP training process that can SIGKILL itself at a named moment) alone
-or as 2 processes under ``accelerate launch --config_file <a DeepSpeed recipe>`` (fp32 on CPU, gloo)."""
+"""Running tests/support/fault_driver.py (a LOOP training process that can SIGKILL itself at a named moment) alone,
+as several DDP processes (torchrun, gloo), or under ``accelerate launch --config_file <a DeepSpeed recipe>`` (fp32 on
+CPU, gloo): shared by the crash-and-resume tests of both test suites."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ ACCELERATE_RECIPES = ROOT / "recipes" / "accelerate"
 
 
 def save_vault_model(path: Path) -> Path:
-    """The demo's warm-started tiny model (400 steps), saved for the driver processes."""
+    """The demo's warm-started tiny model (400 steps), saved to ``path`` for the driver processes."""
     from loop_trainer.envs import VaultEnv
     from loop_trainer.models.tiny import build_tiny_from_spec
 
@@ -31,11 +32,11 @@ def save_vault_model(path: Path) -> Path:
 
 
 def launch_fault_driver(
-    model: Path, output_dir: Path, *options: str, config: str | None = None, processes: int = 2
+    model: Path, output_dir: Path, *options: str, config: str | None = None, processes: int = 1
 ) -> subprocess.CompletedProcess[str]:
-    """The fault driver on ``model`` into ``output_dir``: one plain process (``config`` None) or ``processes``
-    processes under ``recipes/accelerate/<config>``. Returns the finished process (a killed run's return code is
-    not 0)."""
+    """The fault driver on ``model`` into ``output_dir``, as ``processes`` processes: under
+    ``recipes/accelerate/<config>`` where a config is named, else one plain process or torchrun's. Returns the
+    finished process (a killed run's return code is not 0)."""
     cache = Path(os.environ.get("LOOP_CACHE_DIR", Path.home() / ".cache" / "loop_trainer"))
     environment = {
         **os.environ,
@@ -43,7 +44,7 @@ def launch_fault_driver(
         "OMP_NUM_THREADS": "1",
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache / "torch-extensions")),
     }
-    # The colocated vLLM tests before these leave a distributed environment in this process's variables.
+    # The colocated vLLM tests before the DeepSpeed ones leave a distributed environment in this process's variables.
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED"):
         environment.pop(name, None)
     launcher = [sys.executable]
@@ -51,6 +52,9 @@ def launch_fault_driver(
         launcher += ["-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_RECIPES / config)]
         launcher += ["--num_processes", str(processes), "--mixed_precision", "no"]
         launcher += ["--main_process_port", str(free_local_port())]
+    elif processes > 1:
+        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
+        launcher += ["--master_addr", "127.0.0.1", "--master_port", str(free_local_port())]
     return subprocess.run(
         [*launcher, str(DRIVER), str(model), str(output_dir), *options],
         capture_output=True,
