@@ -4,13 +4,13 @@ ends exactly where an uninterrupted run of the same seed ends."""
 from __future__ import annotations
 
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from support.fault_launch import final_weights, launch_fault_driver, metrics
+from support.fault_launch import final_weights, metrics
+from support.fault_launch import launch_fault_driver as drive  # alone, or as torchrun's processes=N
 from support.fault_launch import save_vault_model as save_instruct_model
 
 
@@ -18,11 +18,6 @@ from support.fault_launch import save_vault_model as save_instruct_model
 def instruct_model(tmp_path_factory):
     """Saved once for every process of this module."""
     return save_instruct_model(tmp_path_factory.mktemp("tiny-instruct"))
-
-
-def drive(model: Path, output_dir: Path, *options: str, processes: int = 1) -> subprocess.CompletedProcess[str]:
-    """The fault driver, alone or as ``processes`` training processes (torchrun, gloo)."""
-    return launch_fault_driver(model, output_dir, *options, processes=processes)
 
 
 def assert_same_weights(expected: Path, got: Path) -> None:

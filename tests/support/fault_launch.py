@@ -37,13 +37,8 @@ def launch_fault_driver(
     """The fault driver on ``model`` into ``output_dir``, as ``processes`` processes: under
     ``recipes/accelerate/<config>`` where a config is named, else one plain process or torchrun's. Returns the
     finished process (a killed run's return code is not 0)."""
-    cache = Path(os.environ.get("LOOP_CACHE_DIR", Path.home() / ".cache" / "loop_trainer"))
-    environment = {
-        **os.environ,
-        "PYTHONPATH": str(DRIVER.parent),
-        "OMP_NUM_THREADS": "1",
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(cache / "torch-extensions")),
-    }
+    # (the DeepSpeed suite's conftest has set TORCH_EXTENSIONS_DIR, the cache of DeepSpeed's compiled CPU ops)
+    environment = {**os.environ, "PYTHONPATH": str(DRIVER.parent), "OMP_NUM_THREADS": "1"}
     # The colocated vLLM tests before the DeepSpeed ones leave a distributed environment in this process's variables.
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED"):
         environment.pop(name, None)

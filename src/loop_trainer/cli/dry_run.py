@@ -29,7 +29,7 @@ from ..models.memory_plan import MemoryPlan, plan_memory
 from ..models.model_shape import ModelShape, load_model_shape
 from ..models.packaged import resolve_model_path
 from ..models.tiny import is_tiny_spec, tiny_config
-from .recipe import RecipeError, ScriptArguments
+from .recipe import RecipeError, ScriptArguments, launch_deepspeed_config
 
 EXIT_DOES_NOT_FIT = 3
 MODEL_KEYS = (
@@ -92,10 +92,9 @@ def deepspeed_launch() -> DeepSpeedLaunch | None:
     variables accelerate sets from the accelerate config's ``deepspeed_config``."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() not in ("1", "true"):
         return None
-    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if path:  # read by the training arguments already: a file that does not parse stopped the run before this
-        with open(path) as file:
-            zero = json.load(file).get("zero_optimization", {})
+    settings = launch_deepspeed_config()
+    if settings is not None:
+        zero = settings.get("zero_optimization", {})
 
         def device(key: str) -> str:
             return str((zero.get(key) or {}).get("device", "none")).lower()
@@ -108,11 +107,10 @@ def deepspeed_launch() -> DeepSpeedLaunch | None:
     return DeepSpeedLaunch(int(stage), optimizer not in ("", "none"), param not in ("", "none"))
 
 
-def planned_zero_stage(world: int, kl_reference_copy: bool = False) -> int:
-    """The ZeRO stage the plan assumes: accelerate's DeepSpeed stage where a launch sets one, else
+def planned_zero_stage(world: int, kl_reference_copy: bool, launch: DeepSpeedLaunch | None) -> int:
+    """The ZeRO stage the plan assumes: the DeepSpeed ``launch``'s stage where there is one, else
     ZeRO-3 on several GPUs (the documented setup; ZeRO-2 where the KL reference is a frozen copy of the
     weights, which ZeRO-3 refuses) and none on one GPU (measured there, no DeepSpeed)."""
-    launch = deepspeed_launch()
     if launch is not None:
         return launch.zero_stage
     return (2 if kl_reference_copy else 3) if world > 1 else 0
@@ -155,7 +153,7 @@ def plan_for(
             model_shape(model_args),
             world_size=world,
             gpu_memory_gib=script_args.plan_gpu_memory_gib,
-            zero_stage=planned_zero_stage(world, reference_copy),
+            zero_stage=planned_zero_stage(world, reference_copy, deepspeed),
             offload_optimizer=deepspeed is not None and deepspeed.offload_planned,
             lora=lora,
             bf16=model_args.dtype in (None, "auto", "bfloat16", "float16"),
@@ -244,8 +242,8 @@ def dry_run(script_args: ScriptArguments, args: LOOPConfig, model_args: ModelCon
     print(summary(script_args, args, model_args, world))
     for warning in launch_warnings(script_args, args, world):
         print(f"warning: {warning}")
-    stage = planned_zero_stage(world, keeps_kl_reference_copy(args, model_args))
     launch = deepspeed_launch()
+    stage = planned_zero_stage(world, keeps_kl_reference_copy(args, model_args), launch)
     deepspeed = f"ZeRO-{stage}" + (", optimizer state on the CPU" if launch and launch.offload_planned else "")
     print(
         f"\nMemory plan per GPU: {world} GPUs x {script_args.plan_gpu_memory_gib:g} GiB, "

@@ -172,24 +172,30 @@ def _as_flags(config: dict[str, Any], source: str, classes: Sequence[type]) -> t
     return flags, nulls
 
 
-def check_deepspeed_config_file() -> None:
-    """A DeepSpeed JSON that an ``accelerate launch`` names (its config's ``deepspeed_config_file``) must parse: the
-    training arguments read it, and JSON's own error would not say which file it is about."""
+def launch_deepspeed_config() -> dict[str, Any] | None:
+    """The DeepSpeed settings an ``accelerate launch`` passes as JSON (its config's ``deepspeed_config_file``, or the
+    JSON text itself), read and checked: the training arguments read the file too, and JSON's own error would not
+    say which file it is about. None where the launch names none (no DeepSpeed, or the settings in accelerate's own
+    variables from its config's ``deepspeed_config``)."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() not in ("1", "true"):
-        return
+        return None
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if not path or path.lstrip().startswith("{"):  # unset, or the settings themselves (DeepSpeed accepts JSON text)
-        return
+    if not path:
+        return None
     named = f"the DeepSpeed config file {path} (deepspeed_config_file in the accelerate config)"
-    if not os.path.isfile(path):
-        raise RecipeError(f"{named} is not found")
     try:
-        with open(path) as handle:
-            settings = json.load(handle)
+        if path.lstrip().startswith("{"):  # the settings themselves (DeepSpeed accepts JSON text)
+            settings = json.loads(path)
+        elif not os.path.isfile(path):
+            raise RecipeError(f"{named} is not found")
+        else:
+            with open(path) as handle:
+                settings = json.load(handle)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise RecipeError(f"{named} is not valid JSON: {error}") from None
     if not isinstance(settings, dict):
         raise RecipeError(f"the DeepSpeed config file {path} must hold a JSON object of DeepSpeed's settings")
+    return settings
 
 
 def parse_recipe(argv: Sequence[str] | None = None, classes: Sequence[type] = DATACLASSES) -> tuple[Any, ...]:
@@ -233,7 +239,7 @@ def parse_recipe(argv: Sequence[str] | None = None, classes: Sequence[type] = DA
         if token.startswith("--") and token[2:].split("=", 1)[0].replace("-", "_") not in _known_keys(classes):
             key = token[2:].split("=", 1)[0]
             raise RecipeError(f"unknown option '--{key}'{_did_you_mean(key, classes, prefix='--')}")
-    check_deepspeed_config_file()
+    launch_deepspeed_config()  # checked before the training arguments read it
     try:
         # A dry run checks the recipe for the GPU launch it plans, not for this machine (maybe without a GPU).
         dry_run = getattr(parser.parse_known_args(args=config_flags + argv)[0], "dry_run", False)

@@ -62,7 +62,7 @@ from .logprobs import sequence_logprobs
 from .model_loading import load_policy
 from .overlap import OverlappedRollouts, staleness_metrics, tag_versions
 from .reference import FrozenCopy
-from .resume import apply_setting_changes, plan_start, resume_settings
+from .resume import OPTIMIZER_STATE_LAYOUT, apply_setting_changes, plan_start, resume_settings
 from .rollout_resources import RolloutResources
 from .run_log import LOOPPrinterCallback, LOOPProgressCallback, RunLog
 from .sampler import task_sampler_for
@@ -763,7 +763,7 @@ class LOOPTrainer(Trainer):
             model=self.accelerator.unwrap_model(self.model),
             run_settings={
                 "sampling_parts": self.sampling_parts(),
-                "optimizer_state_layout": optimizer_state_layout(self.accelerator),
+                OPTIMIZER_STATE_LAYOUT: optimizer_state_layout(self.accelerator),
                 **(self.run_settings or {}),
             },
         )

@@ -117,12 +117,12 @@ def test_a_deepspeed_config_file_that_does_not_parse_is_named(tmp_path, monkeypa
         parse_recipe(["--environment", "vault"])
 
 
-def test_deepspeed_settings_given_inline_are_left_to_deepspeed(monkeypatch):
+def test_deepspeed_settings_given_inline_are_read_as_deepspeed_reads_them(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", '{"zero_optimization": {"stage": 2}}')
-    from loop_trainer.cli.recipe import check_deepspeed_config_file
+    from loop_trainer.cli.recipe import launch_deepspeed_config
 
-    check_deepspeed_config_file()  # not a path: nothing to name
+    assert launch_deepspeed_config() == {"zero_optimization": {"stage": 2}}  # not a path: nothing to name
 
 
 @pytest.mark.parametrize(
