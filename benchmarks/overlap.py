@@ -233,6 +233,8 @@ def worker(job: dict[str, Any]) -> None:
     import torch
     from accelerate import PartialState
 
+    from loop_trainer.training.distribution import end_distributed_run
+
     torch.set_num_threads(1)
     state = PartialState(cpu=True, backend="gloo")
     distributed = {"accelerator_config": {"use_configured_state": True}}
@@ -242,6 +244,7 @@ def worker(job: dict[str, Any]) -> None:
     )
     if state.is_main_process:
         (workdir / "summary.json").write_text(json.dumps({**result, "num_processes": state.num_processes}))
+    end_distributed_run()
 
 
 def server_flags(url: str, sync_dir: Path, staleness: int) -> dict[str, Any]:

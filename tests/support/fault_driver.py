@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.envs import VaultEnv
 from loop_trainer.models.tiny import load_tokenizer
+from loop_trainer.training.distribution import end_distributed_run
 from loop_trainer.training.update import PolicyUpdate
 
 TASKS_PER_ITERATION = 4
@@ -208,8 +209,10 @@ def main() -> None:
 
         trainer._save_rng_state = save_rng_state
 
-    trainer.train(resume_from_checkpoint=True if options.resume else None)
-    trainer.save_model(os.path.join(options.output_dir, "final"))
+    with trainer:  # as loop-train: the trainer's threads and generator are released, then the process group
+        trainer.train(resume_from_checkpoint=True if options.resume else None)
+        trainer.save_model(os.path.join(options.output_dir, "final"))
+    end_distributed_run()
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from ..training.console import (
     progress_description,
     quiet_transformers_bars,
 )
-from ..training.distribution import DistributedSetupError
+from ..training.distribution import DistributedSetupError, end_distributed_run
 from ..training.model_loading import build_tiny_model
 from ..training.stress import MemoryStressTestFailed
 from ..training.trainer import LOOPTrainer
@@ -272,6 +272,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
         if script_args.dry_run:
             return dry_run(script_args, training_args, model_args)
         main(script_args, training_args, model_args)
+        end_distributed_run()  # every process is done: the process group ends before the interpreter does
     except RecipeError as error:
         print(f"loop-train: error: {error}", file=sys.stderr)
         return 2

@@ -218,6 +218,20 @@ TINY_RUN = [
 ]
 
 
+def test_a_finished_run_ends_the_process_group_it_ran_in(tmp_path):
+    """loop-train's last act: a barrier and destroy_process_group, so that no gloo worker is still releasing the
+    last collective's tensors as the interpreter shuts down (which aborts a finished run: training/distribution.py)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        assert cli(["--output_dir", str(tmp_path / "run"), *TINY_RUN]) == 0
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_resuming_a_checkpoint_that_does_not_fit_is_one_line(tmp_path, capsys):
     assert cli(["--output_dir", str(tmp_path / "full"), *TINY_RUN]) == 0
     checkpoint = tmp_path / "full" / "checkpoint-1"

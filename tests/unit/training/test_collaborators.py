@@ -180,3 +180,20 @@ def test_the_optimizer_state_layout_a_checkpoint_records_follows_the_launch(stag
     plugin = None if stage is None else SimpleNamespace(zero_stage=stage)
     accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=processes)
     assert optimizer_state_layout(accelerator) == layout
+
+
+def test_ending_a_distributed_run_destroys_the_process_group_and_is_a_no_op_without_one(tmp_path):
+    from loop_trainer.training.distribution import end_distributed_run
+
+    end_distributed_run()  # no process group: nothing to do
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        gathered = [torch.zeros(2)]
+        torch.distributed.all_gather(gathered, torch.ones(2))  # a collective holding tensors Python owns
+        end_distributed_run()
+        assert not torch.distributed.is_initialized()
+        end_distributed_run()  # once ended, again: nothing to do
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
