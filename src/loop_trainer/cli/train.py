@@ -17,11 +17,12 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from trl import ModelConfig, get_peft_config
 
 from ..config import LOOPConfig, mapping_setting
-from ..config.combinations import ConfigCombinationError, Generator, check_combinations
+from ..config.combinations import ConfigCombinationError, Generator, Launch, check_combinations
 from ..envs import Environment, EnvironmentSetupError, make_environment
 from ..models.packaged import PackagedModelError, resolve_model_path
 from ..models.tiny import INSTRUCT_PREFIX, is_tiny_spec, load_tokenizer
@@ -36,8 +37,10 @@ from ..training.console import (
     progress_description,
     quiet_transformers_bars,
 )
-from ..training.distribution import DistributedSetupError, end_distributed_run
+from ..training.distribution import DistributedSetupError, end_distributed_run, optimizer_state_layout
 from ..training.model_loading import build_tiny_model
+from ..training.resume import OPTIMIZER_STATE_LAYOUT, check_resume_before_loading
+from ..training.settings import recorded_keys, start_settings
 from ..training.stress import MemoryStressTestFailed
 from ..training.trainer import LOOPTrainer
 from .dry_run import dry_run
@@ -94,13 +97,19 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
         dry_run(script_args, training_args, model_args)
         return None
     assert training_args.output_dir is not None  # TrainingArguments.__post_init__ gives it a default
-    if is_fresh(training_args.resume_from_checkpoint):  # LOOPTrainer.train() checks it too; here before any loading
-        try:
+    try:  # LOOPTrainer.train() checks these too (a resume: all its settings); here before minutes of loading
+        if is_fresh(training_args.resume_from_checkpoint):
             check_fresh_output_dir(
                 training_args.output_dir, training_args.overwrite_output_dir, training_args.overwrite_interrupted_run
             )
-        except CheckpointError as error:
-            raise RecipeError(str(error)) from None
+        else:  # "last" becomes the checkpoint it names, which the banner then shows
+            training_args.resume_from_checkpoint = check_resume_before_loading(
+                start_settings(training_args),
+                training_args.resume_from_checkpoint,
+                settings_before_loading(script_args, training_args, launch),
+            )
+    except CheckpointError as error:
+        raise RecipeError(str(error)) from None
     try:  # e.g. a read-only file system, which os.access cannot see for root
         os.makedirs(training_args.output_dir, exist_ok=True)
     except OSError as error:
@@ -172,6 +181,20 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
     if trainer.is_world_process_zero():
         print(summary(trainer))
     return trainer
+
+
+def settings_before_loading(script_args: ScriptArguments, training_args: LOOPConfig, launch: Launch) -> dict[str, Any]:
+    """The settings a checkpoint records that loop-train knows before it loads a model: LOOPConfig's (but
+    ``model_init_kwargs``, which loading completes), the environment and how the launch holds the optimizer state
+    (as LOOPTrainer.resume_settings has them)."""
+    known = recorded_keys(training_args)
+    del known["model_init_kwargs"]
+    return {
+        **known,
+        "environment": script_args.environment,
+        "environment_kwargs": script_args.environment_kwargs or {},
+        OPTIMIZER_STATE_LAYOUT: optimizer_state_layout(launch.zero_stage, launch.num_processes),
+    }
 
 
 def print_banner(

@@ -305,6 +305,21 @@ def apply_setting_changes(
         task_sampler.start_new_pass(num_train_tasks)
 
 
+def check_resume_before_loading(
+    settings: StartSettings, resume_from_checkpoint: str | bool | None, known: Mapping[str, Any]
+) -> str | None:
+    """What a resume can check before any model is loaded: that the checkpoint is there (``last``: the newest
+    complete one, which is returned) and that the settings in ``known`` (those a run knows before its model: most of
+    LOOPConfig's, the environment, the launch's optimizer state layout) are the ones it records, or may change
+    (``resume_with_changed_settings``). ``loop-train`` runs it first, so a resume that cannot go on stops in seconds
+    rather than after the model is loaded and vLLM started; :func:`plan_start` then checks everything again. None
+    for a fresh run."""
+    checkpoint = resolve(resume_from_checkpoint, settings.output_dir)
+    if checkpoint is not None and read_loop_state(checkpoint).get("settings") is not None:  # else plan_start warns
+        compare_settings(checkpoint, dict(known), settings.resume_with_changed_settings)
+    return checkpoint
+
+
 def plan_start(
     settings: StartSettings,
     resume_from_checkpoint: str | bool | None,

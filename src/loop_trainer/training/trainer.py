@@ -763,7 +763,9 @@ class LOOPTrainer(Trainer):
             model=self.accelerator.unwrap_model(self.model),
             run_settings={
                 "sampling_parts": self.sampling_parts(),
-                OPTIMIZER_STATE_LAYOUT: optimizer_state_layout(self.accelerator),
+                OPTIMIZER_STATE_LAYOUT: optimizer_state_layout(
+                    zero_stage(self.accelerator), self.accelerator.num_processes
+                ),
                 **(self.run_settings or {}),
             },
         )

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from loop_trainer.cli.recipe import RecipeError, parse_recipe
 from loop_trainer.cli.train import cli
@@ -162,7 +163,7 @@ def test_console_script_prints_no_traceback(tmp_path):
     )
 
 
-def test_cli_trains_from_a_recipe(tmp_path, capsys):
+def test_cli_trains_from_a_recipe_and_ends_the_process_group_it_ran_in(tmp_path, capsys):
     recipe = write(
         tmp_path,
         f"""
@@ -179,7 +180,15 @@ def test_cli_trains_from_a_recipe(tmp_path, capsys):
         disable_tqdm: true
     """,
     )
-    assert cli(["--config", recipe]) == 0
+    # Its last act: a barrier and destroy_process_group, so that no gloo worker is still releasing the last
+    # collective's tensors as the interpreter shuts down (which aborts a finished run: training/distribution.py).
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        assert cli(["--config", recipe]) == 0
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     out = capsys.readouterr().out
     assert "LOOP: 2 iterations on 'vault'" in out and "metrics.jsonl" in out
     assert (tmp_path / "run" / "metrics.jsonl").exists() and (tmp_path / "run" / "model.safetensors").exists()
@@ -218,43 +227,52 @@ TINY_RUN = [
 ]
 
 
-def test_a_finished_run_ends_the_process_group_it_ran_in(tmp_path):
-    """loop-train's last act: a barrier and destroy_process_group, so that no gloo worker is still releasing the
-    last collective's tensors as the interpreter shuts down (which aborts a finished run: training/distribution.py)."""
-    import torch.distributed as dist
+def test_resuming_a_checkpoint_that_does_not_fit_is_one_line_before_the_model_is_loaded_where_it_can_be(
+    tmp_path, capsys, monkeypatch
+):
+    import loop_trainer.cli.train as train_cli
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        assert cli(["--output_dir", str(tmp_path / "run"), *TINY_RUN]) == 0
-        assert not dist.is_initialized()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def test_resuming_a_checkpoint_that_does_not_fit_is_one_line(tmp_path, capsys):
     assert cli(["--output_dir", str(tmp_path / "full"), *TINY_RUN]) == 0
     checkpoint = tmp_path / "full" / "checkpoint-1"
     assert (checkpoint / "loop_state.json").is_file()
     capsys.readouterr()
-    cases = [
+    load, loaded = train_cli.load_model_and_tokenizer, []
+    monkeypatch.setattr(train_cli, "load_model_and_tokenizer", lambda *a, **k: loaded.append(True) or load(*a, **k))
+    cases = [  # (output_dir, flags, the error, whether the model was loaded first)
         (
+            "empty",
             ["--use_peft", "true", "--resume_from_checkpoint", str(checkpoint)],
             f"checkpoint {checkpoint} holds full weights, but this run trains an adapter",
+            True,  # the trainer's check, once the adapter exists
         ),
         (
+            "empty",
             ["--resume_from_checkpoint", str(tmp_path / "nope")],
             f"resume_from_checkpoint: {tmp_path / 'nope'} is not a directory",
+            False,
         ),
         (
+            "empty",
             ["--resume_from_checkpoint", "last"],
             f"resume_from_checkpoint: no checkpoint-N directory in {tmp_path / 'empty'}",
+            False,
+        ),
+        (  # a setting the checkpoint records: compared in seconds, not after the model (and a vLLM engine) is built
+            "full",
+            ["--resume_from_checkpoint", "last", "--learning_rate", "0.002"],
+            f"resume_from_checkpoint: settings differ from {checkpoint}'s (learning_rate 5e-05 -> 0.002); an exact "
+            "resume needs the checkpoint's settings: drop the changes, or pass --resume_with_changed_settings true "
+            "to apply them from iteration 2 on",
+            False,
         ),
     ]
-    for flags, message in cases:
-        assert cli(["--output_dir", str(tmp_path / "empty"), *TINY_RUN, *flags]) == 2
+    for output_dir, flags, message, loads in cases:
+        loaded.clear()
+        assert cli(["--output_dir", str(tmp_path / output_dir), *TINY_RUN, *flags]) == 2
         err = capsys.readouterr().err.strip()
         assert err == f"loop-train: error: {message}", err
+        assert bool(loaded) is loads, message
+    # A resume that fits is not refused by what is compared before loading: test_output_dir.py's resumes go on.
 
 
 def test_loop_eval_refuses_an_adapter_of_another_model(tmp_path, capsys, qwen_tokenizer):

@@ -175,11 +175,12 @@ def test_activation_offloading_is_refused_without_a_gpu_and_builds_trls_offloade
 def test_the_optimizer_state_layout_a_checkpoint_records_follows_the_launch(stage, processes, layout):
     from types import SimpleNamespace
 
-    from loop_trainer.training.distribution import optimizer_state_layout
+    from loop_trainer.training.distribution import optimizer_state_layout, zero_stage
 
     plugin = None if stage is None else SimpleNamespace(zero_stage=stage)
     accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=processes)
-    assert optimizer_state_layout(accelerator) == layout
+    assert zero_stage(accelerator) == stage  # what the trainer passes, with the accelerator's process count
+    assert optimizer_state_layout(stage, processes) == layout
 
 
 def test_ending_a_distributed_run_destroys_the_process_group_and_is_a_no_op_without_one(tmp_path):
