@@ -152,11 +152,7 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
             ) as error:
                 raise RecipeError(str(error)) from None
         trainer.recipe_path = getattr(script_args, "effective_recipe", None)
-        # Recorded in each checkpoint and compared on resume, like LOOPConfig's settings.
-        trainer.run_settings = {
-            "environment": script_args.environment,
-            "environment_kwargs": script_args.environment_kwargs or {},
-        }
+        trainer.run_settings = environment_settings(script_args)
         with trainer:
             startup.stage("warming up", warm_up_detail(training_args))  # startup's on_train_begin ends it
             try:
@@ -183,18 +179,20 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
     return trainer
 
 
+def environment_settings(script_args: ScriptArguments) -> dict[str, Any]:
+    """The environment loop-train builds, as the trainer records it in each checkpoint and compares on resume
+    (``LOOPTrainer.run_settings``), like LOOPConfig's settings."""
+    return {"environment": script_args.environment, "environment_kwargs": script_args.environment_kwargs or {}}
+
+
 def settings_before_loading(script_args: ScriptArguments, training_args: LOOPConfig, launch: Launch) -> dict[str, Any]:
     """The settings a checkpoint records that loop-train knows before it loads a model: LOOPConfig's (but
     ``model_init_kwargs``, which loading completes), the environment and how the launch holds the optimizer state
     (as LOOPTrainer.resume_settings has them)."""
     known = recorded_keys(training_args)
     del known["model_init_kwargs"]
-    return {
-        **known,
-        "environment": script_args.environment,
-        "environment_kwargs": script_args.environment_kwargs or {},
-        OPTIMIZER_STATE_LAYOUT: optimizer_state_layout(launch.zero_stage, launch.num_processes),
-    }
+    layout = optimizer_state_layout(launch.zero_stage, launch.num_processes)
+    return {**known, **environment_settings(script_args), OPTIMIZER_STATE_LAYOUT: layout}
 
 
 def print_banner(
@@ -202,9 +200,7 @@ def print_banner(
 ) -> None:
     """The run in four lines, before anything is loaded: what trains on what, how long, where it writes,
     and what the console shows while it goes."""
-    resume = training_args.resume_from_checkpoint
-    if not is_fresh(resume) and (resume is True or resume in ("true", "True", "last")):
-        resume = "the newest checkpoint"
+    resume = training_args.resume_from_checkpoint  # a checkpoint directory by now ("last" resolved), or fresh
     startup.banner(
         model=model_args.model_name_or_path,
         environment=script_args.environment,
@@ -242,12 +238,16 @@ def close_environment(env: Environment) -> None:
     try:
         env.close()
     except Exception as error:  # noqa: BLE001 - any failure of a plugin's close() is reported the same way
-        detail = str(error).splitlines()[0] if str(error) else ""
-        print(
-            f"loop-train: warning: closing the environment '{getattr(env, 'name', type(env).__name__)}' failed "
-            f"({type(error).__name__}{': ' + detail if detail else ''})",
-            file=sys.stderr,
-        )
+        warn_failure(f"closing the environment '{getattr(env, 'name', type(env).__name__)}'", error)
+
+
+def warn_failure(action: str, error: Exception) -> None:
+    """``loop-train: warning: <action> failed (<error type>: <its first line>)`` on stderr."""
+    detail = str(error).splitlines()[0] if str(error) else ""
+    print(
+        f"loop-train: warning: {action} failed ({type(error).__name__}{': ' + detail if detail else ''})",
+        file=sys.stderr,
+    )
 
 
 def summary(trainer: LOOPTrainer, window: int = 5) -> str:
@@ -287,15 +287,26 @@ def resume_advice(output_dir: str | None) -> str:
     return f"continue with --resume_from_checkpoint last (from {checkpoint.name})"
 
 
+def end_process_group() -> None:
+    """After a finished run, this process's part in the process group ends before the interpreter does (it may be
+    one the caller set up: loop-train is the process's last act); a failure to end it is one warning line, never an
+    error that turns a saved run into a failed one."""
+    try:
+        end_distributed_run()
+    except Exception as error:  # noqa: BLE001 - whatever the backend raises, the run is saved
+        warn_failure("ending the process group", error)
+
+
 def cli(argv: Sequence[str] | None = None) -> int:
-    """Entry point: one actionable line on user errors, exit status 2; Ctrl-C exits 130."""
+    """Entry point: one actionable line on user errors, exit status 2; Ctrl-C exits 130. After a finished run it
+    ends the process group, the launch's or one the caller set up (:func:`end_process_group`)."""
     training_args = None
     try:
         script_args, training_args, model_args = parse_recipe(argv)
         if script_args.dry_run:
             return dry_run(script_args, training_args, model_args)
         main(script_args, training_args, model_args)
-        end_distributed_run()  # every process is done: the process group ends before the interpreter does
+        end_process_group()
     except RecipeError as error:
         print(f"loop-train: error: {error}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+from accelerate.utils import parse_flag_from_env
 from transformers import TrainingArguments
 from transformers.trainer_utils import SaveStrategy
 
@@ -505,9 +506,11 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
         trainer gives accelerate's count), the DeepSpeed ZeRO stage, whether CUDA is visible (or, in the dry run,
         planned: :func:`~.combinations.planning_a_gpu_launch`)."""
         plugin = getattr(self, "deepspeed_plugin", None)
+        # A CPU-only launch never runs DeepSpeed (accelerate does not pick it with cpu=True), whatever the plugin says.
+        cpu_only = self.use_cpu or parse_flag_from_env("ACCELERATE_USE_CPU")
         return Launch(
             num_processes=num_processes if num_processes is not None else int(os.environ.get("WORLD_SIZE", "1") or 1),
-            zero_stage=getattr(plugin, "zero_stage", None) if plugin is not None else None,
+            zero_stage=getattr(plugin, "zero_stage", None) if plugin is not None and not cpu_only else None,
             cuda=(torch.cuda.is_available() or planning_gpu_launch()) and not self.use_cpu,
             generator=generator,
         )

@@ -228,25 +228,27 @@ def optimizer_state_layout(stage: int | None, num_processes: int) -> dict[str, i
 
 
 def end_distributed_run(settle_seconds: float = 0.25) -> None:
-    """End a run on every process: wait until all of them get here, destroy the process group, and under gloo give
-    its worker threads a moment to let go of the last collective, all while the interpreter is still whole. Call it
-    last, once everything is written (``loop-train`` does; a script of its own under ``accelerate launch`` or
-    torchrun should too); with no process group it does nothing.
+    """End this process's part in a finished run, while the interpreter is still whole: destroy the process group
+    and, under gloo, give its worker threads a moment to let go of the last collective. Call it last, once this
+    process has written everything (``loop-train`` does after a finished run; a script of its own under
+    ``accelerate launch`` or torchrun should too); with no process group it does nothing. No barrier: the other
+    processes may still be busy without collectives for a long while (the main one uploading to the Hub), and a
+    barrier would time out under them (``ddp_timeout``).
 
-    Why: a collective's worker thread releases its tensors after the caller has seen the collective finish, and
+    Why: a gloo worker thread releases a collective's tensors after the caller has seen the collective finish, and
     releasing a tensor Python owns takes the GIL. If the process is finalising its interpreter by then, the thread
     is made to exit, which aborts the process (SIGABRT, "terminate called without an active exception") after a
-    finished run (torch 2.13, seen in a core dump). Destroying the group does not stop gloo's threads: they live on
-    while anything still holds the group (DeepSpeed's partitioned parameters, DDP's reducer), and the barrier's own
-    work holds the collectives before it until its worker lets go of it. Nothing visible from Python says when
-    gloo's workers are done, so the GIL is left free for ``settle_seconds``: all they need is to be scheduled once.
-    Measured on 2 CPU processes under ZeRO-3 (tests/vllm_deepspeed/test_zero3_overlap.py's launch): without this,
-    2 aborts in 59 launches; with the barrier and the destroy alone, 1 in 11; with the pause, none in 100, nor in
-    50 more with both cores kept busy by other processes."""
+    finished run (torch 2.13; seen in core dumps). Destroying the group does not stop gloo's threads (nor do its
+    ``shutdown`` and ``abort``: measured): they live on while anything still holds the group, as DeepSpeed's
+    partitioned parameters do, and nothing visible from Python says when they are done, so the GIL is left free for
+    ``settle_seconds``. Measured on 2 CPU processes under ZeRO-3 (tests/vllm_deepspeed/test_zero3_overlap.py's
+    launch): without this, 2 aborts in 59 launches; with a barrier and the destroy but no pause, 1 in 11 (the
+    barrier's own work then held the collectives before it); with the barrier, the destroy and the pause, none in
+    100, nor in 50 more with both cores kept busy by other processes; as here (the destroy and the pause), none in
+    100."""
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return
     gloo = "gloo" in str(torch.distributed.get_backend())
-    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     if gloo:
         time.sleep(settle_seconds)

@@ -231,11 +231,19 @@ def test_resuming_a_checkpoint_that_does_not_fit_is_one_line_before_the_model_is
     tmp_path, capsys, monkeypatch
 ):
     import loop_trainer.cli.train as train_cli
+    from loop_trainer.training.checkpoints import read_loop_state
+    from loop_trainer.training.resume import jsonable
 
     assert cli(["--output_dir", str(tmp_path / "full"), *TINY_RUN]) == 0
     checkpoint = tmp_path / "full" / "checkpoint-1"
     assert (checkpoint / "loop_state.json").is_file()
     capsys.readouterr()
+    # What loop-train compares before loading is what the trainer recorded, key for key (no false refusal).
+    script_args, training_args, _ = parse_recipe(["--output_dir", str(tmp_path / "full"), *TINY_RUN])
+    early = train_cli.settings_before_loading(script_args, training_args, training_args.launch())
+    recorded = read_loop_state(checkpoint)["settings"]
+    assert early.keys() < recorded.keys() and "learning_rate" in early and "optimizer_state_layout" in early
+    assert {key: jsonable(value) for key, value in early.items()} == {key: recorded[key] for key in early}
     load, loaded = train_cli.load_model_and_tokenizer, []
     monkeypatch.setattr(train_cli, "load_model_and_tokenizer", lambda *a, **k: loaded.append(True) or load(*a, **k))
     cases = [  # (output_dir, flags, the error, whether the model was loaded first)
@@ -272,7 +280,20 @@ def test_resuming_a_checkpoint_that_does_not_fit_is_one_line_before_the_model_is
         err = capsys.readouterr().err.strip()
         assert err == f"loop-train: error: {message}", err
         assert bool(loaded) is loads, message
-    # A resume that fits is not refused by what is compared before loading: test_output_dir.py's resumes go on.
+    # (test_output_dir.py's resumes through loop-train go on: nothing compared before loading refuses them)
+
+
+def test_a_process_group_that_cannot_be_ended_after_a_finished_run_is_one_warning_line(monkeypatch, capsys):
+    import loop_trainer.cli.train as train_cli
+
+    def fails():
+        raise RuntimeError("Connection closed by peer\nmore lines")
+
+    monkeypatch.setattr(train_cli, "end_distributed_run", fails)
+    train_cli.end_process_group()  # no exception: the run it ends is saved
+    assert capsys.readouterr().err == (
+        "loop-train: warning: ending the process group failed (RuntimeError: Connection closed by peer)\n"
+    )
 
 
 def test_loop_eval_refuses_an_adapter_of_another_model(tmp_path, capsys, qwen_tokenizer):

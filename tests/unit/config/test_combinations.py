@@ -93,6 +93,22 @@ def test_a_dry_run_checks_keys_for_the_gpu_launch_it_plans(monkeypatch):
     assert not config().launch().cuda  # the planning ends with its block
 
 
+def test_a_cpu_only_launch_runs_no_deepspeed_whatever_the_plugin_says(monkeypatch):
+    """accelerate never picks DeepSpeed with cpu=True (use_cpu, or ACCELERATE_USE_CPU), though TrainingArguments
+    builds the plugin: the launch the checks (and a resume's optimizer state layout) see has no ZeRO stage."""
+    from types import SimpleNamespace
+
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    keys = config()
+    keys.deepspeed_plugin = SimpleNamespace(zero_stage=3)
+    assert keys.launch().zero_stage == 3
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    assert keys.launch().zero_stage is None
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+    keys.use_cpu = True
+    assert keys.launch().zero_stage is None
+
+
 def test_compile_decode_step_needs_static_decode():
     with pytest.raises(ConfigCombinationError, match="compile_decode_step compiles .* set static_decode: true"):
         config(compile_decode_step=True, static_decode=False)
