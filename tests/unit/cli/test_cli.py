@@ -180,8 +180,8 @@ def test_cli_trains_from_a_recipe_and_ends_the_process_group_it_ran_in(tmp_path,
         disable_tqdm: true
     """,
     )
-    # Its last act: a barrier and destroy_process_group, so that no gloo worker is still releasing the last
-    # collective's tensors as the interpreter shuts down (which aborts a finished run: training/distribution.py).
+    # Its last act: destroy_process_group (and a pause under gloo), so that no gloo worker is still releasing the
+    # last collective's tensors as the interpreter shuts down (which aborts a finished run: training/distribution.py).
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         assert cli(["--config", recipe]) == 0
