@@ -40,6 +40,7 @@ SECTIONS = {  # name -> (module, seconds allowed in GPU mode); the memory plan f
     "vllm": ("benchmarks.gpu_battery.vllm_generation", 420),
     "real_model": ("benchmarks.gpu_battery.real_model", 420),
     "long_horizon": ("benchmarks.gpu_battery.long_horizon", 240),
+    "long_horizon_english": ("benchmarks.gpu_battery.long_horizon_english", 420),
 }
 SECTION_LIMIT_VARIABLE = "GPU_CHECK_SECTION_LIMIT"  # a section's own time limit, in seconds, for it to plan by
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets")

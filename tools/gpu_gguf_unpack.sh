@@ -8,13 +8,16 @@
 #
 # The two device calls (here: `make gpu-wheels gpu-model-chunks` first; nothing else may run between them):
 #   call 1: carry [".gpu-wheels", ".model-chunks/c1"]
-#     bash tools/gpu_gguf_unpack.sh 1 && GPU_CHECK_OUT=$OUT/gc1 bash tools/gpu_check.sh --sections decode profile
+#     bash tools/gpu_gguf_unpack.sh 1 && GPU_CHECK_OUT=$OUT/gc1 bash tools/gpu_check.sh --sections offload
 #   call 2 (at once, within the 30 s warm window): carry [".model-chunks/c2"] (with .gpu-wheels it would be
 #   over 64 MiB; call 1 installed them in /tmp/loop-gpu/site-packages, which the warm machine kept)
 #     bash tools/gpu_gguf_unpack.sh 2 && PYTHONPATH=/tmp/loop-gpu/site-packages GPU_CHECK_OUT=$OUT/gc2
-#       bash tools/gpu_check.sh --sections real_model
-# (one line each on the device; the real_model section reads $LOOP_SMOLLM2_GGUF, default
-# /tmp/loop-gguf/SmolLM2-135M-Instruct.Q4_1.gguf).
+#       bash tools/gpu_check.sh --sections long_horizon_english
+# (one line each on the device; call 1 may run any section that needs no GGUF. The sections that read it,
+# real_model and long_horizon_english, take $LOOP_SMOLLM2_GGUF, default
+# /tmp/loop-gguf/SmolLM2-135M-Instruct.Q4_1.gguf. The working tree travels too, and with the committed warm
+# starts it is too large beside a part: run both calls after `git sparse-checkout set --no-cone '/*'
+# '!/benchmarks/results/'`, and `git sparse-checkout disable` afterwards.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-}

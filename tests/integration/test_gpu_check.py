@@ -4,6 +4,7 @@ runs: every section runs on tiny shapes, and the result says it is not a GPU res
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -38,6 +39,7 @@ def test_without_cuda_the_battery_runs_every_section_in_cpu_mode_and_says_so(cpu
         "vllm": "ok",
         "real_model": "ok",
         "long_horizon": "ok",
+        "long_horizon_english": "ok",
     }
     # no DeepSpeed, no vLLM, no GPU: they say so, in the summary too
     for name in ("offload", "zero3", "vllm", "real_model"):
@@ -83,6 +85,13 @@ def test_each_section_measured_what_it_claims(cpu_run):
     errands = sections["long_horizon"]  # one small iteration of the long-horizon recipe, beside its CPU reference
     assert errands["this_run"]["iterations"] == 1 and errands["curve"][0]["turns_mean"] > 1
     assert errands["cpu_reference"]["iterations"] == 40 and not errands["stopped_at_time_limit"]
+    english = sections["long_horizon_english"]  # the English form: a warm-up by SFTTrainer, then one LOOP iteration
+    warmed = english["warm_up"]
+    assert warmed["steps"] == 2 and warmed["cut_to_tokens"] == 768 and warmed["demonstration_tokens"]["min"] > 768
+    assert len(warmed["loss_log"]) == 2 and all(math.isfinite(loss) for loss in warmed["loss_log"])
+    assert english["settings"]["environment_kwargs"]["form"] == "english" and english["settings"]["use_peft"]
+    assert english["this_run"]["iterations"] == 1 and english["curve"][0]["turns_mean"] > 1
+    assert not english["stopped_at_time_limit"]
 
 
 def test_update_flops_follow_the_formula_in_its_docstring():

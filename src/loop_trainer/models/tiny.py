@@ -364,8 +364,8 @@ def warm_start(
     and LOOP then has to discover copying from scratch."""
     if steps is None and not held_out:
         raise ValueError("a warm-up until fitted needs held-out conversations")
-    rows = [_assistant_masked_ids(tokenizer, messages) for messages in conversations]
-    checked = [_assistant_masked_ids(tokenizer, messages) for messages in held_out or []]
+    rows = [assistant_masked_ids(tokenizer, messages) for messages in conversations]
+    checked = [assistant_masked_ids(tokenizer, messages) for messages in held_out or []]
     generator = torch.Generator().manual_seed(seed)
     if steps is None:  # until fitted: the fit rule's rate, warm-up and beta2
         rate = fit.learning_rate if learning_rate is None else learning_rate
@@ -505,7 +505,7 @@ def reply_accuracy(model: Qwen2ForCausalLM, rows: list[tuple[list[int], list[int
     return right / max(total, 1)
 
 
-def _assistant_masked_ids(
+def assistant_masked_ids(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]
 ) -> tuple[list[int], list[int]]:
     """Token ids of a conversation and a mask of the tokens to train on: each assistant reply and

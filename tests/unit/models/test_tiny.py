@@ -12,7 +12,7 @@ from loop_trainer.envs import VaultEnv
 from loop_trainer.models.tiny import (
     FitRule,
     SuccessProbe,
-    _assistant_masked_ids,
+    assistant_masked_ids,
     build_tiny_for_environment,
     build_tiny_from_spec,
     replay_demonstrations,
@@ -82,7 +82,7 @@ def test_a_warm_up_without_a_step_count_stops_once_held_out_replies_are_fitted()
     assert accuracies[-1] - accuracies[-3] < 0.01  # what stopped it: under min_gain over the window
     assert accuracies[-1] > accuracies[0]  # it learned before it stopped
     # the model kept is the check with the best held-out accuracy: measured again on the same conversations
-    rows = [_assistant_masked_ids(tokenizer, m) for m in env.demonstrations(16, seed=1)]
+    rows = [assistant_masked_ids(tokenizer, m) for m in env.demonstrations(16, seed=1)]
     assert reply_accuracy(model, rows) == pytest.approx(max(accuracies), abs=5e-4)
     kept = [line for line in lines if "keeping step" in line]
     assert bool(kept) == (max(accuracies) > accuracies[-1])

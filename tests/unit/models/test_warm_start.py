@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loop_trainer.envs import VaultEnv
-from loop_trainer.models.tiny import _assistant_masked_ids, build_word_tokenizer
+from loop_trainer.models.tiny import assistant_masked_ids, build_word_tokenizer
 
 CONVERSATION = [
     {"role": "system", "content": "tools : find open submit"},
@@ -18,7 +18,7 @@ CONVERSATION = [
 
 
 def trained_spans(tokenizer, messages) -> list[str]:
-    ids, mask = _assistant_masked_ids(tokenizer, messages)
+    ids, mask = assistant_masked_ids(tokenizer, messages)
     assert len(ids) == len(mask)
     assert ids == tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
     spans, current = [], []
@@ -90,4 +90,4 @@ def test_one_pass_over_a_conversation_masks_what_encoding_every_prefix_does(name
     conversations = env.demonstrations(12, seed=3)
     assert max(len(c) for c in conversations) >= 7  # several replies each
     for messages in conversations:
-        assert _assistant_masked_ids(tokenizer, messages) == by_prefix(tokenizer, messages)
+        assert assistant_masked_ids(tokenizer, messages) == by_prefix(tokenizer, messages)
