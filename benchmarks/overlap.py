@@ -32,6 +32,15 @@ the server every iteration and probe-checks (``vllm_sync_tolerance``: ``--sync-t
 
     python -m benchmarks.overlap --gpu --recipe recipes/errands.yaml --model-dir WARM_START --iterations 12 \
         --time-limit 300 --out overlap-gpu.json
+
+``--set KEY=VALUE`` changes a recipe key for every mode; a LoRA policy (``--set use_peft=true``) is served as adapters,
+which ``max_staleness`` above 1 needs (a server holds one set of full weights, but an adapter per policy version).
+``--partial-staleness K`` adds a mode of partial rollouts at ``max_staleness: K`` behind the paper's straggler cut
+(:data:`CUT`; the ``--staleness`` modes have no cut: every episode is waited for)::
+
+    python -m benchmarks.overlap --gpu --recipe recipes/errands.yaml --model-dir WARM_START --set use_peft=true \
+        --set lora_r=16 --set lora_alpha=32 --set lora_dropout=0 --staleness 0 1 2 --partial-staleness 1 \
+        --iterations 12 --time-limit 400 --out overlap-gpu-lora.json
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from typing import Any
 
 from benchmarks.common import command_line, software
 
+CUT = {"early_stop_done_fraction": 0.9, "early_stop_task_fraction": 0.75}  # the paper's straggler cut
 DEMO: dict[str, Any] = {  # LOOPConfig keyword arguments
     "tasks_per_iteration": 16,
     "rollouts_per_task": 6,
@@ -263,6 +273,11 @@ def server_flags(url: str, sync_dir: Path, staleness: int) -> dict[str, Any]:
     }
 
 
+def mode_label(staleness: int, partial: bool) -> str:
+    """How a mode is named in the result: its ``max_staleness``, with ``+partial`` for partial rollouts."""
+    return f"{staleness}+partial" if partial else str(staleness)
+
+
 def run_recipe_mode(
     recipe: str,
     model_dir: str,
@@ -271,34 +286,39 @@ def run_recipe_mode(
     iterations: int,
     workdir: Path,
     extra: dict[str, Any] | None = None,
+    partial: bool = False,
 ) -> dict[str, Any]:
     """A recipe as ``loop-train`` runs it, on the model the server serves, with the server's keys (and
-    ``extra`` flags) added."""
+    ``extra`` flags) added; ``partial``: with partial rollouts behind the paper's straggler cut (:data:`CUT`)."""
     from loop_trainer.cli.recipe import parse_recipe
     from loop_trainer.cli.train import main as train
 
+    label = mode_label(staleness, partial).replace("+", "-")
     flags = {
         "config": recipe,
         "model_name_or_path": model_dir,
-        "output_dir": workdir / f"staleness-{staleness}",
+        "output_dir": workdir / f"staleness-{label}",
         "iterations": iterations,
-        **server_flags(url, workdir / f"sync-{staleness}", staleness),
+        **server_flags(url, workdir / f"sync-{label}", staleness),
         "memory_stress_test": "false",
         **(extra or {}),
+        **({**CUT, "partial_rollouts": "true"} if partial else {}),
     }
     started = time.perf_counter()
     trainer = train(*parse_recipe([part for key, value in flags.items() for part in (f"--{key}", str(value))]))
     assert trainer is not None
-    return summary(staleness, trainer.history, time.perf_counter() - started)
+    return summary(staleness, trainer.history, time.perf_counter() - started, partial)
 
 
-def summary(staleness: int, history: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+def summary(staleness: int, history: list[dict[str, Any]], wall: float, partial: bool = False) -> dict[str, Any]:
     # The steady state: without the first iteration (its start-up, nothing to overlap) and without the last
     # max_staleness ones, whose batches were collected ahead and which queue none (an end effect that favours a
     # deeper queue on a short run).
     steady = history[1 : len(history) - staleness] or history
     return {
+        "mode": mode_label(staleness, partial),
         "max_staleness": staleness,
+        "partial_rollouts": partial,
         "iterations": len(history),
         "wall_seconds": wall,
         "iterations_per_hour": 3600 * len(history) / wall,
@@ -318,6 +338,10 @@ def summary(staleness: int, history: list[dict[str, Any]], wall: float) -> dict[
         "turns_mean": [r["turns_mean"] for r in history],
         "reward_mean": [r["reward_mean"] for r in history],
         "policy_staleness": [r["policy_staleness"] for r in history],
+        # the straggler cut's work: episodes cancelled, or (partial rollouts) carried and dropped as too stale
+        "cancelled_episodes": [r.get("num_cancelled") for r in history],
+        "carried_episodes": [r.get("carried_episodes") for r in history],
+        "dropped_stale_episodes": [r.get("dropped_stale_episodes") for r in history],
         # each iteration's weight sync into the server (absent where nothing was synced)
         "weight_sync_seconds": [r.get("weight_sync_seconds") for r in history],
         "weight_sync_logprob_diff_max": [r.get("weight_sync_logprob_diff_max") for r in history],
@@ -354,6 +378,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1], help="the max_staleness of each mode")
     parser.add_argument(
+        "--partial-staleness",
+        type=int,
+        nargs="+",
+        default=[],
+        help="with --recipe: modes of partial rollouts at these max_staleness (>= 1), behind the paper's straggler "
+        "cut, after the --staleness ones",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --recipe: a recipe key for every mode, e.g. --set use_peft=true --set lora_r=8 (max_staleness "
+        "above 1 needs a LoRA policy on the server)",
+    )
+    parser.add_argument(
         "--gpu",
         action="store_true",
         help="the server and the trainer share this machine's GPU (vLLM's CUDA build); nothing is pinned to a core",
@@ -382,6 +422,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     if options.gpu and (options.processes > 1 or not options.recipe):
         parser.error("--gpu runs a --recipe in one training process (the demo's tiny model is CPU-sized)")
+    if (options.partial_staleness or options.set) and not options.recipe:
+        parser.error("--partial-staleness and --set apply to a --recipe")
+    if any(staleness < 1 for staleness in options.partial_staleness):
+        parser.error("--partial-staleness: partial rollouts need max_staleness >= 1")
+    if any("=" not in pair for pair in options.set):
+        parser.error(f"--set takes KEY=VALUE; got {[pair for pair in options.set if '=' not in pair]}")
+    recipe_keys = dict(pair.split("=", 1) for pair in options.set)
     if not options.gpu:
         os.sched_setaffinity(0, {options.trainer_core})  # before any thread: they all inherit it
     import torch
@@ -400,15 +447,19 @@ def main(argv: list[str] | None = None) -> None:
 
             from loop_trainer.models.packaged import resolve_model_path
 
-            settings = yaml.safe_load(Path(options.recipe).read_text())
+            # the recipe as the modes run it: --set's values read as a recipe file reads them
+            settings = yaml.safe_load(Path(options.recipe).read_text()) | {
+                key: yaml.safe_load(value) for key, value in recipe_keys.items()
+            }
             model_dir = options.model_dir or resolve_model_path(settings["model_name_or_path"])
             lora_rank = settings["lora_r"] if settings.get("use_peft") else None  # None: full weights
             max_model_len = 2 * settings["max_trajectory_tokens"]
             # on the GPU the trainer computes in bf16 like the server, and the probe check allows bf16's noise
             extra = {"bf16": "true", "vllm_sync_tolerance": options.sync_tolerance} if options.gpu else {}
+            extra |= recipe_keys
 
-            def run(staleness: int, iterations: int, where: Path) -> dict[str, Any]:
-                return run_recipe_mode(options.recipe, model_dir, url, staleness, iterations, where, extra)
+            def run(staleness: int, iterations: int, where: Path, partial: bool = False) -> dict[str, Any]:
+                return run_recipe_mode(options.recipe, model_dir, url, staleness, iterations, where, extra, partial)
         else:
             model, tokenizer = build_tiny_from_spec(
                 "tiny-instruct:vault", VaultEnv(num_tasks=64), seed=0, warm_up_steps=400
@@ -418,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
             tokenizer.save_pretrained(model_dir)
             lora_rank, max_model_len = 8, 512
 
-            def run(staleness: int, iterations: int, where: Path) -> dict[str, Any]:
+            def run(staleness: int, iterations: int, where: Path, partial: bool = False) -> dict[str, Any]:
                 if options.processes > 1:
                     cores = options.trainer_cores or str(options.trainer_core)
                     return run_processes(
@@ -431,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
         gpu = GpuServer(memory_fraction=options.server_memory) if options.gpu else None
         server = start_server(model_dir, port, options.server_core, log, lora_rank, max_model_len, gpu)
         runs: list[dict[str, Any]] = []
-        not_run: list[int] = []
+        not_run: list[str] = []
         try:
             start_timeout = 180 if gpu else 600  # on a GPU a hung start would spend the device call
             try:
@@ -450,11 +501,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"the vLLM server is up after {server_seconds:.0f} s", flush=True)
             # a discarded iteration first: the server's first requests and adapter load would land on one mode
             run(0, 1, workdir / "warm-up")
-            for staleness in options.staleness:
+            modes = [(k, False) for k in options.staleness] + [(k, True) for k in options.partial_staleness]
+            for staleness, partial in modes:
                 if options.time_limit and runs and time.perf_counter() - began > options.time_limit * 0.55:
-                    not_run.append(staleness)  # another mode as long as the last would pass the limit
+                    not_run.append(mode_label(staleness, partial))  # another mode as long as the last would not fit
                     continue
-                runs.append(run(staleness, options.iterations, workdir))
+                runs.append(run(staleness, options.iterations, workdir, partial))
         except Exception:
             print(f"the vLLM server's log ends:\n{log.read_text()[-60000:]}", file=sys.stderr)
             raise
@@ -485,25 +537,22 @@ def main(argv: list[str] | None = None) -> None:
             "trainer_peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         },
         "served": "full weights" if lora_rank is None else f"LoRA r={lora_rank}",
+        "recipe_keys": recipe_keys,
         "modes_not_run": not_run,
         "num_processes": options.processes,
         "runs": runs,
         "speedup": runs[1]["iterations_per_hour"] / runs[0]["iterations_per_hour"],
         # every overlapped mode against the synchronous one (runs[0] is the first --staleness, 0 by default)
-        "speedups": {
-            str(mode["max_staleness"]): mode["iterations_per_hour"] / runs[0]["iterations_per_hour"] for mode in runs
-        },
+        "speedups": {mode["mode"]: mode["iterations_per_hour"] / runs[0]["iterations_per_hour"] for mode in runs},
         # the same ratio per sampled token: the two modes' policies differ, and so does their work
         "speedup_per_sampled_token": (runs[1]["sampled_tokens"] / runs[1]["wall_seconds"])
         / (runs[0]["sampled_tokens"] / runs[0]["wall_seconds"]),
         "steady_speedup": runs[0]["steady_iteration_seconds"] / runs[1]["steady_iteration_seconds"],
         "steady_speedups": {
-            str(mode["max_staleness"]): runs[0]["steady_iteration_seconds"] / mode["steady_iteration_seconds"]
-            for mode in runs
+            mode["mode"]: runs[0]["steady_iteration_seconds"] / mode["steady_iteration_seconds"] for mode in runs
         },
         "steady_speedups_median": {
-            str(mode["max_staleness"]): runs[0]["steady_iteration_seconds_median"]
-            / mode["steady_iteration_seconds_median"]
+            mode["mode"]: runs[0]["steady_iteration_seconds_median"] / mode["steady_iteration_seconds_median"]
             for mode in runs
         },
         # the most overlap can give, from the synchronous run's steady state: its whole iteration against its
@@ -513,7 +562,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     for mode in runs:
         print(
-            f"max_staleness {mode['max_staleness']}: {mode['iterations']} iterations in {mode['wall_seconds']:.1f} s, "
+            f"max_staleness {mode['mode']}: {mode['iterations']} iterations in {mode['wall_seconds']:.1f} s, "
             f"{mode['iterations_per_hour']:.0f}/hour (rollouts {mode['rollout_seconds_mean']:.2f} s, update "
             f"{mode['update_seconds_mean']:.2f} s per iteration; {mode['sampled_tokens']} sampled tokens, "
             f"{mode['sampled_tokens_per_rollout_second']:.0f} per rollout second)"

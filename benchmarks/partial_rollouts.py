@@ -36,9 +36,9 @@ from typing import Any
 
 from benchmarks.ablations import bands_separate, warmed_up_models
 from benchmarks.common import RESULTS, ROOT, command_line
+from benchmarks.overlap import CUT
 from benchmarks.overlap_curves import plot_success_curves, record, run_one
 
-CUT = {"early_stop_done_fraction": 0.9, "early_stop_task_fraction": 0.75}
 MODES: dict[str, dict[str, Any]] = {"cut": CUT, "partial": {**CUT, "partial_rollouts": "true"}, "wait": {}}
 COLOURS = {"cut": "tab:blue", "partial": "tab:orange", "wait": "tab:gray"}
 
