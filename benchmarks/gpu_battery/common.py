@@ -260,6 +260,25 @@ def train_in_a_child(argv: list[str], output_dir: str | Path, time_limit_s: floa
     return TrainingRun(status, time.perf_counter() - started, read_metrics(output_dir), tail)
 
 
+def training_summary(records: list[dict[str, Any]], window: int) -> dict[str, Any]:
+    """A ``loop-train`` run's iterations (its ``metrics.jsonl`` records) in a row of a section's table: iterations,
+    minutes and iterations per minute, mean rollout and update seconds, and the mean success of the first and the
+    last ``window`` iterations (``success_first_<window>``, ``success_last_<window>``)."""
+    import statistics
+
+    seconds = sum(r["seconds"] for r in records)
+    success = [r["success_rate"] for r in records]
+    return {
+        "iterations": len(records),
+        "minutes": seconds / 60,
+        "iterations_per_minute": 60 * len(records) / seconds if seconds else None,
+        "rollout_seconds_mean": statistics.fmean(r["rollout_seconds"] for r in records) if records else None,
+        "update_seconds_mean": statistics.fmean(r["update_seconds"] for r in records) if records else None,
+        f"success_first_{window}": statistics.fmean(success[:window]) if success else None,
+        f"success_last_{window}": statistics.fmean(success[-window:]) if success else None,
+    }
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """A committed run's ``metrics.jsonl`` (empty if the file is absent)."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []

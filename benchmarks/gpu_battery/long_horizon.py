@@ -15,12 +15,11 @@ recipe on a tiny-instruct model warmed up for 2 steps (no warm start needed).
 from __future__ import annotations
 
 import os
-import statistics
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import ROOT
-from benchmarks.gpu_battery.common import read_jsonl, scratch, train_in_a_child
+from benchmarks.gpu_battery.common import read_jsonl, scratch, train_in_a_child, training_summary
 from benchmarks.gpu_battery.report import _f, _table
 
 RECIPE = ROOT / "recipes" / "errands.yaml"
@@ -40,20 +39,6 @@ CPU_KEYS = {  # one small iteration, in seconds
     "per_device_train_batch_size": "4",
     "use_cpu": "true",
 }
-
-
-def _summary(records: list[dict[str, Any]]) -> dict[str, Any]:
-    seconds = sum(r["seconds"] for r in records)
-    success = [r["success_rate"] for r in records]
-    return {
-        "iterations": len(records),
-        "minutes": seconds / 60,
-        "iterations_per_minute": 60 * len(records) / seconds if seconds else None,
-        "rollout_seconds_mean": statistics.fmean(r["rollout_seconds"] for r in records) if records else None,
-        "update_seconds_mean": statistics.fmean(r["update_seconds"] for r in records) if records else None,
-        "success_first_5": statistics.fmean(success[:5]) if success else None,
-        "success_last_5": statistics.fmean(success[-5:]) if success else None,
-    }
 
 
 def run(mode: str) -> dict[str, Any]:
@@ -92,8 +77,8 @@ def run(mode: str) -> dict[str, Any]:
             }
             for r in records
         ],
-        "this_run": _summary(records),
-        "cpu_reference": {"source": str(CPU_REFERENCE.relative_to(ROOT)), **_summary(cpu)} if cpu else None,
+        "this_run": training_summary(records, 5),
+        "cpu_reference": {"source": str(CPU_REFERENCE.relative_to(ROOT)), **training_summary(cpu, 5)} if cpu else None,
     }
 
 

@@ -21,7 +21,6 @@ two warm-up steps, then one small LOOP iteration of the English form (no GGUF ne
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 import yaml
 
 from benchmarks.common import ROOT
-from benchmarks.gpu_battery.common import build_model, qwen_tokenizer, scratch, train_in_a_child
+from benchmarks.gpu_battery.common import build_model, qwen_tokenizer, scratch, train_in_a_child, training_summary
 from benchmarks.gpu_battery.real_model import DEFAULT_GGUF
 from benchmarks.gpu_battery.report import _f, _table
 
@@ -183,20 +182,6 @@ def warm_up(
     }
 
 
-def _summary(records: list[dict[str, Any]]) -> dict[str, Any]:
-    seconds = sum(r["seconds"] for r in records)
-    success = [r["success_rate"] for r in records]
-    return {
-        "iterations": len(records),
-        "minutes": seconds / 60,
-        "iterations_per_minute": 60 * len(records) / seconds if seconds else None,
-        "rollout_seconds_mean": statistics.fmean(r["rollout_seconds"] for r in records) if records else None,
-        "update_seconds_mean": statistics.fmean(r["update_seconds"] for r in records) if records else None,
-        "success_first_3": statistics.fmean(success[:3]) if success else None,
-        "success_last_3": statistics.fmean(success[-3:]) if success else None,
-    }
-
-
 def _starting_model(directory: Path, gpu: bool) -> tuple[Path, dict[str, Any]]:
     """The model the warm-up starts from: the carried GGUF converted (GPU), or a tiny Qwen2 body with Qwen2.5's
     tokenizer (CPU mode); and what was done to get it."""
@@ -262,7 +247,7 @@ def run(mode: str) -> dict[str, Any]:
         "stopped_at_time_limit": done.status is None,
         "wall_seconds": done.wall_seconds,
         "curve": [{"iteration": r["iteration"], **{k: r.get(k) for k in CURVE_KEYS}} for r in records],
-        "this_run": _summary(records),
+        "this_run": training_summary(records, 3),
     }
 
 
