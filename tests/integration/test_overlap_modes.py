@@ -21,9 +21,19 @@ from benchmarks import overlap  # noqa: E402
         (["--set", "use_peft=true"], "--partial-staleness and --set apply to a --recipe"),
         (["--recipe", "recipes/demo.yaml", "--partial-staleness", "0"], "partial rollouts need max_staleness >= 1"),
         (["--recipe", "recipes/demo.yaml", "--set", "use_peft"], "--set takes KEY=VALUE; got ['use_peft']"),
+        (["--recipe", "recipes/demo.yaml", "--set", "max_staleness=2"], "--set cannot change ['max_staleness']"),
+        (
+            ["--recipe", "recipes/demo.yaml", "--partial-staleness", "1", "--set", "early_stop_done_fraction=0.5"],
+            "--set cannot change ['early_stop_done_fraction']",
+        ),
+        (  # errands.yaml trains full weights: refused before any mode spends time, not when the third one starts
+            ["--recipe", "recipes/errands.yaml", "--staleness", "0", "1", "2"],
+            "max_staleness 2 needs a LoRA policy on the server",
+        ),
     ],
 )
-def test_modes_it_cannot_run_are_refused_in_one_line(argv, said, capsys):
+def test_modes_it_cannot_run_are_refused_in_one_line(argv, said, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit) as stopped:
         overlap.main(argv)
     assert stopped.value.code == 2 and said in capsys.readouterr().err
@@ -49,4 +59,11 @@ def test_a_partial_mode_is_named_apart_and_counts_what_its_cut_carried():
     plain = overlap.summary(1, history, wall=14.0)
     assert (partial["mode"], partial["partial_rollouts"], plain["mode"]) == ("1+partial", True, "1")
     assert partial["carried_episodes"] == [1.0, 2.0, 3.0, 4.0] and partial["steady_iterations"] == 2
-    assert overlap.CUT == {"early_stop_done_fraction": 0.9, "early_stop_task_fraction": 0.75}  # the paper's cut
+
+
+def test_set_values_are_read_as_a_recipe_reads_them_and_decide_what_the_server_serves():
+    settings = overlap.recipe_settings("recipes/errands.yaml", {"use_peft": "true", "learning_rate": "5.0e-4"})
+    assert settings["use_peft"] is True and settings["learning_rate"] == 5e-4 and settings["environment"] == "errands"
+    assert overlap.served_lora_rank(settings) == 16  # no lora_r in the recipe: TRL's default, as loop-train trains
+    assert overlap.served_lora_rank(settings | {"lora_r": 8}) == 8
+    assert overlap.served_lora_rank(overlap.recipe_settings("recipes/errands.yaml", {})) is None  # full weights

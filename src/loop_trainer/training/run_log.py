@@ -4,6 +4,7 @@ iteration's rollouts, saved rollouts, and the console line per iteration (where 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from ..rollout import RolloutBatch
     from ..trajectory import Trajectory
 
+logger = logging.getLogger(__name__)
+
 METRICS_FILE = "metrics.jsonl"
 CURVE_FILE = "learning_curve.png"
 PLOT_INTERVAL_SECONDS = 10.0
@@ -37,10 +40,19 @@ def append_metrics(output_dir: str | os.PathLike[str], record: Mapping[str, Any]
 
 
 def read_metrics(output_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The iterations ``metrics.jsonl`` holds. A last line that is not whole JSON is a run killed while writing it
+    (a time limit, SIGKILL): it is left out and logged; a broken line before the last is an error."""
     path = Path(output_dir) / METRICS_FILE
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines[:-1]]
+    if lines:
+        try:
+            records.append(json.loads(lines[-1]))
+        except json.JSONDecodeError:
+            logger.warning("%s: its last line is cut short (a run stopped while writing it); read without it", path)
+    return records
 
 
 def _moving_average(values: Sequence[float], window: int) -> list[float]:

@@ -67,6 +67,16 @@ def test_checkpoint_stager_publishes_complete_checkpoints_only_and_rotates(tmp_p
     assert not (tmp_path / "checkpoint-4").exists() and (tmp_path / "checkpoint-3" / "weights.bin").is_file()
 
 
+def test_reading_metrics_leaves_out_a_last_line_cut_short_and_refuses_a_broken_one_before_it(tmp_path, caplog):
+    (tmp_path / "metrics.jsonl").write_text('{"iteration": 1}\n{"iteration": 2}\n{"iterat')  # killed mid-write
+    with caplog.at_level("WARNING"):
+        assert read_metrics(tmp_path) == [{"iteration": 1}, {"iteration": 2}]
+    assert "cut short" in caplog.text
+    (tmp_path / "metrics.jsonl").write_text('{"iteration": 1}\n{"iterat\n{"iteration": 3}\n')
+    with pytest.raises(json.JSONDecodeError):
+        read_metrics(tmp_path)
+
+
 def test_run_log_alone_writes_metrics_and_continues_a_resumed_history(tmp_path):
     log = RunLog(tmp_path, writes=True, env_name="x", plot_curves=False)
     log.start()
