@@ -101,6 +101,20 @@ CURVE_KEYS = (
 )
 
 
+def demonstrations_dataset(tokenizer: Any, conversations: int) -> Any:
+    """``conversations`` of the English form's demonstrations as ``SFTTrainer`` takes them already tokenised:
+    ``input_ids`` and ``assistant_masks`` (1 on each reply and its end-of-turn token), which it turns into labels
+    that train on the replies only."""
+    from datasets import Dataset
+
+    from loop_trainer.envs.errands import ErrandsEnv
+    from loop_trainer.models.tiny import assistant_masked_ids
+
+    env = ErrandsEnv(**ENVIRONMENT, seed=SEED)
+    rows = [assistant_masked_ids(tokenizer, messages) for messages in env.demonstrations(conversations, seed=SEED)]
+    return Dataset.from_dict({"input_ids": [ids for ids, _ in rows], "assistant_masks": [m for _, m in rows]})
+
+
 def warm_up(
     model_dir: Path,
     out_dir: Path,
@@ -118,18 +132,12 @@ def warm_up(
     save it with its tokenizer to ``out_dir``. Returns the steps, seconds, the loss at the start and the end, and
     the demonstrations' token lengths."""
     import torch
-    from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from loop_trainer.envs.errands import ErrandsEnv
-    from loop_trainer.models.tiny import assistant_masked_ids
-
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    env = ErrandsEnv(**ENVIRONMENT, seed=SEED)
-    rows = [assistant_masked_ids(tokenizer, messages) for messages in env.demonstrations(conversations, seed=SEED)]
-    dataset = Dataset.from_dict({"input_ids": [ids for ids, _ in rows], "assistant_masks": [m for _, m in rows]})
-    lengths = sorted(len(ids) for ids, _ in rows)
+    dataset = demonstrations_dataset(tokenizer, conversations)
+    lengths = sorted(len(ids) for ids in dataset["input_ids"])
 
     class StopAfter(TrainerCallback):
         """Ends the warm-up once ``seconds`` have passed since its first step: the section's budget is time."""

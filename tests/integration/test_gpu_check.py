@@ -214,3 +214,23 @@ def test_stopping_a_launched_child_ends_the_worker_it_started_in_a_session_of_it
     stop_process_tree(child)
     child.wait(timeout=10)  # ended (killed, or returned once its worker was)
     assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_english_warm_up_trains_on_the_replies_only(tmp_path):
+    """The long_horizon_english section's data, prepared by TRL's SFTTrainer as the warm-up prepares it: each label is
+    the token on a reply (or its end-of-turn) and -100 everywhere else, nothing cut."""
+    from trl import SFTConfig, SFTTrainer
+
+    from benchmarks.gpu_battery.common import build_model, qwen_tokenizer
+    from benchmarks.gpu_battery.long_horizon_english import demonstrations_dataset
+
+    tokenizer = qwen_tokenizer()
+    dataset = demonstrations_dataset(tokenizer, 2)
+    config = SFTConfig(output_dir=str(tmp_path), max_length=None, use_cpu=True, report_to="none", max_steps=1)
+    trainer = SFTTrainer(build_model("tiny", "cpu"), args=config, train_dataset=dataset, processing_class=tokenizer)
+    prepared = trainer.train_dataset
+    assert prepared["input_ids"] == dataset["input_ids"]
+    for ids, masks, labels in zip(dataset["input_ids"], dataset["assistant_masks"], prepared["labels"], strict=True):
+        assert labels == [token if mask else -100 for token, mask in zip(ids, masks, strict=True)]
+        assert 0 < sum(masks) < len(ids) / 4  # replies are a small share of an English episode's tokens
+        assert tokenizer.decode([t for t, m in zip(ids, masks, strict=True) if m]).count("<|im_end|>") >= 10
