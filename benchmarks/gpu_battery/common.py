@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import statistics
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -139,6 +140,14 @@ def generation_concurrency_override() -> list[int]:
     return counts
 
 
+def section_limit(name: str, mode: str) -> float:
+    """The seconds benchmarks/gpu_check.py allows section ``name``, for it to plan by: its ``--seconds`` where that
+    lowered it, else the section's own (twice that in CPU mode)."""
+    from benchmarks.gpu_check import SECTION_LIMIT_VARIABLE, SECTIONS
+
+    return float(os.environ.get(SECTION_LIMIT_VARIABLE) or SECTIONS[name][1] * (2 if mode == "cpu" else 1))
+
+
 def device_for(mode: str) -> str:
     return "cpu" if mode == "cpu" else "cuda"
 
@@ -234,6 +243,11 @@ class TrainingRun:
     records: list[dict[str, Any]]
     output_tail: str
 
+    @property
+    def iterations(self) -> list[dict[str, Any]]:
+        """The records of training iterations (the log's other records, e.g. evaluations, left out)."""
+        return [r for r in self.records if "success_rate" in r and "iteration" in r]
+
 
 def train_in_a_child(argv: list[str], output_dir: str | Path, time_limit_s: float) -> TrainingRun:
     """``loop-train argv`` in a child process stopped after ``time_limit_s``: a run slower than planned still
@@ -264,8 +278,6 @@ def training_summary(records: list[dict[str, Any]], window: int) -> dict[str, An
     """A ``loop-train`` run's iterations (its ``metrics.jsonl`` records) in a row of a section's table: iterations,
     minutes and iterations per minute, mean rollout and update seconds, and the mean success of the first and the
     last ``window`` iterations (``success_first_<window>``, ``success_last_<window>``)."""
-    import statistics
-
     seconds = sum(r["seconds"] for r in records)
     success = [r["success_rate"] for r in records]
     return {

@@ -59,7 +59,7 @@ def run(mode: str) -> dict[str, Any]:
         for key, value in overrides.items():
             argv += [f"--{key}", value]
         done = train_in_a_child(argv, out, GPU_TIME_LIMIT_S if gpu else CPU_TIME_LIMIT_S)
-    records = [r for r in done.records if "success_rate" in r and "iteration" in r]
+    records = done.iterations
     if not records or (done.status not in (0, None)):
         raise RuntimeError(
             f"loop-train exited {done.status} with {len(records)} iterations logged:\n{done.output_tail}"

@@ -30,7 +30,14 @@ from typing import Any
 import yaml
 
 from benchmarks.common import ROOT
-from benchmarks.gpu_battery.common import build_model, qwen_tokenizer, scratch, train_in_a_child, training_summary
+from benchmarks.gpu_battery.common import (
+    build_model,
+    qwen_tokenizer,
+    scratch,
+    section_limit,
+    train_in_a_child,
+    training_summary,
+)
 from benchmarks.gpu_battery.real_model import DEFAULT_GGUF
 from benchmarks.gpu_battery.report import _f, _table
 
@@ -178,8 +185,7 @@ def warm_up(
     trainer.train()
     elapsed = time.perf_counter() - started
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    trainer.save_model(str(out_dir))
-    tokenizer.save_pretrained(str(out_dir))
+    trainer.save_model(str(out_dir))  # with its processing class: the tokenizer loop-train loads
     steps = trainer.state.global_step
     del trainer, model
     gc.collect()  # the trainer's references cycle: without this its weights and AdamW state stay on the GPU
@@ -187,7 +193,7 @@ def warm_up(
         torch.cuda.empty_cache()
     return {
         "steps": steps,
-        "conversations_seen": steps * config.per_device_train_batch_size,
+        "conversations_seen": steps * batch_size,
         "cut_to_tokens": config.max_length,
         "seconds": elapsed,
         "loss_first": losses[0] if losses else None,
@@ -214,12 +220,9 @@ def _starting_model(directory: Path, gguf: Path | None) -> tuple[Path, dict[str,
 
 
 def run(mode: str) -> dict[str, Any]:
-    from benchmarks.gpu_check import SECTION_LIMIT_VARIABLE, SECTIONS
-
     gpu = mode != "cpu"
     began = time.perf_counter()
-    # what benchmarks/gpu_check.py allows the section (its --seconds may lower it): loop-train gets what is left
-    limit = float(os.environ.get(SECTION_LIMIT_VARIABLE) or SECTIONS["long_horizon_english"][1] * (1 if gpu else 2))
+    limit = section_limit("long_horizon_english", mode)  # loop-train gets what the conversion and warm-up leave
     gguf = Path(os.environ.get("LOOP_SMOLLM2_GGUF") or DEFAULT_GGUF)
     if gpu and not gguf.is_file():
         return {
@@ -251,7 +254,7 @@ def run(mode: str) -> dict[str, Any]:
         recipe_file.write_text(yaml.safe_dump(recipe, sort_keys=False))
         left = limit - (time.perf_counter() - began) - 20  # 20 s to read and write the result
         done = train_in_a_child(["--config", str(recipe_file)], out, left)
-    records = [r for r in done.records if "success_rate" in r and "iteration" in r]
+    records = done.iterations
     failed = not records or done.status not in (0, None)
     return {  # a failed loop-train still returns the warm-up and the iterations it logged: a GPU call is scarce
         **started_from,

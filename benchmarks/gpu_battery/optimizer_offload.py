@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from benchmarks.common import ROOT
-from benchmarks.gpu_battery.common import deepspeed_environment, deepspeed_missing, device_for, sizes_for
+from benchmarks.gpu_battery.common import deepspeed_environment, deepspeed_missing, device_for, section_limit, sizes_for
 from benchmarks.gpu_battery.profile import trainer_memory_lines, update_spec, watched_in_a_process
 from benchmarks.gpu_battery.report import _f
 
@@ -64,11 +64,8 @@ def run(mode: str) -> dict[str, Any]:
         "spec": dataclasses.asdict(spec),
         "cpu_adam_build_seconds": built_seconds,
     }
-    deadline = DEADLINE_S[device]
-    from benchmarks.gpu_check import SECTION_LIMIT_VARIABLE
-
-    if os.environ.get(SECTION_LIMIT_VARIABLE):  # gpu_check --seconds lowered the limit: end 15 s before it
-        deadline = min(deadline, float(os.environ[SECTION_LIMIT_VARIABLE]) - 15.0)
+    # 15 s before the section's limit where gpu_check --seconds lowered it
+    deadline = min(DEADLINE_S[device], section_limit("offload", mode) - 15.0)
     print("offload: GRPOTrainer's update, watched in a child process", flush=True)
     result["grpo"] = watched_in_a_process("grpo", dataclasses.replace(spec, ppo_epochs=1), deadline, started)
     offloaded = dataclasses.replace(spec, deepspeed=True)

@@ -80,7 +80,7 @@ def run(mode: str) -> dict[str, Any]:
         for key, value in overrides.items():
             argv += [f"--{key}", value]
         done = train_in_a_child(argv, out, TIME_LIMIT_S - convert_seconds)
-    records = [r for r in done.records if "success_rate" in r and "iteration" in r]
+    records = done.iterations
     wall = done.wall_seconds
     if done.status not in (0, None) or not records:
         raise RuntimeError(

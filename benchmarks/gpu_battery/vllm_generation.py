@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_battery.common import TINY_CONFIG, build_model, qwen_tokenizer, scratch, sizes_for
+from benchmarks.gpu_battery.common import TINY_CONFIG, build_model, qwen_tokenizer, scratch, section_limit, sizes_for
 from benchmarks.gpu_battery.report import _f, _table
 from benchmarks.gpu_battery.vllm_engine import GPU_MEMORY_UTILIZATION, LORA_RANK, MAX_MODEL_LEN
 
@@ -95,12 +95,8 @@ def run(mode: str) -> dict[str, Any]:
     import torch
     import vllm
 
-    from benchmarks.gpu_check import SECTION_LIMIT_VARIABLE, SECTIONS
-
     started = time.perf_counter()
-    # what benchmarks/gpu_check.py allows it (its --seconds may lower it)
-    limit = float(os.environ.get(SECTION_LIMIT_VARIABLE) or SECTIONS["vllm"][1] * (2 if mode == "cpu" else 1))
-    deadline = started + limit - MARGIN_S
+    deadline = started + section_limit("vllm", mode) - MARGIN_S
     sizes = sizes_for(mode)
     dtype = "float32" if mode == "cpu" else "bfloat16"
     result: dict[str, Any] = {

@@ -82,14 +82,19 @@ def jsonable(value: Any) -> Any:
 
 
 def compare_settings(
-    checkpoint: str | os.PathLike[str], current: dict[str, Any], allow_changes: bool
+    checkpoint: str | os.PathLike[str],
+    current: dict[str, Any],
+    allow_changes: bool,
+    state: Mapping[str, Any] | None = None,
 ) -> list[tuple[str, Any, Any]]:
     """The settings that differ between ``checkpoint``'s record and ``current``, as (key, old, new).
     Raises :class:`CheckpointError` naming every change unless ``allow_changes``, and for a change no
     resume can apply (``fixed`` in :mod:`~loop_trainer.config.resume_policy`) even then. A checkpoint
     written before settings were recorded is resumed with a warning (its weights, optimizer and sampler
-    state are still exact; only the comparison is impossible)."""
-    state = read_loop_state(checkpoint)
+    state are still exact; only the comparison is impossible). ``state``: the checkpoint's ``loop_state.json``
+    where the caller has read it already."""
+    if state is None:
+        state = read_loop_state(checkpoint)
     recorded = state.get("settings")
     if recorded is None:
         logger.warning(
@@ -315,8 +320,11 @@ def check_resume_before_loading(
     rather than after the model is loaded and vLLM started; :func:`plan_start` then checks everything again. None
     for a fresh run."""
     checkpoint = resolve(resume_from_checkpoint, settings.output_dir)
-    if checkpoint is not None and read_loop_state(checkpoint).get("settings") is not None:  # else plan_start warns
-        compare_settings(checkpoint, dict(known), settings.resume_with_changed_settings)
+    if checkpoint is None:
+        return None
+    state = read_loop_state(checkpoint)
+    if state.get("settings") is not None:  # else plan_start warns, once
+        compare_settings(checkpoint, dict(known), settings.resume_with_changed_settings, state)
     return checkpoint
 
 
