@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import http.client
 import json
 import logging
 import shutil
@@ -28,8 +29,10 @@ from pathlib import Path
 import requests
 import torch
 from requests.adapters import HTTPAdapter
+from requests.utils import get_environ_proxies
 
 from .backend import Completion, TemperatureView
+from .keep_alive import KeepAliveConnections
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +61,10 @@ class VLLMServerBackend:
             is written alone).
         keep_versions: keep every loaded adapter until :meth:`release_versions_below` (several policy
             versions sampled at once: ``max_staleness`` above 1); full weights are one version only.
+        keep_alive: send the completions over a keep-alive connection per request thread
+            (:class:`~.keep_alive.KeepAliveConnections`: a fraction of ``requests``' CPU a turn); False, or a proxy
+            set for the server's URL (``HTTP_PROXY``, not excluded by ``NO_PROXY``), sends them through ``requests``
+            as the other calls.
 
     It owns an HTTP session and the threads that wait on requests: release them with
     :meth:`close` or ``with VLLMServerBackend(...) as backend:``. The server itself is not ours.
@@ -77,6 +84,7 @@ class VLLMServerBackend:
         barrier: Callable[[], None] = lambda: None,
         shard_bytes: int = 2 << 30,
         keep_versions: bool = False,
+        keep_alive: bool = True,
     ):
         self.base_url = base_url.rstrip("/")
         self.stop_token_ids = sorted(set(stop_token_ids))
@@ -92,6 +100,11 @@ class VLLMServerBackend:
         self.session.mount("http://", HTTPAdapter(pool_maxsize=max_concurrency))
         self.session.mount("https://", HTTPAdapter(pool_maxsize=max_concurrency))
         self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-server")
+        self.completions: KeepAliveConnections | None = None
+        if keep_alive and get_environ_proxies(self.base_url):
+            logger.info("a proxy is set for %s: completions go through it, by requests", self.base_url)
+        elif keep_alive:
+            self.completions = KeepAliveConnections(self.base_url, timeout)
         try:
             self.base_model = self._wait_for_server(connect_timeout)
             self.prefix_caching = self._prefix_caching()
@@ -198,7 +211,7 @@ class VLLMServerBackend:
             "skip_special_tokens": False,
         }
         loop = asyncio.get_running_loop()
-        body = await loop.run_in_executor(self._executor, self._request, "POST", "/v1/completions", payload)
+        body = await loop.run_in_executor(self._executor, self._complete, payload)
         choice = body["choices"][0]
         token_ids = list(choice["token_ids"])
         logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
@@ -206,6 +219,21 @@ class VLLMServerBackend:
             raise GeneratorServerError(f"vLLM server returned {len(token_ids)} tokens but {len(logprobs)} log-probs")
         stopped = bool(token_ids) and token_ids[-1] in self.stop_token_ids
         return Completion(token_ids=token_ids, logprobs=logprobs, stopped=stopped)
+
+    def _complete(self, payload: dict) -> dict:
+        """POST ``/v1/completions`` (on a request thread)."""
+        if self.completions is None:
+            return self._request("POST", "/v1/completions", payload)
+        try:
+            status, body, content_type = self.completions.post_json("/v1/completions", payload)
+        except (OSError, http.client.HTTPException) as error:
+            raise GeneratorServerError(f"vLLM server {self.base_url}/v1/completions: {error}") from error
+        if status != 200:
+            text = body.decode("utf-8", errors="replace")
+            raise GeneratorServerError(f"vLLM server /v1/completions answered {status}: {text[:300]}")
+        if not content_type.startswith("application/json"):
+            raise GeneratorServerError(f"vLLM server /v1/completions answered {content_type or 'no content type'}")
+        return json.loads(body)
 
     # -- weights -------------------------------------------------------------------------------
     def adapter_name(self, version: int) -> str:
@@ -300,9 +328,12 @@ class VLLMServerBackend:
         pass
 
     def close(self) -> None:
-        """Stop the request threads and close the HTTP session. Idempotent; the server keeps running."""
+        """Stop the request threads and close the HTTP session and connections. Idempotent; the server keeps
+        running."""
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.session.close()
+        if self.completions is not None:
+            self.completions.close()
 
     def __enter__(self) -> VLLMServerBackend:
         return self
