@@ -25,7 +25,8 @@ episode runs its 32 turns). So what is measured is this process's side alone. Th
    seconds alone and beside.
 
 This process runs on ``--cores`` (default: every core but the server's); on two cores the third part shares one core
-with the server, which the result records.
+with the server, which the result records. ``--switch-interval`` sets how soon a thread waiting for the interpreter
+lock asks for it (``sys.setswitchinterval``; Python's default 5 ms).
 
     .vllm-venv/bin/python -m benchmarks.server_requests --out benchmarks/results/server-requests-cpu.json
 
@@ -311,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="parts 2 and 3: runs per path")
     parser.add_argument("--launches", type=int, default=20000, help="part 3: tiny operations timed alone")
     parser.add_argument("--cores", default=None, help="this process's cores (default: all but the server's)")
+    parser.add_argument(
+        "--switch-interval", type=float, default=None, help="sys.setswitchinterval, in seconds (default: Python's)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
@@ -322,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from loop_trainer.net import free_local_port
 
+    if options.switch_interval is not None:
+        sys.setswitchinterval(options.switch_interval)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -339,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
             result = {
                 "command": command_line("benchmarks.server_requests", argv, python=".vllm-venv/bin/python"),
                 "machine": {"cpu": cpu_model(), "this_process_cores": sorted(mine), "server_core": server_core},
+                "switch_interval_s": sys.getswitchinterval(),
                 "software": software(["torch", "transformers", "trl", "requests"], checkout=True),
                 "one_request": one_request(f"http://127.0.0.1:{port}", collection.stop_ids, options, sync_dir),
                 "errands_iteration": iteration(collection, options.repeats),

@@ -4,8 +4,8 @@ generator sends its completion requests, one for every sampled turn of every epi
 Why not ``requests`` for these (it still sends the server's few other calls): its per-request machinery (building
 and preparing the request, merging the session's settings, reading ``.netrc`` and the proxy variables) costs the
 training process several times the CPU of the request itself. On this project's CPU machine a completion request
-cost the process 0.67 ms of CPU through a ``requests`` session and 0.21 ms here, and one iteration of errands
-(3,072 turns against a server that answers at once) 0.99 ms of CPU a turn against 0.43 ms
+cost the process 0.67 ms of CPU through a ``requests`` session and 0.20 ms here, and one iteration of errands
+(3,072 turns against a server that answers at once) 0.85 ms of CPU a turn against 0.37 ms
 (``benchmarks/server_requests.py``). That CPU is the interpreter lock's: an overlapped update (``max_staleness``)
 runs its kernel launches in the same process, beside the collection.
 
