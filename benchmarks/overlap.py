@@ -36,13 +36,14 @@ the server every iteration and probe-checks (``vllm_sync_tolerance``: ``--sync-t
 ``--set KEY=VALUE`` changes a recipe key for every mode; a LoRA policy (``--set use_peft=true``) is served as adapters,
 which ``max_staleness`` above 1 needs (a server holds one set of full weights, but an adapter per policy version).
 ``--partial-staleness K`` adds a mode of partial rollouts at ``max_staleness: K`` behind the paper's straggler cut
-(:data:`CUT`; the ``--staleness`` modes keep the recipe's cut, none in errands.yaml: every episode is waited for, so
-a partial mode against them measures the cut and the carrying together). The server takes the deepest mode's
-``max_staleness`` + 1 adapters in a batch (``--max-loras``)::
+(:data:`CUT`). The ``--staleness`` modes keep the recipe's cut (none in errands.yaml: every episode is waited for), so
+a partial mode against them measures the cut and the carrying together; ``--cut-staleness K`` adds the control, a
+mode behind the same cut that cancels its stragglers instead of carrying them (labelled ``K+cut``). The server takes
+the deepest mode's ``max_staleness`` + 1 adapters in a batch (``--max-loras``)::
 
     python -m benchmarks.overlap --gpu --recipe recipes/errands.yaml --model-dir WARM_START --set use_peft=true \
-        --set lora_r=16 --set lora_alpha=32 --set lora_dropout=0 --staleness 0 1 2 --partial-staleness 1 \
-        --iterations 12 --time-limit 400 --out overlap-gpu-lora.json
+        --set lora_r=16 --set lora_alpha=32 --set lora_dropout=0 --staleness 0 1 2 --cut-staleness 1 \
+        --partial-staleness 1 --iterations 12 --time-limit 500 --out overlap-gpu-lora.json
 """
 
 from __future__ import annotations
@@ -299,9 +300,21 @@ def server_flags(url: str, sync_dir: Path, staleness: int) -> dict[str, Any]:
     }
 
 
-def mode_label(staleness: int, partial: bool) -> str:
-    """How a mode is named in the result: its ``max_staleness``, with ``+partial`` for partial rollouts."""
-    return f"{staleness}+partial" if partial else str(staleness)
+VARIANTS = ("plain", "cut", "partial")
+"""A mode's collection: the recipe's own; behind the paper's straggler cut (:data:`CUT`), the stragglers cancelled;
+behind the cut, the stragglers carried into the next batch (partial rollouts)."""
+
+
+def mode_label(staleness: int, variant: str = "plain") -> str:
+    """How a mode is named in the result: its ``max_staleness``, with ``+cut`` or ``+partial`` (:data:`VARIANTS`)."""
+    return str(staleness) if variant == "plain" else f"{staleness}+{variant}"
+
+
+def variant_flags(variant: str) -> dict[str, Any]:
+    """The ``loop-train`` flags of a variant (:data:`VARIANTS`)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant {variant!r}: one of {VARIANTS}")
+    return {} if variant == "plain" else {**CUT, "partial_rollouts": str(variant == "partial").lower()}
 
 
 def run_recipe_mode(
@@ -312,14 +325,15 @@ def run_recipe_mode(
     iterations: int,
     workdir: Path,
     extra: dict[str, Any] | None = None,
-    partial: bool = False,
+    variant: str = "plain",
 ) -> dict[str, Any]:
     """A recipe as ``loop-train`` runs it, on the model the server serves, with the server's keys (and
-    ``extra`` flags) added; ``partial``: with partial rollouts behind the paper's straggler cut (:data:`CUT`)."""
+    ``extra`` flags) added; ``variant``: the recipe's collection, or behind the paper's straggler cut (:data:`CUT`)
+    with the stragglers cancelled or carried (:data:`VARIANTS`)."""
     from loop_trainer.cli.recipe import parse_recipe
     from loop_trainer.cli.train import main as train
 
-    label = mode_label(staleness, partial).replace("+", "-")
+    label = mode_label(staleness, variant).replace("+", "-")
     flags = {
         "config": recipe,
         "model_name_or_path": model_dir,
@@ -328,23 +342,24 @@ def run_recipe_mode(
         **server_flags(url, workdir / f"sync-{label}", staleness),
         "memory_stress_test": "false",
         **(extra or {}),
-        **({**CUT, "partial_rollouts": "true"} if partial else {}),
+        **variant_flags(variant),
     }
     started = time.perf_counter()
     trainer = train(*parse_recipe([part for key, value in flags.items() for part in (f"--{key}", str(value))]))
     assert trainer is not None
-    return summary(staleness, trainer.history, time.perf_counter() - started, partial)
+    return summary(staleness, trainer.history, time.perf_counter() - started, variant)
 
 
-def summary(staleness: int, history: list[dict[str, Any]], wall: float, partial: bool = False) -> dict[str, Any]:
+def summary(staleness: int, history: list[dict[str, Any]], wall: float, variant: str = "plain") -> dict[str, Any]:
     # The steady state: without the first iteration (its start-up, nothing to overlap) and without the last
     # max_staleness ones, whose batches were collected ahead and which queue none (an end effect that favours a
     # deeper queue on a short run).
     steady = history[1 : len(history) - staleness] or history
     return {
-        "mode": mode_label(staleness, partial),
+        "mode": mode_label(staleness, variant),
         "max_staleness": staleness,
-        "partial_rollouts": partial,
+        "straggler_cut": variant != "plain",
+        "partial_rollouts": variant == "partial",
         "iterations": len(history),
         "wall_seconds": wall,
         "iterations_per_hour": 3600 * len(history) / wall,
@@ -412,6 +427,14 @@ def main(argv: list[str] | None = None) -> None:
         "cut, after the --staleness ones",
     )
     parser.add_argument(
+        "--cut-staleness",
+        type=int,
+        nargs="+",
+        default=[],
+        help="with --recipe: modes at these max_staleness behind the same cut, its stragglers cancelled, not carried "
+        "(the control of --partial-staleness), before the partial ones",
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -448,17 +471,21 @@ def main(argv: list[str] | None = None) -> None:
         return
     if options.gpu and (options.processes > 1 or not options.recipe):
         parser.error("--gpu runs a --recipe in one training process (the demo's tiny model is CPU-sized)")
-    if (options.partial_staleness or options.set) and not options.recipe:
-        parser.error("--partial-staleness and --set apply to a --recipe")
+    if (options.partial_staleness or options.cut_staleness or options.set) and not options.recipe:
+        parser.error("--partial-staleness, --cut-staleness and --set apply to a --recipe")
     if any(staleness < 1 for staleness in options.partial_staleness):
         parser.error("--partial-staleness: partial rollouts need max_staleness >= 1")
     if any("=" not in pair for pair in options.set):
         parser.error(f"--set takes KEY=VALUE; got {[pair for pair in options.set if '=' not in pair]}")
     recipe_keys = dict(pair.split("=", 1) for pair in options.set)
-    fixed = sorted(set(recipe_keys) & (MODE_KEYS | (set(CUT) if options.partial_staleness else set())))
+    cut_modes = options.partial_staleness or options.cut_staleness
+    fixed = sorted(set(recipe_keys) & (MODE_KEYS | (set(CUT) if cut_modes else set())))
     if fixed:
-        parser.error(f"--set cannot change {fixed}: each mode sets them itself (--staleness, --partial-staleness)")
-    deepest = max(options.staleness + options.partial_staleness)
+        parser.error(
+            f"--set cannot change {fixed}: each mode sets them itself (--staleness, --cut-staleness, "
+            "--partial-staleness)"
+        )
+    deepest = max(options.staleness + options.cut_staleness + options.partial_staleness)
     settings = recipe_settings(options.recipe, recipe_keys) if options.recipe else {}
     if options.recipe and deepest > 1 and served_lora_rank(settings) is None:
         parser.error(
@@ -488,8 +515,8 @@ def main(argv: list[str] | None = None) -> None:
             extra = {"bf16": "true", "vllm_sync_tolerance": options.sync_tolerance} if options.gpu else {}
             extra |= recipe_keys
 
-            def run(staleness: int, iterations: int, where: Path, partial: bool = False) -> dict[str, Any]:
-                return run_recipe_mode(options.recipe, model_dir, url, staleness, iterations, where, extra, partial)
+            def run(staleness: int, iterations: int, where: Path, variant: str = "plain") -> dict[str, Any]:
+                return run_recipe_mode(options.recipe, model_dir, url, staleness, iterations, where, extra, variant)
         else:
             model, tokenizer = build_tiny_from_spec(
                 "tiny-instruct:vault", VaultEnv(num_tasks=64), seed=0, warm_up_steps=400
@@ -499,7 +526,7 @@ def main(argv: list[str] | None = None) -> None:
             tokenizer.save_pretrained(model_dir)
             lora_rank, max_model_len = 8, 512
 
-            def run(staleness: int, iterations: int, where: Path, partial: bool = False) -> dict[str, Any]:
+            def run(staleness: int, iterations: int, where: Path, variant: str = "plain") -> dict[str, Any]:
                 if options.processes > 1:
                     cores = options.trainer_cores or str(options.trainer_core)
                     return run_processes(
@@ -533,12 +560,16 @@ def main(argv: list[str] | None = None) -> None:
             print(f"the vLLM server is up after {server_seconds:.0f} s", flush=True)
             # a discarded iteration first: the server's first requests and adapter load would land on one mode
             run(0, 1, workdir / "warm-up")
-            modes = [(k, False) for k in options.staleness] + [(k, True) for k in options.partial_staleness]
-            for staleness, partial in modes:
+            modes = (
+                [(k, "plain") for k in options.staleness]
+                + [(k, "cut") for k in options.cut_staleness]
+                + [(k, "partial") for k in options.partial_staleness]
+            )
+            for staleness, variant in modes:
                 if options.time_limit and runs and time.perf_counter() - began > options.time_limit * 0.55:
-                    not_run.append(mode_label(staleness, partial))  # another mode as long as the last would not fit
+                    not_run.append(mode_label(staleness, variant))  # another mode as long as the last would not fit
                     continue
-                runs.append(run(staleness, options.iterations, workdir, partial))
+                runs.append(run(staleness, options.iterations, workdir, variant))
         except Exception:
             print(f"the vLLM server's log ends:\n{log.read_text()[-60000:]}", file=sys.stderr)
             raise

@@ -17,14 +17,23 @@ from benchmarks import overlap  # noqa: E402
 @pytest.mark.parametrize(
     ("argv", "said"),
     [
-        (["--partial-staleness", "1"], "--partial-staleness and --set apply to a --recipe"),
-        (["--set", "use_peft=true"], "--partial-staleness and --set apply to a --recipe"),
+        (["--partial-staleness", "1"], "--partial-staleness, --cut-staleness and --set apply to a --recipe"),
+        (["--cut-staleness", "1"], "--partial-staleness, --cut-staleness and --set apply to a --recipe"),
+        (["--set", "use_peft=true"], "--partial-staleness, --cut-staleness and --set apply to a --recipe"),
         (["--recipe", "recipes/demo.yaml", "--partial-staleness", "0"], "partial rollouts need max_staleness >= 1"),
         (["--recipe", "recipes/demo.yaml", "--set", "use_peft"], "--set takes KEY=VALUE; got ['use_peft']"),
         (["--recipe", "recipes/demo.yaml", "--set", "max_staleness=2"], "--set cannot change ['max_staleness']"),
         (
             ["--recipe", "recipes/demo.yaml", "--partial-staleness", "1", "--set", "early_stop_done_fraction=0.5"],
             "--set cannot change ['early_stop_done_fraction']",
+        ),
+        (
+            ["--recipe", "recipes/demo.yaml", "--cut-staleness", "1", "--set", "early_stop_task_fraction=0.5"],
+            "--set cannot change ['early_stop_task_fraction']",
+        ),
+        (  # a cut mode two versions deep needs adapters too
+            ["--recipe", "recipes/errands.yaml", "--staleness", "0", "--cut-staleness", "2"],
+            "max_staleness 2 needs a LoRA policy on the server",
         ),
         (  # errands.yaml trains full weights: refused before any mode spends time, not when the third one starts
             ["--recipe", "recipes/errands.yaml", "--staleness", "0", "1", "2"],
@@ -55,10 +64,26 @@ def test_a_partial_mode_is_named_apart_and_counts_what_its_cut_carried():
         }
         for i in range(4)
     ]
-    partial = overlap.summary(1, history, wall=14.0, partial=True)
+    partial = overlap.summary(1, history, wall=14.0, variant="partial")
+    cut = overlap.summary(1, history, wall=14.0, variant="cut")
     plain = overlap.summary(1, history, wall=14.0)
-    assert (partial["mode"], partial["partial_rollouts"], plain["mode"]) == ("1+partial", True, "1")
+    assert [(m["mode"], m["straggler_cut"], m["partial_rollouts"]) for m in (plain, cut, partial)] == [
+        ("1", False, False),
+        ("1+cut", True, False),
+        ("1+partial", True, True),
+    ]
     assert partial["carried_episodes"] == [1.0, 2.0, 3.0, 4.0] and partial["steady_iterations"] == 2
+
+
+def test_the_cut_control_differs_from_the_partial_mode_only_in_carrying_its_stragglers():
+    plain, cut, partial = (overlap.variant_flags(v) for v in overlap.VARIANTS)
+    assert plain == {}
+    assert cut == {**overlap.CUT, "partial_rollouts": "false"} and partial == {
+        **overlap.CUT,
+        "partial_rollouts": "true",
+    }
+    with pytest.raises(ValueError, match="one of"):
+        overlap.variant_flags("partial-ish")
 
 
 def test_set_values_are_read_as_a_recipe_reads_them_and_decide_what_the_server_serves():
