@@ -10,7 +10,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from tqdm.auto import tqdm
 
@@ -102,19 +102,40 @@ def check_failure_budget(batch: RolloutBatch, max_failed_fraction: float) -> Non
         )
 
 
+class _Held:
+    """A coroutine's result behind a repr that does not show it (:func:`run_coroutine`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"<{type(self.value).__name__}>"
+
+
+async def _held(coroutine: Coroutine[Any, Any, T]) -> _Held:
+    return _Held(await coroutine)
+
+
 def run_coroutine(coroutine: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine to completion from sync code, even where an event loop is already running
     (a notebook): then it runs on a fresh loop in a helper thread."""
+    # Why _Held: on the main thread, asyncio.run puts SIGINT's handler back at the end, and signal.signal
+    # formats the handler it replaces (a partial of the finished task) while converting it to an enum, which
+    # reprs the task's result in full before shortening it: a RolloutBatch, every token id of every trajectory.
+    # Measured once, collecting errands in English (2.3k-token trajectories) through a server: 0.86 -> 0.81 ms of
+    # the process's CPU a turn without it.
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coroutine)
+        return cast(T, asyncio.run(_held(coroutine)).value)
     result: list[T] = []
     errors: list[BaseException] = []
 
     def runner() -> None:
         try:
-            result.append(asyncio.run(coroutine))
+            result.append(asyncio.run(_held(coroutine)).value)
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(error)
 

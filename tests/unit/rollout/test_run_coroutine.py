@@ -1,0 +1,53 @@
+"""run_coroutine (rollout/collection.py): a coroutine's result comes back whole, without being formatted on the way."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from loop_trainer.rollout.collection import run_coroutine
+
+
+class Unprintable:
+    """A result that counts its reprs (raising would not do: reprlib swallows a repr's errors). A RolloutBatch's repr
+    is every token id of every trajectory."""
+
+    def __init__(self) -> None:
+        self.formatted = 0
+
+    def __repr__(self) -> str:
+        self.formatted += 1
+        return "Unprintable()"
+
+
+async def make(value):
+    await asyncio.sleep(0)
+    return value
+
+
+def test_the_result_is_returned_and_never_formatted_on_the_main_thread():
+    """asyncio.run, on the main thread, puts SIGINT's handler back at its end; signal.signal formats the handler it
+    replaces, a partial of the finished task, whose repr shows the task's result."""
+    assert threading.current_thread() is threading.main_thread()
+    result = Unprintable()
+    assert run_coroutine(make(result)) is result and result.formatted == 0
+
+
+def test_inside_a_running_loop_it_runs_on_a_thread_and_returns_the_same():
+    result, got = Unprintable(), []
+
+    async def notebook_cell() -> None:  # returns nothing: this test's own asyncio.run would format what it returned
+        got.append(run_coroutine(make(result)))
+
+    asyncio.run(notebook_cell())
+    assert got == [result] and result.formatted == 0
+
+
+def test_an_error_reaches_the_caller():
+    async def fail():
+        raise ValueError("the environment broke")
+
+    with pytest.raises(ValueError, match="the environment broke"):
+        run_coroutine(fail())
