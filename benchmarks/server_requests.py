@@ -18,7 +18,8 @@ episode runs its 32 turns). So what is measured is this process's side alone. Th
 2. **One iteration of errands**: ``recipes/errands.yaml``'s shape (16 tasks x 6 rollouts, up to 32 turns, compact
    form, its tiny model's tokenizer) collected by :class:`~loop_trainer.rollout.RolloutEngine` through
    :class:`~loop_trainer.rollout.vllm_server.VLLMServerBackend`, both request paths alternately, ``--repeats`` pairs:
-   wall seconds and the process's CPU seconds, per turn.
+   wall seconds and the process's CPU seconds, per turn. Then the same in the English form with Qwen2.5's tokenizer
+   (24 new tokens a turn, episodes of 2-3k tokens), where tokenising the environment's answers costs more.
 3. **An update beside the collection**: a stream of tiny torch operations on the main thread (each releases and
    retakes the interpreter lock, as a CUDA kernel launch does) while the iteration is collected on a thread of the
    same process, as ``max_staleness: 1`` runs them: operations a second alone and beside, and the collection's wall
@@ -49,8 +50,13 @@ from typing import Any
 
 from benchmarks.common import ROOT, command_line, cpu_model, software
 
-REPLY_TEXT = "doc people"
-MAX_TURNS, MAX_NEW_TOKENS, MAX_TRAJECTORY_TOKENS = 32, 4, 1024  # recipes/errands.yaml
+# per form: the reply (a look-up errands answers without ending the episode) and the episode limits
+REPLY_TEXT = {"compact": "doc people", "english": 'doc("people")'}
+LIMITS = {  # recipes/errands.yaml; in English, the GPU battery's long_horizon_english section's
+    "compact": (32, 4, 1024),
+    "english": (32, 24, 4096),
+}
+MAX_TURNS, MAX_NEW_TOKENS = 32, 4  # the compact form's, which parts 1 and 3 use
 TASKS, ROLLOUTS = 16, 6
 
 
@@ -182,17 +188,23 @@ def completion_payload(backend: Any, prompt: list[int]) -> dict[str, Any]:
 
 
 class Collection:
-    """One errands iteration through the server backend, on either request path."""
+    """One errands iteration through the server backend, on either request path: the compact form with its tiny
+    model's word tokenizer, or the English form with Qwen2.5's (a real BPE tokenizer and 2-3k-token episodes)."""
 
-    def __init__(self, url: str, sync_dir: str):
+    def __init__(self, url: str, sync_dir: str, form: str = "compact"):
         from loop_trainer.chat import stop_token_ids
         from loop_trainer.envs import make_environment
         from loop_trainer.models.tiny import build_tiny_for_environment, tiny_layers_of
+        from loop_trainer.models.tiny_chat import build_qwen25_tokenizer
 
-        env: Any = make_environment("errands", num_tasks=1024, levels=[1, 2, 3])  # has a vocabulary(): errands
-        self.env = env
-        model, self.tokenizer = build_tiny_for_environment(env.vocabulary(), num_layers=tiny_layers_of(env))
-        self.stop_ids = stop_token_ids(model, self.tokenizer)
+        env: Any = make_environment("errands", num_tasks=1024, levels=[1, 2, 3], form=form)
+        self.env, self.form = env, form
+        if form == "compact":  # errands' vocabulary()
+            model, self.tokenizer = build_tiny_for_environment(env.vocabulary(), num_layers=tiny_layers_of(env))
+            self.stop_ids = stop_token_ids(model, self.tokenizer)
+        else:
+            self.tokenizer = build_qwen25_tokenizer()
+            self.stop_ids = self.tokenizer.encode("<|im_end|>", add_special_tokens=False)  # one id: a special token
         self.tasks = [self.env.tasks("train")[i] for i in range(TASKS)]
         self.url, self.sync_dir = url, sync_dir
 
@@ -208,13 +220,13 @@ class Collection:
             keep_alive: VLLMServerBackend(url, stop_token_ids=self.stop_ids, sync_dir=sync_dir, keep_alive=keep_alive)
             for keep_alive in (True, False)
         }
-        limits = EpisodeLimits(MAX_TURNS, MAX_NEW_TOKENS, MAX_TRAJECTORY_TOKENS)
+        limits = EpisodeLimits(*LIMITS[self.form])
         self.engine = RolloutEngine(
             self.env, self.backends[True], ChatFormatter(self.tokenizer), limits, show_progress=False
         )
 
     def reply_ids(self) -> list[int]:
-        return [*self.tokenizer.encode(REPLY_TEXT, add_special_tokens=False), self.tokenizer.eos_token_id]
+        return [*self.tokenizer.encode(REPLY_TEXT[self.form], add_special_tokens=False), self.stop_ids[0]]
 
     def run(self, keep_alive: bool) -> dict[str, float]:
         wall, cpu = time.perf_counter(), time.process_time()
@@ -223,7 +235,8 @@ class Collection:
         turns = sum(max(t.turn_ids) + 1 for t in batch.trajectories)
         if len(batch.trajectories) != TASKS * ROLLOUTS or turns != TASKS * ROLLOUTS * MAX_TURNS:
             raise RuntimeError(f"expected {TASKS * ROLLOUTS} episodes of {MAX_TURNS} turns, got {turns} turns")
-        return {"wall_s": wall, "cpu_s": cpu, "turns": turns}
+        tokens = sum(len(t.token_ids) for t in batch.trajectories) / len(batch.trajectories)
+        return {"wall_s": wall, "cpu_s": cpu, "turns": turns, "tokens_per_trajectory": tokens}
 
     def close(self) -> None:
         if hasattr(self, "engine"):
@@ -267,7 +280,13 @@ def iteration(collection: Collection, repeats: int) -> dict[str, Any]:
             "median_cpu_ms_per_turn": round(1e3 * cpu / runs[keep_alive][0]["turns"], 3),
         }
     before, after = (statistics.median(r["cpu_s"] for r in runs[k]) for k in (False, True))
-    return {"turns": runs[True][0]["turns"], "rows": rows, "cpu_ratio_before_over_keep_alive": round(before / after, 2)}
+    return {
+        "form": collection.form,
+        "turns": runs[True][0]["turns"],
+        "tokens_per_trajectory": round(runs[True][0]["tokens_per_trajectory"], 1),
+        "rows": rows,
+        "cpu_ratio_before_over_keep_alive": round(before / after, 2),
+    }
 
 
 def beside(collection: Collection, options: argparse.Namespace) -> dict[str, Any]:
@@ -336,24 +355,28 @@ def main(argv: list[str] | None = None) -> int:
     server_core = cores[-1]
     mine = {int(c) for c in options.cores.split(",")} if options.cores else set(cores[:-1]) or {server_core}
     os.sched_setaffinity(0, mine)
-    port = free_local_port()
     with tempfile.TemporaryDirectory() as sync_dir:
-        collection = Collection(f"http://127.0.0.1:{port}", sync_dir)
-        server = start_server(port, collection.reply_ids(), server_core)
-        try:
-            collection.open()
-            result = {
-                "command": command_line("benchmarks.server_requests", argv, python=".vllm-venv/bin/python"),
-                "machine": {"cpu": cpu_model(), "this_process_cores": sorted(mine), "server_core": server_core},
-                "switch_interval_s": sys.getswitchinterval(),
-                "software": software(["torch", "transformers", "trl", "requests"], checkout=True),
-                "one_request": one_request(f"http://127.0.0.1:{port}", collection.stop_ids, options, sync_dir),
-                "errands_iteration": iteration(collection, options.repeats),
-                "update_beside_the_collection": beside(collection, options),
-            }
-        finally:
-            collection.close()
-            server.kill()
+        result: dict[str, Any] = {
+            "command": command_line("benchmarks.server_requests", argv, python=".vllm-venv/bin/python"),
+            "machine": {"cpu": cpu_model(), "this_process_cores": sorted(mine), "server_core": server_core},
+            "switch_interval_s": sys.getswitchinterval(),
+            "software": software(["torch", "transformers", "trl", "requests"], checkout=True),
+        }
+        for form in ("compact", "english"):  # a stand-in server each: its reply is the form's
+            port = free_local_port()
+            collection = Collection(f"http://127.0.0.1:{port}", sync_dir, form)
+            server = start_server(port, collection.reply_ids(), server_core)
+            try:
+                collection.open()
+                if form == "compact":
+                    result["one_request"] = one_request(collection.url, collection.stop_ids, options, sync_dir)
+                    result["errands_iteration"] = iteration(collection, options.repeats)
+                    result["update_beside_the_collection"] = beside(collection, options)
+                else:
+                    result["errands_iteration_english"] = iteration(collection, options.repeats)
+            finally:
+                collection.close()
+                server.kill()
     text = json.dumps(result, indent=2)
     print(text)
     if options.out:
