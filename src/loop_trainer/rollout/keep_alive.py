@@ -4,9 +4,9 @@ generator sends its completion requests, one for every sampled turn of every epi
 Why not ``requests`` for these (it still sends the server's few other calls): its per-request machinery (building
 and preparing the request, merging the session's settings, reading ``.netrc`` and the proxy variables) costs the
 training process several times the CPU of the request itself. On this project's CPU machine a completion request
-cost the process 0.67 ms of CPU through a ``requests`` session and 0.20 ms here, and one iteration of errands
-(3,072 turns against a server that answers at once) 0.85 ms of CPU a turn against 0.37 ms
-(``benchmarks/server_requests.py``). That CPU is the interpreter lock's: an overlapped update (``max_staleness``)
+cost the process about three times the CPU through a ``requests`` session that it costs here, and a turn of errands
+2.4 times (1.7 in English, where tokenising the answers weighs more; ``benchmarks/server_requests.py``, docs/benchmarks.md,
+"A server generator's requests"). That CPU is the interpreter lock's: an overlapped update (``max_staleness``)
 runs its kernel launches in the same process, beside the collection.
 
 A server closes a connection that stays idle (uvicorn, under vLLM's OpenAI server: after 5 s), e.g. through an
