@@ -473,6 +473,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--gpu runs a --recipe in one training process (the demo's tiny model is CPU-sized)")
     if (options.partial_staleness or options.cut_staleness or options.set) and not options.recipe:
         parser.error("--partial-staleness, --cut-staleness and --set apply to a --recipe")
+    if any(staleness < 0 for staleness in options.staleness + options.cut_staleness):
+        parser.error("--staleness and --cut-staleness: max_staleness is 0 or more")
     if any(staleness < 1 for staleness in options.partial_staleness):
         parser.error("--partial-staleness: partial rollouts need max_staleness >= 1")
     if any("=" not in pair for pair in options.set):

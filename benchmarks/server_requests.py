@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, command_line, cpu_model, software
+from benchmarks.common import ROOT, command_line, cpu_model, software, torch_threads, wait_for_load
 
 # per form: the reply (a look-up errands answers without ending the episode) and the episode limits
 REPLY_TEXT = {"compact": "doc people", "english": 'doc("people")'}
@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--switch-interval", type=float, default=None, help="sys.setswitchinterval, in seconds (default: Python's)"
     )
+    parser.add_argument(
+        "--max-load", type=float, default=0.5, help="wait (up to 10 min) for a 1-minute load average below this"
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
@@ -347,10 +350,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if options.switch_interval is not None:
         sys.setswitchinterval(options.switch_interval)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-
-    torch.set_num_threads(1)
+    load, idle = wait_for_load(options.max_load, max_wait=600, measure_anyway=True)
+    torch_threads(1)
     cores = sorted(os.sched_getaffinity(0))
     server_core = cores[-1]
     mine = {int(c) for c in options.cores.split(",")} if options.cores else set(cores[:-1]) or {server_core}
@@ -360,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
             "command": command_line("benchmarks.server_requests", argv, python=".vllm-venv/bin/python"),
             "machine": {"cpu": cpu_model(), "this_process_cores": sorted(mine), "server_core": server_core},
             "switch_interval_s": sys.getswitchinterval(),
+            "load_average_before": load,
+            "machine_was_idle": idle,
             "software": software(["torch", "transformers", "trl", "requests"], checkout=True),
         }
         for form in ("compact", "english"):  # a stand-in server each: its reply is the form's

@@ -21,6 +21,7 @@ from benchmarks import overlap  # noqa: E402
         (["--cut-staleness", "1"], "--partial-staleness, --cut-staleness and --set apply to a --recipe"),
         (["--set", "use_peft=true"], "--partial-staleness, --cut-staleness and --set apply to a --recipe"),
         (["--recipe", "recipes/demo.yaml", "--partial-staleness", "0"], "partial rollouts need max_staleness >= 1"),
+        (["--recipe", "recipes/demo.yaml", "--cut-staleness", "-1"], "max_staleness is 0 or more"),
         (["--recipe", "recipes/demo.yaml", "--set", "use_peft"], "--set takes KEY=VALUE; got ['use_peft']"),
         (["--recipe", "recipes/demo.yaml", "--set", "max_staleness=2"], "--set cannot change ['max_staleness']"),
         (

@@ -123,9 +123,8 @@ def run_coroutine(coroutine: Coroutine[Any, Any, T]) -> T:
     (a notebook): then it runs on a fresh loop in a helper thread."""
     # Why _Held: on the main thread, asyncio.run puts SIGINT's handler back at the end, and signal.signal
     # formats the handler it replaces (a partial of the finished task) while converting it to an enum, which
-    # reprs the task's result in full before shortening it: a RolloutBatch, every token id of every trajectory.
-    # Measured once, collecting errands in English (2.3k-token trajectories) through a server: 0.86 -> 0.81 ms of
-    # the process's CPU a turn without it.
+    # reprs the task's result in full before shortening it: a RolloutBatch, every token id of every trajectory,
+    # tens of MB of text for a batch of long trajectories, made and thrown away at the end of every collection.
     try:
         asyncio.get_running_loop()
     except RuntimeError:

@@ -22,6 +22,7 @@ import http.client
 import json
 import logging
 import shutil
+import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,7 +30,7 @@ from pathlib import Path
 import requests
 import torch
 from requests.adapters import HTTPAdapter
-from requests.utils import get_environ_proxies
+from requests.utils import get_environ_proxies, select_proxy
 
 from .backend import Completion, TemperatureView
 from .keep_alive import KeepAliveConnections
@@ -62,9 +63,9 @@ class VLLMServerBackend:
         keep_versions: keep every loaded adapter until :meth:`release_versions_below` (several policy
             versions sampled at once: ``max_staleness`` above 1); full weights are one version only.
         keep_alive: send the completions over a keep-alive connection per request thread
-            (:class:`~.keep_alive.KeepAliveConnections`: a fraction of ``requests``' CPU a turn); False, or a proxy
-            set for the server's URL (``HTTP_PROXY``, not excluded by ``NO_PROXY``), sends them through ``requests``
-            as the other calls.
+            (:class:`~.keep_alive.KeepAliveConnections`: a fraction of ``requests``' CPU a turn). False, an
+            ``https://`` URL, or a proxy that applies to the URL (``HTTP_PROXY``, not excluded by ``NO_PROXY``) sends
+            them through ``requests``, as the other calls.
 
     It owns an HTTP session and the threads that wait on requests: release them with
     :meth:`close` or ``with VLLMServerBackend(...) as backend:``. The server itself is not ours.
@@ -86,6 +87,12 @@ class VLLMServerBackend:
         keep_versions: bool = False,
         keep_alive: bool = True,
     ):
+        parts = urllib.parse.urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise GeneratorServerError(
+                f"the vLLM server's URL {base_url!r} is not http(s)://host:port: fix vllm_server_base_url (or "
+                "vllm_server_host and vllm_server_port)"
+            )
         self.base_url = base_url.rstrip("/")
         self.stop_token_ids = sorted(set(stop_token_ids))
         self.temperature = temperature
@@ -101,8 +108,10 @@ class VLLMServerBackend:
         self.session.mount("https://", HTTPAdapter(pool_maxsize=max_concurrency))
         self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-server")
         self.completions: KeepAliveConnections | None = None
-        if keep_alive and get_environ_proxies(self.base_url):
-            logger.info("a proxy is set for %s: completions go through it, by requests", self.base_url)
+        if keep_alive and parts.scheme == "https":
+            logger.info("%s is https: completions go through requests (its certificate bundle)", self.base_url)
+        elif keep_alive and select_proxy(self.base_url, get_environ_proxies(self.base_url)):
+            logger.info("a proxy applies to %s: completions go through it, by requests", self.base_url)
         elif keep_alive:
             self.completions = KeepAliveConnections(self.base_url, timeout)
         try:
@@ -153,13 +162,7 @@ class VLLMServerBackend:
             response = self.session.request(method, self.base_url + path, json=payload, timeout=timeout or self.timeout)
         except requests.RequestException as error:
             raise GeneratorServerError(f"vLLM server {self.base_url}{path}: {error}") from error
-        if response.status_code != 200:
-            raise GeneratorServerError(f"vLLM server {path} answered {response.status_code}: {response.text[:300]}")
-        return (
-            response.json()
-            if response.content and response.headers.get("content-type", "").startswith("application/json")
-            else {}
-        )
+        return _answer(path, response.status_code, response.content, response.headers.get("content-type", ""))
 
     # -- generation ----------------------------------------------------------------------------
     async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
@@ -212,6 +215,8 @@ class VLLMServerBackend:
         }
         loop = asyncio.get_running_loop()
         body = await loop.run_in_executor(self._executor, self._complete, payload)
+        if not body.get("choices"):
+            raise GeneratorServerError(f"vLLM server /v1/completions answered without choices: {str(body)[:300]}")
         choice = body["choices"][0]
         token_ids = list(choice["token_ids"])
         logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
@@ -228,12 +233,7 @@ class VLLMServerBackend:
             status, body, content_type = self.completions.post_json("/v1/completions", payload)
         except (OSError, http.client.HTTPException) as error:
             raise GeneratorServerError(f"vLLM server {self.base_url}/v1/completions: {error}") from error
-        if status != 200:
-            text = body.decode("utf-8", errors="replace")
-            raise GeneratorServerError(f"vLLM server /v1/completions answered {status}: {text[:300]}")
-        if not content_type.startswith("application/json"):
-            raise GeneratorServerError(f"vLLM server /v1/completions answered {content_type or 'no content type'}")
-        return json.loads(body)
+        return _answer("/v1/completions", status, body, content_type)
 
     # -- weights -------------------------------------------------------------------------------
     def adapter_name(self, version: int) -> str:
@@ -340,6 +340,20 @@ class VLLMServerBackend:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _answer(path: str, status: int, body: bytes, content_type: str) -> dict:
+    """A server's answer to ``path``, parsed: its JSON (``{}`` if it sent none), or a :class:`GeneratorServerError`
+    that quotes it."""
+    if status != 200:
+        text = body.decode("utf-8", errors="replace")
+        raise GeneratorServerError(f"vLLM server {path} answered {status}: {text[:300]}")
+    if not body or not content_type.startswith("application/json"):
+        return {}
+    try:
+        return json.loads(body)
+    except ValueError as error:
+        raise GeneratorServerError(f"vLLM server {path} answered malformed JSON ({error}): {body[:300]!r}") from None
 
 
 class AdapterView:

@@ -1,92 +1,32 @@
 """The server generator's completion requests over keep-alive connections (rollout/keep_alive.py), against an
-HTTP/1.1 server that counts its connections and can close them as uvicorn does."""
+HTTP/1.1 stand-in that counts its connections and closes them in the ways a real server does."""
 
 from __future__ import annotations
 
 import asyncio
-import http.server
 import json
 import threading
-import time
 
 import pytest
 
 from loop_trainer.rollout.keep_alive import KeepAliveConnections
 from loop_trainer.rollout.vllm_server import GeneratorServerError, VLLMServerBackend
+from support.fake_vllm_server import serving
 
-
-class CountingServer(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.connections = 0
-        self.bodies: list[dict] = []
-        self.drop_next = 0  # requests read and then dropped without an answer (the connection closed)
-        self.close_after_answer = False  # close each connection right after its answer, without saying so
-        self.status = 200
-        self.stall = 0.0  # seconds before answering
-        self.lock = threading.Lock()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive, as uvicorn
-    server: CountingServer
-
-    def setup(self) -> None:
-        super().setup()
-        with self.server.lock:
-            self.server.connections += 1
-
-    def _answer(self, body: dict, status: int = 200) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-        self.wfile.flush()
-
-    def do_GET(self) -> None:
-        self._answer({"data": [{"id": "fake-model"}]} if self.path == "/v1/models" else {})
-
-    def do_POST(self) -> None:
-        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-        if self.path != "/v1/completions":
-            self._answer({})
-            return
-        with self.server.lock:
-            drop = self.server.drop_next > 0
-            self.server.drop_next -= drop
-            self.server.bodies.append(request)
-        if drop:
-            self.close_connection = True
-            return
-        time.sleep(self.server.stall)
-        if self.server.status != 200:
-            self._answer({"error": "the model is asleep"}, self.server.status)
-            return
-        ids = [7, 8, 9][: request["max_tokens"]]
-        self._answer({"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": [-0.5] * len(ids)}}]})
-        if self.server.close_after_answer:
-            self.close_connection = True
-
-    def log_message(self, *args: object) -> None:
-        pass
+PROXY_VARIABLES = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 
 
 @pytest.fixture()
 def server():
-    server = CountingServer()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with serving() as server:
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def no_proxy_settings(monkeypatch):
+    """The machine's proxy variables would choose the request path (one test sets them)."""
+    for name in (*PROXY_VARIABLES, "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
 
 
 def post(connections: KeepAliveConnections) -> dict:
@@ -109,6 +49,7 @@ def test_one_thread_reuses_one_connection(server):
     assert connections.open_connections == 0
     with pytest.raises(RuntimeError, match="closed"):
         post(connections)
+    assert connections.reconnects == 0  # a closed client raises; it does not count a reconnect first
 
 
 def test_each_thread_has_a_connection_of_its_own(server):
@@ -134,9 +75,23 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_before_the_reques
     server.close_after_answer = True
     connections = KeepAliveConnections(server.url, timeout=10)
     post(connections)
-    time.sleep(0.2)  # the close reaches this side
+    assert server.closed.wait(10)  # the server's side has closed it
     post(connections)
     assert (server.connections, connections.reconnects, connections.resent, len(server.bodies)) == (2, 1, 0, 2)
+
+
+def test_an_answer_that_says_connection_close_is_followed_by_a_fresh_connection(server):
+    server.say_close = True
+    connections = KeepAliveConnections(server.url, timeout=10)
+    for _ in range(3):
+        post(connections)
+    # each answer closed its connection, and the client knew: no reconnect counted, nothing sent again
+    assert (server.connections, connections.reconnects, connections.resent, connections.open_connections) == (
+        3,
+        0,
+        0,
+        0,
+    )
 
 
 def test_a_request_the_server_drops_on_a_reused_connection_is_sent_once_more(server):
@@ -153,6 +108,22 @@ def test_a_fresh_connection_that_fails_is_an_error_and_not_retried(server):
     with pytest.raises(ConnectionError):
         post(connections)
     assert len(server.bodies) == 1 and connections.open_connections == 0
+
+
+def test_an_answer_cut_short_is_an_error_and_the_request_is_not_sent_again(server, tmp_path):
+    """Once the answer has begun the server had the request: sending it again could sample it twice."""
+    with VLLMServerBackend(server.url, stop_token_ids=[9], sync_dir=str(tmp_path)) as backend:
+        asyncio.run(backend.generate([1, 2, 3], 3))
+        server.cut_next = 1
+        with pytest.raises(GeneratorServerError, match="v1/completions: IncompleteRead"):
+            asyncio.run(backend.generate([1, 2, 3], 3))
+        assert len(server.bodies) == 2 and backend.completions is not None and backend.completions.resent == 0
+
+
+def test_a_base_url_with_a_path_keeps_it(server, tmp_path):
+    with VLLMServerBackend(server.url + "/gen/", stop_token_ids=[9], sync_dir=str(tmp_path)) as backend:
+        assert asyncio.run(backend.generate([1, 2, 3], 3)).token_ids == [7, 8, 9]
+    assert server.paths == ["/gen/v1/completions"]
 
 
 def test_the_backend_reports_the_servers_errors_and_timeouts_in_one_line(server, tmp_path):
@@ -181,18 +152,37 @@ def test_both_request_paths_send_the_same_body_and_read_the_same_completion(serv
     assert completions[0] == completions[1] and completions[0].stopped
 
 
-@pytest.mark.parametrize("no_proxy, keeps_alive", [("", False), ("127.0.0.1", True)])
-def test_a_proxy_for_the_servers_url_sends_the_completions_through_requests(
-    server, tmp_path, monkeypatch, no_proxy, keeps_alive
+@pytest.mark.parametrize(
+    ("variables", "keeps_alive"),
+    [
+        ({}, True),
+        ({"NO_PROXY": "localhost"}, True),  # a list of exceptions alone is no proxy
+        ({"https_proxy": "http://127.0.0.1:9"}, True),  # a proxy for the other scheme
+        ({"http_proxy": "http://127.0.0.1:9", "no_proxy": "127.0.0.1"}, True),  # excluded
+        ({"http_proxy": "http://127.0.0.1:9"}, False),  # it applies: requests, which honours it
+        ({"ALL_PROXY": "http://127.0.0.1:9"}, False),
+    ],
+)
+def test_completions_go_through_requests_where_a_proxy_applies_to_the_servers_url(
+    server, tmp_path, monkeypatch, variables, keeps_alive
 ):
-    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
-    monkeypatch.setenv("no_proxy", no_proxy)
-    monkeypatch.setenv("NO_PROXY", no_proxy)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
     # only the choice of path is checked: nothing listens behind the proxy
     monkeypatch.setattr(VLLMServerBackend, "_wait_for_server", lambda self, timeout: "fake-model")
     monkeypatch.setattr(VLLMServerBackend, "_prefix_caching", lambda self: True)
-    backend = VLLMServerBackend(server.url, stop_token_ids=[9], sync_dir=str(tmp_path))
-    assert (backend.completions is not None) is keeps_alive
-    backend.close()
+    with VLLMServerBackend(server.url, stop_token_ids=[9], sync_dir=str(tmp_path)) as backend:
+        assert (backend.completions is not None) is keeps_alive
+
+
+def test_an_https_server_keeps_requests_and_its_certificate_bundle(tmp_path, monkeypatch):
+    monkeypatch.setattr(VLLMServerBackend, "_wait_for_server", lambda self, timeout: "fake-model")
+    monkeypatch.setattr(VLLMServerBackend, "_prefix_caching", lambda self: True)
+    with VLLMServerBackend("https://gen-node:8443", stop_token_ids=[9], sync_dir=str(tmp_path)) as backend:
+        assert backend.completions is None
+
+
+@pytest.mark.parametrize("url", ["gen-node:8000", "ftp://gen-node:8000", "http://"])
+def test_a_url_that_is_not_http_is_refused_in_one_line_naming_the_key(url, tmp_path):
+    with pytest.raises(GeneratorServerError, match="is not http\\(s\\)://host:port: fix vllm_server_base_url"):
+        VLLMServerBackend(url, stop_token_ids=[9], sync_dir=str(tmp_path))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import http.server
 import json
 import os
 import sys
@@ -20,6 +19,7 @@ from loop_trainer.rollout import EpisodeLimits, RolloutEngine, RolloutFailureBud
 from loop_trainer.rollout.vllm_backend import VLLMBackend
 from loop_trainer.rollout.vllm_server import VLLMServerBackend
 from loop_trainer.rollout.weight_sync import WeightSync, WeightSyncError
+from support.fake_vllm_server import serving
 from support.helpers import EchoEnv, EchoEpisode, ScriptedBackend
 from support.qwen import QWEN25_DEFAULT_SYSTEM_PROMPT
 
@@ -550,57 +550,20 @@ def test_a_timeout_error_of_the_environment_is_its_own_not_env_timeout(qwen_toke
     assert batch.failed[0].error == "TimeoutError: the tool server timed out" and engine.abandoned_calls == 0
 
 
-class FakeVLLMServer(http.server.BaseHTTPRequestHandler):
-    """The few endpoints of vLLM's OpenAI server that VLLMServerBackend calls."""
-
-    def _answer(self, body):
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    prefix_caching: bool | None = True  # what /server_info says; None: no /server_info (no dev mode)
-
-    def do_GET(self):
-        if self.path.startswith("/server_info"):
-            if self.prefix_caching is None:
-                self.send_error(404)
-                return
-            self._answer({"vllm_config": {"cache_config": {"enable_prefix_caching": self.prefix_caching}}})
-            return
-        self._answer({"data": [{"id": "fake-model"}]})
-
-    def do_POST(self):
-        request = json.loads(self.rfile.read(int(self.headers["content-length"])) or b"{}")
-        if self.path == "/v1/completions":
-            ids = [7, 8, 9][: request["max_tokens"]]
-            self._answer({"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": [-0.5] * len(ids)}}]})
-        else:
-            self._answer({})
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture()
 def fake_vllm_server():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLMServer)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving() as server:
+        yield server
 
 
 def test_the_server_backend_releases_its_threads_and_session_on_close(fake_vllm_server, tmp_path):
-    with VLLMServerBackend(fake_vllm_server, stop_token_ids=[9], sync_dir=str(tmp_path)) as backend:
+    with VLLMServerBackend(fake_vllm_server.url, stop_token_ids=[9], sync_dir=str(tmp_path)) as backend:
         completion = asyncio.run(backend.generate([1, 2, 3], 3))
         assert (completion.token_ids, completion.stopped) == ([7, 8, 9], True)
         threads = list(backend._executor._threads)
     assert_threads_end(threads)
     assert not backend.session.adapters["http://"].poolmanager.pools  # connections closed
+    assert backend.completions is not None and backend.completions.open_connections == 0
     backend.close()  # idempotent
     with pytest.raises(RuntimeError, match="shutdown"):
         asyncio.run(backend.generate([1, 2, 3], 3))
@@ -610,8 +573,8 @@ def test_the_server_backend_releases_its_threads_and_session_on_close(fake_vllm_
 def test_the_server_backend_reads_whether_the_server_caches_prefixes(
     fake_vllm_server, tmp_path, caplog, monkeypatch, enabled
 ):
-    monkeypatch.setattr(FakeVLLMServer, "prefix_caching", enabled)
-    with VLLMServerBackend(fake_vllm_server, stop_token_ids=[9], sync_dir=str(tmp_path)) as backend:
+    fake_vllm_server.prefix_caching = enabled
+    with VLLMServerBackend(fake_vllm_server.url, stop_token_ids=[9], sync_dir=str(tmp_path)) as backend:
         assert backend.prefix_caching is enabled
     warned = [r.getMessage() for r in caplog.records if "prefix caching" in r.getMessage()]
     assert len(warned) == (enabled is False) and all("--enable-prefix-caching" in m for m in warned)
@@ -622,7 +585,9 @@ def test_server_weight_shards_are_at_most_shard_bytes(fake_vllm_server, tmp_path
 
     weights = [(f"layer{i}.weight", torch.ones(100)) for i in range(5)]  # 400 bytes each
     weights.insert(2, ("big.weight", torch.ones(600)))  # 2400 bytes: over the limit alone
-    with VLLMServerBackend(fake_vllm_server, stop_token_ids=[9], sync_dir=str(tmp_path), shard_bytes=1000) as backend:
+    with VLLMServerBackend(
+        fake_vllm_server.url, stop_token_ids=[9], sync_dir=str(tmp_path), shard_bytes=1000
+    ) as backend:
         backend.load_weights(iter(weights))
     shards = [load_file(path) for path in sorted((tmp_path / "weights").glob("part-*.safetensors"))]
     sizes = [sum(t.numel() * t.element_size() for t in shard.values()) for shard in shards]
@@ -638,7 +603,7 @@ def test_server_weight_shards_hold_tied_weights_each_as_its_own_tensor(fake_vllm
 
     embedding = torch.arange(12.0).reshape(4, 3)
     weights = [("model.embed_tokens.weight", embedding), ("lm_head.weight", embedding), ("norm.weight", torch.ones(3))]
-    with VLLMServerBackend(fake_vllm_server, stop_token_ids=[9], sync_dir=str(tmp_path)) as backend:
+    with VLLMServerBackend(fake_vllm_server.url, stop_token_ids=[9], sync_dir=str(tmp_path)) as backend:
         backend.load_weights(iter(weights))
     (shard,) = [load_file(path) for path in (tmp_path / "weights").glob("part-*.safetensors")]
     assert torch.equal(shard["lm_head.weight"], embedding) and torch.equal(

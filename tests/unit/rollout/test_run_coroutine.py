@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 
 import pytest
@@ -31,6 +32,7 @@ def test_the_result_is_returned_and_never_formatted_on_the_main_thread():
     """asyncio.run, on the main thread, puts SIGINT's handler back at its end; signal.signal formats the handler it
     replaces, a partial of the finished task, whose repr shows the task's result."""
     assert threading.current_thread() is threading.main_thread()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # else asyncio.run leaves SIGINT alone
     result = Unprintable()
     assert run_coroutine(make(result)) is result and result.formatted == 0
 
