@@ -10,6 +10,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 
 class FakeVLLMServer(http.server.ThreadingHTTPServer):
@@ -31,11 +32,15 @@ class FakeVLLMServer(http.server.ThreadingHTTPServer):
         self.cut_next = 0  # completion requests answered with a status line and headers, then the connection closed
         self.status = 200
         self.stall = 0.0  # seconds before answering a completion
-        self.closed = threading.Event()  # set whenever a connection ends on the server's side
+        self.closed = threading.Event()  # set whenever the server has closed a connection's socket
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def shutdown_request(self, request: Any) -> None:
+        super().shutdown_request(request)  # the socket closed: its FIN is on the way
+        self.closed.set()
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -46,10 +51,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         super().setup()
         with self.server.lock:
             self.server.connections += 1
-
-    def finish(self) -> None:
-        super().finish()
-        self.server.closed.set()
 
     def _answer(self, body: dict, status: int = 200) -> None:
         data = json.dumps(body).encode()
