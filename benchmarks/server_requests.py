@@ -111,21 +111,20 @@ def serve(port: int, reply_ids: list[int]) -> None:
     asyncio.run(main())
 
 
-def start_server(port: int, reply_ids: list[int], core: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "benchmarks.server_requests", "--serve", str(port), json.dumps(reply_ids)]
-    server = subprocess.Popen(["taskset", "-c", str(core), *command], cwd=ROOT)
-    import requests
+def start_server(port: int, reply_ids: list[int], core: int, log: Path) -> subprocess.Popen:
+    """The stand-in server on ``core``, once it answers (its output in ``log``)."""
+    from benchmarks.overlap import wait_for
 
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
-            return server
-        except requests.RequestException:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                raise RuntimeError("the stand-in server did not start") from None
-            time.sleep(0.2)
+    command = [sys.executable, "-m", "benchmarks.server_requests", "--serve", str(port), json.dumps(reply_ids)]
+    server = subprocess.Popen(
+        ["taskset", "-c", str(core), *command], cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT
+    )
+    try:
+        wait_for(f"http://127.0.0.1:{port}", server, log, timeout=30)
+    except BaseException:
+        server.kill()
+        raise
+    return server
 
 
 # -- the measurements ----------------------------------------------------------------------------------------------
@@ -148,7 +147,7 @@ def one_request(url: str, stop_ids: list[int], options: argparse.Namespace, sync
     rows: dict[str, Any] = {}
     for label, keep_alive in (("ours, keep-alive", True), ("ours, requests (before)", False)):
         with VLLMServerBackend(url, stop_token_ids=stop_ids, sync_dir=sync_dir, keep_alive=keep_alive) as backend:
-            payload = completion_payload(backend, prompt)
+            payload = backend.completion_request(prompt, MAX_NEW_TOKENS, seed=0, temperature=1.0)
             rows[label] = timed(lambda b=backend, p=payload: b._complete(p), options.requests)
     try:
         from trl.generation.vllm_client import VLLMClient
@@ -168,23 +167,6 @@ def one_request(url: str, stop_ids: list[int], options: argparse.Namespace, sync
         key: round(value / options.batch, 1) for key, value in batch.items()
     }
     return rows
-
-
-def completion_payload(backend: Any, prompt: list[int]) -> dict[str, Any]:
-    """The body our backend sends for a turn (captured from its own request path, not rebuilt here)."""
-    captured: list[dict[str, Any]] = []
-    original = backend._complete
-
-    def capture(payload: dict[str, Any]) -> dict[str, Any]:
-        captured.append(payload)
-        return original(payload)
-
-    backend._complete = capture
-    try:
-        asyncio.run(backend.generate(prompt, MAX_NEW_TOKENS, seed=0))
-    finally:
-        backend._complete = original
-    return captured[0]
 
 
 class Collection:
@@ -368,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         for form in ("compact", "english"):  # a stand-in server each: its reply is the form's
             port = free_local_port()
             collection = Collection(f"http://127.0.0.1:{port}", sync_dir, form)
-            server = start_server(port, collection.reply_ids(), server_core)
+            server = start_server(port, collection.reply_ids(), server_core, Path(sync_dir) / f"server-{form}.log")
             try:
                 collection.open()
                 if form == "compact":

@@ -195,9 +195,32 @@ class VLLMServerBackend:
         temperature: float,
         model: str | None = None,
     ) -> Completion:
+        payload = self.completion_request(prompt_ids, max_new_tokens, seed, temperature, model)
+        loop = asyncio.get_running_loop()
+        body = await loop.run_in_executor(self._executor, self._complete, payload)
+        if not body.get("choices"):
+            raise GeneratorServerError(f"vLLM server /v1/completions answered without choices: {str(body)[:300]}")
+        choice = body["choices"][0]
+        token_ids = list(choice["token_ids"])
+        logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+        if len(logprobs) != len(token_ids):
+            raise GeneratorServerError(f"vLLM server returned {len(token_ids)} tokens but {len(logprobs)} log-probs")
+        stopped = bool(token_ids) and token_ids[-1] in self.stop_token_ids
+        return Completion(token_ids=token_ids, logprobs=logprobs, stopped=stopped)
+
+    def completion_request(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        seed: int | None,
+        temperature: float,
+        model: str | None = None,
+    ) -> dict:
+        """The body of one turn's ``/v1/completions`` request: token ids in and out, the sampler's log-probs, the
+        reply ended by our stop ids only."""
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
-        payload = {
+        return {
             "model": model or self.model,
             "prompt": list(prompt_ids),
             "max_tokens": max_new_tokens,
@@ -213,17 +236,6 @@ class VLLMServerBackend:
             "return_token_ids": True,
             "skip_special_tokens": False,
         }
-        loop = asyncio.get_running_loop()
-        body = await loop.run_in_executor(self._executor, self._complete, payload)
-        if not body.get("choices"):
-            raise GeneratorServerError(f"vLLM server /v1/completions answered without choices: {str(body)[:300]}")
-        choice = body["choices"][0]
-        token_ids = list(choice["token_ids"])
-        logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
-        if len(logprobs) != len(token_ids):
-            raise GeneratorServerError(f"vLLM server returned {len(token_ids)} tokens but {len(logprobs)} log-probs")
-        stopped = bool(token_ids) and token_ids[-1] in self.stop_token_ids
-        return Completion(token_ids=token_ids, logprobs=logprobs, stopped=stopped)
 
     def _complete(self, payload: dict) -> dict:
         """POST ``/v1/completions`` (on a request thread)."""
