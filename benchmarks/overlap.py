@@ -44,6 +44,10 @@ the deepest mode's ``max_staleness`` + 1 adapters in a batch (``--max-loras``)::
     python -m benchmarks.overlap --gpu --recipe recipes/errands.yaml --model-dir WARM_START --set use_peft=true \
         --set lora_r=16 --set lora_alpha=32 --set lora_dropout=0 --staleness 0 1 2 --cut-staleness 1 \
         --partial-staleness 1 --iterations 12 --time-limit 500 --out overlap-gpu-lora.json
+
+``--process-staleness K`` adds a mode at ``max_staleness: K`` that collects ahead in a child process
+(``collection_process: true``, labelled ``K+process``) instead of on a thread of the training process: against the
+plain ``K`` mode it measures what the interpreter lock shared with the collection costs the update.
 """
 
 from __future__ import annotations
@@ -266,7 +270,7 @@ def worker(job: dict[str, Any]) -> None:
 
 MODE_KEYS = frozenset(
     {"config", "model_name_or_path", "output_dir", "iterations", "max_staleness", "partial_rollouts", "use_vllm"}
-    | {"vllm_mode", "vllm_server_base_url", "vllm_sync_dir"}
+    | {"vllm_mode", "vllm_server_base_url", "vllm_sync_dir", "collection_process"}
 )
 """The keys each mode sets itself (:func:`run_recipe_mode`), which ``--set`` may not change."""
 LORA_RANK_DEFAULT = 16  # TRL's ModelConfig.lora_r, what loop-train trains when a recipe names no lora_r
@@ -300,13 +304,15 @@ def server_flags(url: str, sync_dir: Path, staleness: int) -> dict[str, Any]:
     }
 
 
-VARIANTS = ("plain", "cut", "partial")
+VARIANTS = ("plain", "cut", "partial", "process")
 """A mode's collection: the recipe's own; behind the paper's straggler cut (:data:`CUT`), the stragglers cancelled;
-behind the cut, the stragglers carried into the next batch (partial rollouts)."""
+behind the cut, the stragglers carried into the next batch (partial rollouts); the recipe's own, collected ahead in a
+child process (``collection_process: true``) instead of on a thread."""
 
 
 def mode_label(staleness: int, variant: str = "plain") -> str:
-    """How a mode is named in the result: its ``max_staleness``, with ``+cut`` or ``+partial`` (:data:`VARIANTS`)."""
+    """How a mode is named in the result: its ``max_staleness``, with ``+cut``, ``+partial`` or ``+process``
+    (:data:`VARIANTS`)."""
     return str(staleness) if variant == "plain" else f"{staleness}+{variant}"
 
 
@@ -314,6 +320,8 @@ def variant_flags(variant: str) -> dict[str, Any]:
     """The ``loop-train`` flags of a variant (:data:`VARIANTS`)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r}: one of {VARIANTS}")
+    if variant == "process":
+        return {"collection_process": "true"}
     return {} if variant == "plain" else {**CUT, "partial_rollouts": str(variant == "partial").lower()}
 
 
@@ -358,7 +366,8 @@ def summary(staleness: int, history: list[dict[str, Any]], wall: float, variant:
     return {
         "mode": mode_label(staleness, variant),
         "max_staleness": staleness,
-        "straggler_cut": variant != "plain",
+        "straggler_cut": variant in ("cut", "partial"),
+        "collection_process": variant == "process",
         "partial_rollouts": variant == "partial",
         "iterations": len(history),
         "wall_seconds": wall,
@@ -435,6 +444,14 @@ def main(argv: list[str] | None = None) -> None:
         "(the control of --partial-staleness), before the partial ones",
     )
     parser.add_argument(
+        "--process-staleness",
+        type=int,
+        nargs="+",
+        default=[],
+        help="with --recipe: modes at these max_staleness (>= 1) that collect ahead in a child process "
+        "(collection_process: true) instead of on a thread, after the others",
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -471,12 +488,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     if options.gpu and (options.processes > 1 or not options.recipe):
         parser.error("--gpu runs a --recipe in one training process (the demo's tiny model is CPU-sized)")
-    if (options.partial_staleness or options.cut_staleness or options.set) and not options.recipe:
-        parser.error("--partial-staleness, --cut-staleness and --set apply to a --recipe")
+    if (options.partial_staleness or options.cut_staleness or options.process_staleness or options.set) and (
+        not options.recipe
+    ):
+        parser.error("--partial-staleness, --cut-staleness, --process-staleness and --set apply to a --recipe")
     if any(staleness < 0 for staleness in options.staleness + options.cut_staleness):
         parser.error("--staleness and --cut-staleness: max_staleness is 0 or more")
     if any(staleness < 1 for staleness in options.partial_staleness):
         parser.error("--partial-staleness: partial rollouts need max_staleness >= 1")
+    if any(staleness < 1 for staleness in options.process_staleness):
+        parser.error("--process-staleness: a collection process collects ahead, which needs max_staleness >= 1")
     if any("=" not in pair for pair in options.set):
         parser.error(f"--set takes KEY=VALUE; got {[pair for pair in options.set if '=' not in pair]}")
     recipe_keys = dict(pair.split("=", 1) for pair in options.set)
@@ -485,9 +506,9 @@ def main(argv: list[str] | None = None) -> None:
     if fixed:
         parser.error(
             f"--set cannot change {fixed}: each mode sets them itself (--staleness, --cut-staleness, "
-            "--partial-staleness)"
+            "--partial-staleness, --process-staleness)"
         )
-    deepest = max(options.staleness + options.cut_staleness + options.partial_staleness)
+    deepest = max(options.staleness + options.cut_staleness + options.partial_staleness + options.process_staleness)
     settings = recipe_settings(options.recipe, recipe_keys) if options.recipe else {}
     if options.recipe and deepest > 1 and served_lora_rank(settings) is None:
         parser.error(
@@ -566,6 +587,7 @@ def main(argv: list[str] | None = None) -> None:
                 [(k, "plain") for k in options.staleness]
                 + [(k, "cut") for k in options.cut_staleness]
                 + [(k, "partial") for k in options.partial_staleness]
+                + [(k, "process") for k in options.process_staleness]
             )
             for staleness, variant in modes:
                 if options.time_limit and runs and time.perf_counter() - began > options.time_limit * 0.55:

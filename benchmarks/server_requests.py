@@ -22,8 +22,9 @@ episode runs its 32 turns). So what is measured is this process's side alone. Th
    (24 new tokens a turn, episodes of 2-3k tokens), where tokenising the environment's answers costs more.
 3. **An update beside the collection**: a stream of tiny torch operations on the main thread (each releases and
    retakes the interpreter lock, as a CUDA kernel launch does) while the iteration is collected on a thread of the
-   same process, as ``max_staleness: 1`` runs them: operations a second alone and beside, and the collection's wall
-   seconds alone and beside.
+   same process, as ``max_staleness: 1`` runs them, or in a child process (``collection_process: true``; the child
+   runs on this process's cores): operations a second alone and beside, and the collection's wall seconds alone and
+   beside.
 
 This process runs on ``--cores`` (default: every core but the server's); on two cores the third part shares one core
 with the server, which the result records. ``--switch-interval`` sets how soon a thread waiting for the interpreter
@@ -147,8 +148,9 @@ def one_request(url: str, stop_ids: list[int], options: argparse.Namespace, sync
     rows: dict[str, Any] = {}
     for label, keep_alive in (("ours, keep-alive", True), ("ours, requests (before)", False)):
         with VLLMServerBackend(url, stop_token_ids=stop_ids, sync_dir=sync_dir, keep_alive=keep_alive) as backend:
-            payload = backend.completion_request(prompt, MAX_NEW_TOKENS, seed=0, temperature=1.0)
-            rows[label] = timed(lambda b=backend, p=payload: b._complete(p), options.requests)
+            ours = backend.client
+            payload = ours.completion_request(prompt, MAX_NEW_TOKENS, seed=0, temperature=1.0, model=backend.model)
+            rows[label] = timed(lambda c=ours, p=payload: c._complete(p), options.requests)
     try:
         from trl.generation.vllm_client import VLLMClient
 
@@ -193,7 +195,7 @@ class Collection:
     def open(self) -> None:
         """Connect to the server (once it runs)."""
         from loop_trainer.chat import ChatFormatter
-        from loop_trainer.rollout.engine import RolloutEngine
+        from loop_trainer.rollout.engine import EngineSetup
         from loop_trainer.rollout.records import EpisodeLimits
         from loop_trainer.rollout.vllm_server import VLLMServerBackend
 
@@ -202,17 +204,20 @@ class Collection:
             keep_alive: VLLMServerBackend(url, stop_token_ids=self.stop_ids, sync_dir=sync_dir, keep_alive=keep_alive)
             for keep_alive in (True, False)
         }
-        limits = EpisodeLimits(*LIMITS[self.form])
-        self.engine = RolloutEngine(
-            self.env, self.backends[True], ChatFormatter(self.tokenizer), limits, show_progress=False
+        # the engine's defaults: env_timeout 300 s, no context policy, up to 256 episodes at once
+        self.setup = EngineSetup(
+            self.env, ChatFormatter(self.tokenizer), EpisodeLimits(*LIMITS[self.form]), 300, None, 256
         )
+        self.engine = self.setup.build(self.backends[True])
 
     def reply_ids(self) -> list[int]:
         return [*self.tokenizer.encode(REPLY_TEXT[self.form], add_special_tokens=False), self.stop_ids[0]]
 
-    def run(self, keep_alive: bool) -> dict[str, float]:
+    def run(self, keep_alive: bool, child: Any = None) -> dict[str, float]:
+        """One iteration, on this process or by ``child`` (a :class:`CollectionProcess`: then ``cpu_s`` is this
+        process's alone, its waiting thread's)."""
         wall, cpu = time.perf_counter(), time.process_time()
-        batch = self.engine.collect(self.tasks, ROLLOUTS, seed=0, backend=self.backends[keep_alive])
+        batch = (child or self.engine).collect(self.tasks, ROLLOUTS, seed=0, backend=self.backends[keep_alive])
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         turns = sum(max(t.turn_ids) + 1 for t in batch.trajectories)
         if len(batch.trajectories) != TASKS * ROLLOUTS or turns != TASKS * ROLLOUTS * MAX_TURNS:
@@ -272,16 +277,28 @@ def iteration(collection: Collection, repeats: int) -> dict[str, Any]:
 
 
 def beside(collection: Collection, options: argparse.Namespace) -> dict[str, Any]:
-    """The update's launch rate alone and while the collection runs on another thread, and the collection's wall
-    seconds alone and beside the update."""
+    """The update's launch rate alone and while the collection runs on another thread (or in a child process, a
+    thread of this one waiting for it: ``collection_process``), and the collection's wall seconds alone and beside
+    the update."""
+    from loop_trainer.rollout.collection_process import CollectionProcess
+
     rows: dict[str, Any] = {}
-    for keep_alive, label in ((True, "ours, keep-alive"), (False, "ours, requests (before)")):
+    child = CollectionProcess(collection.setup)
+    collection.run(True, child)  # unmeasured: the child's start, its first connections
+    paths = (
+        (True, None, "ours, keep-alive"),
+        (False, None, "ours, requests (before)"),
+        (True, child, "ours, keep-alive, collection_process"),
+    )
+    for keep_alive, process, label in paths:
         trials = []
         for _ in range(options.repeats):
             alone_rate = options.launches / launches(options.launches)
-            collection_alone = collection.run(keep_alive)["wall_s"]
+            collection_alone = collection.run(keep_alive, process)["wall_s"]
             collected: dict[str, float] = {}
-            thread = threading.Thread(target=lambda k=keep_alive, out=collected: out.update(collection.run(k)))
+            thread = threading.Thread(
+                target=lambda k=keep_alive, p=process, out=collected: out.update(collection.run(k, p))
+            )
             thread.start()
             beside_rate = launch_rate_while(thread)
             thread.join()
@@ -302,6 +319,7 @@ def beside(collection: Collection, options: argparse.Namespace) -> dict[str, Any
                 statistics.median(t["collection_wall_s_beside"] / t["collection_wall_s_alone"] for t in trials), 2
             ),
         }
+    child.close()
     return rows
 
 

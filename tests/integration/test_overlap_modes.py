@@ -17,10 +17,22 @@ from benchmarks import overlap  # noqa: E402
 @pytest.mark.parametrize(
     ("argv", "said"),
     [
-        (["--partial-staleness", "1"], "--partial-staleness, --cut-staleness and --set apply to a --recipe"),
-        (["--cut-staleness", "1"], "--partial-staleness, --cut-staleness and --set apply to a --recipe"),
-        (["--set", "use_peft=true"], "--partial-staleness, --cut-staleness and --set apply to a --recipe"),
+        (
+            ["--partial-staleness", "1"],
+            "--partial-staleness, --cut-staleness, --process-staleness and --set apply to a --recipe",
+        ),
+        (
+            ["--cut-staleness", "1"],
+            "--partial-staleness, --cut-staleness, --process-staleness and --set apply to a --recipe",
+        ),
+        (
+            ["--set", "use_peft=true"],
+            "--partial-staleness, --cut-staleness, --process-staleness and --set apply to a --recipe",
+        ),
+        (["--process-staleness", "1"], "--process-staleness and --set apply to a --recipe"),
         (["--recipe", "recipes/demo.yaml", "--partial-staleness", "0"], "partial rollouts need max_staleness >= 1"),
+        (["--recipe", "recipes/demo.yaml", "--process-staleness", "0"], "which needs max_staleness >= 1"),
+        (["--recipe", "recipes/demo.yaml", "--set", "collection_process=true"], "--set cannot change ['collection"),
         (["--recipe", "recipes/demo.yaml", "--cut-staleness", "-1"], "max_staleness is 0 or more"),
         (["--recipe", "recipes/demo.yaml", "--set", "use_peft"], "--set takes KEY=VALUE; got ['use_peft']"),
         (["--recipe", "recipes/demo.yaml", "--set", "max_staleness=2"], "--set cannot change ['max_staleness']"),
@@ -68,17 +80,20 @@ def test_a_partial_mode_is_named_apart_and_counts_what_its_cut_carried():
     partial = overlap.summary(1, history, wall=14.0, variant="partial")
     cut = overlap.summary(1, history, wall=14.0, variant="cut")
     plain = overlap.summary(1, history, wall=14.0)
-    assert [(m["mode"], m["straggler_cut"], m["partial_rollouts"]) for m in (plain, cut, partial)] == [
-        ("1", False, False),
-        ("1+cut", True, False),
-        ("1+partial", True, True),
+    process = overlap.summary(1, history, wall=14.0, variant="process")
+    modes = (plain, cut, partial, process)
+    assert [(m["mode"], m["straggler_cut"], m["partial_rollouts"], m["collection_process"]) for m in modes] == [
+        ("1", False, False, False),
+        ("1+cut", True, False, False),
+        ("1+partial", True, True, False),
+        ("1+process", False, False, True),
     ]
     assert partial["carried_episodes"] == [1.0, 2.0, 3.0, 4.0] and partial["steady_iterations"] == 2
 
 
 def test_the_cut_control_differs_from_the_partial_mode_only_in_carrying_its_stragglers():
-    plain, cut, partial = (overlap.variant_flags(v) for v in overlap.VARIANTS)
-    assert plain == {}
+    plain, cut, partial, process = (overlap.variant_flags(v) for v in overlap.VARIANTS)
+    assert plain == {} and process == {"collection_process": "true"}  # the recipe's collection, in a child
     assert cut == {**overlap.CUT, "partial_rollouts": "false"} and partial == {
         **overlap.CUT,
         "partial_rollouts": "true",

@@ -15,7 +15,7 @@ from typing import Any
 
 class FakeVLLMServer(http.server.ThreadingHTTPServer):
     """Counts its connections and keeps every completion request's path and body; completions answer
-    ``[7, 8, 9][:max_tokens]``."""
+    ``[7, 8, 9][:max_tokens]`` (with ``varied``, a first id that depends on the seed and the prompt's length)."""
 
     daemon_threads = True
 
@@ -32,6 +32,7 @@ class FakeVLLMServer(http.server.ThreadingHTTPServer):
         self.cut_next = 0  # completion requests answered with a status line and headers, then the connection closed
         self.status = 200
         self.stall = 0.0  # seconds before answering a completion
+        self.varied = False  # answer ids that depend on the request's seed and prompt length (a sampler's stand-in)
         self.closed = threading.Event()  # set whenever the server has closed a connection's socket
 
     @property
@@ -101,6 +102,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._answer({"error": "the model is asleep"}, self.server.status)
             return
         ids = [7, 8, 9][: request["max_tokens"]]
+        if self.server.varied:
+            ids = [7 + (int(request["seed"] or 0) + len(request["prompt"])) % 50, 8, 9][: request["max_tokens"]]
         self._answer({"choices": [{"token_ids": ids, "logprobs": {"token_logprobs": [-0.5] * len(ids)}}]})
         if self.server.close_after_answer:
             self.close_connection = True

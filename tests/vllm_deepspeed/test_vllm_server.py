@@ -21,6 +21,7 @@ from vllm_helpers import collect, logprobs_of  # tests/vllm_deepspeed
 from loop_trainer import LOOPConfig, LOOPTrainer
 from loop_trainer.net import free_local_port
 from loop_trainer.rollout import TransformersBackend
+from loop_trainer.rollout.collection_process import CollectionProcess
 from loop_trainer.rollout.vllm_server import SERVER_ENV, VLLMServerBackend
 from loop_trainer.rollout.weight_sync import WeightSync, probe_token_ids
 
@@ -119,7 +120,7 @@ def test_server_episodes_are_token_exact_and_log_probs_are_the_trainers(vault, s
         )
     # The completions went over keep-alive connections (one per request thread). uvicorn closes one idle for 5 s,
     # as through an update: the next turns find them closed and open new ones, nothing sent twice, nothing failed.
-    connections = backend.completions
+    connections = backend.client.completions
     assert connections is not None and connections.open_connections > 0
     reconnects = connections.reconnects
     time.sleep(6)
@@ -274,3 +275,29 @@ def test_an_overlapped_run_two_versions_deep_on_the_server(vault, server, tmp_pa
     names = {m["id"] for m in requests.get(server + "/v1/models").json()["data"]}
     run = {backend.adapter_name(v) for v in range(4)}
     assert run & names == {backend.adapter_name(3)}  # the versions no batch needed were unloaded
+
+
+def test_an_overlapped_run_collects_its_queued_batches_in_a_child_process(vault, server, tmp_path, monkeypatch):
+    """collection_process: the batches queued ahead come from a child process sampling the server, the first one
+    from the trainer's own engine; the run trains as on a thread, and ends its child."""
+    env, _, tokenizer, path = vault
+    collected: list[tuple[int | None, int]] = []
+    original = CollectionProcess.collect
+
+    def counting(self, tasks, rollouts_per_task, **kwargs):
+        batch = original(self, tasks, rollouts_per_task, **kwargs)
+        collected.append((self.pid, len(batch.trajectories) + len(batch.failed)))
+        return batch
+
+    monkeypatch.setattr(CollectionProcess, "collect", counting)
+    policy = type(vault[1]).from_pretrained(path).float()
+    args = server_run(tmp_path, server, iterations=3, max_staleness=1, collection_process=True)
+    trainer = LOOPTrainer(policy, env, args, processing_class=tokenizer, peft_config=LORA)
+    child = trainer.rollout_resources.collection_process
+    trainer.train()
+    assert collected == [(child.pid, 12), (child.pid, 12)] and child.pid != os.getpid()
+    assert not child._process.is_alive() and not trainer.rollout_resources.is_open  # train() closed it
+    assert [r["policy_staleness"] for r in trainer.history] == [0.0, 1.0, 1.0]
+    assert all(r["weight_sync_logprob_diff_max"] <= 1e-3 for r in trainer.history)
+    assert all(r["optimizer_steps"] >= 1 for r in trainer.history)
+    assert all(r["generation_retries"] == 0.0 for r in trainer.history)

@@ -403,6 +403,8 @@ def overlap_note(args: LOOPConfig) -> str:
     )
     if k > 1 and args.use_vllm and args.vllm_mode == "server":
         note += f"; the server holds up to {k + 1} LoRA adapters at once: start it with --max-loras {k + 1}"
+    if args.collection_process:
+        note += "; collection_process: each training process collects the queued batches in a child process"
     if args.partial_rollouts:
         note += (
             "; partial_rollouts: the groups running at each cut continue into the next batch, every turn sampled "

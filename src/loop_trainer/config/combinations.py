@@ -144,6 +144,27 @@ def _partial_rollouts_need_overlap_and_a_cut(config: LOOPConfig, launch: Launch)
     return None
 
 
+def _collection_process_needs_overlap_on_a_server(config: LOOPConfig, launch: Launch) -> str | None:
+    if not config.collection_process:
+        return None
+    if not config.max_staleness:
+        return (
+            "collection_process collects the batches queued ahead (max_staleness) in a process of its own: set "
+            "max_staleness: 1 or more, or collection_process: false"
+        )
+    if not (config.use_vllm and config.vllm_mode == "server" and _built_in(launch)):
+        return (
+            "collection_process samples through a vLLM server the child process reaches by itself: set use_vllm: "
+            "true and vllm_mode: server, or collection_process: false"
+        )
+    if config.partial_rollouts:
+        return (
+            "partial_rollouts keeps episodes running across batches on the training process's collection thread, "
+            "and collection_process collects each batch in another process: set one of them to false"
+        )
+    return None
+
+
 def _offloading_needs_a_gpu(config: LOOPConfig, launch: Launch) -> str | None:
     if config.activation_offloading and (config.use_cpu or not launch.cuda):
         return (
@@ -262,6 +283,7 @@ RULES: tuple[Rule, ...] = (
     _overlap_needs_a_generator_with_its_own_weights,
     _several_versions_on_a_server_need_adapters,
     _partial_rollouts_need_overlap_and_a_cut,
+    _collection_process_needs_overlap_on_a_server,
     _offloading_needs_a_gpu,
     _compile_needs_static,
     _transformers_parts_with_vllm,

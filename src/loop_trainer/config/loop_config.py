@@ -160,6 +160,13 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
         "cancelled; their next turns are sampled by the newest policy, each token weighted by its own sampler's "
         "log-prob. An episode spanning more than max_staleness policy versions is dropped and counted.",
     )
+    collection_process: bool = setting(
+        False,
+        "With max_staleness and a vLLM server: collect the batches queued ahead in a child process of each training "
+        "process (the environment and tokenizer sent to it by pickle), so the collection's Python work (tokenising, "
+        "requests, the environment) does not hold the interpreter lock the update's kernel launches need. False: on "
+        "a thread of the training process.",
+    )
     dynamic_sampling_rounds: int = setting(
         0,
         "Dynamic sampling (DAPO): up to this many extra rounds of new tasks until the "

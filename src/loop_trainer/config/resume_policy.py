@@ -111,6 +111,8 @@ _APPLIED = (
 )
 _FIXED = ("optim", "optim_args", "optim_target_modules")
 _FREE = (
+    # where a batch's collection runs (a thread or a child process): the same requests, seeds and episodes
+    "collection_process",
     # the run's length, identity and resuming
     "iterations",
     "output_dir",

@@ -30,6 +30,7 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from ..chat import ChatFormatter
@@ -432,6 +433,31 @@ class RolloutEngine:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """What a rollout engine is built from, but its backend: the run's engine and a collection process's
+    (:mod:`.collection_process`, which receives it pickled) are built alike."""
+
+    env: Environment
+    formatter: ChatFormatter
+    limits: EpisodeLimits
+    env_timeout: float
+    context_policy: ContextPolicy | None
+    max_concurrent_episodes: int
+
+    def build(self, backend: GenerationBackend, show_progress: bool = False) -> RolloutEngine:
+        return RolloutEngine(
+            self.env,
+            backend,
+            self.formatter,
+            self.limits,
+            env_timeout=self.env_timeout,
+            context_policy=self.context_policy,
+            show_progress=show_progress,
+            max_concurrent_episodes=self.max_concurrent_episodes,
+        )
 
 
 async def _awaited(awaitable: Awaitable[T]) -> T:

@@ -11,17 +11,23 @@ are the same whatever the number of processes."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from accelerate.utils import gather_object
 
 from ..trajectory import Trajectory
 from .backend import GenerationBackend
-from .engine import RolloutBatch, RolloutEngine
+from .engine import RolloutBatch
+
+
+class Collector(Protocol):
+    """What collects a batch: the rollout engine, or a collection process (:mod:`.collection_process`)."""
+
+    def collect(self, tasks: Sequence[Mapping[str, Any]], rollouts_per_task: int, **kwargs: Any) -> RolloutBatch: ...
 
 
 def collect_share(
-    engine: RolloutEngine,
+    engine: Collector,
     tasks: Sequence[Mapping[str, Any]],
     rollouts_per_task: int,
     *,

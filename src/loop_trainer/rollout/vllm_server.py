@@ -16,24 +16,19 @@ the shared filesystem of a cluster):
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import http.client
 import json
 import logging
 import shutil
-import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import requests
 import torch
-from requests.adapters import HTTPAdapter
-from requests.utils import get_environ_proxies, select_proxy
 
-from .backend import Completion, TemperatureView
-from .keep_alive import KeepAliveConnections
+from .backend import Completion, GenerationBackend, TemperatureView
+from .server_client import GeneratorServerError, ServerClient, ServerEndpoint, ServerSampling
+
+__all__ = ["SERVER_ENV", "SERVER_FLAGS", "AdapterView", "GeneratorServerError", "VLLMServerBackend", "server_sampling"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +37,6 @@ SERVER_FLAGS = (
     "--enable-prefix-caching (vLLM's default; every turn reuses the conversation's KV cache)"
 )
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-
-
-class GeneratorServerError(RuntimeError):
-    """The vLLM server is unreachable or refused a request."""
 
 
 class VLLMServerBackend:
@@ -62,13 +53,12 @@ class VLLMServerBackend:
             is written alone).
         keep_versions: keep every loaded adapter until :meth:`release_versions_below` (several policy
             versions sampled at once: ``max_staleness`` above 1); full weights are one version only.
-        keep_alive: send the completions over a keep-alive connection per request thread
-            (:class:`~.keep_alive.KeepAliveConnections`: a fraction of ``requests``' CPU a turn). False, an
-            ``https://`` URL, or a proxy that applies to the URL (``HTTP_PROXY``, not excluded by ``NO_PROXY``) sends
-            them through ``requests``, as the other calls.
+        keep_alive: send the completions over a keep-alive connection per request thread (as
+            :class:`~.server_client.ServerEndpoint` says).
 
-    It owns an HTTP session and the threads that wait on requests: release them with
-    :meth:`close` or ``with VLLMServerBackend(...) as backend:``. The server itself is not ours.
+    It owns an HTTP client (:class:`~.server_client.ServerClient`: a session, connections, the threads that wait
+    on requests): release it with :meth:`close` or ``with VLLMServerBackend(...) as backend:``. The server itself
+    is not ours.
     """
 
     def __init__(
@@ -87,14 +77,11 @@ class VLLMServerBackend:
         keep_versions: bool = False,
         keep_alive: bool = True,
     ):
-        parts = urllib.parse.urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise GeneratorServerError(
-                f"the vLLM server's URL {base_url!r} is not http(s)://host:port: fix vllm_server_base_url (or "
-                "vllm_server_host and vllm_server_port)"
-            )
-        self.base_url = base_url.rstrip("/")
-        self.stop_token_ids = sorted(set(stop_token_ids))
+        self.client = ServerClient(
+            ServerEndpoint(base_url, tuple(stop_token_ids), max_concurrency, timeout, keep_alive)
+        )
+        self.base_url = self.client.base_url
+        self.stop_token_ids = self.client.stop_token_ids
         self.temperature = temperature
         self.timeout = timeout
         self.sync_dir = Path(sync_dir)
@@ -103,17 +90,6 @@ class VLLMServerBackend:
         self.shard_bytes = shard_bytes
         self.keep_versions = keep_versions
         self._versions: dict[int, str] = {}  # with keep_versions: the adapters loaded, by policy version
-        self.session = requests.Session()
-        self.session.mount("http://", HTTPAdapter(pool_maxsize=max_concurrency))
-        self.session.mount("https://", HTTPAdapter(pool_maxsize=max_concurrency))
-        self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="vllm-server")
-        self.completions: KeepAliveConnections | None = None
-        if keep_alive and parts.scheme == "https":
-            logger.info("%s is https: completions go through requests (its certificate bundle)", self.base_url)
-        elif keep_alive and select_proxy(self.base_url, get_environ_proxies(self.base_url)):
-            logger.info("a proxy applies to %s: completions go through it, by requests", self.base_url)
-        elif keep_alive:
-            self.completions = KeepAliveConnections(self.base_url, timeout)
         try:
             self.base_model = self._wait_for_server(connect_timeout)
             self.prefix_caching = self._prefix_caching()
@@ -158,11 +134,7 @@ class VLLMServerBackend:
         return enabled if isinstance(enabled, bool) else None
 
     def _request(self, method: str, path: str, payload: dict | None = None, timeout: float | None = None) -> dict:
-        try:
-            response = self.session.request(method, self.base_url + path, json=payload, timeout=timeout or self.timeout)
-        except requests.RequestException as error:
-            raise GeneratorServerError(f"vLLM server {self.base_url}{path}: {error}") from error
-        return _answer(path, response.status_code, response.content, response.headers.get("content-type", ""))
+        return self.client.request(method, path, payload, timeout)
 
     # -- generation ----------------------------------------------------------------------------
     async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
@@ -195,57 +167,7 @@ class VLLMServerBackend:
         temperature: float,
         model: str | None = None,
     ) -> Completion:
-        payload = self.completion_request(prompt_ids, max_new_tokens, seed, temperature, model)
-        loop = asyncio.get_running_loop()
-        body = await loop.run_in_executor(self._executor, self._complete, payload)
-        if not body.get("choices"):
-            raise GeneratorServerError(f"vLLM server /v1/completions answered without choices: {str(body)[:300]}")
-        choice = body["choices"][0]
-        token_ids = list(choice["token_ids"])
-        logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
-        if len(logprobs) != len(token_ids):
-            raise GeneratorServerError(f"vLLM server returned {len(token_ids)} tokens but {len(logprobs)} log-probs")
-        stopped = bool(token_ids) and token_ids[-1] in self.stop_token_ids
-        return Completion(token_ids=token_ids, logprobs=logprobs, stopped=stopped)
-
-    def completion_request(
-        self,
-        prompt_ids: Sequence[int],
-        max_new_tokens: int,
-        seed: int | None,
-        temperature: float,
-        model: str | None = None,
-    ) -> dict:
-        """The body of one turn's ``/v1/completions`` request: token ids in and out, the sampler's log-probs, the
-        reply ended by our stop ids only."""
-        if max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        return {
-            "model": model or self.model,
-            "prompt": list(prompt_ids),
-            "max_tokens": max_new_tokens,
-            "temperature": temperature,
-            "top_p": 1.0,
-            "top_k": 0,
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "seed": seed,
-            "logprobs": 0,
-            "stop_token_ids": self.stop_token_ids,
-            "ignore_eos": True,  # replies end at our stop ids only
-            "return_token_ids": True,
-            "skip_special_tokens": False,
-        }
-
-    def _complete(self, payload: dict) -> dict:
-        """POST ``/v1/completions`` (on a request thread)."""
-        if self.completions is None:
-            return self._request("POST", "/v1/completions", payload)
-        try:
-            status, body, content_type = self.completions.post_json("/v1/completions", payload)
-        except (OSError, http.client.HTTPException) as error:
-            raise GeneratorServerError(f"vLLM server {self.base_url}/v1/completions: {error}") from error
-        return _answer("/v1/completions", status, body, content_type)
+        return await self.client.complete(prompt_ids, max_new_tokens, seed, temperature, model or self.model)
 
     # -- weights -------------------------------------------------------------------------------
     def adapter_name(self, version: int) -> str:
@@ -342,30 +264,13 @@ class VLLMServerBackend:
     def close(self) -> None:
         """Stop the request threads and close the HTTP session and connections. Idempotent; the server keeps
         running."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self.session.close()
-        if self.completions is not None:
-            self.completions.close()
+        self.client.close()
 
     def __enter__(self) -> VLLMServerBackend:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _answer(path: str, status: int, body: bytes, content_type: str) -> dict:
-    """A server's answer to ``path``, parsed: its JSON (``{}`` if it sent none), or a :class:`GeneratorServerError`
-    that quotes it."""
-    if status != 200:
-        text = body.decode("utf-8", errors="replace")
-        raise GeneratorServerError(f"vLLM server {path} answered {status}: {text[:300]}")
-    if not body or not content_type.startswith("application/json"):
-        return {}
-    try:
-        return json.loads(body)
-    except ValueError as error:
-        raise GeneratorServerError(f"vLLM server {path} answered malformed JSON ({error}): {body[:300]!r}") from None
 
 
 class AdapterView:
@@ -377,3 +282,17 @@ class AdapterView:
 
     async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
         return await self.server._submit(prompt_ids, max_new_tokens, seed, self.server.temperature, self.adapter)
+
+    def sampling(self) -> ServerSampling:
+        return ServerSampling(self.server.client.endpoint, self.adapter, self.server.temperature)
+
+
+def server_sampling(sampler: GenerationBackend) -> ServerSampling | None:
+    """What ``sampler`` samples, as settings another process can sample through
+    (:class:`~.server_client.ServerSampler`): for the server backend (the policy it holds now) and one version's
+    view of it; None for any other backend."""
+    if isinstance(sampler, VLLMServerBackend):
+        return ServerSampling(sampler.client.endpoint, sampler.model, sampler.temperature)
+    if isinstance(sampler, AdapterView):
+        return sampler.sampling()
+    return None

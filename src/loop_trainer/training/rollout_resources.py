@@ -1,6 +1,7 @@
-"""The parts of a run that sample: the generator, the rollout engine of the training iterations and
-the evaluator. Each is opened on first use and all are released together by :meth:`close` (at the
-end of ``train()``, by ``LOOPTrainer.close()``); used again afterwards, they are opened anew."""
+"""The parts of a run that sample: the generator, the rollout engine of the training iterations, the
+evaluator and (``collection_process``) the child process that collects the batches queued ahead. Each is
+opened on first use and all are released together by :meth:`close` (at the end of ``train()``, by
+``LOOPTrainer.close()``); used again afterwards, they are opened anew."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from ..config import EpisodeSettings
 from ..envs.base import Environment
 from ..evaluation import Evaluator
 from ..rollout import RolloutEngine
+from ..rollout.collection_process import ChildTotals, CollectionProcess
+from ..rollout.engine import EngineSetup
 from ..rollout.generator import RolloutGenerator
 
 
@@ -35,10 +38,12 @@ class RolloutResources:
         self._generator: RolloutGenerator | None = None
         self._engine: RolloutEngine | None = None
         self._evaluator: Evaluator | None = None
+        self._collection_process: CollectionProcess | None = None
 
     @property
     def is_open(self) -> bool:
-        return any(part is not None for part in (self._generator, self._engine, self._evaluator))
+        parts = (self._generator, self._engine, self._evaluator, self._collection_process)
+        return any(part is not None for part in parts)
 
     @property
     def generator(self) -> RolloutGenerator:
@@ -49,18 +54,39 @@ class RolloutResources:
     @property
     def engine(self) -> RolloutEngine:
         if self._engine is None:
-            settings = self.settings
-            self._engine = RolloutEngine(
-                self.env,
-                self.generator.backend,
-                self.formatter,
-                settings.episode_limits(),
-                env_timeout=settings.env_timeout,
-                context_policy=settings.context_policy(),
-                show_progress=self.show_progress,
-                max_concurrent_episodes=settings.concurrency_for(self.env.max_concurrent_episodes),
-            )
+            self._engine = self.engine_setup().build(self.generator.backend, self.show_progress)
         return self._engine
+
+    def engine_setup(self) -> EngineSetup:
+        settings = self.settings
+        return EngineSetup(
+            self.env,
+            self.formatter,
+            settings.episode_limits(),
+            settings.env_timeout,
+            settings.context_policy(),
+            settings.concurrency_for(self.env.max_concurrent_episodes),
+        )
+
+    @property
+    def collection_process(self) -> CollectionProcess:
+        """A child process that collects batches with a copy of this engine's setup (``collection_process``)."""
+        if self._collection_process is None:
+            self._collection_process = CollectionProcess(self.engine_setup())
+        return self._collection_process
+
+    def running_totals(self) -> dict[str, float]:
+        """The run's totals so far, logged each iteration: generation retries, abandoned environment calls and the
+        environment's own metrics (``env_``), the collection process's added to this process's."""
+        child = self._collection_process.totals if self._collection_process is not None else ChildTotals()
+        totals = {
+            "generation_retries": float(self.engine.generation_retries + child.generation_retries),
+            "env_abandoned_calls": float(self.engine.abandoned_calls + child.abandoned_calls),
+        }
+        env_metrics = dict(self.env.metrics())
+        for key, value in child.env_metrics.items():
+            env_metrics[key] = env_metrics.get(key, 0.0) + value
+        return totals | {f"env_{key}": value for key, value in env_metrics.items()}
 
     @property
     def evaluator(self) -> Evaluator:
@@ -79,10 +105,10 @@ class RolloutResources:
     def close(self) -> None:
         """Release thread pools and the generator (a vLLM engine, its temporary files); idempotent.
         The environment is its creator's to close."""
-        for part in (self._evaluator, self._engine, self._generator):
+        for part in (self._collection_process, self._evaluator, self._engine, self._generator):
             if part is not None:
                 part.close()
-        self._evaluator = self._engine = self._generator = None
+        self._evaluator = self._engine = self._generator = self._collection_process = None
 
     def __enter__(self) -> RolloutResources:
         return self

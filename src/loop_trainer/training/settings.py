@@ -62,6 +62,8 @@ class CollectionSettings:
     partial_rollouts: bool
     """Carry the groups running at a batch's cut into the next one (:mod:`..rollout.partial`)."""
     max_staleness: int
+    collection_process: bool
+    """Collect the batches queued ahead in a child process (:mod:`..rollout.collection_process`)."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,7 @@ def collection_settings(config: LOOPConfig) -> CollectionSettings:
         early_stop_task_fraction=config.early_stop_task_fraction,
         partial_rollouts=config.partial_rollouts,
         max_staleness=config.max_staleness,
+        collection_process=config.collection_process,
     )
 
 

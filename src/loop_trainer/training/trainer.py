@@ -49,6 +49,7 @@ from ..envs.base import Environment, load_tasks
 from ..evaluation import Evaluator, write_evaluation_viewer
 from ..publishing.publisher import HubPublisher
 from ..rollout import GenerationBackend, RolloutBatch, RolloutEngine, TransformersBackend, mix_seed
+from ..rollout.collection_process import CollectionProcess
 from ..rollout.generator import RolloutGenerator, build_generator, require_vllm
 from ..rollout.partial import CarriedGroup, ContinuingCollection, gather_carried, load_carried, save_carried
 from ..rollout.sharding import collect_share, gather_shares, task_share
@@ -245,8 +246,11 @@ class LOOPTrainer(Trainer):
             process_index=self.accelerator.process_index,
             show_progress=not args.disable_tqdm and self.accelerator.is_local_main_process,
         )
-        # Built now: a setting the generator cannot honour stops the run before training starts.
+        # Built now: a setting the generator cannot honour stops the run before training starts (and an environment
+        # that cannot go to a collection process).
         _ = self.rollout_resources.generator
+        if args.collection_process:
+            _ = self.rollout_resources.collection_process
         self.task_sampler = task_sampler_for(tasks, args.seed, args.balance_tasks_by)
         assert args.output_dir is not None  # TrainingArguments.__post_init__ gives it a default
         self.run_log = RunLog(
@@ -486,9 +490,7 @@ class LOOPTrainer(Trainer):
         assert self.optimizer is not None  # prepare_for_iterations created it
         record["learning_rate"] = self.optimizer.param_groups[0]["lr"]
         record["seconds"] = time.perf_counter() - started
-        record["generation_retries"] = float(self.rollout_engine.generation_retries)
-        record["env_abandoned_calls"] = float(self.rollout_engine.abandoned_calls)
-        record.update({f"env_{key}": value for key, value in self.env.metrics().items()})
+        record.update(self.rollout_resources.running_totals())
         self.state.num_input_tokens_seen += record["tokens"]
         advantage_of = dict(zip(map(id, trajectories), advantages.tolist(), strict=True))
         self.run_log.rollouts(iteration + 1, batch, advantage_of)
@@ -555,8 +557,10 @@ class LOOPTrainer(Trainer):
         self, tasks: list[Mapping[str, Any]], iteration: int, sampler: GenerationBackend
     ) -> RolloutBatch:
         """This process's share of iteration ``iteration``'s batch, sampled by ``sampler``; on the collection
-        thread, so no collective (the shares are gathered when the batch is taken)."""
-        return self._share(tasks, iteration, sampler=sampler)
+        thread, so no collective (the shares are gathered when the batch is taken); ``collection_process``: by the
+        child process, the thread waiting for it."""
+        collector = self.rollout_resources.collection_process if self.collection_settings.collection_process else None
+        return self._share(tasks, iteration, sampler=sampler, collector=collector)
 
     def update_policy(self, samples: list[TrainingSample]) -> dict[str, float]:
         """The policy update of the current iteration on ``samples`` (see :class:`PolicyUpdate`)."""
@@ -636,9 +640,11 @@ class LOOPTrainer(Trainer):
         iteration: int,
         collection_round: int = 0,
         sampler: GenerationBackend | None = None,
+        collector: CollectionProcess | None = None,
     ) -> RolloutBatch:
         """This process's share of iteration ``iteration``'s rollouts (round ``collection_round``), sampled by
-        ``sampler`` (default: the generator); no collective."""
+        ``sampler`` (default: the generator), collected by ``collector`` (default: the rollout engine, here); no
+        collective."""
         settings = self.collection_settings
         seed = (
             mix_seed(settings.seed, iteration)
@@ -664,7 +670,7 @@ class LOOPTrainer(Trainer):
                 show_progress=self.rollout_engine.show_progress,
             )
         return collect_share(
-            self.rollout_engine,
+            collector or self.rollout_engine,
             tasks,
             settings.rollouts_per_task,
             num_processes=self.accelerator.num_processes,

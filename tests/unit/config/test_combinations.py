@@ -61,6 +61,23 @@ def test_several_versions_on_a_server_need_lora_adapters():
     assert problems(config(max_staleness=1, use_vllm=True, vllm_mode="server"), Launch(lora=False)) == []
 
 
+def test_a_collection_process_needs_overlap_on_a_vllm_server_and_no_partial_rollouts():
+    server = {"use_vllm": True, "vllm_mode": "server"}
+    assert problems(config(max_staleness=1, collection_process=True, **server), BUILT_IN) == []
+    eight = Launch(num_processes=8, zero_stage=3, generator=Generator.BUILT_IN, lora=True)  # a child per process
+    assert problems(config(max_staleness=2, collection_process=True, **server), eight) == []
+    with pytest.raises(ConfigCombinationError, match="collection_process .* set max_staleness: 1 or more"):
+        config(collection_process=True, **server)
+    with pytest.raises(ConfigCombinationError, match="collection_process .* set use_vllm: true and vllm_mode: server"):
+        config(max_staleness=1, collection_process=True)  # a generation_backend of the user's may come, not a server
+    keys = config(max_staleness=1, **server)
+    keys.collection_process = True
+    refused(keys, Launch(generator=Generator.OWN_WEIGHTS), "a vLLM server the child process reaches by itself")
+    cut = {"early_stop_done_fraction": 0.9, "partial_rollouts": True}
+    with pytest.raises(ConfigCombinationError, match="partial_rollouts .* collection_process .* set one of them"):
+        config(max_staleness=1, collection_process=True, **server, **cut)
+
+
 def test_a_kl_penalty_without_an_adapter_is_refused_under_zero3():
     keys = config(beta=0.1)
     # full fine-tuning's reference would be a copy of the sharded weights
@@ -199,4 +216,4 @@ def test_the_staleness_cap_is_the_updates():
 
 
 def test_each_rule_has_its_test_above():
-    assert len(RULES) == 14, "a rule was added or removed: give it its test in this file, then update this count"
+    assert len(RULES) == 15, "a rule was added or removed: give it its test in this file, then update this count"

@@ -119,7 +119,8 @@ def test_an_answer_cut_short_is_an_error_and_the_request_is_not_sent_again(serve
         server.cut_next = 1
         with pytest.raises(GeneratorServerError, match="v1/completions: IncompleteRead"):
             asyncio.run(backend.generate([1, 2, 3], 3))
-        assert len(server.bodies) == 2 and backend.completions is not None and backend.completions.resent == 0
+        connections = backend.client.completions
+        assert len(server.bodies) == 2 and connections is not None and connections.resent == 0
 
 
 def test_a_base_url_with_a_path_keeps_it(server, tmp_path):
@@ -130,7 +131,7 @@ def test_a_base_url_with_a_path_keeps_it(server, tmp_path):
 
 def test_the_backend_reports_the_servers_errors_and_timeouts_in_one_line(server, tmp_path):
     with VLLMServerBackend(server.url, stop_token_ids=[9], sync_dir=str(tmp_path), timeout=0.5) as backend:
-        assert backend.completions is not None
+        assert backend.client.completions is not None
         server.status = 503
         with pytest.raises(GeneratorServerError, match="answered 503: .*the model is asleep"):
             asyncio.run(backend.generate([1, 2, 3], 3))
@@ -139,7 +140,7 @@ def test_the_backend_reports_the_servers_errors_and_timeouts_in_one_line(server,
             asyncio.run(backend.generate([1, 2, 3], 3))
         server.stall = 0.0
         assert asyncio.run(backend.generate([1, 2, 3], 3)).token_ids == [7, 8, 9]  # a fresh connection after it
-    assert backend.completions.open_connections == 0  # closed with the backend
+    assert backend.client.completions.open_connections == 0  # closed with the backend
 
 
 def test_both_request_paths_send_the_same_body_and_read_the_same_completion(server, tmp_path):
@@ -148,7 +149,7 @@ def test_both_request_paths_send_the_same_body_and_read_the_same_completion(serv
         with VLLMServerBackend(
             server.url, stop_token_ids=[9], sync_dir=str(tmp_path), keep_alive=keep_alive
         ) as backend:
-            assert (backend.completions is not None) is keep_alive
+            assert (backend.client.completions is not None) is keep_alive
             completions.append(asyncio.run(backend.generate([1, 2, 3], 3, seed=11)))
     assert server.bodies[0] == server.bodies[1] and server.bodies[0]["seed"] == 11
     assert completions[0] == completions[1] and completions[0].stopped
@@ -174,14 +175,14 @@ def test_completions_go_through_requests_where_a_proxy_applies_to_the_servers_ur
     monkeypatch.setattr(VLLMServerBackend, "_wait_for_server", lambda self, timeout: "fake-model")
     monkeypatch.setattr(VLLMServerBackend, "_prefix_caching", lambda self: True)
     with VLLMServerBackend(server.url, stop_token_ids=[9], sync_dir=str(tmp_path)) as backend:
-        assert (backend.completions is not None) is keeps_alive
+        assert (backend.client.completions is not None) is keeps_alive
 
 
 def test_an_https_server_keeps_requests_and_its_certificate_bundle(tmp_path, monkeypatch):
     monkeypatch.setattr(VLLMServerBackend, "_wait_for_server", lambda self, timeout: "fake-model")
     monkeypatch.setattr(VLLMServerBackend, "_prefix_caching", lambda self: True)
     with VLLMServerBackend("https://gen-node:8443", stop_token_ids=[9], sync_dir=str(tmp_path)) as backend:
-        assert backend.completions is None
+        assert backend.client.completions is None
 
 
 @pytest.mark.parametrize("url", ["gen-node:8000", "ftp://gen-node:8000", "http://"])

@@ -560,10 +560,10 @@ def test_the_server_backend_releases_its_threads_and_session_on_close(fake_vllm_
     with VLLMServerBackend(fake_vllm_server.url, stop_token_ids=[9], sync_dir=str(tmp_path)) as backend:
         completion = asyncio.run(backend.generate([1, 2, 3], 3))
         assert (completion.token_ids, completion.stopped) == ([7, 8, 9], True)
-        threads = list(backend._executor._threads)
+        threads = list(backend.client.executor._threads)
     assert_threads_end(threads)
-    assert not backend.session.adapters["http://"].poolmanager.pools  # connections closed
-    assert backend.completions is not None and backend.completions.open_connections == 0
+    assert not backend.client.session.adapters["http://"].poolmanager.pools  # connections closed
+    assert backend.client.completions is not None and backend.client.completions.open_connections == 0
     backend.close()  # idempotent
     with pytest.raises(RuntimeError, match="shutdown"):
         asyncio.run(backend.generate([1, 2, 3], 3))

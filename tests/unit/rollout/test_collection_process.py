@@ -1,0 +1,158 @@
+"""A collection in a process of its own: the same batch as on a thread, its errors in the parent, its refusals."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import pytest
+
+from loop_trainer.chat import ChatFormatter
+from loop_trainer.envs.base import Environment
+from loop_trainer.envs.errands import ErrandsEnv
+from loop_trainer.rollout import EpisodeLimits, RolloutFailureBudgetExceeded
+from loop_trainer.rollout.collection_process import CollectionProcess, CollectionProcessError
+from loop_trainer.rollout.engine import EngineSetup
+from loop_trainer.rollout.vllm_server import VLLMServerBackend
+from support.fake_vllm_server import serving
+from support.helpers import ScriptedBackend
+
+LIMITS = EpisodeLimits(max_turns=3, max_new_tokens_per_turn=3)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serving() as server:
+        server.varied = True
+        yield server
+
+
+@pytest.fixture()
+def backend(server, tmp_path):
+    server.status = 200
+    with VLLMServerBackend(server.url, stop_token_ids=[9], sync_dir=str(tmp_path)) as backend:
+        yield backend
+
+
+def setup_for(env: Environment, tokenizer: Any) -> EngineSetup:
+    return EngineSetup(env, ChatFormatter(tokenizer), LIMITS, 60.0, None, 8)
+
+
+def fields(trajectories):
+    return [
+        (t.task_id, t.group, t.rollout, t.token_ids, t.loss_mask, t.sampler_logprobs, t.reward, t.status)
+        for t in trajectories
+    ]
+
+
+@pytest.fixture(scope="module")
+def child(qwen_tokenizer):
+    """One child for the tests that do not break it (a spawn costs seconds)."""
+    with CollectionProcess(setup_for(ErrandsEnv(num_tasks=2), qwen_tokenizer)) as process:
+        yield process
+
+
+def test_the_child_collects_the_batch_the_thread_collects(qwen_tokenizer, backend, child, server):
+    env = ErrandsEnv(num_tasks=2)
+    tasks = list(env.tasks("train"))[:2]
+    options = {"seed": 1234, "group_ids": [0, 1], "description": "test"}
+    with setup_for(env, qwen_tokenizer).build(backend) as engine:
+        on_thread = engine.collect(tasks, 3, backend=backend, **options)
+    server.bodies.clear()
+    in_child = child.collect(tasks, 3, backend=backend, **options)
+    assert child.pid != os.getpid() and len(server.bodies) > 6  # the child sent the turns' requests
+    assert len(in_child.trajectories) == 6
+    assert fields(in_child.trajectories) == fields(on_thread.trajectories)
+    assert len({tuple(t.token_ids) for t in in_child.trajectories}) > 1  # the seeds made the episodes differ
+
+
+def test_a_versions_requests_name_its_adapter(qwen_tokenizer, backend, child, server):
+    backend.keep_versions = True
+    backend._versions[3] = "loop-run-policy-3"
+    server.bodies.clear()
+    tasks = list(ErrandsEnv(num_tasks=2).tasks("train"))[:1]
+    child.collect(tasks, 1, backend=backend.at_version(3), seed=1)
+    assert server.bodies and {body["model"] for body in server.bodies} == {"loop-run-policy-3"}
+    server.bodies.clear()
+    child.collect(tasks, 1, backend=backend, seed=1)
+    assert {body["model"] for body in server.bodies} == {"fake-model"}
+
+
+def test_an_error_of_the_batch_is_raised_in_the_parent_and_the_child_goes_on(qwen_tokenizer, backend, child, server):
+    tasks = list(ErrandsEnv(num_tasks=2).tasks("train"))[:2]
+    server.status = 503  # every turn fails: more than the failure budget
+    with pytest.raises(RolloutFailureBudgetExceeded, match="4 of 4 rollouts failed"):
+        child.collect(tasks, 2, backend=backend, seed=1, max_failed_fraction=0.5)
+    server.status = 200
+    assert len(child.collect(tasks, 2, backend=backend, seed=1).trajectories) == 4
+
+
+def test_only_a_server_backend_can_sample_in_the_child(qwen_tokenizer, child):
+    with pytest.raises(CollectionProcessError, match="samples through a vLLM server, not ScriptedBackend"):
+        child.collect([{}], 1, backend=ScriptedBackend(qwen_tokenizer, lambda prompt: "x"))
+
+
+class UnpicklableEnv(ErrandsEnv):
+    def __init__(self) -> None:
+        super().__init__(num_tasks=1)
+        self.callback = lambda: None
+
+
+def test_an_environment_that_does_not_pickle_is_refused_in_one_line(qwen_tokenizer):
+    with pytest.raises(CollectionProcessError, match="UnpicklableEnv .* cannot be sent .*collection_process: false"):
+        CollectionProcess(setup_for(UnpicklableEnv(), qwen_tokenizer))
+
+
+def _cannot_rebuild() -> None:
+    raise ImportError("no module named my_private_env")
+
+
+class UnrebuildableEnv(ErrandsEnv):
+    def __reduce__(self):
+        return (_cannot_rebuild, ())
+
+
+def test_an_environment_the_child_cannot_rebuild_is_refused_at_the_first_batch(qwen_tokenizer, backend):
+    refusal = "could not rebuild .*my_private_env.*importable module"
+    with (
+        CollectionProcess(setup_for(UnrebuildableEnv(num_tasks=1), qwen_tokenizer)) as process,
+        pytest.raises(CollectionProcessError, match=refusal),
+    ):
+        process.collect([{}], 1, backend=backend)
+
+
+def test_a_child_that_dies_is_an_error_that_says_so(qwen_tokenizer, backend):
+    tasks = list(ErrandsEnv(num_tasks=1).tasks("train"))[:1]
+    with CollectionProcess(setup_for(ErrandsEnv(num_tasks=1), qwen_tokenizer)) as process:
+        assert len(process.collect(tasks, 1, backend=backend, seed=1).trajectories) == 1
+        assert process.pid is not None
+        os.kill(process.pid, signal.SIGKILL)
+        with pytest.raises(CollectionProcessError, match="died \\(exit code -9\\).*collection_process: false"):
+            process.collect(tasks, 1, backend=backend, seed=1)
+    process.close()  # idempotent
+
+
+class CountingEnv(ErrandsEnv):
+    """Counts its episodes in metrics() (a running total, as AppWorld's restarts are)."""
+
+    def __init__(self) -> None:
+        super().__init__(num_tasks=1)
+        self.episodes = 0
+
+    def episode(self, task):
+        self.episodes += 1
+        return super().episode(task)
+
+    def metrics(self) -> dict[str, float]:
+        return {"episodes": float(self.episodes)}
+
+
+def test_the_childs_running_totals_come_back_with_each_batch(qwen_tokenizer, backend):
+    tasks = list(CountingEnv().tasks("train"))[:1]
+    with CollectionProcess(setup_for(CountingEnv(), qwen_tokenizer)) as process:
+        process.collect(tasks, 2, backend=backend, seed=1)
+        assert process.totals.env_metrics == {"episodes": 2.0}
+        process.collect(tasks, 3, backend=backend, seed=2)
+        assert process.totals.env_metrics == {"episodes": 5.0}
+        assert (process.totals.generation_retries, process.totals.abandoned_calls) == (0, 0)
