@@ -282,9 +282,14 @@ def beside(collection: Collection, options: argparse.Namespace) -> dict[str, Any
     the update."""
     from loop_trainer.rollout.collection_process import CollectionProcess
 
+    with CollectionProcess(collection.setup) as child:
+        collection.run(True, child)  # unmeasured: the child's first connections
+        return beside_paths(collection, options, child)
+
+
+def beside_paths(collection: Collection, options: argparse.Namespace, child: Any) -> dict[str, Any]:
+    """:func:`beside`'s measurements, ``child`` collecting the third path."""
     rows: dict[str, Any] = {}
-    child = CollectionProcess(collection.setup)
-    collection.run(True, child)  # unmeasured: the child's start, its first connections
     paths = (
         (True, None, "ours, keep-alive"),
         (False, None, "ours, requests (before)"),
@@ -319,7 +324,6 @@ def beside(collection: Collection, options: argparse.Namespace) -> dict[str, Any
                 statistics.median(t["collection_wall_s_beside"] / t["collection_wall_s_alone"] for t in trials), 2
             ),
         }
-    child.close()
     return rows
 
 

@@ -27,6 +27,7 @@ from ..envs import Environment, EnvironmentSetupError, make_environment
 from ..models.packaged import PackagedModelError, resolve_model_path
 from ..models.tiny import INSTRUCT_PREFIX, is_tiny_spec, load_tokenizer
 from ..rollout import RolloutFailureBudgetExceeded
+from ..rollout.collection_process import CollectionProcessError
 from ..rollout.generator import GeneratorConfigError, VLLMNotInstalledError
 from ..rollout.weight_sync import WeightSyncError
 from ..training.checkpoints import CheckpointError, check_fresh_output_dir, is_fresh, last_complete_checkpoint
@@ -149,6 +150,7 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
                 DistributedSetupError,
                 EnvironmentSetupError,
                 ConfigCombinationError,
+                CollectionProcessError,
             ) as error:
                 raise RecipeError(str(error)) from None
         trainer.recipe_path = getattr(script_args, "effective_recipe", None)
@@ -163,6 +165,7 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
                 WeightSyncError,
                 DistributedSetupError,
                 GeneratorConfigError,
+                CollectionProcessError,
             ) as error:
                 raise RecipeError(str(error)) from None
             with quiet_transformers_bars():  # no "Writing model shards" bar

@@ -146,6 +146,7 @@ class VerifiersEnvironment(Environment):
     name = "verifiers"
     default_eval_split = "eval"  # its eval_dataset
     reward_range = (-math.inf, math.inf)
+    in_process_only = "its metrics count since the last call, and a collection process's copy would be counted again"
 
     def __init__(
         self,

@@ -139,6 +139,10 @@ class Environment(ABC):
     scale give proportionally larger advantages, i.e. a larger effective learning rate."""
     max_concurrent_episodes: int | None = None
     """The most episodes this environment can run at once (e.g. one per server), if bounded."""
+    in_process_only: str | None = None
+    """Why this environment's episodes must run in the trainer's process, if they must: ``collection_process``
+    is then refused with this reason. None: a copy pickled to a collection process may run them (that copy is
+    the child's: it calls :meth:`prepare` and :meth:`close` on it)."""
     default_eval_split: str | None = None
     """The split ``loop-eval`` evaluates when neither ``--split`` nor the evaluated run's ``eval_split``
     names one (the built-in worlds: ``test``; AppWorld: ``dev``). None: ``--split`` is required."""

@@ -3,9 +3,10 @@
 
 Why: a collection's host work (rendering and tokenising each turn, its HTTP request, the environment's step, the
 event loop's hand-offs) is Python, and on a thread of the training process it holds the interpreter lock that the
-update's kernel launches need too. Measured, a launch-bound update beside a collection thread ran 3-10 times slower
-than alone (docs/benchmarks.md, "A server generator's requests"); on an H200 the overlap gained nothing (0.99x).
-In a child process the two share nothing but the cores.
+update's kernel launches need too. Measured on two CPU cores, a launch-bound update beside a collection thread ran
+8-11 times slower than alone, and 1.5 times beside a collection process (docs/benchmarks.md, "A server generator's
+requests"); on an H200 the overlap on a thread gained nothing (0.99x). In a child process the two share nothing but
+the cores.
 
 What crosses: the environment and the chat formatter (its tokenizer), pickled once when the child starts (a copy
 of the run's; the parent keeps its own for the first batch and evaluation); then, per batch, the tasks, the seeds
@@ -13,8 +14,12 @@ and what samples it as settings (:class:`~.server_client.ServerSampling`: the se
 name, the temperature), so the child sends the same requests the thread would; back come the batch and the
 child's running totals (generation retries, abandoned environment calls, the environment's own metrics).
 
-Only a generator the child can reach by itself can sample: a vLLM server (``vllm_mode: server``). The child
-ignores SIGINT (the parent stops the run and closes it) and ends when the parent closes it or goes away.
+Only a generator the child can reach by itself can sample: a vLLM server (``vllm_mode: server``); and only an
+environment that pickles, whose class the child can import, and that does not say it must run in the trainer's
+process (:attr:`~..envs.base.Environment.in_process_only`). The child's copy is its own: it calls ``prepare()`` on
+it before its first batch and ``close()`` at its end. The child is spawned (it imports the training script again: a
+script needs the ``if __name__ == "__main__":`` guard), a daemon, ignores SIGINT (the parent stops the run and
+closes it), and leaves as soon as the parent goes, even in the middle of a batch.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import pickle
 import signal
 import threading
 import traceback
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,17 +70,37 @@ class ChildTotals:
     env_metrics: dict[str, float] = field(default_factory=dict)
 
 
+GUARD = (
+    'a script run as `python train.py` must keep its training under `if __name__ == "__main__":` (the child '
+    "imports the script again)"
+)
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an error raised in the collection process (the ``__cause__`` of the error re-raised here)."""
+
+    def __str__(self) -> str:
+        return "\n" + str(self.args[0]) if self.args else ""
+
+
 class CollectionProcess:
     """A child process that collects batches (:meth:`collect`, the signature of :meth:`RolloutEngine.collect`),
-    one at a time. Release it with :meth:`close`."""
+    one at a time; started (its environment rebuilt and prepared) by the time the constructor returns. Release it
+    with :meth:`close`; a daemon, it is also ended when this process exits."""
 
     def __init__(self, setup: EngineSetup, *, start_timeout: float = 300.0):
+        env_name = type(setup.env).__name__
+        if setup.env.in_process_only:
+            raise CollectionProcessError(
+                f"collection_process: the environment {env_name} runs in the trainer's process only "
+                f"({setup.env.in_process_only}): set collection_process: false"
+            )
         try:
             payload = pickle.dumps(setup)
         except Exception as error:  # noqa: BLE001 - any pickling failure: the user's environment, named below
             raise CollectionProcessError(
-                f"collection_process: the environment {type(setup.env).__name__} (or the tokenizer) cannot be sent "
-                f"to a process of its own ({type(error).__name__}: {error}): set collection_process: false"
+                f"collection_process: the environment {env_name} (or the tokenizer) cannot be sent to a process of "
+                f"its own ({type(error).__name__}: {error}): set collection_process: false"
             ) from None
         context = multiprocessing.get_context("spawn")  # not fork: the parent has threads, maybe CUDA
         self._connection, child_end = context.Pipe()
@@ -81,14 +108,21 @@ class CollectionProcess:
             target=_serve,
             args=(child_end, payload, logging.getLogger("loop_trainer").getEffectiveLevel()),
             name="loop-collection",
+            daemon=True,  # never outlives this process, nor holds up its exit
         )
         self._process.start()
         child_end.close()
         self._lock = threading.Lock()  # one batch at a time: the pipe carries one job and its answer
         self.totals = ChildTotals()
-        self.start_timeout = start_timeout
-        self._started = False
         self._closed = False
+        self._broken = False  # a wait for an answer was interrupted: the pipe is out of step
+        # Dropped without close(): the pipe closes, so the child reads its end and leaves.
+        self._finalizer = weakref.finalize(self, self._connection.close)
+        try:
+            self._wait_started(env_name, start_timeout)
+        except BaseException:
+            self.close(timeout=5)
+            raise
 
     @property
     def pid(self) -> int | None:
@@ -112,42 +146,46 @@ class CollectionProcess:
             )
         job = CollectionJob(list(tasks), rollouts_per_task, sampling, dict(options))
         with self._lock:
-            if self._closed:
-                raise CollectionProcessError("the collection process is closed")
-            if not self._started:
-                self._wait_started()
+            if self._closed or self._broken:
+                raise CollectionProcessError(f"the collection process is {'closed' if self._closed else 'broken'}")
             try:
                 self._connection.send(job)
-                kind, value, totals = self._connection.recv()
+                kind, value, totals, remote = self._connection.recv()
             except (EOFError, OSError):
+                self._broken = True
                 self._process.join(timeout=5)
                 raise CollectionProcessError(
                     f"the collection process died (exit code {self._process.exitcode}) while collecting a batch: "
                     "its log lines above say why; set collection_process: false to collect on a thread"
                 ) from None
+            except BaseException:
+                self._broken = True  # its answer, if it comes, would be taken for the next batch's
+                raise
         self.totals = totals
         if kind == "error":
-            raise value
+            raise value from RemoteTraceback(remote)
         return value
 
-    def _wait_started(self) -> None:
-        """The child's first message: it has built its engine's parts (or failed to)."""
-        if not self._connection.poll(self.start_timeout):
-            raise CollectionProcessError(f"the collection process did not start within {self.start_timeout:g} s")
+    def _wait_started(self, env_name: str, timeout: float) -> None:
+        """The child's first message: it has rebuilt and prepared its environment (or failed to)."""
+        if not self._connection.poll(timeout):
+            raise CollectionProcessError(
+                f"the collection process did not start within {timeout:g} s; {GUARD}. Or set collection_process: false"
+            )
         try:
-            kind, value, _ = self._connection.recv()
+            kind, value, _, remote = self._connection.recv()
         except (EOFError, OSError):
             self._process.join(timeout=5)
             raise CollectionProcessError(
-                f"the collection process died as it started (exit code {self._process.exitcode})"
+                f"the collection process died as it started (exit code {self._process.exitcode}): its log lines "
+                f"above say why; {GUARD}. Or set collection_process: false"
             ) from None
         if kind == "error":
             raise CollectionProcessError(
-                f"collection_process: the child process could not rebuild the environment and tokenizer ({value}): "
-                "define the environment's class in an importable module (not a notebook's), or set "
-                "collection_process: false"
-            )
-        self._started = True
+                f"collection_process: the child process could not rebuild or prepare the environment {env_name} and "
+                f"the tokenizer ({type(value).__name__}: {value}): define the environment's class in an importable "
+                "module (not a notebook's), or set collection_process: false"
+            ) from RemoteTraceback(remote)
 
     def close(self, timeout: float = 30.0) -> None:
         """End the child (after the batch it is collecting, if any); idempotent."""
@@ -162,7 +200,7 @@ class CollectionProcess:
                 logger.warning("the collection process did not end within %g s: terminating it", timeout)
                 self._process.terminate()
                 self._process.join(5)
-            self._connection.close()
+            self._finalizer()
 
     def __enter__(self) -> CollectionProcess:
         return self
@@ -172,36 +210,63 @@ class CollectionProcess:
 
 
 def _portable(error: BaseException) -> BaseException:
-    """``error``, or, if it does not pickle, a :class:`CollectionProcessError` that quotes it and its traceback."""
+    """``error``, or, if it does not pickle, a :class:`CollectionProcessError` that names it."""
     try:
         pickle.loads(pickle.dumps(error))
         return error
     except Exception:  # noqa: BLE001 - whatever pickling raises, the error still reaches the parent
-        text = "".join(traceback.format_exception(error)).rstrip()
-        return CollectionProcessError(f"in the collection process: {type(error).__name__}: {error}\n{text}")
+        return CollectionProcessError(f"in the collection process: {type(error).__name__}: {error}")
+
+
+def _send(connection: multiprocessing.connection.Connection, kind: str, value: Any, totals: ChildTotals) -> None:
+    """One answer; an error's traceback goes as text beside it. An answer that does not pickle (a batch holding an
+    object that cannot) becomes an error that says so."""
+    remote = "".join(traceback.format_exception(value)).rstrip() if isinstance(value, BaseException) else ""
+    if isinstance(value, BaseException):
+        value = _portable(value)
+    try:
+        data = pickle.dumps((kind, value, totals, remote))
+    except Exception as error:  # noqa: BLE001 - reported instead of the answer
+        failure = CollectionProcessError(
+            f"the collection process's {kind} cannot be sent back ({type(error).__name__}: {error}): an episode's "
+            "Score.info or a trajectory holds an object that does not pickle"
+        )
+        data = pickle.dumps(("error", failure, totals, "".join(traceback.format_exception(error)).rstrip()))
+    connection.send_bytes(data)
+
+
+def _leave_with_the_parent() -> None:
+    """End this process as soon as the trainer's process is gone, even in the middle of a batch."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        parent.join()
+        os._exit(1)
 
 
 def _serve(connection: multiprocessing.connection.Connection, payload: bytes, log_level: int) -> None:
-    """The child: build the setup, then collect each job sent until None (or the parent goes)."""
+    """The child: rebuild and prepare the setup, then collect each job sent until None (or the parent goes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the parent decides
     logging.basicConfig(level=log_level, format="[collection process] %(levelname)s %(name)s: %(message)s")
+    threading.Thread(target=_leave_with_the_parent, name="loop-collection-parent", daemon=True).start()
     try:
         setup: EngineSetup = pickle.loads(payload)
+        setup.env.prepare()  # this copy is the child's: prepared and closed here
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
-        connection.send(("error", _portable(error), ChildTotals()))
+        _send(connection, "error", error, ChildTotals())
         return
-    connection.send(("started", None, ChildTotals()))
+    _send(connection, "started", None, ChildTotals())
     clients: dict[Any, ServerClient] = {}
     engine: RolloutEngine | None = None
     try:
         while True:
             try:
                 job: CollectionJob | None = connection.recv()
-            except EOFError:  # the parent went away
+            except EOFError:  # the parent closed its end, or went away
                 return
             if job is None:
                 return
-            reply: tuple[str, Any]
+            kind: str
+            value: Any
             try:
                 endpoint = job.sampling.endpoint
                 if endpoint not in clients:
@@ -209,15 +274,15 @@ def _serve(connection: multiprocessing.connection.Connection, payload: bytes, lo
                 sampler = ServerSampler(clients[endpoint], job.sampling)
                 if engine is None:
                     engine = setup.build(sampler)
-                reply = ("batch", engine.collect(job.tasks, job.rollouts_per_task, backend=sampler, **job.options))
+                kind, value = "batch", engine.collect(job.tasks, job.rollouts_per_task, backend=sampler, **job.options)
             except BaseException as error:  # noqa: BLE001 - the parent raises it where the batch is taken
-                reply = ("error", _portable(error))
+                kind, value = "error", error
             totals = ChildTotals(
                 engine.generation_retries if engine else 0,
                 engine.abandoned_calls if engine else 0,
                 dict(setup.env.metrics()),
             )
-            connection.send((*reply, totals))
+            _send(connection, kind, value, totals)
     finally:
         if engine is not None:
             engine.close()

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import os
+import pickle
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from loop_trainer.chat import ChatFormatter
-from loop_trainer.envs.base import Environment
-from loop_trainer.envs.errands import ErrandsEnv
+from loop_trainer.envs.base import Environment, EnvironmentSetupError, Score
+from loop_trainer.envs.errands import ErrandsEnv, ErrandsEpisode
 from loop_trainer.rollout import EpisodeLimits, RolloutFailureBudgetExceeded
 from loop_trainer.rollout.collection_process import CollectionProcess, CollectionProcessError
 from loop_trainer.rollout.engine import EngineSetup
@@ -82,8 +88,9 @@ def test_a_versions_requests_name_its_adapter(qwen_tokenizer, backend, child, se
 def test_an_error_of_the_batch_is_raised_in_the_parent_and_the_child_goes_on(qwen_tokenizer, backend, child, server):
     tasks = list(ErrandsEnv(num_tasks=2).tasks("train"))[:2]
     server.status = 503  # every turn fails: more than the failure budget
-    with pytest.raises(RolloutFailureBudgetExceeded, match="4 of 4 rollouts failed"):
+    with pytest.raises(RolloutFailureBudgetExceeded, match="4 of 4 rollouts failed") as raised:
         child.collect(tasks, 2, backend=backend, seed=1, max_failed_fraction=0.5)
+    assert "check_failure_budget" in str(raised.value.__cause__)  # the child's traceback
     server.status = 200
     assert len(child.collect(tasks, 2, backend=backend, seed=1).trajectories) == 4
 
@@ -113,13 +120,30 @@ class UnrebuildableEnv(ErrandsEnv):
         return (_cannot_rebuild, ())
 
 
-def test_an_environment_the_child_cannot_rebuild_is_refused_at_the_first_batch(qwen_tokenizer, backend):
-    refusal = "could not rebuild .*my_private_env.*importable module"
-    with (
-        CollectionProcess(setup_for(UnrebuildableEnv(num_tasks=1), qwen_tokenizer)) as process,
-        pytest.raises(CollectionProcessError, match=refusal),
-    ):
-        process.collect([{}], 1, backend=backend)
+def test_an_environment_the_child_cannot_rebuild_is_refused_as_it_starts(qwen_tokenizer):
+    refusal = "could not rebuild or prepare the environment UnrebuildableEnv .*my_private_env.*importable module"
+    with pytest.raises(CollectionProcessError, match=refusal) as refused:
+        CollectionProcess(setup_for(UnrebuildableEnv(num_tasks=1), qwen_tokenizer))
+    assert "_cannot_rebuild" in str(refused.value.__cause__)  # the child's traceback
+
+
+class UnpreparedEnv(ErrandsEnv):
+    def prepare(self) -> None:
+        raise EnvironmentSetupError("the tool server at :9000 does not answer")
+
+
+def test_the_child_prepares_its_copy_and_a_failure_is_refused_as_it_starts(qwen_tokenizer):
+    with pytest.raises(CollectionProcessError, match="prepare the environment UnpreparedEnv .*:9000 does not answer"):
+        CollectionProcess(setup_for(UnpreparedEnv(num_tasks=1), qwen_tokenizer))
+
+
+class ParentOnlyEnv(ErrandsEnv):
+    in_process_only = "its episodes share a cache with the trainer"
+
+
+def test_an_environment_that_runs_in_the_trainers_process_only_is_refused_with_its_reason(qwen_tokenizer):
+    with pytest.raises(CollectionProcessError, match="ParentOnlyEnv runs in the trainer's process only .*a cache"):
+        CollectionProcess(setup_for(ParentOnlyEnv(num_tasks=1), qwen_tokenizer))
 
 
 def test_a_child_that_dies_is_an_error_that_says_so(qwen_tokenizer, backend):
@@ -134,25 +158,123 @@ def test_a_child_that_dies_is_an_error_that_says_so(qwen_tokenizer, backend):
 
 
 class CountingEnv(ErrandsEnv):
-    """Counts its episodes in metrics() (a running total, as AppWorld's restarts are)."""
+    """Counts its episodes in metrics() (a running total, as AppWorld's restarts are), and its prepare() calls."""
 
     def __init__(self) -> None:
         super().__init__(num_tasks=1)
         self.episodes = 0
+        self.prepared = 0
+
+    def prepare(self) -> None:
+        self.prepared += 1
 
     def episode(self, task):
         self.episodes += 1
         return super().episode(task)
 
     def metrics(self) -> dict[str, float]:
-        return {"episodes": float(self.episodes)}
+        return {"episodes": float(self.episodes), "prepared": float(self.prepared)}
 
 
 def test_the_childs_running_totals_come_back_with_each_batch(qwen_tokenizer, backend):
     tasks = list(CountingEnv().tasks("train"))[:1]
     with CollectionProcess(setup_for(CountingEnv(), qwen_tokenizer)) as process:
         process.collect(tasks, 2, backend=backend, seed=1)
-        assert process.totals.env_metrics == {"episodes": 2.0}
+        assert process.totals.env_metrics == {"episodes": 2.0, "prepared": 1.0}
         process.collect(tasks, 3, backend=backend, seed=2)
-        assert process.totals.env_metrics == {"episodes": 5.0}
+        assert process.totals.env_metrics == {"episodes": 5.0, "prepared": 1.0}
         assert (process.totals.generation_retries, process.totals.abandoned_calls) == (0, 0)
+
+
+class UnsendableEpisode(ErrandsEpisode):
+    def score(self) -> Score:
+        score = super().score()
+        score.info["check"] = lambda: None  # not JSON, as Score.info asks, nor picklable
+        return score
+
+
+class UnsendableEnv(ErrandsEnv):
+    def episode(self, task):
+        return UnsendableEpisode(task, self.form)
+
+
+def test_a_batch_that_does_not_pickle_is_an_error_and_the_child_goes_on(qwen_tokenizer, backend):
+    tasks = list(ErrandsEnv(num_tasks=1).tasks("train"))[:1]
+    with CollectionProcess(setup_for(UnsendableEnv(num_tasks=1), qwen_tokenizer)) as process:
+        with pytest.raises(CollectionProcessError, match="batch cannot be sent back .*does not pickle"):
+            process.collect(tasks, 1, backend=backend, seed=1)
+        with pytest.raises(CollectionProcessError, match="batch cannot be sent back"):
+            process.collect(tasks, 1, backend=backend, seed=1)  # the child still answers
+        assert process._process.is_alive()
+
+
+def test_an_interrupted_wait_leaves_the_process_broken_not_out_of_step(qwen_tokenizer, backend, monkeypatch):
+    tasks = list(ErrandsEnv(num_tasks=1).tasks("train"))[:1]
+    with CollectionProcess(setup_for(ErrandsEnv(num_tasks=1), qwen_tokenizer)) as process:
+
+        def interrupted():
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(process, "_connection", SimpleNamespace(send=process._connection.send, recv=interrupted))
+        with pytest.raises(KeyboardInterrupt):
+            process.collect(tasks, 1, backend=backend, seed=1)
+        monkeypatch.undo()
+        with pytest.raises(CollectionProcessError, match="the collection process is broken"):
+            process.collect(tasks, 1, backend=backend, seed=1)
+
+
+LEFT_BEHIND = """
+import os, pickle, signal, sys, threading, time
+from loop_trainer.envs.errands import ErrandsEnv
+from loop_trainer.rollout.collection_process import CollectionProcess
+from loop_trainer.rollout.vllm_server import VLLMServerBackend
+if __name__ == "__main__":
+    setup_file, how, url, sync_dir = sys.argv[1:]
+    with open(setup_file, "rb") as file:
+        process = CollectionProcess(pickle.load(file))
+    print("CHILD", process.pid, flush=True)
+    if how == "mid-batch":  # killed while the child waits for a stalling server
+        backend = VLLMServerBackend(url, stop_token_ids=[9], sync_dir=sync_dir)
+        tasks = list(ErrandsEnv(num_tasks=1).tasks("train"))[:1]
+        threading.Thread(target=process.collect, args=(tasks, 1), kwargs={"backend": backend}, daemon=True).start()
+        time.sleep(1.0)
+    if how != "exits":
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("how", ["exits without close", "killed", "mid-batch"])
+def test_the_child_does_not_outlive_its_trainer(qwen_tokenizer, tmp_path, how, server):
+    """A trainer that exits without closing it does not hang on it, and one that is killed, even while its child
+    collects a batch (here one of several 4-second turns), does not leave it."""
+    (tmp_path / "setup.pkl").write_bytes(pickle.dumps(setup_for(ErrandsEnv(num_tasks=1), qwen_tokenizer)))
+    (tmp_path / "script.py").write_text(LEFT_BEHIND)
+    server.stall = 4.0 if how == "mid-batch" else 0.0
+    try:
+        # Into files, not pipes: the child inherits them, and a pipe would hold run() until the child had left too.
+        with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+            run = subprocess.run(
+                [sys.executable, str(tmp_path / "script.py"), str(tmp_path / "setup.pkl"), how.split()[0], server.url]
+                + [str(tmp_path)],
+                stdout=out,
+                stderr=err,
+                timeout=120,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+            )
+        assert run.returncode == (0 if how.startswith("exits") else -signal.SIGKILL), (tmp_path / "err").read_text()
+        child = int((tmp_path / "out").read_text().split("CHILD ")[1].split()[0])
+        deadline = time.monotonic() + 3  # the batch would take 12 s more
+        while Path(f"/proc/{child}").exists() and "zombie" not in _state(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        server.stall = 0.0
+    while Path(f"/proc/{child}").exists() and "zombie" not in _state(child) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{child}").exists() or "zombie" in _state(child)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
+    except (OSError, IndexError):
+        return "gone"

@@ -16,7 +16,7 @@ from support.helpers import ScriptedBackend
 
 class RestartingEnv(ErrandsEnv):
     def metrics(self) -> dict[str, float]:
-        return {"restarts": 1.0, "pool_size": 4.0}
+        return {"restarts": 1.0, "timeouts": 4.0}
 
 
 def resources(tokenizer, env=None) -> RolloutResources:
@@ -47,15 +47,15 @@ def test_the_running_totals_add_the_collection_processs_to_the_trainers(qwen_tok
             "generation_retries": 0.0,
             "env_abandoned_calls": 0.0,
             "env_restarts": 1.0,
-            "env_pool_size": 4.0,
+            "env_timeouts": 4.0,
         }
         parts.engine.generation_retries = 2
-        child = SimpleNamespace(totals=ChildTotals(3, 1, {"restarts": 2.0, "timeouts": 5.0}), close=lambda: None)
+        child = SimpleNamespace(totals=ChildTotals(3, 1, {"restarts": 2.0, "retries": 5.0}), close=lambda: None)
         parts._collection_process = child  # type: ignore[assignment]
         assert parts.running_totals() == {
             "generation_retries": 5.0,
             "env_abandoned_calls": 1.0,
             "env_restarts": 3.0,
-            "env_pool_size": 4.0,
-            "env_timeouts": 5.0,
+            "env_timeouts": 4.0,
+            "env_retries": 5.0,
         }

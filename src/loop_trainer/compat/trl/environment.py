@@ -76,6 +76,10 @@ class TRLAgentEnvironment(Environment):
     name = "trl"
     default_eval_split = "eval"  # its eval_dataset
     reward_range = (-math.inf, math.inf)
+    in_process_only = (
+        "its reward functions read the trainer's state (trainer_state), which a collection process does not have, "
+        "and its metrics are means since the last call"
+    )
 
     def __init__(
         self,

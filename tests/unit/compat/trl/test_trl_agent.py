@@ -207,3 +207,18 @@ def test_setup_errors_are_one_line(qwen_tokenizer):
     env = TRLAgentEnvironment(Dataset.from_list([{"prompt": "hi"}]), [lambda **kw: [1.0]], tools=[double])
     with pytest.raises(EnvironmentSetupError, match="set tokenizer.response_template"):
         env.set_tokenizer(build_word_tokenizer(["hi"]))
+
+
+def test_a_trl_environment_is_refused_a_collection_process_because_its_rewards_read_the_trainer_state(qwen_tokenizer):
+    from loop_trainer.chat import ChatFormatter
+    from loop_trainer.rollout import EpisodeLimits
+    from loop_trainer.rollout.collection_process import CollectionProcess, CollectionProcessError
+    from loop_trainer.rollout.engine import EngineSetup
+
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "Count."}], "start": 0, "target": 1}])
+    env = TRLAgentEnvironment(dataset, environment_factory=Counter)
+    setup = EngineSetup(env, ChatFormatter(qwen_tokenizer), EpisodeLimits(), 60.0, None, 8)
+    with pytest.raises(
+        CollectionProcessError, match="TRLAgentEnvironment runs in the trainer's process only .*trainer_state"
+    ):
+        CollectionProcess(setup)
