@@ -243,7 +243,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("how", ["exits without close", "killed", "mid-batch"])
+@pytest.mark.parametrize("how", ["exits without close", "mid-batch"])  # killed when idle: as mid-batch
 def test_the_child_does_not_outlive_its_trainer(qwen_tokenizer, tmp_path, how, server):
     """A trainer that exits without closing it does not hang on it, and one that is killed, even while its child
     collects a batch (here one of several 4-second turns), does not leave it."""
