@@ -142,7 +142,7 @@ class Environment(ABC):
     in_process_only: str | None = None
     """Why this environment's episodes must run in the trainer's process, if they must: ``collection_process``
     is then refused with this reason. None: a copy pickled to a collection process may run them (that copy is
-    the child's: it calls :meth:`prepare` and :meth:`close` on it)."""
+    the child's: it calls :meth:`prepare` on it, and :meth:`close` when the trainer closes the child)."""
     default_eval_split: str | None = None
     """The split ``loop-eval`` evaluates when neither ``--split`` nor the evaluated run's ``eval_split``
     names one (the built-in worlds: ``test``; AppWorld: ``dev``). None: ``--split`` is required."""

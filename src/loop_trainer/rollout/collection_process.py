@@ -17,9 +17,9 @@ child's running totals (generation retries, abandoned environment calls, the env
 Only a generator the child can reach by itself can sample: a vLLM server (``vllm_mode: server``); and only an
 environment that pickles, whose class the child can import, and that does not say it must run in the trainer's
 process (:attr:`~..envs.base.Environment.in_process_only`). The child's copy is its own: it calls ``prepare()`` on
-it before its first batch and ``close()`` at its end. The child is spawned (it imports the training script again: a
-script needs the ``if __name__ == "__main__":`` guard), a daemon, ignores SIGINT (the parent stops the run and
-closes it), and leaves as soon as the parent goes, even in the middle of a batch.
+it before its first batch, and ``close()`` when the parent closes it. The child is spawned (it imports the
+training script again: a script needs the ``if __name__ == "__main__":`` guard), a daemon, ignores SIGINT (the
+parent stops the run and closes it), and leaves as soon as the parent goes, even in the middle of a batch.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..envs.base import EnvironmentSetupError
 from .backend import GenerationBackend
 from .engine import EngineSetup, RolloutEngine
 from .records import RolloutBatch
@@ -144,12 +145,12 @@ class CollectionProcess:
                 f"collection_process samples through a vLLM server, not {type(backend).__name__}: set vllm_mode: "
                 "server, or collection_process: false"
             )
-        job = CollectionJob(list(tasks), rollouts_per_task, sampling, dict(options))
+        job = pickle.dumps(CollectionJob(list(tasks), rollouts_per_task, sampling, dict(options)))  # raises here
         with self._lock:
             if self._closed or self._broken:
                 raise CollectionProcessError(f"the collection process is {'closed' if self._closed else 'broken'}")
             try:
-                self._connection.send(job)
+                self._connection.send_bytes(job)
                 kind, value, totals, remote = self._connection.recv()
             except (EOFError, OSError):
                 self._broken = True
@@ -167,24 +168,33 @@ class CollectionProcess:
         return value
 
     def _wait_started(self, env_name: str, timeout: float) -> None:
-        """The child's first message: it has rebuilt and prepared its environment (or failed to)."""
-        if not self._connection.poll(timeout):
+        """The child's first two messages: it has rebuilt the environment and tokenizer (within ``timeout``: a
+        fresh interpreter importing loop_trainer), then prepared its copy (however long ``prepare()`` takes)."""
+        for step, wait in (("rebuilt", timeout), ("prepared", None)):
+            if not multiprocessing.connection.wait([self._connection, self._process.sentinel], wait):
+                raise CollectionProcessError(
+                    f"the collection process did not start within {timeout:g} s; {GUARD}. Or set collection_process: "
+                    "false"
+                )
+            try:  # its answer, or the end of the pipe if it ended without one
+                kind, value, _, remote = self._connection.recv()
+            except (EOFError, OSError):
+                self._process.join(timeout=5)
+                raise CollectionProcessError(
+                    f"the collection process died as it started (exit code {self._process.exitcode}): its log lines "
+                    f"above say why; {GUARD}. Or set collection_process: false"
+                ) from None
+            if kind != "error":
+                continue
+            if step == "rebuilt":
+                raise CollectionProcessError(
+                    f"collection_process: the child process could not rebuild the environment {env_name} and the "
+                    f"tokenizer ({type(value).__name__}: {value}): define the environment's class in an importable "
+                    "module (not a notebook's), or set collection_process: false"
+                ) from RemoteTraceback(remote)
             raise CollectionProcessError(
-                f"the collection process did not start within {timeout:g} s; {GUARD}. Or set collection_process: false"
-            )
-        try:
-            kind, value, _, remote = self._connection.recv()
-        except (EOFError, OSError):
-            self._process.join(timeout=5)
-            raise CollectionProcessError(
-                f"the collection process died as it started (exit code {self._process.exitcode}): its log lines "
-                f"above say why; {GUARD}. Or set collection_process: false"
-            ) from None
-        if kind == "error":
-            raise CollectionProcessError(
-                f"collection_process: the child process could not rebuild or prepare the environment {env_name} and "
-                f"the tokenizer ({type(value).__name__}: {value}): define the environment's class in an importable "
-                "module (not a notebook's), or set collection_process: false"
+                f"collection_process: the environment {env_name}'s prepare() failed in the child process "
+                f"({type(value).__name__}: {value}): fix it, or set collection_process: false"
             ) from RemoteTraceback(remote)
 
     def close(self, timeout: float = 30.0) -> None:
@@ -195,9 +205,11 @@ class CollectionProcess:
             self._closed = True
             with contextlib.suppress(OSError):  # it is gone already
                 self._connection.send(None)
-            self._process.join(timeout)
+            # A broken one may be blocked sending the answer nobody will read: no use waiting for it.
+            self._process.join(0 if self._broken else timeout)
             if self._process.is_alive():
-                logger.warning("the collection process did not end within %g s: terminating it", timeout)
+                if not self._broken:
+                    logger.warning("the collection process did not end within %g s: terminating it", timeout)
                 self._process.terminate()
                 self._process.join(5)
             self._finalizer()
@@ -210,11 +222,13 @@ class CollectionProcess:
 
 
 def _portable(error: BaseException) -> BaseException:
-    """``error``, or, if it does not pickle, a :class:`CollectionProcessError` that names it."""
+    """``error``, or, if it does not pickle, a :class:`CollectionProcessError` that names it (its traceback then
+    logged here, since a one-line report of it in the parent would drop the one it travels with)."""
     try:
         pickle.loads(pickle.dumps(error))
         return error
     except Exception:  # noqa: BLE001 - whatever pickling raises, the error still reaches the parent
+        logger.error("%s in the collection process", type(error).__name__, exc_info=error)
         return CollectionProcessError(f"in the collection process: {type(error).__name__}: {error}")
 
 
@@ -231,7 +245,8 @@ def _send(connection: multiprocessing.connection.Connection, kind: str, value: A
             f"the collection process's {kind} cannot be sent back ({type(error).__name__}: {error}): an episode's "
             "Score.info or a trajectory holds an object that does not pickle"
         )
-        data = pickle.dumps(("error", failure, totals, "".join(traceback.format_exception(error)).rstrip()))
+        remote = "".join(traceback.format_exception(error)).rstrip()
+        data = pickle.dumps(("error", failure, ChildTotals(), remote))  # the totals may be what did not pickle
     connection.send_bytes(data)
 
 
@@ -250,17 +265,26 @@ def _serve(connection: multiprocessing.connection.Connection, payload: bytes, lo
     threading.Thread(target=_leave_with_the_parent, name="loop-collection-parent", daemon=True).start()
     try:
         setup: EngineSetup = pickle.loads(payload)
-        setup.env.prepare()  # this copy is the child's: prepared and closed here
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
+        logger.error("rebuilding the environment failed", exc_info=error)  # the parent reports it in one line
         _send(connection, "error", error, ChildTotals())
         return
-    _send(connection, "started", None, ChildTotals())
+    _send(connection, "rebuilt", None, ChildTotals())
+    try:
+        setup.env.prepare()  # this copy is the child's: prepared and closed here
+    except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
+        if not isinstance(error, EnvironmentSetupError):  # a bug, not a setup's one-line refusal: its traceback
+            logger.error("the environment's prepare() failed", exc_info=error)
+        _send(connection, "error", error, ChildTotals())
+        setup.env.close()
+        return
+    _send(connection, "prepared", None, ChildTotals())
     clients: dict[Any, ServerClient] = {}
     engine: RolloutEngine | None = None
     try:
         while True:
             try:
-                job: CollectionJob | None = connection.recv()
+                job: CollectionJob | None = pickle.loads(connection.recv_bytes())
             except EOFError:  # the parent closed its end, or went away
                 return
             if job is None:
@@ -277,10 +301,13 @@ def _serve(connection: multiprocessing.connection.Connection, payload: bytes, lo
                 kind, value = "batch", engine.collect(job.tasks, job.rollouts_per_task, backend=sampler, **job.options)
             except BaseException as error:  # noqa: BLE001 - the parent raises it where the batch is taken
                 kind, value = "error", error
+            try:
+                env_metrics = dict(setup.env.metrics())
+            except Exception as error:  # noqa: BLE001 - the batch still goes back
+                logger.error("the environment's metrics() failed in the collection process", exc_info=error)
+                env_metrics = {}
             totals = ChildTotals(
-                engine.generation_retries if engine else 0,
-                engine.abandoned_calls if engine else 0,
-                dict(setup.env.metrics()),
+                engine.generation_retries if engine else 0, engine.abandoned_calls if engine else 0, env_metrics
             )
             _send(connection, kind, value, totals)
     finally:

@@ -250,7 +250,11 @@ class LOOPTrainer(Trainer):
         # that cannot go to a collection process).
         _ = self.rollout_resources.generator
         if args.collection_process:
-            _ = self.rollout_resources.collection_process
+            try:
+                _ = self.rollout_resources.collection_process
+            except BaseException:
+                self.rollout_resources.close()  # the generator opened above
+                raise
         self.task_sampler = task_sampler_for(tasks, args.seed, args.balance_tasks_by)
         assert args.output_dir is not None  # TrainingArguments.__post_init__ gives it a default
         self.run_log = RunLog(

@@ -95,6 +95,13 @@ def test_an_error_of_the_batch_is_raised_in_the_parent_and_the_child_goes_on(qwe
     assert len(child.collect(tasks, 2, backend=backend, seed=1).trajectories) == 4
 
 
+def test_a_job_that_does_not_pickle_is_raised_and_the_child_goes_on(qwen_tokenizer, backend, child):
+    tasks = list(ErrandsEnv(num_tasks=2).tasks("train"))[:1]
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        child.collect([{**tasks[0], "hook": lambda: None}], 1, backend=backend, seed=1)
+    assert len(child.collect(tasks, 1, backend=backend, seed=1).trajectories) == 1  # not broken
+
+
 def test_only_a_server_backend_can_sample_in_the_child(qwen_tokenizer, child):
     with pytest.raises(CollectionProcessError, match="samples through a vLLM server, not ScriptedBackend"):
         child.collect([{}], 1, backend=ScriptedBackend(qwen_tokenizer, lambda prompt: "x"))
@@ -121,7 +128,7 @@ class UnrebuildableEnv(ErrandsEnv):
 
 
 def test_an_environment_the_child_cannot_rebuild_is_refused_as_it_starts(qwen_tokenizer):
-    refusal = "could not rebuild or prepare the environment UnrebuildableEnv .*my_private_env.*importable module"
+    refusal = "could not rebuild the environment UnrebuildableEnv .*my_private_env.*importable module"
     with pytest.raises(CollectionProcessError, match=refusal) as refused:
         CollectionProcess(setup_for(UnrebuildableEnv(num_tasks=1), qwen_tokenizer))
     assert "_cannot_rebuild" in str(refused.value.__cause__)  # the child's traceback
@@ -133,8 +140,22 @@ class UnpreparedEnv(ErrandsEnv):
 
 
 def test_the_child_prepares_its_copy_and_a_failure_is_refused_as_it_starts(qwen_tokenizer):
-    with pytest.raises(CollectionProcessError, match="prepare the environment UnpreparedEnv .*:9000 does not answer"):
+    with pytest.raises(CollectionProcessError, match="UnpreparedEnv's prepare\\(\\) failed .*:9000 does not answer"):
         CollectionProcess(setup_for(UnpreparedEnv(num_tasks=1), qwen_tokenizer))
+
+
+def _exit_at_once() -> None:
+    os._exit(3)  # as a script without the __main__ guard may, or the OOM killer
+
+
+class VanishingEnv(ErrandsEnv):
+    def __reduce__(self):
+        return (_exit_at_once, ())
+
+
+def test_a_child_that_dies_as_it_starts_is_refused_naming_the_main_guard(qwen_tokenizer):
+    with pytest.raises(CollectionProcessError, match="died as it started \\(exit code 3\\).*__name__ == "):
+        CollectionProcess(setup_for(VanishingEnv(num_tasks=1), qwen_tokenizer))
 
 
 class ParentOnlyEnv(ErrandsEnv):
@@ -215,7 +236,9 @@ def test_an_interrupted_wait_leaves_the_process_broken_not_out_of_step(qwen_toke
         def interrupted():
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(process, "_connection", SimpleNamespace(send=process._connection.send, recv=interrupted))
+        monkeypatch.setattr(
+            process, "_connection", SimpleNamespace(send_bytes=process._connection.send_bytes, recv=interrupted)
+        )
         with pytest.raises(KeyboardInterrupt):
             process.collect(tasks, 1, backend=backend, seed=1)
         monkeypatch.undo()

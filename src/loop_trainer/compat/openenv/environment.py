@@ -147,6 +147,9 @@ class OpenEnvEnvironment(Environment):
             self.factory = lambda: client(base_url=base_url, **dict(client_kwargs or {}))
         elif hasattr(client, "new_session"):  # an instance: each episode a child session of it
             self.parent, self.factory = client, client.new_session
+            self.in_process_only = (
+                "its episodes are sessions of one client instance, which a collection process's copy would close"
+            )
         elif callable(client):
             self.factory = client
         else:
