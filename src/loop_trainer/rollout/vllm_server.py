@@ -81,9 +81,7 @@ class VLLMServerBackend:
             ServerEndpoint(base_url, tuple(stop_token_ids), max_concurrency, timeout, keep_alive)
         )
         self.base_url = self.client.base_url
-        self.stop_token_ids = self.client.stop_token_ids
         self.temperature = temperature
-        self.timeout = timeout
         self.sync_dir = Path(sync_dir)
         self.is_main_process = is_main_process
         self.barrier = barrier
