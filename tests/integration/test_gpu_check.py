@@ -11,13 +11,20 @@ from pathlib import Path
 
 import pytest
 
+from support.gpu_check import run_cpu_mode
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the repository root, for the benchmarks package
 
 
 @pytest.fixture(scope="module")
-def cpu_run(gpu_check_cpu_run):
-    return gpu_check_cpu_run
+def cpu_run(tmp_path_factory):
+    """One run of the battery in CPU mode, every section (those that need DeepSpeed or vLLM say they are skipped
+    in .venv; tests/vllm_deepspeed runs them in .vllm-venv): (completed process, out dir). Every test that reads it
+    lives in this file: `make test` deals test files to its workers whole, and a fixture shared across files would
+    run the battery (over two minutes) once on each worker that needs it."""
+    out = tmp_path_factory.mktemp("gpu-check")
+    return run_cpu_mode(out, timeout=1500), out
 
 
 @pytest.mark.slow
@@ -93,6 +100,52 @@ def test_each_section_measured_what_it_claims(cpu_run):
     assert english["loop_train_error"] is None and english["this_run"]["iterations"] == 1
     assert english["curve"][0]["turns_mean"] > 1
     assert not english["stopped_at_time_limit"]
+
+
+@pytest.mark.slow
+def test_profile_section_in_cpu_mode_accounts_for_all_the_time_and_orders_the_memory_stages(cpu_run):
+    done, out = cpu_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads((out / "gpu-check.json").read_text())["sections"]["profile"]
+    assert record["status"] == "ok"
+    kernels, memory = record["result"]["kernels"], record["result"]["memory"]
+    every_other = kernels["every_other_layer_checkpointed"]
+    for part in (kernels, every_other, kernels["without_checkpointing"], memory, memory["loop"], memory["grpo"]):
+        assert "error" not in part and "skipped" not in part, part
+
+    total = kernels["timed_seconds"]
+    seconds = {c["category"]: c["seconds"] for c in kernels["categories"]}
+    assert sum(seconds.values()) == pytest.approx(total, rel=1e-6)
+    assert sum(p["seconds"] for p in kernels["phases"]) == pytest.approx(total, rel=1e-6)
+    assert sum(c["share"] for c in kernels["categories"]) == pytest.approx(1.0, abs=1e-6)
+    # CPU ops' self times tile the profiled update's wall time
+    assert total == pytest.approx(kernels["wall_seconds"], rel=0.02)
+    for category in ("base GEMMs", "LoRA GEMMs", "attention", "log-prob head", "optimizer"):
+        assert seconds[category] > 0, category
+    assert 0 < kernels["recompute_seconds"] < total  # checkpointing on: layers ran again in the backward
+    assert kernels["mfu"] is None  # no GPU: no MFU
+    assert kernels["without_checkpointing"]["ran"]
+    # transformers' every_n_layers 2 checkpoints layers 0, 2, ...; the plan counts the others' activations
+    assert every_other["ran"] and every_other["layers"] >= 2
+    assert every_other["checkpointed_layers"] == -(-every_other["layers"] // 2)
+
+    loop = memory["loop"]
+    stages = [s["stage"] for s in loop["stages"]]
+    assert [s["seq"] for s in loop["stages"]] == list(range(len(stages)))
+    points = [s for s in stages if s in ("model built", "optimizer created", "after the first optimizer step")]
+    assert points == ["model built", "optimizer created", "after the first optimizer step"]
+    assert stages.index("old_logprobs") < stages.index("forward") < stages.index("backward")
+    first_step = stages.index("optimizer")
+    assert stages[first_step + 1] == "after the first optimizer step"
+    spans = [s for s in stages if s in ("forward", "backward")]
+    assert spans == ["forward", "backward"] * (len(spans) // 2)  # each micro-batch: its forward, then its backward
+    assert stages.count("optimizer") == loop["optimizer_steps"]
+    after = loop["stages"][first_step + 1]
+    assert after["optimizer_state_gib"] > 0 and loop["stages"][0]["optimizer_state_gib"] == 0
+    assert loop["breakdown"] is None  # the allocator history is CUDA's
+    grpo = memory["grpo"]
+    assert [s["stage"] for s in grpo["stages"]][:3] == ["model built", "trainer built", "optimizer created"]
+    assert "after the first optimizer step" in [s["stage"] for s in grpo["stages"]]
 
 
 def test_update_flops_follow_the_formula_in_its_docstring():
