@@ -110,7 +110,7 @@ def kept_warm_start(seed_dir: Path) -> dict[str, Any] | None:
 def run_seed(seed: int, options: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from loop_trainer.cli.evaluate import greedy_success_on_training_tasks
+    from loop_trainer.cli.evaluate import GreedySuccessOnTrainingTasks
     from loop_trainer.cli.train import cli as loop_train
     from loop_trainer.config import EpisodeSettings
     from loop_trainer.envs import make_environment
@@ -141,7 +141,8 @@ def run_seed(seed: int, options: argparse.Namespace) -> dict[str, Any]:
             seed=seed,
             warm_up_steps=settings.get("tiny_instruct_steps"),
             report=report,
-            greedy_success=greedy_success_on_training_tasks(env, EpisodeSettings(**episode_settings(settings))),
+            greedy_success=GreedySuccessOnTrainingTasks(env, EpisodeSettings(**episode_settings(settings))),
+            keep_warm_up=False,  # timed: a warm-up kept by another run would cost nothing here
         )
         model.save_pretrained(start)
         tokenizer.save_pretrained(start)

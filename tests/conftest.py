@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
+# Warmed-up tiny models (loop_trainer.models.warm_up_cache) are kept for this test run only, in a folder named
+# here, in the process that starts the run: its pytest-xdist workers and every subprocess inherit the variable, so
+# they share the folder, which goes when the run ends. A run reuses its own warm-ups and never reads the user's or
+# an earlier run's. A test that watches a warm-up itself sets LOOP_WARM_UP_CACHE to 0.
+WARM_UPS = Path(tempfile.gettempdir()) / f"loop-test-warm-ups-{os.getpid()}"
+os.environ.setdefault("LOOP_WARM_UP_CACHE", str(WARM_UPS))
+
+
+def pytest_sessionfinish(session):
+    if "PYTEST_XDIST_WORKER" not in os.environ and os.environ.get("LOOP_WARM_UP_CACHE") == str(WARM_UPS):
+        shutil.rmtree(WARM_UPS, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

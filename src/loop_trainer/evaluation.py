@@ -145,24 +145,26 @@ class Evaluator:
         self.engine.close()
 
 
-def greedy_success_on_training_tasks(
-    env: Environment, settings: EpisodeSettings
-) -> Callable[[Any, Any, int], dict[str, float]]:
-    """``measure(model, tokenizer, tasks)``: the greedy success rate of ``model`` on the first ``tasks``
-    tasks of ``env``'s train split, episodes limited by ``settings`` (what a ``tiny-instruct:`` warm-up
-    whose environment names a ``warm_up_success`` stops on; the test split stays unseen): ``success_rate``,
-    and the summary's other success rates (``errands``: ``success_rate_level_N`` for each level)."""
+class GreedySuccessOnTrainingTasks:
+    """``probe(model, tokenizer, tasks)``: the greedy success rate of ``model`` on the first ``tasks`` tasks of
+    ``env``'s train split, episodes limited by ``settings`` (what a ``tiny-instruct:`` warm-up whose environment
+    names a ``warm_up_success`` stops on; the test split stays unseen): ``success_rate``, and the summary's other
+    success rates (``errands``: ``success_rate_level_N`` for each level)."""
 
-    def measure(model: Any, tokenizer: Any, tasks: int) -> dict[str, float]:
-        env.prepare()  # a no-op once prepared
+    def __init__(self, env: Environment, settings: EpisodeSettings) -> None:
+        self.env = env
+        self.settings = settings
+
+    def __call__(self, model: Any, tokenizer: Any, tasks: int) -> dict[str, float]:
+        self.env.prepare()  # a no-op once prepared
         model.eval()
         greedy = build_transformers_backend(
             model,
-            TransformersSamplingSettings(temperature=0.0, max_batch_size=settings.generation_batch_limit),
+            TransformersSamplingSettings(temperature=0.0, max_batch_size=self.settings.generation_batch_limit),
             stop_token_ids=stop_token_ids(model, tokenizer),
             pad_token_id=tokenizer.pad_token_id,
         )
-        evaluator = Evaluator(env, greedy, ChatFormatter(tokenizer), settings)
+        evaluator = Evaluator(self.env, greedy, ChatFormatter(tokenizer), self.settings)
         try:
             metrics = evaluator.run("train", max_tasks=tasks, seed=0).metrics
             return {
@@ -173,7 +175,13 @@ def greedy_success_on_training_tasks(
         finally:
             evaluator.close()
 
-    return measure
+    def cache_key(self, tasks: int) -> dict[str, Any]:
+        """What its readings depend on besides the model and the environment's code (a kept warm-up's key,
+        :mod:`loop_trainer.models.warm_up_cache`): the episode settings and the tasks it runs."""
+        self.env.prepare()
+        episode = {f.name: getattr(self.settings, f.name) for f in dataclasses.fields(EpisodeSettings)}
+        train = load_tasks(self.env, "train")
+        return {"episode": episode, "tasks": list(train.select(range(min(tasks, len(train)))))}
 
 
 def write_evaluation_viewer(rows: Sequence[Mapping[str, Any]], path: str | Path, *, title: str) -> Path:

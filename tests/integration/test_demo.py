@@ -2,7 +2,7 @@
 rate and the mean reward clearly up. This is the main job's promise, so it runs the real recipe
 through the real CLI. The seed-0 run also reproduces the recorded numerics of its first iterations, so
 a refactor that changes what the trainer computes is caught here. Float-exact numerics hold on one kind
-of CPU only (support/machine.py): each record in tests/data/demo-seed0/ is named by the fingerprint of
+of CPU only (loop_trainer/numerics.py): each record in tests/data/demo-seed0/ is named by the fingerprint of
 the machine that made it, and ``python tests/integration/test_demo.py --record`` records this machine's."""
 
 from __future__ import annotations
@@ -15,10 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from loop_trainer.numerics import numerics_fingerprint
 from loop_trainer.training.run_log import read_metrics
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support.* when run as a script
-from support.machine import numerics_fingerprint  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "demo.yaml"
 RECORDS = Path(__file__).resolve().parents[1] / "data" / "demo-seed0"

@@ -33,7 +33,7 @@ from ..chat import ChatFormatter, stop_token_ids
 from ..config import EpisodeSettings, LOOPConfig, mapping_setting, output_dir_problem, range_of
 from ..config.ranges import setting
 from ..envs import Environment, EnvironmentSetupError, make_environment
-from ..evaluation import Evaluator, format_metrics, greedy_success_on_training_tasks, write_evaluation_viewer
+from ..evaluation import Evaluator, GreedySuccessOnTrainingTasks, format_metrics, write_evaluation_viewer
 from ..models.packaged import PackagedModelError, resolve_model_path
 from ..models.tiny import build_tiny_from_spec, build_word_tokenizer, is_tiny_spec, load_tokenizer
 from ..publishing.model_card import RECIPE_FILE
@@ -107,7 +107,7 @@ def load_policy(model_args: ModelConfig, eval_args: EvalArguments, env: Environm
                 env,
                 seed=eval_args.seed,
                 env_timeout=eval_args.env_timeout,
-                greedy_success=greedy_success_on_training_tasks(env, eval_args),
+                greedy_success=GreedySuccessOnTrainingTasks(env, eval_args),
             )
         except ValueError as error:
             raise RecipeError(str(error)) from None

@@ -31,6 +31,8 @@ import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from .warm_up_cache import cached_warm_up, module_source_digest
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -552,6 +554,7 @@ def build_tiny_from_spec(
     warm_up_steps: int | None = None,
     report: Callable[[str], None] | None = None,
     greedy_success: Callable[[Qwen2ForCausalLM, PreTrainedTokenizerFast, int], Mapping[str, float]] | None = None,
+    keep_warm_up: bool = True,
 ) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
     """Build the model a ``tiny:<env>`` / ``tiny-instruct:<env>`` spec names, for ``env``; the warm-up's
     replay of the environment's episodes gets ``env_timeout`` seconds in all. ``warm_up_steps``
@@ -560,7 +563,10 @@ def build_tiny_from_spec(
     ``report`` receives the warm-up's progress lines (default: the log). ``greedy_success(model,
     tokenizer, tasks)``: the greedy success rates on the first ``tasks`` training tasks (``success_rate``, and
     by level where the environment reports levels), which a warm-up
-    until fitted stops on where the environment names a ``warm_up_success`` (:class:`SuccessProbe`)."""
+    until fitted stops on where the environment names a ``warm_up_success`` (:class:`SuccessProbe`).
+    A ``tiny-instruct:`` warm-up is kept on disk and read back by the next build from the same inputs
+    (:mod:`.warm_up_cache`); ``keep_warm_up=False`` warms up here, reading and keeping nothing (what a benchmark
+    that times the warm-up needs)."""
     label = name.split(":", 1)[1]
     if label != env.name:
         raise ValueError(f"'{name}' is a tiny model for the '{label}' environment, but the environment is '{env.name}'")
@@ -596,18 +602,38 @@ def build_tiny_from_spec(
         )
         conversations = replay_demonstrations(env, drawn, seed, env_timeout)
         checked = replay_demonstrations(env, held_out, seed + 1, env_timeout) if held_out else None
-        warm_start(
-            model,
-            tokenizer,
-            conversations,
-            steps=warm_up_steps,
-            held_out=checked,
-            fit=fit,
-            seed=seed,
-            label=name,
-            report=report,
-            probe=probe,
-        )
+        keyed: dict[str, Any] = {
+            "spec": name,
+            "seed": seed,
+            "steps": warm_up_steps,
+            "layers": layers,
+            "vocabulary": list(env.vocabulary()),
+            "conversations": conversations,
+            "held_out": checked,
+            "environment": [f"{type(env).__module__}.{type(env).__qualname__}", module_source_digest(type(env))],
+        }
+        parts: dict[str, Any] | None = keyed
+        if probe is not None:  # its readings decide when the warm-up ends: keyed by what they depend on
+            probe_key = getattr(greedy_success, "cache_key", None)
+            parts = None if probe_key is None else {**keyed, "probe": [probe.describe(), probe_key(fit.probe_tasks)]}
+
+        def warm_up() -> None:
+            # on a fork of the global random state: a build leaves it as it found it, as reading a kept one does
+            with torch.random.fork_rng(devices=[]):
+                warm_start(
+                    model,
+                    tokenizer,
+                    conversations,
+                    steps=warm_up_steps,
+                    held_out=checked,
+                    fit=fit,
+                    seed=seed,
+                    label=name,
+                    report=report,
+                    probe=probe,
+                )
+
+        cached_warm_up(model, parts if keep_warm_up else None, warm_up, label=name, report=report or logger.info)
     return model, tokenizer
 
 

@@ -20,7 +20,7 @@ from trl.trainer import add_fused_lm_head
 
 from ..config import LOOPConfig, mapping_setting
 from ..envs.base import Environment
-from ..evaluation import greedy_success_on_training_tasks
+from ..evaluation import GreedySuccessOnTrainingTasks
 from ..models.packaged import resolve_model_path
 from ..models.tiny import build_tiny_from_spec, is_tiny_spec
 from .activation_checkpointing import get_peft_model, update_checkpointing_kwargs
@@ -83,7 +83,7 @@ def build_tiny_model(
         env_timeout=args.env_timeout,
         warm_up_steps=args.tiny_instruct_steps,
         report=report,
-        greedy_success=greedy_success_on_training_tasks(env, args),
+        greedy_success=GreedySuccessOnTrainingTasks(env, args),
     )
 
 

@@ -139,6 +139,7 @@ def test_a_warm_up_until_fitted_draws_many_demonstrations_and_a_fixed_one_the_de
     from loop_trainer.models import tiny
 
     drawn = []
+    monkeypatch.setenv("LOOP_WARM_UP_CACHE", "0")  # the stand-in warm-up's weights are not to be kept
     monkeypatch.setattr(tiny, "replay_demonstrations", lambda env, n, seed, timeout: drawn.append(n) or [])
     monkeypatch.setattr(tiny, "warm_start", lambda *args, **kwargs: None)
     tiny.build_tiny_from_spec("tiny-instruct:vault", VaultEnv(num_tasks=4), warm_up_steps=None, report=lambda _: None)
@@ -280,6 +281,7 @@ def test_the_probe_reaches_the_warm_up_only_where_the_environment_names_a_level(
     from loop_trainer.models import tiny
 
     probes = []
+    monkeypatch.setenv("LOOP_WARM_UP_CACHE", "0")  # every build warms up: none reads another's
     monkeypatch.setattr(tiny, "replay_demonstrations", lambda env, n, seed, timeout: [])
     monkeypatch.setattr(tiny, "warm_start", lambda *args, probe=None, **kwargs: probes.append(probe))
     greedy = lambda model, tokenizer, tasks: {"success_rate": 1.0}  # noqa: E731
@@ -322,7 +324,7 @@ def test_the_tiny_model_has_the_depth_its_environment_declares():
 def test_the_greedy_probe_rolls_out_training_tasks_with_the_recipe_episode_limits():
     """What loop-train hands the warm-up: greedy success on the first tasks of the train split (the test split
     stays unseen), under the run's episode limits."""
-    from loop_trainer.cli.evaluate import greedy_success_on_training_tasks
+    from loop_trainer.cli.evaluate import GreedySuccessOnTrainingTasks
     from loop_trainer.config import EpisodeSettings
 
     env, model, tokenizer = tiny_vault()
@@ -337,26 +339,26 @@ def test_the_greedy_probe_rolls_out_training_tasks_with_the_recipe_episode_limit
         return episode
 
     env.episode = recorded
-    measure = greedy_success_on_training_tasks(env, EpisodeSettings(max_turns=2, max_new_tokens_per_turn=3))
+    measure = GreedySuccessOnTrainingTasks(env, EpisodeSettings(max_turns=2, max_new_tokens_per_turn=3))
     assert measure(model, tokenizer, 4) == {"success_rate": 0.0}  # an untrained model solves nothing
     assert sorted(seen) == sorted(env.tasks("train")["task_id"][:4])
     assert 4 <= len(replies) <= 8 and all(len(reply.token_ids) <= 3 for reply in replies)
     warm_start(model, tokenizer, env.demonstrations(512, seed=0), steps=200, report=lambda _: None)
     limits = {"max_new_tokens_per_turn": 4, "max_trajectory_tokens": 1024}
-    two_turns = greedy_success_on_training_tasks(env, EpisodeSettings(max_turns=2, **limits))
-    six_turns = greedy_success_on_training_tasks(env, EpisodeSettings(max_turns=6, **limits))
+    two_turns = GreedySuccessOnTrainingTasks(env, EpisodeSettings(max_turns=2, **limits))
+    six_turns = GreedySuccessOnTrainingTasks(env, EpisodeSettings(max_turns=6, **limits))
     assert two_turns(model, tokenizer, 16)["success_rate"] == 0.0 < six_turns(model, tokenizer, 16)["success_rate"]
 
 
 def test_the_greedy_probe_reads_success_by_level_where_the_environment_reports_levels():
     """errands summarises success by level; the probe hands those rates to the warm-up's progress lines."""
-    from loop_trainer.cli.evaluate import greedy_success_on_training_tasks
+    from loop_trainer.cli.evaluate import GreedySuccessOnTrainingTasks
     from loop_trainer.config import EpisodeSettings
     from loop_trainer.envs import ErrandsEnv
 
     env = ErrandsEnv(num_tasks=2, levels=[1, 3])
     model, tokenizer = build_tiny_from_spec("tiny:errands", env)
-    measure = greedy_success_on_training_tasks(env, EpisodeSettings(max_turns=2, max_new_tokens_per_turn=3))
+    measure = GreedySuccessOnTrainingTasks(env, EpisodeSettings(max_turns=2, max_new_tokens_per_turn=3))
     nothing = {"success_rate": 0.0, "success_rate_level_1": 0.0, "success_rate_level_3": 0.0}
     assert measure(model, tokenizer, 4) == nothing
 

@@ -1,9 +1,9 @@
-"""Which machine a float-exact record belongs to.
+"""Which machine a float-exact result belongs to.
 
-The demo's recorded numerics (tests/data/demo-seed0/) are exact only on the kind of CPU they were made
-on: torch picks its CPU kernels by instruction set (AVX2, AVX-512, AMX, ...), and a difference in the
-last bit of one logit changes a sampled token, then a whole trajectory. So each record carries the
-fingerprint of the machine that made it, and a test compares against the record of its own machine.
+torch picks its CPU kernels by instruction set (AVX2, AVX-512, AMX, ...), and a difference in the last bit of one
+logit changes a sampled token, then a whole trajectory. So what is exact on one kind of CPU is kept under that
+kind's fingerprint: the demo's recorded numerics (tests/data/demo-seed0/) and the warmed-up tiny models
+(:mod:`loop_trainer.models.warm_up_cache`).
 """
 
 from __future__ import annotations
