@@ -163,6 +163,23 @@ def test_loop_eval_with_a_generation_backend_loads_no_model(tmp_path, monkeypatc
     assert metrics["success_rate"] == 1.0 and metrics["num_rollouts"] == 3
 
 
+def test_loop_eval_builds_a_tiny_model_with_the_warm_up_steps_and_seed_it_is_given(tmp_path, monkeypatch):
+    """tiny_instruct_steps and seed reach the build, as loop-train's reach it: the starting policy of a run that
+    pinned its warm-up is that warm-up, not one until fitted."""
+    import torch
+
+    built, model, tokenizer = [], torch.nn.Linear(1, 1), object()
+    monkeypatch.setattr(
+        loop_eval, "build_tiny_from_spec", lambda name, env, **kwargs: built.append(kwargs) or (model, tokenizer)
+    )
+    env = VaultEnv(num_tasks=3)
+    for steps in (7, None):
+        eval_args = EvalArguments(environment="vault", output_dir=str(tmp_path), seed=3, tiny_instruct_steps=steps)
+        loaded = loop_eval.load_policy(ModelConfig(model_name_or_path="tiny-instruct:vault"), eval_args, env)
+        assert loaded == (model, tokenizer)
+    assert [(kwargs["warm_up_steps"], kwargs["seed"]) for kwargs in built] == [(7, 3), (None, 3)]
+
+
 def test_loop_eval_refuses_a_temperature_a_given_backend_cannot_honour(tmp_path):
     env = VaultEnv(num_tasks=3)
     tokenizer = build_word_tokenizer(env.vocabulary())

@@ -92,6 +92,7 @@ def compare(
                 adapter=adapter,
                 max_tasks=options.max_tasks,
                 seed=training.seed,
+                tiny_instruct_steps=training.tiny_instruct_steps,  # a tiny model starts as the run's did
                 output_dir=str(Path(trained_dir) / "compare" / policy),
                 **episode,
             )

@@ -73,7 +73,15 @@ class EvalArguments(ScriptArguments, EpisodeSettings):
     experiment_name: str | None = field(
         default=None, metadata={"help": "AppWorld experiment name for the saved outputs (default: output_dir's name)."}
     )
-    seed: int = setting(0, "Sampling seed.", range_of(LOOPConfig, "seed"))
+    seed: int = setting(
+        0, "Sampling seed (and a tiny model's, as loop-train's seed builds it).", range_of(LOOPConfig, "seed")
+    )
+    tiny_instruct_steps: int | None = setting(
+        None,
+        "tiny-instruct:<env> models: the warm-up's supervised steps, as loop-train's key (the run's, to evaluate the "
+        "policy it started from); none: until held-out demonstrations are fitted.",
+        range_of(LOOPConfig, "tiny_instruct_steps"),
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()  # checks every field's range
@@ -107,6 +115,7 @@ def load_policy(model_args: ModelConfig, eval_args: EvalArguments, env: Environm
                 env,
                 seed=eval_args.seed,
                 env_timeout=eval_args.env_timeout,
+                warm_up_steps=eval_args.tiny_instruct_steps,
                 greedy_success=GreedySuccessOnTrainingTasks(env, eval_args),
             )
         except ValueError as error:

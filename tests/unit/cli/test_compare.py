@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from loop_trainer.cli import evaluate as loop_eval
 from loop_trainer.cli.compare import cli as compare_cli
 from loop_trainer.cli.compare import contrasting_trajectories
 from loop_trainer.cli.train import cli as train_cli
@@ -39,9 +40,16 @@ def trained(tmp_path_factory) -> Path:
     return out
 
 
-def test_both_policies_are_evaluated_greedy_and_sampled_on_the_held_out_split(trained, capsys):
+def test_both_policies_are_evaluated_greedy_and_sampled_on_the_held_out_split(trained, capsys, monkeypatch):
+    builds = []
+    build = loop_eval.build_tiny_from_spec
+    monkeypatch.setattr(
+        loop_eval, "build_tiny_from_spec", lambda *args, **kwargs: builds.append(kwargs) or build(*args, **kwargs)
+    )
     argv = ["--config", RECIPE, "--output_dir", str(trained), "--max_tasks", "6", "--sampled_rollouts_per_task", "3"]
     assert compare_cli(argv) == 0
+    # the starting policy is the run's: the recipe's warm-up (tiny_instruct_steps 400) and seed
+    assert [(kwargs["warm_up_steps"], kwargs["seed"]) for kwargs in builds] == [(400, 0)]
     printed = capsys.readouterr().out
     rows = json.loads((trained / "compare" / "compare.json").read_text())
     assert [(r["policy"], r["decoding"]) for r in rows] == [
