@@ -17,7 +17,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # Warmed-up tiny models (loop_trainer.models.warm_up_cache) are kept for this test run only, in a folder named
 # here, in the process that starts the run: its pytest-xdist workers and every subprocess inherit the variable, so
 # they share the folder, which goes when the run ends. A run reuses its own warm-ups and never reads the user's or
-# an earlier run's. A test that watches a warm-up itself sets LOOP_WARM_UP_CACHE to 0.
+# an earlier run's (unless LOOP_WARM_UP_CACHE is set already). A test that watches a warm-up itself sets it to 0.
 WARM_UPS = Path(tempfile.gettempdir()) / f"loop-test-warm-ups-{os.getpid()}"
 os.environ.setdefault("LOOP_WARM_UP_CACHE", str(WARM_UPS))
 

@@ -345,12 +345,12 @@ def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalA
     taken.update({key: recipe[key] for key in EPISODE_KEYS if key in recipe and key not in given})
     base = recipe.get("model_name_or_path")
     lora = bool(recipe.get("use_peft")) and (run_dir / "adapter_config.json").is_file()
+    if lora and base and is_tiny_spec(str(base)):  # given as --adapter too: its base would be another model
+        raise RecipeError(
+            f"{run_dir} holds a LoRA adapter on '{base}', a tiny model loop-eval cannot rebuild exactly (its "
+            "weights come from the run's seed and warm-up): train tiny models without use_peft to evaluate them"
+        )
     if lora and not eval_args.adapter and base:
-        if is_tiny_spec(str(base)):
-            raise RecipeError(
-                f"{run_dir} holds a LoRA adapter on '{base}', a tiny model loop-eval cannot rebuild exactly (its "
-                "weights come from the run's seed and warm-up): train tiny models without use_peft to evaluate them"
-            )
         taken["adapter"], model_args.model_name_or_path = str(run_dir), base
     try:
         followed = dataclasses.replace(eval_args, **taken)  # __post_init__ checks the run's values as given ones

@@ -4,17 +4,19 @@ a CPU, and every ``loop-train``, ``loop-eval``, ``loop-compare`` and resume of a
 
 A warm-up is kept under a key made of everything its result depends on: the spec, its seed, steps and layers, the
 environment's vocabulary and the demonstrations replayed for it (their text), the greedy probe's episode settings
-and tasks where one decides when it is fitted, the source of loop_trainer and of the environment's module, and
-the machine's numerics (torch's and transformers' versions, the CPU's kernel family, torch's thread count). So a
-kept warm-up is the one a build would make, bit for bit; a changed setting, environment or release misses and is
-built afresh. The warm-up draws from a fork of torch's global random state (:func:`~.tiny.build_tiny_from_spec`), so
-what follows a build (a LoRA adapter's initial weights) draws the same numbers whether it warmed up or read.
+and tasks where one decides when it is fitted, the source of loop_trainer and of the environment's module, and the
+machine's numerics (torch's, transformers' and tokenizers' versions, the CPU's kernel family, torch's thread count
+and default dtype). So a kept warm-up is the one a build would make, bit for bit; a changed setting, environment or
+release misses and is built afresh. What the key cannot see: where a probe decides the end, grading code outside
+the environment's module, or an instance setting that changes grading but not the tasks. Inputs that are not plain
+data have no stable key and are not kept. The warm-up draws from a fork of torch's global random state
+(:func:`~.tiny.build_tiny_from_spec`), so what follows a build (a LoRA adapter's initial weights) draws the same
+numbers whether it warmed up or read.
 
 Where: ``$LOOP_CACHE_DIR/tiny-warm-ups/<key>/`` (default ``~/.cache/loop_trainer``), or the folder
-``LOOP_WARM_UP_CACHE`` names; delete it to start over. ``LOOP_WARM_UP_CACHE=0`` builds every time and keeps
-nothing. One build at a time per key (a file lock): the
-processes of a distributed run wait for the first and read what it kept. A cache that cannot be written or read
-costs only the time: the warm-up runs as before, and the log says why.
+``LOOP_WARM_UP_CACHE`` names; delete it to start over. ``LOOP_WARM_UP_CACHE=0`` builds every time and keeps nothing.
+One build at a time per key (a file lock): the processes of a distributed run wait for the first and read what it
+kept. A cache that cannot be written or read costs only the time: the warm-up runs as before, and the log says why.
 """
 
 from __future__ import annotations
@@ -84,21 +86,25 @@ def module_source_digest(cls: type) -> str | None:
 
 def machine_numerics() -> dict[str, Any]:
     """What decides a float's last bit here besides the inputs."""
+    import tokenizers
     import transformers
 
     return {
         "numerics": numerics_fingerprint(),
         "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
         "threads": torch.get_num_threads(),
+        "default_dtype": str(torch.get_default_dtype()),
         "platform": platform.machine(),
     }
 
 
 def warm_up_key(parts: Mapping[str, Any]) -> str:
-    """The key of a warm-up built from ``parts`` (JSON-able; anything else by its ``str``), on this machine, by this
-    code."""
+    """The key of a warm-up built from ``parts``, on this machine, by this code. ``parts`` must be plain data
+    (JSON's types, string keys): anything else has no stable text (a set's order, an object's address) and raises
+    ``TypeError``."""
     payload = {"format": FORMAT, "code": _package_source_digest(), "machine": machine_numerics(), **parts}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
 @contextlib.contextmanager
@@ -119,11 +125,18 @@ def cached_warm_up(
     """Run ``warm_up()`` (which trains ``model`` in place), or put into ``model`` the weights that a warm-up from the
     same ``parts`` left before. ``parts`` ``None``: the warm-up cannot be keyed (a probe whose settings are not
     known) or is not to be kept, so it runs and nothing is kept."""
-    root = cache_root()
-    if root is None or parts is None:
+    try:
+        root = cache_root()
+        key = None if root is None or parts is None else warm_up_key(parts)
+    except (TypeError, ValueError) as error:  # inputs that are not plain data: no stable key
+        report(f"{label}: the warm-up's inputs have no stable key ({error}); warming up without keeping it")
+        root = key = None
+    except RuntimeError as error:  # no home folder to keep it in
+        report(f"{label}: no folder to keep the warm-up in ({error}); warming up without it")
+        root = key = None
+    if root is None or key is None or parts is None:
         warm_up()
         return
-    key = warm_up_key(parts)
     folder = root / key
     with contextlib.ExitStack() as held:
         try:
@@ -134,9 +147,11 @@ def cached_warm_up(
             warm_up()
             return
         if (folder / WEIGHTS_FILE).is_file():
+            initial = {name: value.clone() for name, value in model.state_dict().items()}
             try:
                 _read(model, folder)
             except Exception as error:  # noqa: BLE001 - a damaged or foreign entry: built again, replaced
+                model.load_state_dict(initial)  # a read that failed half-way may have copied some tensors in
                 report(f"{label}: the kept warm-up in {folder} cannot be read ({error}); warming up again")
             else:
                 report(f"{label}: the warm-up read from {folder} (kept by an earlier build from the same inputs)")
@@ -144,7 +159,7 @@ def cached_warm_up(
         warm_up()
         try:
             _write(model, folder, parts, label)
-        except OSError as error:
+        except Exception as error:  # noqa: BLE001 - a full disk (safetensors' own error, not an OSError), ...
             report(f"{label}: could not keep the warm-up in {folder} ({error}); the next build warms up again")
 
 

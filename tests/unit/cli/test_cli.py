@@ -552,8 +552,15 @@ def test_loop_eval_follows_a_runs_recipe_key_by_key_and_a_lora_run_as_its_adapte
         2,
     )
     assert taken == {}
+    tiny_lora = "model_name_or_path: tiny-instruct:vault\nuse_peft: true\n"
     with pytest.raises(RecipeError, match="a tiny model loop-eval cannot rebuild exactly"):
-        follow("model_name_or_path: tiny-instruct:vault\nuse_peft: true\n", {}, adapter=True)
+        follow(tiny_lora, {}, adapter=True)
+    tiny_run, *_ = follow("max_turns: 5\n", {})  # a run folder to hold the tiny LoRA run's files
+    (tiny_run / "recipe.yaml").write_text(tiny_lora)
+    (tiny_run / "adapter_config.json").write_text("{}")
+    named = EvalArguments(output_dir=str(tmp_path / "eval"), adapter=str(tiny_run))  # --adapter names the run
+    with pytest.raises(RecipeError, match="a tiny model loop-eval cannot rebuild exactly"):
+        follow_run(named, ModelConfig(model_name_or_path="tiny-instruct:vault"))
     with pytest.raises(RecipeError, match="not a run's recipe"):
         follow("- a list\n", {})
     assert follow_run(EvalArguments(output_dir=str(tmp_path / "e")), ModelConfig(model_name_or_path="x"))[1] == {}

@@ -8,11 +8,12 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from loop_trainer.config import EpisodeSettings
 from loop_trainer.envs import VaultEnv
 from loop_trainer.evaluation import GreedySuccessOnTrainingTasks
-from loop_trainer.models import tiny
+from loop_trainer.models import tiny, warm_up_cache
 from loop_trainer.models.tiny import build_tiny_from_spec
 from loop_trainer.models.warm_up_cache import WEIGHTS_FILE
 
@@ -138,15 +139,66 @@ def test_a_build_asked_not_to_keep_its_warm_up_neither_reads_nor_keeps_one(warm_
     assert len(counted_warm_ups) == 3 and len([folder for folder in warm_ups.iterdir() if folder.is_dir()]) == 1
 
 
-def test_a_damaged_warm_up_is_built_again_and_replaced(warm_ups, counted_warm_ups):
+def damage_by_garbage(folder, model) -> None:
+    (folder / WEIGHTS_FILE).write_bytes(b"not safetensors")
+
+
+def damage_by_foreign_weights(folder, model) -> None:
+    """A file that parses, holding zeros under the model's names and one tensor of another shape: a read copies
+    what fits before it finds what does not."""
+    state = {name: torch.zeros_like(value) for name, value in model.state_dict().items()}
+    last = sorted(state)[-1]
+    state[last] = torch.zeros(3)
+    save_file(state, str(folder / WEIGHTS_FILE))
+
+
+@pytest.mark.parametrize("damage", [damage_by_garbage, damage_by_foreign_weights])
+def test_a_damaged_warm_up_is_built_again_from_the_initial_weights_and_replaced(warm_ups, counted_warm_ups, damage):
     built, _, _ = build(warm_up_steps=5)
     (kept,) = [folder for folder in warm_ups.iterdir() if folder.is_dir()]
-    (kept / WEIGHTS_FILE).write_bytes(b"not safetensors")
+    damage(kept, built)
     rebuilt, lines, _ = build(warm_up_steps=5)
     assert any("cannot be read" in line and str(kept) in line for line in lines) and len(counted_warm_ups) == 2
     read, lines, _ = build(warm_up_steps=5)
     assert READ in lines[-1] and len(counted_warm_ups) == 2
     assert same_weights(built, rebuilt) and same_weights(built, read)
+
+
+def test_inputs_without_a_stable_text_are_warmed_up_and_not_kept(warm_ups, counted_warm_ups):
+    """A probe whose key holds a set (its order varies from process to process): no key, so nothing kept."""
+
+    class SetProbe:
+        def __call__(self, model, tokenizer, tasks):
+            return {"success_rate": 1.0}
+
+        def cache_key(self, tasks):
+            return {"tasks": {"b", "a"}}
+
+    lines: list[str] = []
+    for _ in range(2):
+        build(ProbedVault(num_tasks=8), report=lines.append, warm_up_steps=None, greedy_success=SetProbe())
+    assert len(counted_warm_ups) == 2 and not warm_ups.exists()
+    assert sum("no stable key" in line for line in lines) == 2
+
+
+def test_a_failed_write_or_no_home_folder_costs_only_the_time(warm_ups, counted_warm_ups, monkeypatch):
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("Error while serializing: No space left on device")  # safetensors' own, not an OSError
+
+    monkeypatch.setattr(warm_up_cache, "save_model", full_disk)
+    built, lines, _ = build(warm_up_steps=5)
+    assert any("could not keep the warm-up" in line and "No space left" in line for line in lines)
+    assert not [folder for folder in warm_ups.iterdir() if folder.is_dir()]
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("LOOP_WARM_UP_CACHE")
+    monkeypatch.delenv("LOOP_CACHE_DIR", raising=False)
+    monkeypatch.setattr(warm_up_cache.Path, "home", staticmethod(no_home))
+    again, lines, _ = build(warm_up_steps=5)
+    assert any("no folder to keep the warm-up in" in line for line in lines) and len(counted_warm_ups) == 2
+    assert same_weights(built, again)
 
 
 def test_a_cache_that_cannot_be_kept_costs_only_the_time(tmp_path, monkeypatch, counted_warm_ups):

@@ -454,6 +454,7 @@ def test_the_python_api_takes_the_model_names_loop_train_takes(tmp_path, monkeyp
     from loop_trainer.envs import VaultEnv
     from loop_trainer.training import model_loading
 
+    monkeypatch.setenv("LOOP_WARM_UP_CACHE", "0")  # two builds, each its own warm-up: not one read back
     env = VaultEnv(num_tasks=4)
     args = tiny_args(tmp_path, iterations=1, tasks_per_iteration=2, rollouts_per_task=2, tiny_instruct_steps=3)
     trainer = LOOPTrainer("tiny-instruct:vault", env, args)
