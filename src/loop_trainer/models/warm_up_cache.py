@@ -1,6 +1,6 @@
-"""Warmed-up tiny models, kept on disk: a ``tiny-instruct:<env>`` model's supervised warm-up takes 40 s or more on
-a CPU, and every ``loop-train``, ``loop-eval``, ``loop-compare`` and resume of a recipe would otherwise run it again
-(every process of a distributed run at once).
+"""Warmed-up tiny models, kept on disk: a ``tiny-instruct:<env>`` model's supervised warm-up takes from seconds to
+an hour on a CPU, and every ``loop-train``, ``loop-eval``, ``loop-compare`` and resume of a recipe would otherwise
+run it again (every process of a distributed run at once).
 
 A warm-up is kept under a key made of everything its result depends on: the spec, its seed, steps and layers, the
 environment's vocabulary and the demonstrations replayed for it (their text), the greedy probe's episode settings
