@@ -94,11 +94,14 @@ def recipe_rollouts(recipe: str) -> int:
 
 def warmed_up_models(recipe: str, seeds: list[int], out: Path) -> dict[int, str]:
     """The recipe's tiny model, warmed up once per seed and saved: every variant of a seed starts from
-    the same weights ``loop-train`` would build for that seed, without paying the warm-up 7 times."""
+    the same weights ``loop-train`` would build for that seed (its own builder, on the recipe parsed as it parses
+    it: the warm-up's steps, timeout and probe), without paying the warm-up 7 times."""
     import yaml
 
+    from loop_trainer.cli.recipe import parse_recipe
     from loop_trainer.envs import make_environment
-    from loop_trainer.models.tiny import build_tiny_from_spec, is_tiny_spec
+    from loop_trainer.models.tiny import is_tiny_spec
+    from loop_trainer.training.model_loading import build_tiny_model
 
     settings = yaml.safe_load(Path(recipe).read_text())
     if not is_tiny_spec(settings["model_name_or_path"]):
@@ -106,9 +109,9 @@ def warmed_up_models(recipe: str, seeds: list[int], out: Path) -> dict[int, str]
     env = make_environment(settings["environment"], **(settings.get("environment_kwargs") or {}))
     paths = {}
     for seed in seeds:
-        model, tokenizer = build_tiny_from_spec(
-            settings["model_name_or_path"], env, seed=seed, warm_up_steps=settings.get("tiny_instruct_steps")
-        )
+        argv = ["--config", recipe, "--seed", str(seed), "--output_dir", str(out / "models" / f"seed{seed}-run")]
+        _, args, model_args = parse_recipe(argv)
+        model, tokenizer = build_tiny_model(model_args.model_name_or_path, env, args)
         paths[seed] = str(out / "models" / f"seed{seed}")
         model.save_pretrained(paths[seed])
         tokenizer.save_pretrained(paths[seed])
