@@ -16,15 +16,13 @@ read, found through the package's installed-file record.
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
-import os
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+
+from .kept_folders import cache_home, one_builder, write_whole
 
 PREFIX = "packaged:"
 
@@ -64,7 +62,7 @@ def is_packaged_spec(name: str | None) -> bool:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("LOOP_CACHE_DIR") or Path.home() / ".cache" / "loop_trainer") / "models"
+    return cache_home() / "models"
 
 
 def resolve_model_path(name: str) -> str:
@@ -91,18 +89,10 @@ def resolve_model_path(name: str) -> str:
     target = cache_dir() / f"{key}-{spec.version}"
     if (target / "config.json").is_file():
         return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{target}.lock", "w") as lock:  # one conversion at a time, however many processes ask
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with one_builder(target):  # one conversion at a time, however many processes ask
         if not (target / "config.json").is_file():
             print(f"converting {spec.description} into {target} (first use only, about a minute)", file=sys.stderr)
-            staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
-            try:
-                convert_gguf(gguf_path, staging)
-                shutil.rmtree(target, ignore_errors=True)
-                staging.rename(target)  # atomic: a directory with a config.json is always complete
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
+            write_whole(target, lambda staging: convert_gguf(gguf_path, staging))
     return str(target)
 
 

@@ -10,7 +10,6 @@ under ``$LOOP_CACHE_DIR/models`` (default ``~/.cache/loop_trainer``), so it work
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import os
 import shutil
@@ -22,6 +21,8 @@ import torch
 from tokenizers import AddedToken, Tokenizer, normalizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.convert_slow_tokenizer import TikTokenConverter
+
+from .kept_folders import one_builder, write_whole
 
 __all__ = [
     "PREFIX",
@@ -193,17 +194,13 @@ def resolve_tiny_chat(name: str, cache: Path) -> str:
     target = cache / f"tiny-chat-{key}-{MODEL_VERSION}"
     if (target / "config.json").is_file():
         return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{target}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with one_builder(target):
         if not (target / "config.json").is_file():
             tokenizer = build_qwen25_tokenizer(cache)
-            staging = Path(tempfile.mkdtemp(prefix=f".tiny-chat-{key}-", dir=target.parent))
-            try:
+
+            def write(staging: Path) -> None:
                 build_tiny_qwen(tokenizer).save_pretrained(staging)
                 tokenizer.save_pretrained(staging)
-                shutil.rmtree(target, ignore_errors=True)
-                staging.rename(target)  # atomic: a directory with a config.json is complete
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
+
+            write_whole(target, write)
     return str(target)

@@ -22,7 +22,6 @@ kept. A cache that cannot be written or read costs only the time: the warm-up ru
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import inspect
@@ -30,17 +29,16 @@ import json
 import logging
 import os
 import platform
-import shutil
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_model, save_model
 
 from ..numerics import numerics_fingerprint
+from .kept_folders import cache_home, one_builder, write_whole
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +57,7 @@ def cache_root() -> Path | None:
         return None
     if setting:
         return Path(setting).expanduser()
-    return Path(os.environ.get("LOOP_CACHE_DIR") or Path.home() / ".cache" / "loop_trainer") / "tiny-warm-ups"
+    return cache_home() / "tiny-warm-ups"
 
 
 @functools.cache
@@ -107,13 +105,6 @@ def warm_up_key(parts: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[IO[str]]:
-    with open(path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield lock
-
-
 def cached_warm_up(
     model: torch.nn.Module,
     parts: Mapping[str, Any] | None,
@@ -125,23 +116,25 @@ def cached_warm_up(
     """Run ``warm_up()`` (which trains ``model`` in place), or put into ``model`` the weights that a warm-up from the
     same ``parts`` left before. ``parts`` ``None``: the warm-up cannot be keyed (a probe whose settings are not
     known) or is not to be kept, so it runs and nothing is kept."""
+    if parts is None:
+        warm_up()
+        return
     try:
         root = cache_root()
-        key = None if root is None or parts is None else warm_up_key(parts)
+        key = None if root is None else warm_up_key(parts)
     except (TypeError, ValueError) as error:  # inputs that are not plain data: no stable key
         report(f"{label}: the warm-up's inputs have no stable key ({error}); warming up without keeping it")
         root = key = None
     except RuntimeError as error:  # no home folder to keep it in
         report(f"{label}: no folder to keep the warm-up in ({error}); warming up without it")
         root = key = None
-    if root is None or key is None or parts is None:
+    if root is None or key is None:
         warm_up()
         return
     folder = root / key
     with contextlib.ExitStack() as held:
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            held.enter_context(_locked(root / f"{key}.lock"))
+            held.enter_context(one_builder(folder))
         except OSError as error:
             report(f"{label}: cannot keep the warm-up in {root} ({error}); warming up without it")
             warm_up()
@@ -171,16 +164,10 @@ def _read(model: torch.nn.Module, folder: Path) -> None:
 
 
 def _write(model: torch.nn.Module, folder: Path, parts: Mapping[str, Any], label: str) -> None:
-    """Into a staging folder, then renamed into place: a folder with weights in it is always whole."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
-        staging.chmod(0o755)  # as a folder made by mkdir: a shared cache stays readable
+    def write(staging: Path) -> None:
         save_model(model, str(staging / WEIGHTS_FILE))
         about = {"spec": label, "built": time.strftime("%Y-%m-%d %H:%M:%S"), **machine_numerics()}
         about.update({name: parts[name] for name in ("seed", "steps", "layers") if name in parts})
         (staging / ABOUT_FILE).write_text(json.dumps(about, indent=1, default=str) + "\n")
-        if folder.exists():  # a damaged entry, read and refused above
-            shutil.rmtree(folder)
-        staging.rename(folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+
+    write_whole(folder, write)  # a damaged entry, read and refused above, is replaced
