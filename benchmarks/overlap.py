@@ -47,7 +47,9 @@ the deepest mode's ``max_staleness`` + 1 adapters in a batch (``--max-loras``)::
 
 ``--process-staleness K`` adds a mode at ``max_staleness: K`` that collects ahead in a child process
 (``collection_process: true``, labelled ``K+process``) instead of on a thread of the training process: against the
-plain ``K`` mode it measures what the interpreter lock shared with the collection costs the update.
+plain ``K`` mode it measures what the interpreter lock shared with the collection costs the update;
+``--partial-process-staleness K`` is the partial mode with its carried episodes held by that child
+(``K+partial+process``), measured against ``K+partial``.
 """
 
 from __future__ import annotations
@@ -304,15 +306,15 @@ def server_flags(url: str, sync_dir: Path, staleness: int) -> dict[str, Any]:
     }
 
 
-VARIANTS = ("plain", "cut", "partial", "process")
+VARIANTS = ("plain", "cut", "partial", "process", "partial+process")
 """A mode's collection: the recipe's own; behind the paper's straggler cut (:data:`CUT`), the stragglers cancelled;
 behind the cut, the stragglers carried into the next batch (partial rollouts); the recipe's own, collected ahead in a
-child process (``collection_process: true``) instead of on a thread."""
+child process (``collection_process: true``) instead of on a thread; partial rollouts held by that child."""
 
 
 def mode_label(staleness: int, variant: str = "plain") -> str:
-    """How a mode is named in the result: its ``max_staleness``, with ``+cut``, ``+partial`` or ``+process``
-    (:data:`VARIANTS`)."""
+    """How a mode is named in the result: its ``max_staleness``, with ``+cut``, ``+partial``, ``+process`` or
+    ``+partial+process`` (:data:`VARIANTS`)."""
     return str(staleness) if variant == "plain" else f"{staleness}+{variant}"
 
 
@@ -322,6 +324,8 @@ def variant_flags(variant: str) -> dict[str, Any]:
         raise ValueError(f"variant {variant!r}: one of {VARIANTS}")
     if variant == "process":
         return {"collection_process": "true"}
+    if variant == "partial+process":
+        return {**variant_flags("partial"), "collection_process": "true"}
     return {} if variant == "plain" else {**CUT, "partial_rollouts": str(variant == "partial").lower()}
 
 
@@ -366,9 +370,9 @@ def summary(staleness: int, history: list[dict[str, Any]], wall: float, variant:
     return {
         "mode": mode_label(staleness, variant),
         "max_staleness": staleness,
-        "straggler_cut": variant in ("cut", "partial"),
-        "collection_process": variant == "process",
-        "partial_rollouts": variant == "partial",
+        "straggler_cut": variant in ("cut", "partial", "partial+process"),
+        "collection_process": variant in ("process", "partial+process"),
+        "partial_rollouts": variant in ("partial", "partial+process"),
         "iterations": len(history),
         "wall_seconds": wall,
         "iterations_per_hour": 3600 * len(history) / wall,
@@ -452,6 +456,14 @@ def main(argv: list[str] | None = None) -> None:
         "(collection_process: true) instead of on a thread, after the others",
     )
     parser.add_argument(
+        "--partial-process-staleness",
+        type=int,
+        nargs="+",
+        default=[],
+        help="with --recipe: modes of partial rollouts at these max_staleness (>= 1), held by a child process "
+        "(the --partial-staleness ones with collection_process: true), last",
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -488,27 +500,35 @@ def main(argv: list[str] | None = None) -> None:
         return
     if options.gpu and (options.processes > 1 or not options.recipe):
         parser.error("--gpu runs a --recipe in one training process (the demo's tiny model is CPU-sized)")
-    if (options.partial_staleness or options.cut_staleness or options.process_staleness or options.set) and (
-        not options.recipe
-    ):
-        parser.error("--partial-staleness, --cut-staleness, --process-staleness and --set apply to a --recipe")
+    by_recipe = (options.partial_staleness, options.cut_staleness, options.process_staleness, options.set)
+    if (any(by_recipe) or options.partial_process_staleness) and not options.recipe:
+        parser.error(
+            "--partial-staleness, --cut-staleness, --process-staleness, --partial-process-staleness and --set apply "
+            "to a --recipe"
+        )
     if any(staleness < 0 for staleness in options.staleness + options.cut_staleness):
         parser.error("--staleness and --cut-staleness: max_staleness is 0 or more")
-    if any(staleness < 1 for staleness in options.partial_staleness):
-        parser.error("--partial-staleness: partial rollouts need max_staleness >= 1")
+    if any(staleness < 1 for staleness in options.partial_staleness + options.partial_process_staleness):
+        parser.error("--partial-staleness, --partial-process-staleness: partial rollouts need max_staleness >= 1")
     if any(staleness < 1 for staleness in options.process_staleness):
         parser.error("--process-staleness: a collection process collects ahead, which needs max_staleness >= 1")
     if any("=" not in pair for pair in options.set):
         parser.error(f"--set takes KEY=VALUE; got {[pair for pair in options.set if '=' not in pair]}")
     recipe_keys = dict(pair.split("=", 1) for pair in options.set)
-    cut_modes = options.partial_staleness or options.cut_staleness
+    cut_modes = options.partial_staleness or options.cut_staleness or options.partial_process_staleness
     fixed = sorted(set(recipe_keys) & (MODE_KEYS | (set(CUT) if cut_modes else set())))
     if fixed:
         parser.error(
             f"--set cannot change {fixed}: each mode sets them itself (--staleness, --cut-staleness, "
-            "--partial-staleness, --process-staleness)"
+            "--partial-staleness, --process-staleness, --partial-process-staleness)"
         )
-    deepest = max(options.staleness + options.cut_staleness + options.partial_staleness + options.process_staleness)
+    deepest = max(
+        options.staleness
+        + options.cut_staleness
+        + options.partial_staleness
+        + options.process_staleness
+        + options.partial_process_staleness
+    )
     settings = recipe_settings(options.recipe, recipe_keys) if options.recipe else {}
     if options.recipe and deepest > 1 and served_lora_rank(settings) is None:
         parser.error(
@@ -588,6 +608,7 @@ def main(argv: list[str] | None = None) -> None:
                 + [(k, "cut") for k in options.cut_staleness]
                 + [(k, "partial") for k in options.partial_staleness]
                 + [(k, "process") for k in options.process_staleness]
+                + [(k, "partial+process") for k in options.partial_process_staleness]
             )
             for staleness, variant in modes:
                 if options.time_limit and runs and time.perf_counter() - began > options.time_limit * 0.55:

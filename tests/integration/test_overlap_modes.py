@@ -19,17 +19,25 @@ from benchmarks import overlap  # noqa: E402
     [
         (
             ["--partial-staleness", "1"],
-            "--partial-staleness, --cut-staleness, --process-staleness and --set apply to a --recipe",
+            "--cut-staleness, --process-staleness, --partial-process-staleness and --set apply to a --recipe",
         ),
         (
             ["--cut-staleness", "1"],
-            "--partial-staleness, --cut-staleness, --process-staleness and --set apply to a --recipe",
+            "--cut-staleness, --process-staleness, --partial-process-staleness and --set apply to a --recipe",
         ),
         (
             ["--set", "use_peft=true"],
-            "--partial-staleness, --cut-staleness, --process-staleness and --set apply to a --recipe",
+            "--cut-staleness, --process-staleness, --partial-process-staleness and --set apply to a --recipe",
         ),
-        (["--process-staleness", "1"], "--process-staleness and --set apply to a --recipe"),
+        (
+            ["--process-staleness", "1"],
+            "--process-staleness, --partial-process-staleness and --set apply to a --recipe",
+        ),
+        (["--partial-process-staleness", "1"], "--partial-process-staleness and --set apply to a --recipe"),
+        (
+            ["--recipe", "recipes/demo.yaml", "--partial-process-staleness", "0"],
+            "--partial-process-staleness: partial rollouts need max_staleness >= 1",
+        ),
         (["--recipe", "recipes/demo.yaml", "--partial-staleness", "0"], "partial rollouts need max_staleness >= 1"),
         (["--recipe", "recipes/demo.yaml", "--process-staleness", "0"], "which needs max_staleness >= 1"),
         (["--recipe", "recipes/demo.yaml", "--set", "collection_process=true"], "--set cannot change ['collection"),
@@ -81,19 +89,22 @@ def test_a_partial_mode_is_named_apart_and_counts_what_its_cut_carried():
     cut = overlap.summary(1, history, wall=14.0, variant="cut")
     plain = overlap.summary(1, history, wall=14.0)
     process = overlap.summary(1, history, wall=14.0, variant="process")
-    modes = (plain, cut, partial, process)
+    both = overlap.summary(1, history, wall=14.0, variant="partial+process")
+    modes = (plain, cut, partial, process, both)
     assert [(m["mode"], m["straggler_cut"], m["partial_rollouts"], m["collection_process"]) for m in modes] == [
         ("1", False, False, False),
         ("1+cut", True, False, False),
         ("1+partial", True, True, False),
         ("1+process", False, False, True),
+        ("1+partial+process", True, True, True),
     ]
     assert partial["carried_episodes"] == [1.0, 2.0, 3.0, 4.0] and partial["steady_iterations"] == 2
 
 
 def test_the_cut_control_differs_from_the_partial_mode_only_in_carrying_its_stragglers():
-    plain, cut, partial, process = (overlap.variant_flags(v) for v in overlap.VARIANTS)
+    plain, cut, partial, process, both = (overlap.variant_flags(v) for v in overlap.VARIANTS)
     assert plain == {} and process == {"collection_process": "true"}  # the recipe's collection, in a child
+    assert both == {**partial, "collection_process": "true"}  # the partial mode, its episodes in a child
     assert cut == {**overlap.CUT, "partial_rollouts": "false"} and partial == {
         **overlap.CUT,
         "partial_rollouts": "true",

@@ -19,9 +19,11 @@ from peft import LoraConfig, get_peft_model
 from vllm_helpers import collect, logprobs_of  # tests/vllm_deepspeed
 
 from loop_trainer import LOOPConfig, LOOPTrainer
+from loop_trainer.envs.base import Step
+from loop_trainer.envs.vault import VaultEnv, VaultEpisode
 from loop_trainer.net import free_local_port
 from loop_trainer.rollout import TransformersBackend
-from loop_trainer.rollout.collection_process import CollectionProcess
+from loop_trainer.rollout.collection_process import CollectionProcess, ContinuingInChild
 from loop_trainer.rollout.vllm_server import SERVER_ENV, VLLMServerBackend
 from loop_trainer.rollout.weight_sync import WeightSync, probe_token_ids
 
@@ -168,7 +170,9 @@ def test_server_weight_sync_lora_hot_swap_and_full_reload(vault, server, tmp_pat
 
 
 def server_run(tmp_path, server: str, **keys) -> LOOPConfig:
-    """A short LOOP run of the tiny vault model sampling on the server, nothing written but metrics."""
+    """A short LOOP run of the tiny vault model sampling on the server, nothing written but metrics (and
+    checkpoints, if ``keys`` ask for them)."""
+    keys = {"save_strategy": "no", **keys}
     return LOOPConfig(
         output_dir=str(tmp_path),
         tasks_per_iteration=4,
@@ -185,7 +189,6 @@ def server_run(tmp_path, server: str, **keys) -> LOOPConfig:
         vllm_server_base_url=server,
         bf16=False,
         report_to=[],
-        save_strategy="no",
         plot_curves=False,
         viewer_rollouts_per_iteration=0,
         memory_stress_test=False,
@@ -301,3 +304,72 @@ def test_an_overlapped_run_collects_its_queued_batches_in_a_child_process(vault,
     assert all(r["weight_sync_logprob_diff_max"] <= 1e-3 for r in trainer.history)
     assert all(r["optimizer_steps"] >= 1 for r in trainer.history)
     assert all(r["generation_retries"] == 0.0 for r in trainer.history)
+
+
+class SlowEpisode(VaultEpisode):
+    def step(self, reply: str) -> Step:
+        time.sleep(1.0)
+        return super().step(reply)
+
+
+class StragglingVaultEnv(VaultEnv):
+    """The vault, one episode in six (the last of every other group, as a batch starts them) slow: a straggler
+    that the cut carries into the next batch."""
+
+    def __init__(self, num_tasks: int) -> None:
+        super().__init__(num_tasks=num_tasks)
+        self.started = 0
+
+    def episode(self, task):
+        self.started += 1
+        if self.started % 6:
+            return super().episode(task)
+        return SlowEpisode(task)
+
+
+def test_partial_rollouts_run_in_the_collection_process(vault, server, tmp_path, monkeypatch):
+    """partial_rollouts with collection_process: every batch, the first included, is cut by the child's continuing
+    collection, which carries its stragglers; the checkpoint fetches the carried groups from it; the run trains as
+    on a thread and ends its child."""
+    _, _, tokenizer, path = vault
+    env = StragglingVaultEnv(num_tasks=12)
+    collected: list[tuple[int | None, int]] = []
+    fetched: list[int] = []
+    collect, carried = ContinuingInChild.collect, ContinuingInChild.carried
+
+    def counting(self, tasks, rollouts_per_task, **kwargs):
+        batch = collect(self, tasks, rollouts_per_task, **kwargs)
+        collected.append((self.process.pid, kwargs["iteration"]))
+        return batch
+
+    def fetching(self):
+        groups = carried(self)
+        fetched.append(len(groups))
+        return groups
+
+    monkeypatch.setattr(ContinuingInChild, "collect", counting)
+    monkeypatch.setattr(ContinuingInChild, "carried", fetching)
+    policy = type(vault[1]).from_pretrained(path).float()
+    args = server_run(
+        tmp_path,
+        server,
+        iterations=3,
+        max_staleness=1,
+        collection_process=True,
+        partial_rollouts=True,
+        early_stop_done_fraction=0.5,
+        early_stop_task_fraction=0.5,
+        save_strategy="steps",
+        save_steps=2,
+    )
+    trainer = LOOPTrainer(policy, env, args, processing_class=tokenizer, peft_config=LORA)
+    child = trainer.rollout_resources.collection_process
+    trainer.train()
+    assert collected == [(child.pid, 0), (child.pid, 1), (child.pid, 2)] and child.pid != os.getpid()
+    checkpoints = sorted(path.name for path in tmp_path.glob("checkpoint-*"))
+    assert checkpoints == ["checkpoint-2", "checkpoint-3"] and len(fetched) == 2  # each asked the child
+    assert fetched[0] >= 1  # the stragglers still carried at checkpoint 2, run to their end in the child
+    assert not child._process.is_alive() and not trainer.rollout_resources.is_open
+    assert trainer.history[0]["carried_episodes"] >= 1 and len(trainer.history) == 3
+    assert all(r["weight_sync_logprob_diff_max"] <= 1e-3 for r in trainer.history)
+    assert all(r["optimizer_steps"] >= 1 for r in trainer.history)

@@ -157,11 +157,6 @@ def _collection_process_needs_overlap_on_a_server(config: LOOPConfig, launch: La
             "collection_process samples through a vLLM server the child process reaches by itself: set use_vllm: "
             "true and vllm_mode: server, or collection_process: false"
         )
-    if config.partial_rollouts:
-        return (
-            "partial_rollouts keeps episodes running across batches on the training process's collection thread, "
-            "and collection_process collects each batch in another process: set one of them to false"
-        )
     return None
 
 

@@ -164,8 +164,9 @@ class LOOPConfig(TrainingArguments, EpisodeSettings):
         False,
         "With max_staleness and a vLLM server: collect the batches queued ahead in a child process of each training "
         "process (the environment and tokenizer sent to it by pickle), so the collection's Python work (tokenising, "
-        "requests, the environment) does not hold the interpreter lock the update's kernel launches need. False: on "
-        "a thread of the training process.",
+        "requests, the environment) does not hold the interpreter lock the update's kernel launches need. With "
+        "partial_rollouts the child also holds the episodes carried across batches (and collects every batch). "
+        "False: on a thread of the training process.",
     )
     dynamic_sampling_rounds: int = setting(
         0,

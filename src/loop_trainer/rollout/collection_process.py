@@ -20,11 +20,21 @@ process (:attr:`~..envs.base.Environment.in_process_only`). The child's copy is 
 it before its first batch, and ``close()`` when the parent closes it. The child is spawned (it imports the
 training script again: a script needs the ``if __name__ == "__main__":`` guard), a daemon, ignores SIGINT (the
 parent stops the run and closes it), and leaves as soon as the parent goes, even in the middle of a batch.
+
+With partial rollouts (``partial_rollouts: true``) the child holds the run's
+:class:`~.partial.ContinuingCollection`: the episodes carried across batches run there, and the parent drives them
+through :class:`ContinuingInChild`, which has the collection's methods. A batch's collection goes over one pipe
+(the overlap thread waits on it for most of an update); the calls around a weight change
+(:meth:`~ContinuingInChild.hold`, :meth:`~ContinuingInChild.release`, which names the new policy as settings) and
+around a checkpoint (finish the carried episodes, fetch them, restore them) go over a second one, answered by a
+thread of the child's while the batch is collected, as they are on the collection's own thread in the trainer's
+process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -41,6 +51,7 @@ from typing import Any
 from ..envs.base import EnvironmentSetupError
 from .backend import GenerationBackend
 from .engine import EngineSetup, RolloutEngine
+from .partial import CarriedGroup, ContinuingCollection
 from .records import RolloutBatch
 from .server_client import ServerClient, ServerSampler, ServerSampling
 from .vllm_server import server_sampling
@@ -63,12 +74,24 @@ class CollectionJob:
 
 
 @dataclass(frozen=True)
+class ContinuingCall:
+    """One call of the child's :class:`~.partial.ContinuingCollection` (``open`` builds it): the method's name and
+    arguments, a policy as :class:`~.server_client.ServerSampling`."""
+
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ChildTotals:
     """The child's running totals since it started."""
 
     generation_retries: int = 0
     abandoned_calls: int = 0
     env_metrics: dict[str, float] = field(default_factory=dict)
+    taken: int = 0
+    """Its order among the child's answers: of two answered on the two pipes at once, the later totals win."""
 
 
 GUARD = (
@@ -84,10 +107,22 @@ class RemoteTraceback(Exception):
         return "\n" + str(self.args[0]) if self.args else ""
 
 
+def sampling_of(backend: GenerationBackend) -> ServerSampling:
+    """``backend`` as settings the child samples through; refused unless it samples on a vLLM server."""
+    sampling = server_sampling(backend)
+    if sampling is None:
+        raise CollectionProcessError(
+            f"collection_process samples through a vLLM server, not {type(backend).__name__}: set vllm_mode: "
+            "server, or collection_process: false"
+        )
+    return sampling
+
+
 class CollectionProcess:
     """A child process that collects batches (:meth:`collect`, the signature of :meth:`RolloutEngine.collect`),
-    one at a time; started (its environment rebuilt and prepared) by the time the constructor returns. Release it
-    with :meth:`close`; a daemon, it is also ended when this process exits."""
+    one at a time, or holds a run's partial rollouts (:meth:`continuing`); started (its environment rebuilt and
+    prepared) by the time the constructor returns. Release it with :meth:`close`; a daemon, it is also ended when
+    this process exits."""
 
     def __init__(self, setup: EngineSetup, *, start_timeout: float = 300.0):
         env_name = type(setup.env).__name__
@@ -105,20 +140,25 @@ class CollectionProcess:
             ) from None
         context = multiprocessing.get_context("spawn")  # not fork: the parent has threads, maybe CUDA
         self._connection, child_end = context.Pipe()
+        # The calls around a weight change or a checkpoint, answered while a batch is collected on the first pipe.
+        self._control, control_end = context.Pipe()
         self._process = context.Process(
             target=_serve,
-            args=(child_end, payload, logging.getLogger("loop_trainer").getEffectiveLevel()),
+            args=(child_end, control_end, payload, logging.getLogger("loop_trainer").getEffectiveLevel()),
             name="loop-collection",
             daemon=True,  # never outlives this process, nor holds up its exit
         )
         self._process.start()
         child_end.close()
+        control_end.close()
         self._lock = threading.Lock()  # one batch at a time: the pipe carries one job and its answer
+        self._control_lock = threading.Lock()
+        self._totals_lock = threading.Lock()
         self.totals = ChildTotals()
         self._closed = False
-        self._broken = False  # a wait for an answer was interrupted: the pipe is out of step
-        # Dropped without close(): the pipe closes, so the child reads its end and leaves.
-        self._finalizer = weakref.finalize(self, self._connection.close)
+        self._broken = False  # a wait for an answer was interrupted: a pipe is out of step
+        # Dropped without close(): the pipes close, so the child reads its end and leaves.
+        self._finalizer = weakref.finalize(self, _close_all, self._connection, self._control)
         try:
             self._wait_started(env_name, start_timeout)
         except BaseException:
@@ -139,30 +179,42 @@ class CollectionProcess:
     ) -> RolloutBatch:
         """The batch the engine would collect with these arguments, collected by the child; ``backend`` samples on
         a vLLM server (the server backend or one version's view of it)."""
-        sampling = None if backend is None else server_sampling(backend)
-        if sampling is None:
-            raise CollectionProcessError(
-                f"collection_process samples through a vLLM server, not {type(backend).__name__}: set vllm_mode: "
-                "server, or collection_process: false"
-            )
-        job = pickle.dumps(CollectionJob(list(tasks), rollouts_per_task, sampling, dict(options)))  # raises here
-        with self._lock:
+        if backend is None:
+            raise CollectionProcessError("collection_process samples through a vLLM server: pass its backend")
+        job = CollectionJob(list(tasks), rollouts_per_task, sampling_of(backend), dict(options))
+        return self._ask(job)
+
+    def continuing(self, max_span: int, backend: GenerationBackend) -> ContinuingInChild:
+        """The run's partial rollouts, held by the child: a :class:`~.partial.ContinuingCollection` built there
+        (one per child), its episodes' turns sampled by the policies :meth:`ContinuingInChild.release` names
+        (``backend``: the engine's default, which no turn of a continuing episode uses)."""
+        self._ask(ContinuingCall("open", (max_span, sampling_of(backend))), control=True)
+        return ContinuingInChild(self)
+
+    def _ask(self, request: CollectionJob | ContinuingCall, control: bool = False) -> Any:
+        """Send ``request`` and wait for its answer: over the batch pipe, or the control pipe (``control``). The
+        child's error is raised here as itself, its traceback as its ``__cause__``."""
+        message = pickle.dumps(request)  # a request that does not pickle is raised here, the pipe untouched
+        connection, lock = (self._control, self._control_lock) if control else (self._connection, self._lock)
+        with lock:
             if self._closed or self._broken:
                 raise CollectionProcessError(f"the collection process is {'closed' if self._closed else 'broken'}")
             try:
-                self._connection.send_bytes(job)
-                kind, value, totals, remote = self._connection.recv()
+                connection.send_bytes(message)
+                kind, value, totals, remote = connection.recv()
             except (EOFError, OSError):
                 self._broken = True
                 self._process.join(timeout=5)
                 raise CollectionProcessError(
-                    f"the collection process died (exit code {self._process.exitcode}) while collecting a batch: "
-                    "its log lines above say why; set collection_process: false to collect on a thread"
+                    f"the collection process died (exit code {self._process.exitcode}) while {_doing(request)}: its "
+                    "log lines above say why; set collection_process: false to collect on a thread"
                 ) from None
             except BaseException:
-                self._broken = True  # its answer, if it comes, would be taken for the next batch's
+                self._broken = True  # its answer, if it comes, would be taken for the next request's
                 raise
-        self.totals = totals
+        with self._totals_lock:
+            if totals.taken >= self.totals.taken:
+                self.totals = totals
         if kind == "error":
             raise value from RemoteTraceback(remote)
         return value
@@ -197,8 +249,13 @@ class CollectionProcess:
                 f"({type(value).__name__}: {value}): fix it, or set collection_process: false"
             ) from RemoteTraceback(remote)
 
+    @property
+    def is_usable(self) -> bool:
+        """Neither closed nor broken: it still answers."""
+        return not (self._closed or self._broken)
+
     def close(self, timeout: float = 30.0) -> None:
-        """End the child (after the batch it is collecting, if any); idempotent."""
+        """End the child (after the batch it is collecting, if any; its partial rollouts cancelled); idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -219,6 +276,77 @@ class CollectionProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class ContinuingInChild:
+    """A run's partial rollouts held by a :class:`CollectionProcess`: the methods of
+    :class:`~.partial.ContinuingCollection` the trainer calls, each answered by the child's collection. Built by
+    :meth:`CollectionProcess.continuing`."""
+
+    def __init__(self, process: CollectionProcess):
+        self.process = process
+        self._closed = False
+
+    def hold(self) -> None:
+        """Before the generator's weights change: the turns being sampled finish, no other starts."""
+        self.process._ask(ContinuingCall("hold"), control=True)
+
+    def release(self, version: int | None = None, backend: GenerationBackend | None = None) -> None:
+        """After :meth:`hold`: turns start again, sampled by ``backend`` (on the server) as policy ``version``;
+        nothing given: the policy before."""
+        sampling = None if backend is None else sampling_of(backend)
+        self.process._ask(ContinuingCall("release", (version, sampling)), control=True)
+
+    def collect(self, tasks: Sequence[Mapping[str, Any]], rollouts_per_task: int, **kwargs: Any) -> RolloutBatch:
+        """:meth:`.ContinuingCollection.collect`, in the child (over the batch pipe: the calls above still go)."""
+        return self.process._ask(ContinuingCall("collect", (list(tasks), rollouts_per_task), kwargs))
+
+    def finish_in_flight(self) -> None:
+        """Run every carried episode to its end (before a checkpoint)."""
+        self.process._ask(ContinuingCall("finish_in_flight"), control=True)
+
+    def carried(self) -> list[CarriedGroup]:
+        """The carried groups, every episode ended (after :meth:`finish_in_flight`)."""
+        return self.process._ask(ContinuingCall("carried"), control=True)
+
+    def restore(self, groups: Sequence[CarriedGroup]) -> None:
+        """Carry ``groups`` (from a checkpoint) into the next batch."""
+        if groups:
+            self.process._ask(ContinuingCall("restore", (list(groups),)), control=True)
+
+    def cancel_in_flight(self) -> int:
+        """Cancel the episodes still running; returns how many."""
+        return self.process._ask(ContinuingCall("cancel_in_flight"), control=True)
+
+    def close(self) -> None:
+        """Cancel what still runs and close the child's collection (the child goes on). Idempotent; nothing to do
+        once the child is closed or broken (closing it cancels them)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.process.is_usable:
+            try:
+                self.process._ask(ContinuingCall("close"), control=True)
+            except CollectionProcessError as error:  # it died since: what it held went with it
+                logger.info("the collection process's partial rollouts were not closed: %s", error)
+
+
+def _doing(request: CollectionJob | ContinuingCall) -> str:
+    if isinstance(request, CollectionJob) or request.method == "collect":
+        return "collecting a batch"
+    return f"answering {request.method}()"
+
+
+def _answer_name(request: CollectionJob | ContinuingCall) -> str:
+    """What the answer to ``request`` is, as errors name it."""
+    if isinstance(request, CollectionJob) or request.method == "collect":
+        return "batch"
+    return f"answer to {request.method}()"
+
+
+def _close_all(*connections: multiprocessing.connection.Connection) -> None:
+    for connection in connections:
+        connection.close()
 
 
 def _portable(error: BaseException) -> BaseException:
@@ -246,7 +374,7 @@ def _send(connection: multiprocessing.connection.Connection, kind: str, value: A
             "Score.info or a trajectory holds an object that does not pickle"
         )
         remote = "".join(traceback.format_exception(error)).rstrip()
-        data = pickle.dumps(("error", failure, ChildTotals(), remote))  # the totals may be what did not pickle
+        data = pickle.dumps(("error", failure, ChildTotals(taken=totals.taken), remote))  # the totals may not pickle
     connection.send_bytes(data)
 
 
@@ -258,8 +386,104 @@ def _leave_with_the_parent() -> None:
         os._exit(1)
 
 
-def _serve(connection: multiprocessing.connection.Connection, payload: bytes, log_level: int) -> None:
-    """The child: rebuild and prepare the setup, then collect each job sent until None (or the parent goes)."""
+class _Child:
+    """What the child holds: the prepared setup, a client per server, the engine (built with the first sampler
+    it gets) and, with partial rollouts, the run's continuing collection. Used by the child's two serving threads."""
+
+    CONTINUING_METHODS = ("hold", "release", "collect", "finish_in_flight", "carried", "restore", "cancel_in_flight")
+
+    def __init__(self, setup: EngineSetup):
+        self.setup = setup
+        self.clients: dict[Any, ServerClient] = {}
+        self.engine: RolloutEngine | None = None
+        self.continuing: ContinuingCollection | None = None
+        self._lock = threading.Lock()  # the two threads build the clients and the engine
+        self._answers = itertools.count(1)
+
+    def sampler(self, sampling: ServerSampling) -> ServerSampler:
+        with self._lock:
+            if sampling.endpoint not in self.clients:
+                self.clients[sampling.endpoint] = ServerClient(sampling.endpoint)
+            sampler = ServerSampler(self.clients[sampling.endpoint], sampling)
+            if self.engine is None:
+                self.engine = self.setup.build(sampler)
+            return sampler
+
+    def answer(self, request: CollectionJob | ContinuingCall) -> Any:
+        if isinstance(request, CollectionJob):
+            sampler = self.sampler(request.sampling)
+            assert self.engine is not None  # built with the first sampler
+            return self.engine.collect(request.tasks, request.rollouts_per_task, backend=sampler, **request.options)
+        if request.method == "open":
+            max_span, sampling = request.args
+            self.sampler(sampling)
+            assert self.engine is not None
+            if self.continuing is not None:
+                self.continuing.close()
+            self.continuing = ContinuingCollection(self.engine, max_span)
+            return None
+        if self.continuing is None:
+            raise CollectionProcessError(f"{request.method}() before the partial rollouts were opened")
+        if request.method == "close":
+            self.continuing.close()
+            self.continuing = None
+            return None
+        if request.method not in self.CONTINUING_METHODS:
+            raise CollectionProcessError(f"the collection process has no {request.method}()")
+        args = request.args
+        if request.method == "release" and args[1] is not None:
+            args = (args[0], self.sampler(args[1]))
+        return getattr(self.continuing, request.method)(*args, **request.kwargs)
+
+    def totals(self) -> ChildTotals:
+        try:
+            env_metrics = dict(self.setup.env.metrics())
+        except Exception as error:  # noqa: BLE001 - the answer still goes back
+            logger.error("the environment's metrics() failed in the collection process", exc_info=error)
+            env_metrics = {}
+        engine = self.engine
+        return ChildTotals(
+            engine.generation_retries if engine else 0,
+            engine.abandoned_calls if engine else 0,
+            env_metrics,
+            next(self._answers),
+        )
+
+    def serve(self, connection: multiprocessing.connection.Connection) -> None:
+        """Answer each request on ``connection`` until None, or its end closes (the parent closed it, or left)."""
+        while True:
+            try:
+                request = pickle.loads(connection.recv_bytes())
+            except EOFError:
+                return
+            if request is None:
+                return
+            kind: str
+            value: Any
+            try:
+                kind, value = _answer_name(request), self.answer(request)
+            except BaseException as error:  # noqa: BLE001 - the parent raises it where it asked
+                kind, value = "error", error
+            _send(connection, kind, value, self.totals())
+
+    def close(self) -> None:
+        if self.continuing is not None:
+            self.continuing.close()
+        if self.engine is not None:
+            self.engine.close()
+        for client in self.clients.values():
+            client.close()
+        self.setup.env.close()  # the child's copy: its own to close
+
+
+def _serve(
+    connection: multiprocessing.connection.Connection,
+    control: multiprocessing.connection.Connection,
+    payload: bytes,
+    log_level: int,
+) -> None:
+    """The child: rebuild and prepare the setup, then answer each request sent until None (or the parent goes):
+    batches on ``connection``, here; the partial rollouts' other calls on ``control``, on a thread."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the parent decides
     logging.basicConfig(level=log_level, format="[collection process] %(levelname)s %(name)s: %(message)s")
     threading.Thread(target=_leave_with_the_parent, name="loop-collection-parent", daemon=True).start()
@@ -279,40 +503,9 @@ def _serve(connection: multiprocessing.connection.Connection, payload: bytes, lo
         setup.env.close()
         return
     _send(connection, "prepared", None, ChildTotals())
-    clients: dict[Any, ServerClient] = {}
-    engine: RolloutEngine | None = None
+    child = _Child(setup)
+    threading.Thread(target=child.serve, args=(control,), name="loop-collection-control", daemon=True).start()
     try:
-        while True:
-            try:
-                job: CollectionJob | None = pickle.loads(connection.recv_bytes())
-            except EOFError:  # the parent closed its end, or went away
-                return
-            if job is None:
-                return
-            kind: str
-            value: Any
-            try:
-                endpoint = job.sampling.endpoint
-                if endpoint not in clients:
-                    clients[endpoint] = ServerClient(endpoint)
-                sampler = ServerSampler(clients[endpoint], job.sampling)
-                if engine is None:
-                    engine = setup.build(sampler)
-                kind, value = "batch", engine.collect(job.tasks, job.rollouts_per_task, backend=sampler, **job.options)
-            except BaseException as error:  # noqa: BLE001 - the parent raises it where the batch is taken
-                kind, value = "error", error
-            try:
-                env_metrics = dict(setup.env.metrics())
-            except Exception as error:  # noqa: BLE001 - the batch still goes back
-                logger.error("the environment's metrics() failed in the collection process", exc_info=error)
-                env_metrics = {}
-            totals = ChildTotals(
-                engine.generation_retries if engine else 0, engine.abandoned_calls if engine else 0, env_metrics
-            )
-            _send(connection, kind, value, totals)
+        child.serve(connection)
     finally:
-        if engine is not None:
-            engine.close()
-        for client in clients.values():
-            client.close()
-        setup.env.close()  # the child's copy: its own to close
+        child.close()

@@ -49,7 +49,7 @@ from ..envs.base import Environment, load_tasks
 from ..evaluation import Evaluator, write_evaluation_viewer
 from ..publishing.publisher import HubPublisher
 from ..rollout import GenerationBackend, RolloutBatch, RolloutEngine, TransformersBackend, mix_seed
-from ..rollout.collection_process import CollectionProcess
+from ..rollout.collection_process import CollectionProcess, ContinuingInChild
 from ..rollout.generator import RolloutGenerator, build_generator, require_vllm
 from ..rollout.partial import CarriedGroup, ContinuingCollection, gather_carried, load_carried, save_carried
 from ..rollout.sharding import collect_share, gather_shares, task_share
@@ -234,7 +234,7 @@ class LOOPTrainer(Trainer):
         self.overlap = OverlappedRollouts(
             args.max_staleness, functools.partial(gather_shares, num_processes=self.accelerator.num_processes)
         )
-        self._continuing: ContinuingCollection | None = None  # partial_rollouts: opened at the first sync
+        self._continuing: ContinuingCollection | ContinuingInChild | None = None  # partial_rollouts: at the first sync
         self._restored_groups: list[CarriedGroup] = []  # partial_rollouts: from the checkpoint resumed
         self.rollout_resources = RolloutResources(
             env,
@@ -544,18 +544,28 @@ class LOOPTrainer(Trainer):
         are sampled by the new policy."""
         if not self.args.partial_rollouts:
             return self.generator.sync(version)
-        if self._continuing is None:
-            self._continuing = ContinuingCollection(self.rollout_engine, max_span=self.args.max_staleness)
-            self._continuing.restore(self._restored_groups)
-            self._restored_groups = []
-        self._continuing.hold()
+        if self._continuing is not None:
+            self._continuing.hold()
         try:
             synced = self.generator.sync(version)
         except BaseException:
-            self._continuing.release()
+            if self._continuing is not None:
+                self._continuing.release()
             raise
-        self._continuing.release(version, self.generator.sampler(version))
+        sampler = self.generator.sampler(version)
+        if self._continuing is None:  # the first sync: nothing ran before it
+            self._continuing = self._open_continuing(sampler)
+            self._continuing.restore(self._restored_groups)
+            self._restored_groups = []
+        self._continuing.release(version, sampler)
         return synced
+
+    def _open_continuing(self, sampler: GenerationBackend) -> ContinuingCollection | ContinuingInChild:
+        """Partial rollouts' collection: on this process's collection thread, or held by the collection process
+        (``collection_process``), which builds its engine with ``sampler``."""
+        if self.collection_settings.collection_process:
+            return self.rollout_resources.collection_process.continuing(self.args.max_staleness, sampler)
+        return ContinuingCollection(self.rollout_engine, max_span=self.args.max_staleness)
 
     def _collect_share(
         self, tasks: list[Mapping[str, Any]], iteration: int, sampler: GenerationBackend

@@ -61,7 +61,7 @@ def test_several_versions_on_a_server_need_lora_adapters():
     assert problems(config(max_staleness=1, use_vllm=True, vllm_mode="server"), Launch(lora=False)) == []
 
 
-def test_a_collection_process_needs_overlap_on_a_vllm_server_and_no_partial_rollouts():
+def test_a_collection_process_needs_overlap_on_a_vllm_server():
     server = {"use_vllm": True, "vllm_mode": "server"}
     assert problems(config(max_staleness=1, collection_process=True, **server), BUILT_IN) == []
     eight = Launch(num_processes=8, zero_stage=3, generator=Generator.BUILT_IN, lora=True)  # a child per process
@@ -73,9 +73,8 @@ def test_a_collection_process_needs_overlap_on_a_vllm_server_and_no_partial_roll
     keys = config(max_staleness=1, **server)
     keys.collection_process = True
     refused(keys, Launch(generator=Generator.OWN_WEIGHTS), "a vLLM server the child process reaches by itself")
-    cut = {"early_stop_done_fraction": 0.9, "partial_rollouts": True}
-    with pytest.raises(ConfigCombinationError, match="partial_rollouts .* collection_process .* set one of them"):
-        config(max_staleness=1, collection_process=True, **server, **cut)
+    cut = {"early_stop_done_fraction": 0.9, "partial_rollouts": True}  # the child holds the carried episodes
+    assert problems(config(max_staleness=1, collection_process=True, **server, **cut), eight) == []
 
 
 def test_a_kl_penalty_without_an_adapter_is_refused_under_zero3():

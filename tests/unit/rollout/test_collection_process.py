@@ -1,13 +1,17 @@
-"""A collection in a process of its own: the same batch as on a thread, its errors in the parent, its refusals."""
+"""A collection in a process of its own: the same batch as on a thread, its errors in the parent, its refusals; the
+partial rollouts it holds, driven from the parent."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,7 +19,7 @@ from typing import Any
 import pytest
 
 from loop_trainer.chat import ChatFormatter
-from loop_trainer.envs.base import Environment, EnvironmentSetupError, Score
+from loop_trainer.envs.base import Environment, EnvironmentSetupError, Episode, Message, Score, Step
 from loop_trainer.envs.errands import ErrandsEnv, ErrandsEpisode
 from loop_trainer.rollout import EpisodeLimits, RolloutFailureBudgetExceeded
 from loop_trainer.rollout.collection_process import CollectionProcess, CollectionProcessError
@@ -41,8 +45,9 @@ def backend(server, tmp_path):
         yield backend
 
 
-def setup_for(env: Environment, tokenizer: Any) -> EngineSetup:
-    return EngineSetup(env, ChatFormatter(tokenizer), LIMITS, 60.0, None, 8)
+def setup_for(env: Environment, tokenizer: Any, max_turns: int = LIMITS.max_turns) -> EngineSetup:
+    limits = EpisodeLimits(max_turns=max_turns, max_new_tokens_per_turn=LIMITS.max_new_tokens_per_turn)
+    return EngineSetup(env, ChatFormatter(tokenizer), limits, 60.0, None, 8)
 
 
 def fields(trajectories):
@@ -244,6 +249,131 @@ def test_an_interrupted_wait_leaves_the_process_broken_not_out_of_step(qwen_toke
         monkeypatch.undo()
         with pytest.raises(CollectionProcessError, match="the collection process is broken"):
             process.collect(tasks, 1, backend=backend, seed=1)
+
+
+class GatedEpisode(Episode):
+    """Done after the task's ``turns`` replies; a task with ``wait_after`` waits after that many steps until the
+    file its ``gate`` names exists (an event another process can set)."""
+
+    def __init__(self, task: Mapping[str, Any]):
+        self.task, self.turn = task, 0
+
+    async def start(self) -> list[Message]:
+        return [{"role": "user", "content": f"task {self.task['task_id']}"}]
+
+    async def step(self, reply: str) -> Step:
+        self.turn += 1
+        if self.turn == self.task.get("wait_after"):
+            while not Path(self.task["gate"]).exists():
+                await asyncio.sleep(0.01)
+        return Step(messages=[{"role": "user", "content": f"obs {self.turn}"}], done=self.turn >= self.task["turns"])
+
+    async def score(self) -> Score:
+        return Score(reward=self.turn / 10, success=True)
+
+
+class GatedEnv(Environment):
+    name = "gated"
+
+    def tasks(self, split: str = "train") -> Any:
+        raise NotImplementedError
+
+    def episode(self, task: Mapping[str, Any]) -> GatedEpisode:
+        return GatedEpisode(task)
+
+
+@pytest.fixture(scope="module")
+def gated_child(qwen_tokenizer):
+    with CollectionProcess(setup_for(GatedEnv(), qwen_tokenizer, max_turns=6)) as process:
+        yield process
+
+
+@pytest.fixture()
+def versions(backend):
+    """The server backend with policies 0 and 1 loaded under their own names."""
+    backend.keep_versions = True
+    backend._versions.update({0: "policy-0", 1: "policy-1"})
+    return backend.at_version(0), backend.at_version(1)
+
+
+CUT = {"done_fraction": 0.5, "task_fraction": 0.0, "show_progress": False}
+WHOLE = {"done_fraction": 1.0, "task_fraction": 1.0, "show_progress": False}
+
+
+def test_partial_rollouts_in_the_child_change_policy_between_turns_while_a_batch_is_collected(
+    gated_child, versions, server, tmp_path
+):
+    """hold() and release() are answered while the child collects a batch (over the other pipe), and the episode's
+    turns after release() are sampled by the new policy, each recorded with its version."""
+    gate = tmp_path / "go"
+    task = {"task_id": "long", "turns": 4, "wait_after": 2, "gate": str(gate)}
+    server.bodies.clear()
+    continuing = gated_child.continuing(1, versions[0])
+    try:
+        continuing.release(0, versions[0])
+        collected: list[Any] = []
+        options = {"iteration": 0, "task_indices": [0], "num_tasks": 1, "seed": 1, **WHOLE}
+        thread = threading.Thread(target=lambda: collected.append(continuing.collect([task], 1, **options)))
+        thread.start()
+        deadline = time.monotonic() + 60
+        while len(server.bodies) < 2 and time.monotonic() < deadline:  # its two turns before the gate
+            time.sleep(0.02)
+        continuing.hold()
+        continuing.release(1, versions[1])
+        assert thread.is_alive() and len(server.bodies) == 2  # answered while the batch waits at the gate
+        gate.touch()
+        thread.join(60)
+        (trajectory,) = collected[0].trajectories
+        assert trajectory.turn_versions == [0, 0, 1, 1]
+        assert [body["model"] for body in server.bodies] == ["policy-0"] * 2 + ["policy-1"] * 2
+        assert trajectory.reward == 0.4 and sum(trajectory.loss_mask) > 0
+    finally:
+        continuing.close()
+
+
+def test_partial_rollouts_in_the_child_carry_finish_save_restore_and_cancel(gated_child, versions, tmp_path):
+    """The checkpoint's path through the child: a group running at the cut is carried, finished by the newest
+    policy, fetched whole; a new collection takes it back (restore) into its next batch; what still runs at the
+    end is cancelled and counted."""
+    gate = tmp_path / "go"
+    short = {"task_id": "short", "turns": 2}
+    long = {"task_id": "long", "turns": 4, "wait_after": 2, "gate": str(gate)}
+    continuing = gated_child.continuing(1, versions[0])
+    continuing.release(0, versions[0])
+    first = continuing.collect([short, long], 2, iteration=0, task_indices=[0, 1], num_tasks=2, seed=1, **CUT)
+    assert [(t.task_id, t.group) for t in first.trajectories] == [("short", 0)] * 2 and first.num_carried == 2
+    continuing.hold()
+    continuing.release(1, versions[1])
+    gate.touch()
+    continuing.finish_in_flight()
+    (group,) = continuing.carried()
+    assert (group.iteration, group.task_index, sorted(group.ended), group.running) == (0, 1, [0, 1], {})
+    assert [t.turn_versions for t in group.ended.values()] == [[0, 0, 1, 1]] * 2
+    continuing.close()  # as a run that stops after its checkpoint; the resumed one opens another
+
+    resumed = gated_child.continuing(1, versions[1])
+    try:
+        resumed.release(1, versions[1])
+        resumed.restore([group])
+        second = resumed.collect([short], 2, iteration=1, task_indices=[0], num_tasks=1, seed=2, **WHOLE)
+        assert [(t.task_id, t.group, t.rollout) for t in second.trajectories] == [
+            ("short", 0, 0),
+            ("short", 0, 1),
+            ("long", 2, 0),  # carried from iteration 0's task 1: past every new task's group
+            ("long", 2, 1),
+        ]
+        stuck = {**long, "gate": str(tmp_path / "never")}
+        third = resumed.collect([short, stuck], 2, iteration=2, task_indices=[0, 1], num_tasks=2, seed=3, **CUT)
+        assert third.num_carried == 2
+        assert resumed.cancel_in_flight() == 2
+    finally:
+        resumed.close()
+    assert gated_child.is_usable
+
+
+def test_partial_rollouts_sample_through_a_vllm_server_only(gated_child, qwen_tokenizer):
+    with pytest.raises(CollectionProcessError, match="samples through a vLLM server, not ScriptedBackend"):
+        gated_child.continuing(1, ScriptedBackend(qwen_tokenizer, lambda prompt: "x"))
 
 
 LEFT_BEHIND = """
