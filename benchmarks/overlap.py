@@ -43,7 +43,8 @@ the deepest mode's ``max_staleness`` + 1 adapters in a batch (``--max-loras``)::
 
     python -m benchmarks.overlap --gpu --recipe recipes/errands.yaml --model-dir WARM_START --set use_peft=true \
         --set lora_r=16 --set lora_alpha=32 --set lora_dropout=0 --staleness 0 1 2 --cut-staleness 1 \
-        --partial-staleness 1 --iterations 12 --time-limit 500 --out overlap-gpu-lora.json
+        --partial-staleness 1 --process-staleness 1 --partial-process-staleness 1 --iterations 12 --time-limit 500 \
+        --out overlap-gpu-lora.json
 
 ``--process-staleness K`` adds a mode at ``max_staleness: K`` that collects ahead in a child process
 (``collection_process: true``, labelled ``K+process``) instead of on a thread of the training process: against the
