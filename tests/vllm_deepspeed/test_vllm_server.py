@@ -8,6 +8,7 @@ check before (disagree) and after (agree to 1e-3); a 2-iteration LOOP run in ser
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -330,16 +331,17 @@ class StragglingVaultEnv(VaultEnv):
 def test_partial_rollouts_run_in_the_collection_process(vault, server, tmp_path, monkeypatch):
     """partial_rollouts with collection_process: every batch, the first included, is cut by the child's continuing
     collection, which carries its stragglers; the checkpoint fetches the carried groups from it; the run trains as
-    on a thread and ends its child."""
+    on a thread and ends its child. Resumed from a checkpoint, the carried groups go back to a new child and join
+    its next batch."""
     _, _, tokenizer, path = vault
-    env = StragglingVaultEnv(num_tasks=12)
-    collected: list[tuple[int | None, int]] = []
+    collected: list[tuple[int | None, int, int]] = []
     fetched: list[int] = []
-    collect, carried = ContinuingInChild.collect, ContinuingInChild.carried
+    restored: list[int] = []
+    collect, carried, restore = ContinuingInChild.collect, ContinuingInChild.carried, ContinuingInChild.restore
 
     def counting(self, tasks, rollouts_per_task, **kwargs):
         batch = collect(self, tasks, rollouts_per_task, **kwargs)
-        collected.append((self.process.pid, kwargs["iteration"]))
+        collected.append((self.process.pid, kwargs["iteration"], max(t.group for t in batch.trajectories)))
         return batch
 
     def fetching(self):
@@ -347,29 +349,52 @@ def test_partial_rollouts_run_in_the_collection_process(vault, server, tmp_path,
         fetched.append(len(groups))
         return groups
 
+    def restoring(self, groups):
+        restored.append(len(groups))
+        restore(self, groups)
+
     monkeypatch.setattr(ContinuingInChild, "collect", counting)
     monkeypatch.setattr(ContinuingInChild, "carried", fetching)
+    monkeypatch.setattr(ContinuingInChild, "restore", restoring)
+    keys = {
+        "iterations": 4,
+        "max_staleness": 1,
+        "collection_process": True,
+        "partial_rollouts": True,
+        "early_stop_done_fraction": 0.5,
+        "early_stop_task_fraction": 0.5,
+        "save_strategy": "steps",
+        "save_steps": 2,
+    }
     policy = type(vault[1]).from_pretrained(path).float()
-    args = server_run(
-        tmp_path,
-        server,
-        iterations=3,
-        max_staleness=1,
-        collection_process=True,
-        partial_rollouts=True,
-        early_stop_done_fraction=0.5,
-        early_stop_task_fraction=0.5,
-        save_strategy="steps",
-        save_steps=2,
+    trainer = LOOPTrainer(
+        policy,
+        StragglingVaultEnv(12),
+        server_run(tmp_path, server, **keys),
+        processing_class=tokenizer,
+        peft_config=LORA,
     )
-    trainer = LOOPTrainer(policy, env, args, processing_class=tokenizer, peft_config=LORA)
     child = trainer.rollout_resources.collection_process
     trainer.train()
-    assert collected == [(child.pid, 0), (child.pid, 1), (child.pid, 2)] and child.pid != os.getpid()
+    assert [(pid, iteration) for pid, iteration, _ in collected] == [(child.pid, i) for i in range(4)]
+    assert child.pid != os.getpid() and restored == [0]  # a fresh run restores nothing
     checkpoints = sorted(path.name for path in tmp_path.glob("checkpoint-*"))
-    assert checkpoints == ["checkpoint-2", "checkpoint-3"] and len(fetched) == 2  # each asked the child
+    assert checkpoints == ["checkpoint-2", "checkpoint-4"] and len(fetched) == 2  # each asked the child
     assert fetched[0] >= 1  # the stragglers still carried at checkpoint 2, run to their end in the child
     assert not child._process.is_alive() and not trainer.rollout_resources.is_open
-    assert trainer.history[0]["carried_episodes"] >= 1 and len(trainer.history) == 3
+    assert trainer.history[0]["carried_episodes"] >= 1 and len(trainer.history) == 4
     assert all(r["weight_sync_logprob_diff_max"] <= 1e-3 for r in trainer.history)
     assert all(r["optimizer_steps"] >= 1 for r in trainer.history)
+
+    collected.clear()
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "checkpoint-2", resumed_dir / "checkpoint-2")
+    policy = type(vault[1]).from_pretrained(path).float()
+    args = server_run(resumed_dir, server, **keys)
+    resumed = LOOPTrainer(policy, StragglingVaultEnv(12), args, processing_class=tokenizer, peft_config=LORA)
+    resumed.train(resume_from_checkpoint=str(resumed_dir / "checkpoint-2"))
+    assert restored == [0, fetched[0]]  # checkpoint 2's carried groups, sent to the new child
+    # Iteration 3 (iteration 2's batch was in the checkpoint) holds them: groups past its 4 new tasks'.
+    ((pid, iteration, last_group),) = collected
+    assert pid not in (None, child.pid, os.getpid()) and iteration == 3 and last_group >= 4
+    assert len(resumed.history) == 4 and resumed.history[3]["optimizer_steps"] >= 1

@@ -374,7 +374,8 @@ def _send(connection: multiprocessing.connection.Connection, kind: str, value: A
             "Score.info or a trajectory holds an object that does not pickle"
         )
         remote = "".join(traceback.format_exception(error)).rstrip()
-        data = pickle.dumps(("error", failure, ChildTotals(taken=totals.taken), remote))  # the totals may not pickle
+        # The totals may be what did not pickle: none go (numbered 0, the parent keeps the ones it has).
+        data = pickle.dumps(("error", failure, ChildTotals(), remote))
     connection.send_bytes(data)
 
 
@@ -398,7 +399,9 @@ class _Child:
         self.engine: RolloutEngine | None = None
         self.continuing: ContinuingCollection | None = None
         self._lock = threading.Lock()  # the two threads build the clients and the engine
+        self._totals_lock = threading.Lock()
         self._answers = itertools.count(1)
+        self._env_metrics: dict[str, float] = {}
 
     def sampler(self, sampling: ServerSampling) -> ServerSampler:
         with self._lock:
@@ -436,35 +439,47 @@ class _Child:
         return getattr(self.continuing, request.method)(*args, **request.kwargs)
 
     def totals(self) -> ChildTotals:
-        try:
-            env_metrics = dict(self.setup.env.metrics())
-        except Exception as error:  # noqa: BLE001 - the answer still goes back
-            logger.error("the environment's metrics() failed in the collection process", exc_info=error)
-            env_metrics = {}
-        engine = self.engine
-        return ChildTotals(
-            engine.generation_retries if engine else 0,
-            engine.abandoned_calls if engine else 0,
-            env_metrics,
-            next(self._answers),
-        )
+        """The running totals now, numbered as they are taken (one at a time: a higher number is never older). If
+        the environment's ``metrics()`` fails, its last answer stands (logged), not an empty one."""
+        with self._totals_lock:
+            try:
+                self._env_metrics = dict(self.setup.env.metrics())
+            except Exception as error:  # noqa: BLE001 - the answer still goes back
+                logger.error("the environment's metrics() failed in the collection process", exc_info=error)
+            engine = self.engine
+            return ChildTotals(
+                engine.generation_retries if engine else 0,
+                engine.abandoned_calls if engine else 0,
+                dict(self._env_metrics),
+                next(self._answers),
+            )
 
     def serve(self, connection: multiprocessing.connection.Connection) -> None:
         """Answer each request on ``connection`` until None, or its end closes (the parent closed it, or left)."""
         while True:
             try:
-                request = pickle.loads(connection.recv_bytes())
+                message = connection.recv_bytes()
             except EOFError:
-                return
-            if request is None:
                 return
             kind: str
             value: Any
             try:
+                request = pickle.loads(message)
+                if request is None:
+                    return
                 kind, value = _answer_name(request), self.answer(request)
             except BaseException as error:  # noqa: BLE001 - the parent raises it where it asked
                 kind, value = "error", error
             _send(connection, kind, value, self.totals())
+
+    def serve_control(self, connection: multiprocessing.connection.Connection) -> None:
+        """:meth:`serve` on the control pipe's thread. If it fails (the pipe, or an answer that cannot be sent), the
+        child ends: the parent waiting on that pipe then hears that it died, instead of waiting for ever."""
+        try:
+            self.serve(connection)
+        except BaseException as error:  # noqa: BLE001 - logged, then the process ends
+            logger.error("the collection process's control thread failed: ending the process", exc_info=error)
+            os._exit(1)
 
     def close(self) -> None:
         if self.continuing is not None:
@@ -504,7 +519,7 @@ def _serve(
         return
     _send(connection, "prepared", None, ChildTotals())
     child = _Child(setup)
-    threading.Thread(target=child.serve, args=(control,), name="loop-collection-control", daemon=True).start()
+    threading.Thread(target=child.serve_control, args=(control,), name="loop-collection-control", daemon=True).start()
     try:
         child.serve(connection)
     finally:

@@ -554,9 +554,13 @@ class LOOPTrainer(Trainer):
             raise
         sampler = self.generator.sampler(version)
         if self._continuing is None:  # the first sync: nothing ran before it
-            self._continuing = self._open_continuing(sampler)
-            self._continuing.restore(self._restored_groups)
-            self._restored_groups = []
+            continuing = self._open_continuing(sampler)
+            try:
+                continuing.restore(self._restored_groups)
+            except BaseException:
+                continuing.close()  # the next sync opens another and restores the groups again
+                raise
+            self._continuing, self._restored_groups = continuing, []
         self._continuing.release(version, sampler)
         return synced
 
@@ -627,10 +631,12 @@ class LOOPTrainer(Trainer):
         temporary files). The environment is its creator's to close. Safe to call twice; anything
         used afterwards is opened again."""
         self.overlap.close()  # a collection in flight finishes first: it uses the generator
-        if self._continuing is not None:
-            self._continuing.close()
-            self._continuing = None
-        self.rollout_resources.close()
+        try:
+            if self._continuing is not None:
+                continuing, self._continuing = self._continuing, None
+                continuing.close()
+        finally:
+            self.rollout_resources.close()
 
     def __enter__(self) -> Self:
         return self

@@ -300,6 +300,35 @@ CUT = {"done_fraction": 0.5, "task_fraction": 0.0, "show_progress": False}
 WHOLE = {"done_fraction": 1.0, "task_fraction": 1.0, "show_progress": False}
 
 
+def within(seconds: float, call: Any, *args: Any) -> Any:
+    """``call(*args)``'s result, or a test failure if it has not returned within ``seconds`` (a wait on a child that
+    never answers fails the test instead of hanging it)."""
+    results: list[Any] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(call(*args))
+        except BaseException as error:  # noqa: BLE001 - raised below, in the test's thread
+            errors.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"{getattr(call, '__name__', call)}() did not return within {seconds:g} s")
+    if errors:
+        raise errors[0]
+    return results[0]
+
+
+def wait_for_requests(server: Any, count: int) -> None:
+    deadline = time.monotonic() + 60
+    while len(server.bodies) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(server.bodies) >= count, f"{len(server.bodies)} of {count} requests reached the server"
+
+
 def test_partial_rollouts_in_the_child_change_policy_between_turns_while_a_batch_is_collected(
     gated_child, versions, server, tmp_path
 ):
@@ -313,13 +342,13 @@ def test_partial_rollouts_in_the_child_change_policy_between_turns_while_a_batch
         continuing.release(0, versions[0])
         collected: list[Any] = []
         options = {"iteration": 0, "task_indices": [0], "num_tasks": 1, "seed": 1, **WHOLE}
-        thread = threading.Thread(target=lambda: collected.append(continuing.collect([task], 1, **options)))
+        thread = threading.Thread(
+            target=lambda: collected.append(continuing.collect([task], 1, **options)), daemon=True
+        )
         thread.start()
-        deadline = time.monotonic() + 60
-        while len(server.bodies) < 2 and time.monotonic() < deadline:  # its two turns before the gate
-            time.sleep(0.02)
-        continuing.hold()
-        continuing.release(1, versions[1])
+        wait_for_requests(server, 2)  # its two turns before the gate
+        within(60, continuing.hold)
+        within(60, continuing.release, 1, versions[1])
         assert thread.is_alive() and len(server.bodies) == 2  # answered while the batch waits at the gate
         gate.touch()
         thread.join(60)
@@ -331,17 +360,19 @@ def test_partial_rollouts_in_the_child_change_policy_between_turns_while_a_batch
         continuing.close()
 
 
-def test_partial_rollouts_in_the_child_carry_finish_save_restore_and_cancel(gated_child, versions, tmp_path):
+def test_partial_rollouts_in_the_child_carry_finish_save_restore_and_cancel(gated_child, versions, server, tmp_path):
     """The checkpoint's path through the child: a group running at the cut is carried, finished by the newest
     policy, fetched whole; a new collection takes it back (restore) into its next batch; what still runs at the
     end is cancelled and counted."""
     gate = tmp_path / "go"
     short = {"task_id": "short", "turns": 2}
     long = {"task_id": "long", "turns": 4, "wait_after": 2, "gate": str(gate)}
+    server.bodies.clear()
     continuing = gated_child.continuing(1, versions[0])
     continuing.release(0, versions[0])
     first = continuing.collect([short, long], 2, iteration=0, task_indices=[0, 1], num_tasks=2, seed=1, **CUT)
     assert [(t.task_id, t.group) for t in first.trajectories] == [("short", 0)] * 2 and first.num_carried == 2
+    wait_for_requests(server, 8)  # the long episodes' two turns before their gate, as the short ones' four
     continuing.hold()
     continuing.release(1, versions[1])
     gate.touch()
@@ -369,6 +400,26 @@ def test_partial_rollouts_in_the_child_carry_finish_save_restore_and_cancel(gate
     finally:
         resumed.close()
     assert gated_child.is_usable
+
+
+def _explode_outside(pid: int) -> None:
+    if os.getpid() != pid:
+        raise RuntimeError("this group cannot be rebuilt in the child")
+
+
+class Unrebuildable:
+    def __reduce__(self):
+        return (_explode_outside, (os.getpid(),))
+
+
+def test_a_call_the_child_cannot_read_is_an_error_and_the_control_pipe_stays_in_step(gated_child, versions):
+    continuing = gated_child.continuing(1, versions[0])
+    try:
+        with pytest.raises(RuntimeError, match="cannot be rebuilt in the child"):
+            within(60, continuing.restore, [Unrebuildable()])
+        assert within(60, continuing.cancel_in_flight) == 0  # the next call gets its own answer
+    finally:
+        continuing.close()
 
 
 def test_partial_rollouts_sample_through_a_vllm_server_only(gated_child, qwen_tokenizer):
