@@ -74,7 +74,13 @@ class EvalArguments(ScriptArguments, EpisodeSettings):
         default=None, metadata={"help": "AppWorld experiment name for the saved outputs (default: output_dir's name)."}
     )
     seed: int = setting(
-        0, "Sampling seed (and a tiny model's, as loop-train's seed builds it).", range_of(LOOPConfig, "seed")
+        0, "Sampling seed (and a tiny model's, unless model_seed is given).", range_of(LOOPConfig, "seed")
+    )
+    model_seed: int | None = setting(
+        None,
+        "tiny:<env> / tiny-instruct:<env> models: the seed they are built with, as loop-train's seed builds them (a "
+        "tiny LoRA run followed: the run's, so that its adapter goes on the base it trained); none: seed.",
+        dataclasses.replace(range_of(LOOPConfig, "seed"), none=True),
     )
     tiny_instruct_steps: int | None = setting(
         None,
@@ -113,7 +119,7 @@ def load_policy(model_args: ModelConfig, eval_args: EvalArguments, env: Environm
             model, tokenizer = build_tiny_from_spec(
                 name,
                 env,
-                seed=eval_args.seed,
+                seed=eval_args.seed if eval_args.model_seed is None else eval_args.model_seed,
                 env_timeout=eval_args.env_timeout,
                 warm_up_steps=eval_args.tiny_instruct_steps,
                 greedy_success=GreedySuccessOnTrainingTasks(env, eval_args),
@@ -345,11 +351,19 @@ def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalA
     taken.update({key: recipe[key] for key in EPISODE_KEYS if key in recipe and key not in given})
     base = recipe.get("model_name_or_path")
     lora = bool(recipe.get("use_peft")) and (run_dir / "adapter_config.json").is_file()
-    if lora and base and is_tiny_spec(str(base)):  # given as --adapter too: its base would be another model
-        raise RecipeError(
-            f"{run_dir} holds a LoRA adapter on '{base}', a tiny model loop-eval cannot rebuild exactly (its "
-            "weights come from the run's seed and warm-up): train tiny models without use_peft to evaluate them"
-        )
+    if lora and base and is_tiny_spec(str(base)):
+        # The base is rebuilt as the run built it: its seed and warm-up (loop-train's defaults where unnamed), read
+        # back from the warm-up cache where this machine built it before; evaluated with this run's own seed.
+        named = model_args.model_name_or_path
+        if eval_args.adapter and named and named != base:  # --adapter with another base named
+            raise RecipeError(
+                f"{run_dir} holds a LoRA adapter on '{base}', not on '{named}': evaluate it with "
+                f"--model_name_or_path {base} (or without one)"
+            )
+        model_args.model_name_or_path = base
+        for key, run_key in (("model_seed", "seed"), ("tiny_instruct_steps", "tiny_instruct_steps")):
+            if key not in given:
+                taken[key] = recipe.get(run_key, LOOPConfig.__dataclass_fields__[run_key].default)
     if lora and not eval_args.adapter and base:
         taken["adapter"], model_args.model_name_or_path = str(run_dir), base
     try:

@@ -10,8 +10,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from loop_trainer import LOOPConfig
 from loop_trainer.cli.recipe import RecipeError, parse_recipe
 from loop_trainer.cli.train import cli
 from loop_trainer.envs import VaultEnv
@@ -552,15 +554,46 @@ def test_loop_eval_follows_a_runs_recipe_key_by_key_and_a_lora_run_as_its_adapte
         2,
     )
     assert taken == {}
-    tiny_lora = "model_name_or_path: tiny-instruct:vault\nuse_peft: true\n"
-    with pytest.raises(RecipeError, match="a tiny model loop-eval cannot rebuild exactly"):
-        follow(tiny_lora, {}, adapter=True)
-    tiny_run, *_ = follow("max_turns: 5\n", {})  # a run folder to hold the tiny LoRA run's files
-    (tiny_run / "recipe.yaml").write_text(tiny_lora)
-    (tiny_run / "adapter_config.json").write_text("{}")
+    # a tiny LoRA run: its base rebuilt with the run's seed and warm-up steps, sampled with loop-eval's own seed
+    tiny_lora = "model_name_or_path: tiny-instruct:vault\nuse_peft: true\nseed: 7\ntiny_instruct_steps: 50\n"
+    tiny_run, followed, model_args, taken = follow(tiny_lora, {}, adapter=True, seed=3)
+    assert (followed.adapter, model_args.model_name_or_path) == (str(tiny_run), "tiny-instruct:vault")
+    assert (followed.model_seed, followed.tiny_instruct_steps, followed.seed) == (7, 50, 3)
+    _, defaults, *_ = follow("model_name_or_path: tiny-instruct:vault\nuse_peft: true\n", {}, adapter=True)
+    assert (defaults.model_seed, defaults.tiny_instruct_steps) == (LOOPConfig.seed, LOOPConfig.tiny_instruct_steps)
+    _, flagged, *_ = follow(tiny_lora, {"model_seed": 1}, adapter=True, model_seed=1)  # a flag wins
+    assert (flagged.model_seed, flagged.tiny_instruct_steps) == (1, 50)
     named = EvalArguments(output_dir=str(tmp_path / "eval"), adapter=str(tiny_run))  # --adapter names the run
-    with pytest.raises(RecipeError, match="a tiny model loop-eval cannot rebuild exactly"):
-        follow_run(named, ModelConfig(model_name_or_path="tiny-instruct:vault"))
+    model_args = ModelConfig()
+    assert follow_run(named, model_args)[0].model_seed == 7 and model_args.model_name_or_path == "tiny-instruct:vault"
+    with pytest.raises(RecipeError, match="holds a LoRA adapter on 'tiny-instruct:vault', not on 'tiny:vault'"):
+        follow_run(named, ModelConfig(model_name_or_path="tiny:vault"))
     with pytest.raises(RecipeError, match="not a run's recipe"):
         follow("- a list\n", {})
     assert follow_run(EvalArguments(output_dir=str(tmp_path / "e")), ModelConfig(model_name_or_path="x"))[1] == {}
+
+
+def test_loop_eval_puts_a_tiny_lora_runs_adapter_on_the_base_it_trained(tmp_path, monkeypatch):
+    """The base is rebuilt with the run's seed and warm-up (not loop-eval's sampling seed): every weight of the
+    evaluated model, base and adapter, is the trained policy's."""
+    from loop_trainer.cli import evaluate as loop_eval
+    from loop_trainer.cli.train import main as train_main
+
+    out = tmp_path / "run"
+    flags = ["--use_peft", "true", "--seed", "7", "--tiny_instruct_steps", "30", "--iterations", "1"]
+    flags += ["--tasks_per_iteration", "2", "--disable_tqdm", "true", "--save_strategy", "no"]
+    trainer = train_main(
+        *parse_recipe(["--config", str(ROOT / "recipes" / "demo.yaml"), "--output_dir", str(out), *flags])
+    )
+    assert trainer is not None
+    trained = trainer.model.state_dict()
+    loaded = []
+    load = loop_eval.load_policy
+    monkeypatch.setattr(loop_eval, "load_policy", lambda *args: loaded.append(load(*args)) or loaded[-1])
+    argv = ["--model_name_or_path", str(out), "--max_tasks", "2", "--seed", "3", "--output_dir", str(tmp_path / "e")]
+    assert loop_eval.cli(argv) == 0
+    evaluated = loaded[0][0].state_dict()
+    shared = trained.keys() & evaluated.keys()
+    assert any("lora_A" in key for key in shared) and any("base_layer" in key for key in shared)
+    assert any("embed_tokens" in key for key in shared)
+    assert [key for key in sorted(shared) if not torch.equal(trained[key], evaluated[key])] == []
