@@ -341,7 +341,8 @@ def test_partial_rollouts_run_in_the_collection_process(vault, server, tmp_path,
 
     def counting(self, tasks, rollouts_per_task, **kwargs):
         batch = collect(self, tasks, rollouts_per_task, **kwargs)
-        collected.append((self.process.pid, kwargs["iteration"], max(t.group for t in batch.trajectories)))
+        groups = [t.group for t in batch.trajectories]
+        collected.append((self.process.pid, kwargs["iteration"], max(groups, default=-1)))
         return batch
 
     def fetching(self):

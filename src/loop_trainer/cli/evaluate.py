@@ -353,7 +353,8 @@ def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalA
     lora = bool(recipe.get("use_peft")) and (run_dir / "adapter_config.json").is_file()
     if lora and base and is_tiny_spec(str(base)):
         # The base is rebuilt as the run built it: its seed and warm-up (loop-train's defaults where unnamed), read
-        # back from the warm-up cache where this machine built it before; evaluated with this run's own seed.
+        # back from the warm-up cache where this machine built it before (elsewhere warmed up again: equal up to
+        # the machine's rounding); sampled with loop-eval's own seed.
         named = model_args.model_name_or_path
         if eval_args.adapter and named and named != base:  # --adapter with another base named
             raise RecipeError(
@@ -364,6 +365,10 @@ def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalA
         for key, run_key in (("model_seed", "seed"), ("tiny_instruct_steps", "tiny_instruct_steps")):
             if key not in given:
                 taken[key] = recipe.get(run_key, LOOPConfig.__dataclass_fields__[run_key].default)
+        steps = eval_args.tiny_instruct_steps if "tiny_instruct_steps" in given else taken["tiny_instruct_steps"]
+        if steps is None:  # a greedy probe ended the run's warm-up: its readings depend on every episode setting
+            probe = (f.name for f in dataclasses.fields(EpisodeSettings))
+            taken.update({key: recipe[key] for key in probe if key in recipe and key not in given | set(taken)})
     if lora and not eval_args.adapter and base:
         taken["adapter"], model_args.model_name_or_path = str(run_dir), base
     try:

@@ -369,9 +369,13 @@ def _send(connection: multiprocessing.connection.Connection, kind: str, value: A
     try:
         data = pickle.dumps((kind, value, totals, remote))
     except Exception as error:  # noqa: BLE001 - reported instead of the answer
+        try:
+            pickle.dumps(totals)
+            culprit = "an episode's Score.info or a trajectory holds an object that does not pickle"
+        except Exception:  # noqa: BLE001 - whatever pickling raises: the totals are what did not pickle
+            culprit = "the environment's metrics() returned a value that does not pickle (return floats)"
         failure = CollectionProcessError(
-            f"the collection process's {kind} cannot be sent back ({type(error).__name__}: {error}): an episode's "
-            "Score.info or a trajectory holds an object that does not pickle"
+            f"the collection process's {kind} cannot be sent back ({type(error).__name__}: {error}): {culprit}"
         )
         remote = "".join(traceback.format_exception(error)).rstrip()
         # The totals may be what did not pickle: none go (numbered 0, the parent keeps the ones it has).

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import yaml
 
-from ..config.resume_policy import FIXED_KEYS
+from ..config.resume_policy import FIXED_BECAUSE, FIXED_KEYS
 from .checkpoints import (
     CheckpointError,
     check_fresh_output_dir,
@@ -120,9 +120,10 @@ def compare_settings(
     listed = ", ".join(f"{key} {_show(old)} -> {_show(new)}" for key, old, new in changed)
     fixed = [key for key, _, _ in changed if key in FIXED_KEYS]
     if fixed:
+        reasons = "; ".join(dict.fromkeys(FIXED_BECAUSE[key] for key in fixed))
         raise CheckpointError(
-            f"resume_from_checkpoint: {', '.join(fixed)} cannot change on resume (the optimizer state "
-            f"in {checkpoint} belongs to the old optimizer); changed: {listed}"
+            f"resume_from_checkpoint: {', '.join(fixed)} cannot change on resume ({reasons}: {checkpoint}); "
+            f"changed: {listed}"
         )
     if not allow_changes:
         raise CheckpointError(

@@ -630,13 +630,15 @@ class LOOPTrainer(Trainer):
         """Release what the trainer opened: rollout thread pools, the generator (a vLLM engine, its
         temporary files). The environment is its creator's to close. Safe to call twice; anything
         used afterwards is opened again."""
-        self.overlap.close()  # a collection in flight finishes first: it uses the generator
         try:
-            if self._continuing is not None:
-                continuing, self._continuing = self._continuing, None
-                continuing.close()
+            self.overlap.close()  # a collection in flight finishes first: it uses the generator
         finally:
-            self.rollout_resources.close()
+            try:
+                if self._continuing is not None:
+                    continuing, self._continuing = self._continuing, None
+                    continuing.close()
+            finally:
+                self.rollout_resources.close()
 
     def __enter__(self) -> Self:
         return self

@@ -556,11 +556,15 @@ def test_loop_eval_follows_a_runs_recipe_key_by_key_and_a_lora_run_as_its_adapte
     assert taken == {}
     # a tiny LoRA run: its base rebuilt with the run's seed and warm-up steps, sampled with loop-eval's own seed
     tiny_lora = "model_name_or_path: tiny-instruct:vault\nuse_peft: true\nseed: 7\ntiny_instruct_steps: 50\n"
-    tiny_run, followed, model_args, taken = follow(tiny_lora, {}, adapter=True, seed=3)
+    tiny_run, followed, model_args, taken = follow(tiny_lora + "generation_batch_limit: 4\n", {}, adapter=True, seed=3)
     assert (followed.adapter, model_args.model_name_or_path) == (str(tiny_run), "tiny-instruct:vault")
     assert (followed.model_seed, followed.tiny_instruct_steps, followed.seed) == (7, 50, 3)
-    _, defaults, *_ = follow("model_name_or_path: tiny-instruct:vault\nuse_peft: true\n", {}, adapter=True)
+    assert "generation_batch_limit" not in taken  # a fixed warm-up: how loop-eval samples is its own
+    # a warm-up a greedy probe ended: the probe's episode settings are the run's too
+    probed = "model_name_or_path: tiny-instruct:vault\nuse_peft: true\ngeneration_batch_limit: 4\n"
+    _, defaults, _, taken = follow(probed, {}, adapter=True)
     assert (defaults.model_seed, defaults.tiny_instruct_steps) == (LOOPConfig.seed, LOOPConfig.tiny_instruct_steps)
+    assert defaults.generation_batch_limit == 4 and "generation_batch_limit" in taken
     _, flagged, *_ = follow(tiny_lora, {"model_seed": 1}, adapter=True, model_seed=1)  # a flag wins
     assert (flagged.model_seed, flagged.tiny_instruct_steps) == (1, 50)
     named = EvalArguments(output_dir=str(tmp_path / "eval"), adapter=str(tiny_run))  # --adapter names the run

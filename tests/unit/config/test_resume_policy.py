@@ -109,3 +109,24 @@ def test_a_checkpoint_whose_optimizer_state_the_launch_cannot_load_is_refused_ev
     assert f"--model_name_or_path {tmp_path} and another output_dir" in str(refused.value)
     # DDP on another number of processes loads the whole state: nothing to refuse
     assert resume.compare_settings(tmp_path, settings, allow_changes=False) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"optim": "sgd"}, "the optimizer state in the checkpoint belongs to the old optimizer"),
+        ({"tiny_instruct_steps": 50}, "a tiny model's base weights are rebuilt with it"),
+    ],
+)
+def test_a_fixed_key_changed_on_resume_is_refused_with_its_reason_even_with_changes_allowed(tmp_path, change, says):
+    import json
+
+    from loop_trainer.training.checkpoints import LOOP_STATE_FILE, CheckpointError
+
+    settings = {"learning_rate": 1e-4, "optim": "adamw_torch", "tiny_instruct_steps": 400}
+    (tmp_path / LOOP_STATE_FILE).write_text(json.dumps({"iteration": 3, "settings": settings}))
+    for allow_changes in (False, True):
+        with pytest.raises(CheckpointError, match="cannot change on resume") as refused:
+            resume.compare_settings(tmp_path, {**settings, **change}, allow_changes=allow_changes)
+        (key,) = change
+        assert f"{key} cannot change on resume ({says}" in str(refused.value)

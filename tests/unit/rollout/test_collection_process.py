@@ -22,7 +22,7 @@ from loop_trainer.chat import ChatFormatter
 from loop_trainer.envs.base import Environment, EnvironmentSetupError, Episode, Message, Score, Step
 from loop_trainer.envs.errands import ErrandsEnv, ErrandsEpisode
 from loop_trainer.rollout import EpisodeLimits, RolloutFailureBudgetExceeded
-from loop_trainer.rollout.collection_process import CollectionProcess, CollectionProcessError
+from loop_trainer.rollout.collection_process import ChildTotals, CollectionProcess, CollectionProcessError
 from loop_trainer.rollout.engine import EngineSetup
 from loop_trainer.rollout.vllm_server import VLLMServerBackend
 from support.fake_vllm_server import serving
@@ -234,6 +234,19 @@ def test_a_batch_that_does_not_pickle_is_an_error_and_the_child_goes_on(qwen_tok
         assert process._process.is_alive()
 
 
+class UnsendableMetricsEnv(ErrandsEnv):
+    def metrics(self) -> dict[str, float]:
+        return {"check": lambda: None}  # type: ignore[dict-item]  # not a float, as metrics() asks
+
+
+def test_metrics_that_do_not_pickle_are_named_as_what_cannot_be_sent(qwen_tokenizer, backend):
+    tasks = list(ErrandsEnv(num_tasks=1).tasks("train"))[:1]
+    with CollectionProcess(setup_for(UnsendableMetricsEnv(num_tasks=1), qwen_tokenizer)) as process:
+        with pytest.raises(CollectionProcessError, match="metrics\\(\\) returned a value that does not pickle"):
+            process.collect(tasks, 1, backend=backend, seed=1)
+        assert process.totals == ChildTotals()  # none came back: the parent keeps what it had
+
+
 def test_an_interrupted_wait_leaves_the_process_broken_not_out_of_step(qwen_tokenizer, backend, monkeypatch):
     tasks = list(ErrandsEnv(num_tasks=1).tasks("train"))[:1]
     with CollectionProcess(setup_for(ErrandsEnv(num_tasks=1), qwen_tokenizer)) as process:
@@ -300,9 +313,9 @@ CUT = {"done_fraction": 0.5, "task_fraction": 0.0, "show_progress": False}
 WHOLE = {"done_fraction": 1.0, "task_fraction": 1.0, "show_progress": False}
 
 
-def within(seconds: float, call: Any, *args: Any) -> Any:
-    """``call(*args)``'s result, or a test failure if it has not returned within ``seconds`` (a wait on a child that
-    never answers fails the test instead of hanging it)."""
+def within(seconds: float, call: Any, *args: Any, process: CollectionProcess) -> Any:
+    """``call(*args)``'s result, or a test failure if it has not returned within ``seconds``: ``process`` (the child
+    it waits on) is then ended, so the wait, and what the test's cleanup sends it, fail instead of hanging."""
     results: list[Any] = []
     errors: list[BaseException] = []
 
@@ -316,6 +329,8 @@ def within(seconds: float, call: Any, *args: Any) -> Any:
     thread.start()
     thread.join(seconds)
     if thread.is_alive():
+        process._broken = True  # its pipes are out of step: the cleanup's calls are refused, not waited on
+        process._process.terminate()
         pytest.fail(f"{getattr(call, '__name__', call)}() did not return within {seconds:g} s")
     if errors:
         raise errors[0]
@@ -347,8 +362,8 @@ def test_partial_rollouts_in_the_child_change_policy_between_turns_while_a_batch
         )
         thread.start()
         wait_for_requests(server, 2)  # its two turns before the gate
-        within(60, continuing.hold)
-        within(60, continuing.release, 1, versions[1])
+        within(60, continuing.hold, process=gated_child)
+        within(60, continuing.release, 1, versions[1], process=gated_child)
         assert thread.is_alive() and len(server.bodies) == 2  # answered while the batch waits at the gate
         gate.touch()
         thread.join(60)
@@ -416,8 +431,8 @@ def test_a_call_the_child_cannot_read_is_an_error_and_the_control_pipe_stays_in_
     continuing = gated_child.continuing(1, versions[0])
     try:
         with pytest.raises(RuntimeError, match="cannot be rebuilt in the child"):
-            within(60, continuing.restore, [Unrebuildable()])
-        assert within(60, continuing.cancel_in_flight) == 0  # the next call gets its own answer
+            within(60, continuing.restore, [Unrebuildable()], process=gated_child)
+        assert within(60, continuing.cancel_in_flight, process=gated_child) == 0  # the next call gets its own answer
     finally:
         continuing.close()
 
