@@ -118,6 +118,17 @@ async def _held(coroutine: Coroutine[Any, Any, T]) -> _Held:
     return _Held(await coroutine)
 
 
+def _run_held(coroutine: Coroutine[Any, Any, T]) -> T:
+    try:
+        return cast(T, asyncio.run(_held(coroutine)).value)
+    except BaseException:
+        # A Ctrl-C between asyncio.run's task and its first step cancels _held before it awaits ``coroutine``, which
+        # Python would then report at exit as "never awaited", after loop-train's last line. Closing it says it is
+        # done with (a no-op where it ran).
+        coroutine.close()
+        raise
+
+
 def run_coroutine(coroutine: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine to completion from sync code, even where an event loop is already running
     (a notebook): then it runs on a fresh loop in a helper thread."""
@@ -128,13 +139,13 @@ def run_coroutine(coroutine: Coroutine[Any, Any, T]) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return cast(T, asyncio.run(_held(coroutine)).value)
+        return cast(T, _run_held(coroutine))
     result: list[T] = []
     errors: list[BaseException] = []
 
     def runner() -> None:
         try:
-            result.append(asyncio.run(_held(coroutine)).value)
+            result.append(_run_held(coroutine))
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(error)
 

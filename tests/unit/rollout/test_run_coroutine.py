@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import signal
 import threading
+import warnings
 
 import pytest
 
+from loop_trainer.rollout import collection
 from loop_trainer.rollout.collection import run_coroutine
 
 
@@ -61,3 +65,32 @@ def test_an_error_reaches_the_caller():
 
     with pytest.raises(ValueError, match="the environment broke"):
         run_coroutine(fail())
+
+
+def test_a_ctrl_c_before_the_coroutine_starts_leaves_nothing_to_report_at_exit(monkeypatch):
+    """SIGINT between asyncio.run's creating its task and the task's first step: the task is cancelled unstarted, and
+    the coroutine it was to await must not be reported at exit ("coroutine ... was never awaited", printed after
+    loop-train's interrupt line)."""
+    real_run = asyncio.run
+
+    def interrupted_before_the_first_step(main):
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(main)
+        task.cancel()  # what asyncio.run's close does to the task the KeyboardInterrupt left behind
+        with contextlib.suppress(asyncio.CancelledError):
+            loop.run_until_complete(task)
+        loop.close()
+        raise KeyboardInterrupt
+
+    async def collect():
+        return 1
+
+    monkeypatch.setattr(collection.asyncio, "run", interrupted_before_the_first_step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(KeyboardInterrupt):
+            run_coroutine(collect())
+        gc.collect()
+    assert [str(w.message) for w in caught if "never awaited" in str(w.message)] == []
+    monkeypatch.setattr(collection.asyncio, "run", real_run)
+    assert run_coroutine(collect()) == 1
