@@ -41,6 +41,7 @@ from ..rollout import GenerationBackend, TransformersBackend
 from ..rollout.backend import build_transformers_backend
 from ..rollout.sampling_parts import COMPILE_NEEDS_STATIC, SamplingPartsError, TransformersSamplingSettings
 from ..training.activation_checkpointing import peft_wrapping
+from ..training.checkpoints import CheckpointError, is_complete, read_loop_state
 from .recipe import RecipeError, ScriptArguments, parse_recipe
 
 __all__ = ["EvalArguments", "cli", "evaluate"]
@@ -322,22 +323,49 @@ and the context policy the policy was trained under (a policy trained on 6 turns
 40 of 1,500). How it samples (static_decode, batch limits, concurrency) is this machine's, not the run's."""
 
 
+def _run_of(directory: Path) -> tuple[Path, Path] | None:
+    """The run ``directory`` belongs to, as (the folder holding its ``recipe.yaml``, the folder holding the weights
+    to evaluate): a run's ``output_dir`` is both; one of its ``checkpoint-N`` folders (complete: it holds
+    ``loop_state.json``) has its weights and the run's recipe one level up. None: not a run's."""
+    if (directory / RECIPE_FILE).is_file():
+        return directory, directory
+    if is_complete(directory) and (directory.parent / RECIPE_FILE).is_file():
+        return directory.parent, directory
+    return None
+
+
+def _checkpoint_settings(checkpoint: Path) -> dict[str, Any]:
+    """The recipe keys ``checkpoint`` recorded (``loop_state.json``'s settings: the values it was trained under,
+    which the run's ``recipe.yaml`` does not show where a resume changed them since)."""
+    try:
+        recorded = read_loop_state(checkpoint).get("settings") or {}
+    except CheckpointError as error:
+        raise RecipeError(str(error)) from None
+    keys = {f.name for f in dataclasses.fields(LOOPConfig)} | {"environment", "environment_kwargs"}
+    return {key: value for key, value in recorded.items() if key in keys}
+
+
 def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalArguments, dict[str, Any]]:
     """Where ``--model_name_or_path`` (or ``--adapter``) is a run's ``output_dir`` (it holds the ``recipe.yaml``
     loop-train writes), take the run's environment (loop-train's default where its recipe names none) with its
     kwargs and ``eval_split``, and its :data:`EPISODE_KEYS`, each unless given here (kwargs and split only with
-    the run's environment); a LoRA run's ``output_dir`` holds its adapter, evaluated on the run's base model.
-    Returns the arguments (checked again, as parsed ones are) and what was taken (empty: no run to follow)."""
+    the run's environment); a LoRA run's ``output_dir`` holds its adapter, evaluated on the run's base model. One
+    of the run's checkpoints (``output_dir/checkpoint-N``) is followed the same way, with the settings it recorded
+    in place of the recipe's. Returns the arguments (checked again, as parsed ones are) and what was taken (empty:
+    no run to follow)."""
     candidates = (eval_args.adapter, model_args.model_name_or_path)
-    run_dir = next((Path(d) for d in candidates if d and (Path(d) / RECIPE_FILE).is_file()), None)
-    if run_dir is None:
+    followed_dirs = next((dirs for d in candidates if d and (dirs := _run_of(Path(d))) is not None), None)
+    if followed_dirs is None:
         return eval_args, {}
+    run_dir, weights_dir = followed_dirs
     try:
         recipe = yaml.safe_load((run_dir / RECIPE_FILE).read_text()) or {}
     except yaml.YAMLError as error:
         raise RecipeError(f"{run_dir / RECIPE_FILE} is not valid YAML: {str(error).splitlines()[0]}") from None
     if not isinstance(recipe, dict):
         raise RecipeError(f"{run_dir / RECIPE_FILE} is not a run's recipe (a YAML mapping of keys to values)")
+    if weights_dir != run_dir:  # a checkpoint: the settings it was trained under (a resume may have changed some)
+        recipe = {**recipe, **_checkpoint_settings(weights_dir)}
     given = set(getattr(eval_args, "effective_recipe", None) or {})
     taken: dict[str, Any] = {}
     environment = recipe.get("environment", ScriptArguments.environment)  # loop-train's default, if unnamed
@@ -350,7 +378,7 @@ def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalA
             taken["split"] = recipe["eval_split"]
     taken.update({key: recipe[key] for key in EPISODE_KEYS if key in recipe and key not in given})
     base = recipe.get("model_name_or_path")
-    lora = bool(recipe.get("use_peft")) and (run_dir / "adapter_config.json").is_file()
+    lora = bool(recipe.get("use_peft")) and (weights_dir / "adapter_config.json").is_file()
     if lora and base and is_tiny_spec(str(base)):
         # The base is rebuilt as the run built it: its seed and warm-up (loop-train's defaults where unnamed), read
         # back from the warm-up cache where this machine built it before (elsewhere warmed up again: equal up to
@@ -358,7 +386,7 @@ def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalA
         named = model_args.model_name_or_path
         if eval_args.adapter and named and named != base:  # --adapter with another base named
             raise RecipeError(
-                f"{run_dir} holds a LoRA adapter on '{base}', not on '{named}': evaluate it with "
+                f"{weights_dir} holds a LoRA adapter on '{base}', not on '{named}': evaluate it with "
                 f"--model_name_or_path {base} (or without one)"
             )
         model_args.model_name_or_path = base
@@ -370,7 +398,7 @@ def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalA
             probe = (f.name for f in dataclasses.fields(EpisodeSettings))
             taken.update({key: recipe[key] for key in probe if key in recipe and key not in given | set(taken)})
     if lora and not eval_args.adapter and base:
-        taken["adapter"], model_args.model_name_or_path = str(run_dir), base
+        taken["adapter"], model_args.model_name_or_path = str(weights_dir), base
     try:
         followed = dataclasses.replace(eval_args, **taken)  # __post_init__ checks the run's values as given ones
     except (TypeError, ValueError) as error:
@@ -378,7 +406,8 @@ def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalA
     followed.effective_recipe = getattr(eval_args, "effective_recipe", {})  # type: ignore[attr-defined]
     if taken:
         listed = ", ".join(f"{key} {value}" for key, value in taken.items())
-        logger.info(f"loop-eval: following the run in {run_dir} ({RECIPE_FILE}): {listed}; a flag overrides any")
+        source = RECIPE_FILE if weights_dir == run_dir else f"{RECIPE_FILE} and {weights_dir.name}'s settings"
+        logger.info(f"loop-eval: following the run in {run_dir} ({source}): {listed}; a flag overrides any")
     return followed, taken
 
 

@@ -577,6 +577,41 @@ def test_loop_eval_follows_a_runs_recipe_key_by_key_and_a_lora_run_as_its_adapte
     assert follow_run(EvalArguments(output_dir=str(tmp_path / "e")), ModelConfig(model_name_or_path="x"))[1] == {}
 
 
+def test_loop_eval_follows_a_checkpoint_of_a_run_with_the_settings_it_was_trained_under(tmp_path):
+    """``RUN/checkpoint-N`` is evaluated as that checkpoint's adapter, with the run's recipe one level up and the
+    settings the checkpoint recorded in place of the recipe's (a resume with changed settings rewrites the recipe)."""
+    from trl import ModelConfig
+
+    from loop_trainer.cli.evaluate import EvalArguments, follow_run
+    from loop_trainer.training.checkpoints import write_loop_state
+
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoint-2"
+    checkpoint.mkdir(parents=True)
+    (run / "recipe.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-7B-Instruct\nuse_peft: true\nmax_turns: 30\n")
+    (run / "adapter_config.json").write_text("{}")
+    (checkpoint / "adapter_config.json").write_text("{}")
+
+    def follow(directory, **flags):
+        eval_args = EvalArguments(output_dir=str(tmp_path / "eval"), **flags)
+        eval_args.effective_recipe = {"model_name_or_path": str(directory), **flags}
+        model_args = ModelConfig(model_name_or_path=str(directory))
+        followed, taken = follow_run(eval_args, model_args)
+        return followed, model_args, taken
+
+    assert follow(checkpoint)[2] == {}  # no loop_state.json: not a complete checkpoint, not followed
+    write_loop_state(checkpoint, {"iteration": 2, "settings": {"max_turns": 12, "model": "m", "environment": "vault"}})
+    followed, model_args, taken = follow(checkpoint)
+    assert (followed.adapter, model_args.model_name_or_path) == (str(checkpoint), "Qwen/Qwen2.5-7B-Instruct")
+    assert (followed.environment, followed.max_turns) == ("vault", 12) and "model" not in taken
+    assert follow(checkpoint, max_turns=5)[0].max_turns == 5  # a flag still wins
+    followed, _, _ = follow(run)  # the run itself: its recipe
+    assert (followed.adapter, followed.max_turns) == (str(run), 30)
+    (checkpoint / "loop_state.json").write_text("{not json")
+    with pytest.raises(RecipeError, match="not valid JSON"):
+        follow(checkpoint)
+
+
 def test_loop_eval_puts_a_tiny_lora_runs_adapter_on_the_base_it_trained(tmp_path, monkeypatch):
     """The base is rebuilt with the run's seed and warm-up (not loop-eval's sampling seed): every weight of the
     evaluated model, base and adapter, is the trained policy's."""
@@ -585,7 +620,7 @@ def test_loop_eval_puts_a_tiny_lora_runs_adapter_on_the_base_it_trained(tmp_path
 
     out = tmp_path / "run"
     flags = ["--use_peft", "true", "--seed", "7", "--tiny_instruct_steps", "30", "--iterations", "1"]
-    flags += ["--tasks_per_iteration", "2", "--disable_tqdm", "true", "--save_strategy", "no"]
+    flags += ["--tasks_per_iteration", "2", "--disable_tqdm", "true", "--save_strategy", "steps", "--save_steps", "1"]
     trainer = train_main(
         *parse_recipe(["--config", str(ROOT / "recipes" / "demo.yaml"), "--output_dir", str(out), *flags])
     )
@@ -594,10 +629,11 @@ def test_loop_eval_puts_a_tiny_lora_runs_adapter_on_the_base_it_trained(tmp_path
     loaded = []
     load = loop_eval.load_policy
     monkeypatch.setattr(loop_eval, "load_policy", lambda *args: loaded.append(load(*args)) or loaded[-1])
-    argv = ["--model_name_or_path", str(out), "--max_tasks", "2", "--seed", "3", "--output_dir", str(tmp_path / "e")]
-    assert loop_eval.cli(argv) == 0
-    evaluated = loaded[0][0].state_dict()
-    shared = trained.keys() & evaluated.keys()
-    assert any("lora_A" in key for key in shared) and any("base_layer" in key for key in shared)
-    assert any("embed_tokens" in key for key in shared)
-    assert [key for key in sorted(shared) if not torch.equal(trained[key], evaluated[key])] == []
+    for evaluated_dir in (out, out / "checkpoint-1"):  # the run, and its checkpoint (the run's recipe one level up)
+        argv = ["--model_name_or_path", str(evaluated_dir), "--max_tasks", "2", "--seed", "3"]
+        assert loop_eval.cli([*argv, "--output_dir", str(tmp_path / "e" / evaluated_dir.name)]) == 0
+        evaluated = loaded[-1][0].state_dict()
+        shared = trained.keys() & evaluated.keys()
+        assert any("lora_A" in key for key in shared) and any("base_layer" in key for key in shared)
+        assert any("embed_tokens" in key for key in shared)
+        assert [key for key in sorted(shared) if not torch.equal(trained[key], evaluated[key])] == []
