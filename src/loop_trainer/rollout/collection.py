@@ -5,6 +5,7 @@ and :func:`run_coroutine`, which runs such a coroutine from synchronous code."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import threading
 import time
@@ -123,9 +124,9 @@ def _run_held(coroutine: Coroutine[Any, Any, T]) -> T:
         return cast(T, asyncio.run(_held(coroutine)).value)
     except BaseException:
         # A Ctrl-C between asyncio.run's task and its first step cancels _held before it awaits ``coroutine``, which
-        # Python would then report at exit as "never awaited", after loop-train's last line. Closing it says it is
-        # done with (a no-op where it ran).
-        coroutine.close()
+        # Python would then report at exit as "never awaited", after loop-train's last line: closed, it is not.
+        if inspect.getcoroutinestate(coroutine) == inspect.CORO_CREATED:
+            coroutine.close()
         raise
 
 

@@ -370,10 +370,10 @@ def _send(connection: multiprocessing.connection.Connection, kind: str, value: A
         data = pickle.dumps((kind, value, totals, remote))
     except Exception as error:  # noqa: BLE001 - reported instead of the answer
         try:
-            pickle.dumps(totals)
-            culprit = "an episode's Score.info or a trajectory holds an object that does not pickle"
-        except Exception:  # noqa: BLE001 - whatever pickling raises: the totals are what did not pickle
+            pickle.dumps(value)
             culprit = "the environment's metrics() returned a value that does not pickle (return floats)"
+        except Exception:  # noqa: BLE001 - whatever pickling raises: the answer is what did not pickle
+            culprit = "an episode's Score.info or a trajectory holds an object that does not pickle"
         failure = CollectionProcessError(
             f"the collection process's {kind} cannot be sent back ({type(error).__name__}: {error}): {culprit}"
         )
