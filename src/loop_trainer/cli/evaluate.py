@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from trl import ModelConfig
 
 from ..chat import ChatFormatter, stop_token_ids
-from ..config import EpisodeSettings, LOOPConfig, mapping_setting, output_dir_problem, range_of
+from ..config import EpisodeSettings, LOOPConfig, check_ranges, mapping_setting, output_dir_problem, range_of
 from ..config.ranges import setting
 from ..envs import Environment, EnvironmentSetupError, make_environment
 from ..evaluation import Evaluator, GreedySuccessOnTrainingTasks, format_metrics, write_evaluation_viewer
@@ -41,7 +41,7 @@ from ..rollout import GenerationBackend, TransformersBackend
 from ..rollout.backend import build_transformers_backend
 from ..rollout.sampling_parts import COMPILE_NEEDS_STATIC, SamplingPartsError, TransformersSamplingSettings
 from ..training.activation_checkpointing import peft_wrapping
-from ..training.checkpoints import CheckpointError, is_complete, read_loop_state
+from ..training.checkpoints import LOOP_STATE_FILE, CheckpointError, is_complete, read_loop_state
 from .recipe import RecipeError, ScriptArguments, parse_recipe
 
 __all__ = ["EvalArguments", "cli", "evaluate"]
@@ -90,13 +90,46 @@ class EvalArguments(ScriptArguments, EpisodeSettings):
         range_of(LOOPConfig, "tiny_instruct_steps"),
     )
 
+    model_episode_settings: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "tiny-instruct:<env> models whose warm-up a greedy probe ends (tiny_instruct_steps none, an "
+            "environment naming a warm_up_success): the episode settings the probe runs under (a mapping of "
+            "max_turns, ...; JSON on the CLI), as loop-train's run's (a tiny LoRA run followed: the run's); unset "
+            "ones: this evaluation's."
+        },
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()  # checks every field's range
         if problem := output_dir_problem(self.output_dir):
             raise RecipeError(problem)
+        if isinstance(self.model_episode_settings, str):
+            try:
+                self.model_episode_settings = json.loads(self.model_episode_settings)
+            except json.JSONDecodeError as error:
+                raise RecipeError(f"model_episode_settings is not valid JSON: {error}") from None
+        self.warm_up_probe_settings()  # a mapping of episode settings, each in its range
         static = self.static_decode if self.static_decode is not None else torch.cuda.is_available()  # unset: by device
         if self.compile_decode_step is True and not static:
             raise RecipeError(COMPILE_NEEDS_STATIC)
+
+    def warm_up_probe_settings(self) -> EpisodeSettings:
+        """The episode settings a tiny-instruct model's warm-up probe runs under: ``model_episode_settings`` over this
+        evaluation's."""
+        given = self.model_episode_settings
+        if given is not None and not isinstance(given, dict):
+            raise RecipeError("model_episode_settings must be a mapping of episode settings (max_turns, ...)")
+        names = [f.name for f in dataclasses.fields(EpisodeSettings)]
+        if unknown := sorted(set(given or {}) - set(names)):
+            listed = ", ".join(names)
+            raise RecipeError(f"model_episode_settings: {', '.join(unknown)} is not an episode setting ({listed})")
+        try:
+            settings = EpisodeSettings(**{**{name: getattr(self, name) for name in names}, **(given or {})})
+            check_ranges(settings)
+            return settings
+        except (TypeError, ValueError) as error:
+            raise RecipeError(f"model_episode_settings: {str(error).splitlines()[0]}") from None
 
 
 def _resolve(model_args: ModelConfig, name: str) -> str:
@@ -123,7 +156,7 @@ def load_policy(model_args: ModelConfig, eval_args: EvalArguments, env: Environm
                 seed=eval_args.seed if eval_args.model_seed is None else eval_args.model_seed,
                 env_timeout=eval_args.env_timeout,
                 warm_up_steps=eval_args.tiny_instruct_steps,
-                greedy_success=GreedySuccessOnTrainingTasks(env, eval_args),
+                greedy_success=GreedySuccessOnTrainingTasks(env, eval_args.warm_up_probe_settings()),
             )
         except ValueError as error:
             raise RecipeError(str(error)) from None
@@ -338,11 +371,17 @@ def _checkpoint_settings(checkpoint: Path) -> dict[str, Any]:
     """The recipe keys ``checkpoint`` recorded (``loop_state.json``'s settings: the values it was trained under,
     which the run's ``recipe.yaml`` does not show where a resume changed them since)."""
     try:
-        recorded = read_loop_state(checkpoint).get("settings") or {}
+        state = read_loop_state(checkpoint)
     except CheckpointError as error:
         raise RecipeError(str(error)) from None
-    keys = {f.name for f in dataclasses.fields(LOOPConfig)} | {"environment", "environment_kwargs"}
-    return {key: value for key, value in recorded.items() if key in keys}
+    recorded = state.get("settings") if isinstance(state, dict) else None
+    if not isinstance(recorded, dict):  # an older loop_trainer's (no settings), or not a LOOP checkpoint's
+        if isinstance(state, dict) and recorded is None:
+            return {}
+        raise RecipeError(f"{checkpoint / LOOP_STATE_FILE} is not a LOOP checkpoint's state (a JSON object)")
+    keys = {f.name for f in dataclasses.fields(LOOPConfig)} | {"environment_kwargs"}
+    # a tiny LoRA run's base as built (resume.TINY_BASE: its seed, warm-up steps and probe's episode settings)
+    return {key: value for key, value in {**recorded, **(recorded.get("tiny_base") or {})}.items() if key in keys}
 
 
 def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalArguments, dict[str, Any]]:
@@ -394,15 +433,19 @@ def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalA
             if key not in given:
                 taken[key] = recipe.get(run_key, LOOPConfig.__dataclass_fields__[run_key].default)
         steps = eval_args.tiny_instruct_steps if "tiny_instruct_steps" in given else taken["tiny_instruct_steps"]
-        if steps is None:  # a greedy probe ended the run's warm-up: its readings depend on every episode setting
-            probe = (f.name for f in dataclasses.fields(EpisodeSettings))
-            taken.update({key: recipe[key] for key in probe if key in recipe and key not in given | set(taken)})
+        if steps is None and "model_episode_settings" not in given:  # a greedy probe may end the warm-up: its
+            # readings depend on the episode settings it runs under, the run's (what loop-eval runs under is its own)
+            probed = (f.name for f in dataclasses.fields(EpisodeSettings))
+            defaults = LOOPConfig.__dataclass_fields__
+            taken["model_episode_settings"] = {key: recipe.get(key, defaults[key].default) for key in probed}
     if lora and not eval_args.adapter and base:
         taken["adapter"], model_args.model_name_or_path = str(weights_dir), base
     try:
         followed = dataclasses.replace(eval_args, **taken)  # __post_init__ checks the run's values as given ones
     except (TypeError, ValueError) as error:
-        raise RecipeError(f"{run_dir / RECIPE_FILE}: {str(error).splitlines()[0]}") from None
+        state = "" if weights_dir == run_dir else f" and {weights_dir / LOOP_STATE_FILE}"
+        source = f"{run_dir / RECIPE_FILE}{state}"
+        raise RecipeError(f"{source}: {str(error).splitlines()[0]}") from None
     followed.effective_recipe = getattr(eval_args, "effective_recipe", {})  # type: ignore[attr-defined]
     if taken:
         listed = ", ".join(f"{key} {value}" for key, value in taken.items())

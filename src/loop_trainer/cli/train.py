@@ -39,8 +39,8 @@ from ..training.console import (
     quiet_transformers_bars,
 )
 from ..training.distribution import DistributedSetupError, end_distributed_run, optimizer_state_layout
-from ..training.model_loading import build_tiny_model
-from ..training.resume import OPTIMIZER_STATE_LAYOUT, check_resume_before_loading
+from ..training.model_loading import build_tiny_model, tiny_lora_base
+from ..training.resume import OPTIMIZER_STATE_LAYOUT, TINY_BASE, check_resume_before_loading
 from ..training.settings import recorded_keys, start_settings
 from ..training.stress import MemoryStressTestFailed
 from ..training.trainer import LOOPTrainer
@@ -134,13 +134,14 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
             model, tokenizer = load_model_and_tokenizer(
                 model_args, training_args, env, report=lambda line: startup.print(f"  {line}")
             )
+            peft_config = get_peft_config(model_args)
             try:
                 trainer = LOOPTrainer(
                     model=model,
                     env=env,
                     args=training_args,
                     processing_class=tokenizer,
-                    peft_config=get_peft_config(model_args),
+                    peft_config=peft_config,
                     callbacks=[startup],
                 )
             except (
@@ -154,7 +155,9 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
             ) as error:
                 raise RecipeError(str(error)) from None
         trainer.recipe_path = getattr(script_args, "effective_recipe", None)
-        trainer.run_settings = environment_settings(script_args)
+        # the model came built: what a tiny LoRA run's base is built from is loop-train's to say
+        tiny_base = tiny_lora_base(str(model_args.model_name_or_path), env, training_args, peft_config)
+        trainer.run_settings = {**environment_settings(script_args), TINY_BASE: tiny_base}
         with trainer:
             startup.stage("warming up", warm_up_detail(training_args))  # startup's on_train_begin ends it
             try:

@@ -7,9 +7,7 @@ tests/unit/config/test_resume_policy.py fails on a key that is not (a new key ca
 - ``applied``: compared as above; with ``resume_with_changed_settings`` the resume also writes it into the state
   the checkpoint restores (the optimizer's hyperparameters, the scheduler's base rates, the task sampler's
   position), which would otherwise bring the old value back.
-- ``fixed``: compared, and never changeable on resume (:data:`FIXED_BECAUSE` says why: the checkpoint's optimizer
-  state belongs to its optimizer; a tiny LoRA run's base weights, which its checkpoint does not hold, are rebuilt
-  from the setting).
+- ``fixed``: compared, and never changeable on resume (the checkpoint's optimizer state belongs to its optimizer).
 - ``free``: not recorded; changing it changes nothing a resumed run computes (how long it runs, where it logs,
   saves and uploads, evaluation, checks and limits that only stop a run, memory placement, how one computation
   is spread over processes).
@@ -111,18 +109,7 @@ _APPLIED = (
     "seed",
     "balance_tasks_by",
 )
-_OPTIMIZER = "the optimizer state in the checkpoint belongs to the old optimizer"
-FIXED_BECAUSE = MappingProxyType(
-    {
-        "optim": _OPTIMIZER,
-        "optim_args": _OPTIMIZER,
-        "optim_target_modules": _OPTIMIZER,
-        # a LoRA checkpoint holds the adapter; a tiny model's base is warmed up again with these steps on resume
-        "tiny_instruct_steps": "a tiny model's base weights are rebuilt with it, and a LoRA checkpoint holds only the "
-        "adapter trained on them",
-    }
-)
-_FIXED = tuple(FIXED_BECAUSE)
+_FIXED = ("optim", "optim_args", "optim_target_modules")
 _FREE = (
     # where a batch's collection runs (a thread or a child process): the same requests, seeds and episodes
     "collection_process",
@@ -171,6 +158,9 @@ _FREE = (
     "eval_rollouts_per_task",
     "eval_temperature",
     "eval_max_tasks",
+    # the starting model only: a resumed run loads its weights from the checkpoint (a tiny LoRA run's checkpoint
+    # holds only the adapter: what its base is built from is the run setting tiny_base, never changed on resume)
+    "tiny_instruct_steps",
     # checks and limits that only stop a run or an environment call
     "max_failed_fraction",
     "env_timeout",

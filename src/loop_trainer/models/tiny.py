@@ -546,6 +546,12 @@ def is_tiny_spec(name: str) -> bool:
     return name.startswith((RANDOM_PREFIX, INSTRUCT_PREFIX))
 
 
+def warm_up_is_probed(name: str, env: Any, warm_up_steps: int | None) -> bool:
+    """Whether a greedy success probe ends ``name``'s warm-up (its readings then depend on the episode settings it runs
+    under): a ``tiny-instruct:`` model warmed up until fitted, for an environment that names a ``warm_up_success``."""
+    return name.startswith(INSTRUCT_PREFIX) and warm_up_steps is None and checked_warm_up_success(env) is not None
+
+
 def build_tiny_from_spec(
     name: str,
     env,
@@ -582,7 +588,7 @@ def build_tiny_from_spec(
         drawn = fit.conversations if warm_up_steps is None else WARM_UP_CONVERSATIONS
         level = checked_warm_up_success(env)
         probe = None
-        if warm_up_steps is None and level is not None and greedy_success is not None:
+        if warm_up_is_probed(name, env, warm_up_steps) and level is not None and greedy_success is not None:
             probe = SuccessProbe(lambda m: greedy_success(m, tokenizer, fit.probe_tasks), level, fit.probe_tasks)
         plan = (
             f"{warm_up_steps} supervised steps"

@@ -9,6 +9,7 @@ config is built before the model, never after.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -18,11 +19,11 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoProcessor, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 from trl.trainer import add_fused_lm_head
 
-from ..config import LOOPConfig, mapping_setting
+from ..config import EpisodeSettings, LOOPConfig, mapping_setting
 from ..envs.base import Environment
 from ..evaluation import GreedySuccessOnTrainingTasks
 from ..models.packaged import resolve_model_path
-from ..models.tiny import build_tiny_from_spec, is_tiny_spec
+from ..models.tiny import INSTRUCT_PREFIX, build_tiny_from_spec, is_tiny_spec, warm_up_is_probed
 from .activation_checkpointing import get_peft_model, update_checkpointing_kwargs
 from .reference import AdapterDisabled, ReferencePolicy, frozen_copy
 
@@ -85,6 +86,23 @@ def build_tiny_model(
         report=report,
         greedy_success=GreedySuccessOnTrainingTasks(env, args),
     )
+
+
+def tiny_lora_base(model: str | PreTrainedModel, env: Environment, args: LOOPConfig, peft_config: Any) -> Any:
+    """Where ``model`` is a tiny spec that a LoRA adapter (``peft_config``) trains on, what :func:`build_tiny_model`
+    builds its weights from besides the environment and its code: the run's ``seed``, a ``tiny-instruct:`` model's
+    ``tiny_instruct_steps`` and, where a greedy probe ends its warm-up, the episode settings the probe runs under;
+    else None. The run records it (``resume.TINY_BASE``): its checkpoints hold only the adapter, and a resume builds
+    the base again."""
+    if not isinstance(model, str) or not is_tiny_spec(model) or peft_config is None:
+        return None
+    name = model
+    inputs: dict[str, Any] = {"seed": args.seed}
+    if name.startswith(INSTRUCT_PREFIX):
+        inputs["tiny_instruct_steps"] = args.tiny_instruct_steps
+    if warm_up_is_probed(name, env, args.tiny_instruct_steps):
+        inputs.update({f.name: getattr(args, f.name) for f in dataclasses.fields(EpisodeSettings)})
+    return inputs
 
 
 def load_policy(

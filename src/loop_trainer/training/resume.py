@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import yaml
 
-from ..config.resume_policy import FIXED_BECAUSE, FIXED_KEYS
+from ..config.resume_policy import FIXED_KEYS
 from .checkpoints import (
     CheckpointError,
     check_fresh_output_dir,
@@ -70,10 +70,14 @@ RUN_SETTINGS = (
     "adapter",
     "sampling_parts",
     "optimizer_state_layout",
+    "tiny_base",
 )
 OPTIMIZER_STATE_LAYOUT = "optimizer_state_layout"
 """The run setting of how the checkpoint holds the optimizer state (``distribution.optimizer_state_layout``): never
 changeable on resume, since no launch of another layout can load it."""
+TINY_BASE = "tiny_base"
+"""The run setting of what a tiny LoRA run's base weights are built from (``model_loading.tiny_lora_base``): never
+changeable on resume, since its checkpoints hold only the adapter, trained on that base."""
 
 
 def jsonable(value: Any) -> Any:
@@ -117,13 +121,25 @@ def compare_settings(
             f"would be {_describe_layout(launched)}, which cannot load it: resume it under a launch like the one that "
             f"wrote it ({_launch_advice(written)}), or {_new_run_advice(checkpoint)}"
         )
+    base = next(((old, new) for key, old, new in changed if key == TINY_BASE), None)
+    if base is not None and base[0] is not None and base[1] is not None:  # else the model or the adapter changed
+        built, building = base
+        differ = ", ".join(
+            f"{key} {_show(built.get(key))} -> {_show(building.get(key))}"
+            for key in sorted(built.keys() | building.keys())
+            if built.get(key) != building.get(key)
+        )
+        raise CheckpointError(
+            f"resume_from_checkpoint: {checkpoint} holds a LoRA adapter trained on a tiny model's base that this "
+            f"launch would build otherwise ({differ}); the adapter needs its own base: resume with the checkpoint's "
+            "values, or start a fresh run (another output_dir, or overwrite_output_dir: true)"
+        )
     listed = ", ".join(f"{key} {_show(old)} -> {_show(new)}" for key, old, new in changed)
     fixed = [key for key, _, _ in changed if key in FIXED_KEYS]
     if fixed:
-        reasons = "; ".join(dict.fromkeys(FIXED_BECAUSE[key] for key in fixed))
         raise CheckpointError(
-            f"resume_from_checkpoint: {', '.join(fixed)} cannot change on resume ({reasons}: {checkpoint}); "
-            f"changed: {listed}"
+            f"resume_from_checkpoint: {', '.join(fixed)} cannot change on resume (the optimizer state "
+            f"in {checkpoint} belongs to the old optimizer); changed: {listed}"
         )
     if not allow_changes:
         raise CheckpointError(

@@ -60,10 +60,10 @@ from .checkpoints import CheckpointStager, mark_finished, read_loop_state
 from .distribution import DistributionStrategy, check_launch, optimizer_state_layout, zero_stage
 from .dynamic_sampling import ScoredRollouts, collect_scored, score_rollouts
 from .logprobs import sequence_logprobs
-from .model_loading import load_policy
+from .model_loading import load_policy, tiny_lora_base
 from .overlap import OverlappedRollouts, staleness_metrics, tag_versions
 from .reference import FrozenCopy
-from .resume import OPTIMIZER_STATE_LAYOUT, apply_setting_changes, plan_start, resume_settings
+from .resume import OPTIMIZER_STATE_LAYOUT, TINY_BASE, apply_setting_changes, plan_start, resume_settings
 from .rollout_resources import RolloutResources
 from .run_log import LOOPPrinterCallback, LOOPProgressCallback, RunLog
 from .sampler import task_sampler_for
@@ -190,6 +190,7 @@ class LOOPTrainer(Trainer):
         policy, self.tokenizer, self.reference_policy = load_policy(
             model, args, processing_class, quantization_config, peft_config, env
         )
+        self._tiny_base = tiny_lora_base(model, env, args, peft_config)  # a base that a resume builds again
         super().__init__(
             model=policy,
             args=args,
@@ -794,6 +795,7 @@ class LOOPTrainer(Trainer):
                 OPTIMIZER_STATE_LAYOUT: optimizer_state_layout(
                     zero_stage(self.accelerator), self.accelerator.num_processes
                 ),
+                TINY_BASE: self._tiny_base,
                 **(self.run_settings or {}),
             },
         )

@@ -559,12 +559,15 @@ def test_loop_eval_follows_a_runs_recipe_key_by_key_and_a_lora_run_as_its_adapte
     tiny_run, followed, model_args, taken = follow(tiny_lora + "generation_batch_limit: 4\n", {}, adapter=True, seed=3)
     assert (followed.adapter, model_args.model_name_or_path) == (str(tiny_run), "tiny-instruct:vault")
     assert (followed.model_seed, followed.tiny_instruct_steps, followed.seed) == (7, 50, 3)
-    assert "generation_batch_limit" not in taken  # a fixed warm-up: how loop-eval samples is its own
-    # a warm-up a greedy probe ended: the probe's episode settings are the run's too
-    probed = "model_name_or_path: tiny-instruct:vault\nuse_peft: true\ngeneration_batch_limit: 4\n"
-    _, defaults, _, taken = follow(probed, {}, adapter=True)
+    assert "generation_batch_limit" not in taken and "model_episode_settings" not in taken  # a warm-up of set steps
+    # a warm-up a greedy probe may end: the probe runs under the run's episode settings, the evaluation under its own
+    probed = "model_name_or_path: tiny-instruct:vault\nuse_peft: true\ngeneration_batch_limit: 4\nmax_turns: 9\n"
+    _, defaults, _, taken = follow(probed, {"max_turns": 5}, adapter=True, max_turns=5)
     assert (defaults.model_seed, defaults.tiny_instruct_steps) == (LOOPConfig.seed, LOOPConfig.tiny_instruct_steps)
-    assert defaults.generation_batch_limit == 4 and "generation_batch_limit" in taken
+    assert (defaults.generation_batch_limit, defaults.max_turns) == (64, 5)  # how loop-eval samples: its own
+    probe = defaults.warm_up_probe_settings()
+    assert (probe.generation_batch_limit, probe.max_turns) == (4, 9)  # the warm-up's probe: the run's
+    assert probe.max_new_tokens_per_turn == LOOPConfig.max_new_tokens_per_turn  # unset in the run: its default
     _, flagged, *_ = follow(tiny_lora, {"model_seed": 1}, adapter=True, model_seed=1)  # a flag wins
     assert (flagged.model_seed, flagged.tiny_instruct_steps) == (1, 50)
     named = EvalArguments(output_dir=str(tmp_path / "eval"), adapter=str(tiny_run))  # --adapter names the run
@@ -579,7 +582,8 @@ def test_loop_eval_follows_a_runs_recipe_key_by_key_and_a_lora_run_as_its_adapte
 
 def test_loop_eval_follows_a_checkpoint_of_a_run_with_the_settings_it_was_trained_under(tmp_path):
     """``RUN/checkpoint-N`` is evaluated as that checkpoint's adapter, with the run's recipe one level up and the
-    settings the checkpoint recorded in place of the recipe's (a resume with changed settings rewrites the recipe)."""
+    settings the checkpoint recorded in place of the recipe's (a resume with changed settings rewrites the recipe),
+    a tiny LoRA run's base as the checkpoint recorded building it."""
     from trl import ModelConfig
 
     from loop_trainer.cli.evaluate import EvalArguments, follow_run
@@ -588,7 +592,8 @@ def test_loop_eval_follows_a_checkpoint_of_a_run_with_the_settings_it_was_traine
     run = tmp_path / "run"
     checkpoint = run / "checkpoint-2"
     checkpoint.mkdir(parents=True)
-    (run / "recipe.yaml").write_text("model_name_or_path: Qwen/Qwen2.5-7B-Instruct\nuse_peft: true\nmax_turns: 30\n")
+    recipe = "model_name_or_path: tiny-instruct:vault\nuse_peft: true\nmax_turns: 30\nenvironment: vault\n"
+    (run / "recipe.yaml").write_text(recipe + 'environment_kwargs: {"num_tasks": 8}\n')
     (run / "adapter_config.json").write_text("{}")
     (checkpoint / "adapter_config.json").write_text("{}")
 
@@ -600,16 +605,46 @@ def test_loop_eval_follows_a_checkpoint_of_a_run_with_the_settings_it_was_traine
         return followed, model_args, taken
 
     assert follow(checkpoint)[2] == {}  # no loop_state.json: not a complete checkpoint, not followed
-    write_loop_state(checkpoint, {"iteration": 2, "settings": {"max_turns": 12, "model": "m", "environment": "vault"}})
+    base = {"seed": 7, "tiny_instruct_steps": None, "max_turns": 12, "generation_batch_limit": 4}
+    recorded = {"max_turns": 12, "environment_kwargs": {"num_tasks": 4}, "seed": 7, "tiny_base": base}
+    write_loop_state(checkpoint, {"iteration": 2, "settings": {**recorded, "environment": "vault-v2", "model": "m"}})
     followed, model_args, taken = follow(checkpoint)
-    assert (followed.adapter, model_args.model_name_or_path) == (str(checkpoint), "Qwen/Qwen2.5-7B-Instruct")
-    assert (followed.environment, followed.max_turns) == ("vault", 12) and "model" not in taken
+    assert (followed.adapter, model_args.model_name_or_path) == (str(checkpoint), "tiny-instruct:vault")
+    assert (followed.max_turns, followed.environment_kwargs) == (12, {"num_tasks": 4})  # the checkpoint's
+    assert followed.environment == "vault"  # the recipe's spec (a checkpoint records the environment's name)
+    assert (followed.model_seed, followed.tiny_instruct_steps) == (7, None)
+    probe = followed.warm_up_probe_settings()
+    assert (probe.max_turns, probe.generation_batch_limit, followed.generation_batch_limit) == (12, 4, 64)
     assert follow(checkpoint, max_turns=5)[0].max_turns == 5  # a flag still wins
     followed, _, _ = follow(run)  # the run itself: its recipe
-    assert (followed.adapter, followed.max_turns) == (str(run), 30)
-    (checkpoint / "loop_state.json").write_text("{not json")
-    with pytest.raises(RecipeError, match="not valid JSON"):
+    assert (followed.adapter, followed.max_turns, followed.environment_kwargs) == (str(run), 30, {"num_tasks": 8})
+    write_loop_state(checkpoint, {"iteration": 2, "settings": {"max_turns": 0}})
+    with pytest.raises(RecipeError, match=f"{run / 'recipe.yaml'} and {checkpoint / 'loop_state.json'}: max_turns"):
         follow(checkpoint)
+    write_loop_state(checkpoint, {"iteration": 2})  # an older loop_trainer's: no settings, the recipe's
+    assert follow(checkpoint)[0].max_turns == 30
+    for damaged, says in (("{not json", "not valid JSON"), ("[1, 2]", "not a LOOP checkpoint's state")):
+        (checkpoint / "loop_state.json").write_text(damaged)
+        with pytest.raises(RecipeError, match=says):
+            follow(checkpoint)
+
+
+def test_loop_eval_takes_the_warm_up_probes_episode_settings_as_a_mapping_of_episode_settings(tmp_path):
+    from loop_trainer.cli.evaluate import EvalArguments
+
+    def probe_of(value):
+        return EvalArguments(output_dir=str(tmp_path), max_turns=3, model_episode_settings=value)
+
+    assert probe_of('{"max_turns": 8}').warm_up_probe_settings().max_turns == 8  # JSON on the CLI
+    assert probe_of(None).warm_up_probe_settings().max_turns == 3  # unset: the evaluation's
+    for value, says in (
+        ('{"max_turn": 8}', "max_turn is not an episode setting"),
+        ({"max_turns": 0}, "model_episode_settings: max_turns must be"),
+        ("[8]", "must be a mapping"),
+        ("{8", "not valid JSON"),
+    ):
+        with pytest.raises(RecipeError, match=says):
+            probe_of(value)
 
 
 def test_loop_eval_puts_a_tiny_lora_runs_adapter_on_the_base_it_trained(tmp_path, monkeypatch):

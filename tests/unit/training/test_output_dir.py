@@ -300,6 +300,29 @@ def test_turning_balanced_draws_on_at_a_resume_starts_a_new_order(finished_run, 
     assert sampler["drawn"] == 2 * 2 and len(sampler["kinds"]) > 1  # iterations 4 and 5, 2 tasks each
 
 
+def test_the_base_of_a_tiny_lora_run_cannot_change_on_resume(tmp_path):
+    """A tiny LoRA run's checkpoints hold only the adapter, and a resume builds the base again: a seed or
+    tiny_instruct_steps that would build another one is refused, even with changes allowed. A full-weight tiny
+    run's checkpoints hold every weight: its tiny_instruct_steps only named how it started."""
+    lora = ("--model_name_or_path", "tiny-instruct:vault", "--tiny_instruct_steps", "3", "--use_peft", "true")
+    x = tmp_path / "lora"
+    assert loop_train(x, *lora, "--iterations", "1").returncode == 0
+    assert read_loop_state(x / "checkpoint-1")["settings"]["tiny_base"] == {"seed": 0, "tiny_instruct_steps": 3}
+    for change, says in (
+        (("--seed", "1"), "seed 0 -> 1"),
+        (("--tiny_instruct_steps", "4"), "tiny_instruct_steps 3 -> 4"),
+    ):
+        resumed = (*lora, "--iterations", "2", "--resume_from_checkpoint", "last", *change)
+        line = error_line(loop_train(x, *resumed, "--resume_with_changed_settings", "true"))
+        assert line.startswith(f"loop-train: error: resume_from_checkpoint: {x / 'checkpoint-1'} holds a LoRA adapter")
+        assert f"a tiny model's base that this launch would build otherwise ({says})" in line
+    full = tmp_path / "full"
+    assert loop_train(full, "--iterations", "1", "--tiny_instruct_steps", "3").returncode == 0
+    assert read_loop_state(full / "checkpoint-1")["settings"]["tiny_base"] is None
+    resumed = loop_train(full, "--iterations", "2", "--resume_from_checkpoint", "last", "--tiny_instruct_steps", "4")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+
 # --- defect 5: how a stopped run says how to go on -------------------------------------------------------------
 def test_a_run_that_fails_before_its_first_checkpoint_does_not_advise_resuming(tmp_path):
     result = loop_train(tmp_path / "run", "--iterations", "2", "--environment", "test_output_dir:FailingVault")

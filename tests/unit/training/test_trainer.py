@@ -466,6 +466,12 @@ def test_the_python_api_takes_the_model_names_loop_train_takes(tmp_path, monkeyp
         assert torch.equal(value, expected), name
     trainer.train()
     assert read_metrics(args.output_dir)[-1]["iteration"] == 1
+    assert trainer.resume_settings()["tiny_base"] is None  # full weights: every one of them in the checkpoint
+    from peft import LoraConfig
+
+    adapter = LoraConfig(r=2, target_modules="all-linear")
+    with LOOPTrainer("tiny-instruct:vault", env, args, peft_config=adapter) as lora:
+        assert lora.resume_settings()["tiny_base"] == {"seed": args.seed, "tiny_instruct_steps": 3}  # a resume's base
 
     with pytest.raises(ValueError, match="give it no processing_class"):
         LOOPTrainer("tiny:vault", env, args, processing_class=tokenizer)
