@@ -35,7 +35,7 @@ from ..config.ranges import setting
 from ..envs import Environment, EnvironmentSetupError, make_environment
 from ..evaluation import Evaluator, GreedySuccessOnTrainingTasks, format_metrics, write_evaluation_viewer
 from ..models.packaged import PackagedModelError, resolve_model_path
-from ..models.tiny import build_tiny_from_spec, build_word_tokenizer, is_tiny_spec, load_tokenizer
+from ..models.tiny import INSTRUCT_PREFIX, build_tiny_from_spec, build_word_tokenizer, is_tiny_spec, load_tokenizer
 from ..publishing.model_card import RECIPE_FILE
 from ..rollout import GenerationBackend, TransformersBackend
 from ..rollout.backend import build_transformers_backend
@@ -95,8 +95,8 @@ class EvalArguments(ScriptArguments, EpisodeSettings):
         metadata={
             "help": "tiny-instruct:<env> models whose warm-up a greedy probe ends (tiny_instruct_steps none, an "
             "environment naming a warm_up_success): the episode settings the probe runs under (a mapping of "
-            "max_turns, ...; JSON on the CLI), as loop-train's run's (a tiny LoRA run followed: the run's); unset "
-            "ones: this evaluation's."
+            "max_turns, ...; JSON on the CLI), as loop-train's run's (a tiny LoRA run followed: the run's, these "
+            "over them); unset ones: this evaluation's."
         },
     )
 
@@ -433,11 +433,14 @@ def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalA
             if key not in given:
                 taken[key] = recipe.get(run_key, LOOPConfig.__dataclass_fields__[run_key].default)
         steps = eval_args.tiny_instruct_steps if "tiny_instruct_steps" in given else taken["tiny_instruct_steps"]
-        if steps is None and "model_episode_settings" not in given:  # a greedy probe may end the warm-up: its
-            # readings depend on the episode settings it runs under, the run's (what loop-eval runs under is its own)
+        if steps is None and str(base).startswith(INSTRUCT_PREFIX):  # a greedy probe may end the warm-up: its
+            # readings depend on the episode settings it runs under, the run's (what loop-eval runs under is its own);
+            # those given here go over them
             probed = (f.name for f in dataclasses.fields(EpisodeSettings))
             defaults = LOOPConfig.__dataclass_fields__
-            taken["model_episode_settings"] = {key: recipe.get(key, defaults[key].default) for key in probed}
+            run = {key: recipe.get(key, defaults[key].default) for key in probed}
+            given_probe = eval_args.model_episode_settings if "model_episode_settings" in given else None
+            taken["model_episode_settings"] = {**run, **(given_probe if isinstance(given_probe, dict) else {})}
     if lora and not eval_args.adapter and base:
         taken["adapter"], model_args.model_name_or_path = str(weights_dir), base
     try:

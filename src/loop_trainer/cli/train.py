@@ -104,10 +104,12 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
                 training_args.output_dir, training_args.overwrite_output_dir, training_args.overwrite_interrupted_run
             )
         else:  # "last" becomes the checkpoint it names, which the banner then shows
+            tiny_lora = is_tiny_spec(str(model_args.model_name_or_path)) and model_args.use_peft
             training_args.resume_from_checkpoint = check_resume_before_loading(
                 start_settings(training_args),
                 training_args.resume_from_checkpoint,
                 settings_before_loading(script_args, training_args, launch),
+                tiny_lora_args=training_args if tiny_lora else None,
             )
     except CheckpointError as error:
         raise RecipeError(str(error)) from None
@@ -156,8 +158,10 @@ def main(script_args: ScriptArguments, training_args: LOOPConfig, model_args: Mo
                 raise RecipeError(str(error)) from None
         trainer.recipe_path = getattr(script_args, "effective_recipe", None)
         # the model came built: what a tiny LoRA run's base is built from is loop-train's to say
+        trainer.run_settings = environment_settings(script_args)
         tiny_base = tiny_lora_base(str(model_args.model_name_or_path), env, training_args, peft_config)
-        trainer.run_settings = {**environment_settings(script_args), TINY_BASE: tiny_base}
+        if tiny_base is not None:
+            trainer.run_settings[TINY_BASE] = tiny_base
         with trainer:
             startup.stage("warming up", warm_up_detail(training_args))  # startup's on_train_begin ends it
             try:

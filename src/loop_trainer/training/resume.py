@@ -93,7 +93,8 @@ def compare_settings(
 ) -> list[tuple[str, Any, Any]]:
     """The settings that differ between ``checkpoint``'s record and ``current``, as (key, old, new).
     Raises :class:`CheckpointError` naming every change unless ``allow_changes``, and for a change no
-    resume can apply (``fixed`` in :mod:`~loop_trainer.config.resume_policy`) even then. A checkpoint
+    resume can apply (``fixed`` in :mod:`~loop_trainer.config.resume_policy`, the optimizer state's layout, a tiny
+    LoRA run's base: :data:`TINY_BASE`) even then. A checkpoint
     written before settings were recorded is resumed with a warning (its weights, optimizer and sampler
     state are still exact; only the comparison is impossible). ``state``: the checkpoint's ``loop_state.json``
     where the caller has read it already."""
@@ -122,17 +123,20 @@ def compare_settings(
             f"wrote it ({_launch_advice(written)}), or {_new_run_advice(checkpoint)}"
         )
     base = next(((old, new) for key, old, new in changed if key == TINY_BASE), None)
-    if base is not None and base[0] is not None and base[1] is not None:  # else the model or the adapter changed
+    if base is not None and base[0] is not None and base[1] is not None:  # else one side records no tiny LoRA base
         built, building = base
-        differ = ", ".join(
-            f"{key} {_show(built.get(key))} -> {_show(building.get(key))}"
-            for key in sorted(built.keys() | building.keys())
-            if built.get(key) != building.get(key)
-        )
+        differ = [
+            f"{key} {_show(built[key])} -> {_show(building[key])}"
+            for key in sorted(built.keys() & building.keys())
+            if built[key] != building[key]
+        ]
+        if built.keys() != building.keys():  # the episode settings are recorded where a greedy probe ends the warm-up
+            probed = "would no longer" if len(built) > len(building) else "would now"
+            differ.append(f"a greedy probe {probed} end the warm-up")
         raise CheckpointError(
             f"resume_from_checkpoint: {checkpoint} holds a LoRA adapter trained on a tiny model's base that this "
-            f"launch would build otherwise ({differ}); the adapter needs its own base: resume with the checkpoint's "
-            "values, or start a fresh run (another output_dir, or overwrite_output_dir: true)"
+            f"launch would build otherwise ({', '.join(differ)}); the adapter needs its own base: resume with the "
+            "checkpoint's values, or start a fresh run (another output_dir, or overwrite_output_dir: true)"
         )
     listed = ", ".join(f"{key} {_show(old)} -> {_show(new)}" for key, old, new in changed)
     fixed = [key for key, _, _ in changed if key in FIXED_KEYS]
@@ -328,19 +332,28 @@ def apply_setting_changes(
 
 
 def check_resume_before_loading(
-    settings: StartSettings, resume_from_checkpoint: str | bool | None, known: Mapping[str, Any]
+    settings: StartSettings,
+    resume_from_checkpoint: str | bool | None,
+    known: Mapping[str, Any],
+    tiny_lora_args: Any = None,
 ) -> str | None:
     """What a resume can check before any model is loaded: that the checkpoint is there (``last``: the newest
     complete one, which is returned) and that the settings in ``known`` (those a run knows before its model: most of
     LOOPConfig's, the environment, the launch's optimizer state layout) are the ones it records, or may change
-    (``resume_with_changed_settings``). ``loop-train`` runs it first, so a resume that cannot go on stops in seconds
-    rather than after the model is loaded and vLLM started; :func:`plan_start` then checks everything again. None
-    for a fresh run."""
+    (``resume_with_changed_settings``). ``tiny_lora_args``: the run's LOOPConfig where it trains an adapter on a tiny
+    model, whose base (:data:`TINY_BASE`) is then checked too, by the keys the checkpoint recorded (whether a greedy
+    probe ends the warm-up is the environment's to say, which is not built yet). ``loop-train`` runs it first, so a
+    resume that cannot go on stops in seconds rather than after the model is built or loaded and vLLM started;
+    :func:`plan_start` then checks everything again. None for a fresh run."""
     checkpoint = resolve(resume_from_checkpoint, settings.output_dir)
     if checkpoint is None:
         return None
     state = read_loop_state(checkpoint)
-    if state.get("settings") is not None:  # else plan_start warns, once
+    recorded = state.get("settings")
+    if recorded is not None:  # else plan_start warns, once
+        base = recorded.get(TINY_BASE)
+        if tiny_lora_args is not None and isinstance(base, dict):
+            known = {**known, TINY_BASE: {key: jsonable(getattr(tiny_lora_args, key)) for key in base}}
         compare_settings(checkpoint, dict(known), settings.resume_with_changed_settings, state)
     return checkpoint
 

@@ -568,6 +568,14 @@ def test_loop_eval_follows_a_runs_recipe_key_by_key_and_a_lora_run_as_its_adapte
     probe = defaults.warm_up_probe_settings()
     assert (probe.generation_batch_limit, probe.max_turns) == (4, 9)  # the warm-up's probe: the run's
     assert probe.max_new_tokens_per_turn == LOOPConfig.max_new_tokens_per_turn  # unset in the run: its default
+    given = {"env_timeout": 600}  # given: over the run's, the rest still the run's
+    _, over, _, _ = follow(probed, {"model_episode_settings": given}, adapter=True, model_episode_settings=given)
+    probe = over.warm_up_probe_settings()
+    assert (probe.env_timeout, probe.generation_batch_limit, probe.max_turns) == (600, 4, 9)
+    *_, taken = follow(probed, {"tiny_instruct_steps": 5}, adapter=True, tiny_instruct_steps=5)
+    assert "model_episode_settings" not in taken  # a warm-up of set steps: no probe
+    tiny = "model_name_or_path: tiny:vault\nuse_peft: true\n"  # no warm-up at all
+    assert "model_episode_settings" not in follow(tiny, {}, adapter=True)[3]
     _, flagged, *_ = follow(tiny_lora, {"model_seed": 1}, adapter=True, model_seed=1)  # a flag wins
     assert (flagged.model_seed, flagged.tiny_instruct_steps) == (1, 50)
     named = EvalArguments(output_dir=str(tmp_path / "eval"), adapter=str(tiny_run))  # --adapter names the run

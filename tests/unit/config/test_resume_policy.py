@@ -145,3 +145,9 @@ def test_a_changed_tiny_base_is_refused_even_with_changes_allowed(tmp_path):
     with pytest.raises(CheckpointError, match="would build otherwise \\(max_turns 6 -> 9\\); the adapter needs"):
         resume.compare_settings(tmp_path, changed, allow_changes=True)
     assert resume.compare_settings(tmp_path, {**settings, "learning_rate": 1e-3}, allow_changes=True)
+    counted = {"learning_rate": 1e-4, "tiny_base": {"seed": 7, "tiny_instruct_steps": 5}}  # no probe now
+    with pytest.raises(CheckpointError) as refused:
+        resume.compare_settings(tmp_path, counted, allow_changes=True)
+    assert "otherwise (tiny_instruct_steps null -> 5, a greedy probe would no longer end the warm-up)" in str(
+        refused.value
+    )

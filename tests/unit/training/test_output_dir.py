@@ -313,9 +313,14 @@ def test_the_base_of_a_tiny_lora_run_cannot_change_on_resume(tmp_path):
         (("--tiny_instruct_steps", "4"), "tiny_instruct_steps 3 -> 4"),
     ):
         resumed = (*lora, "--iterations", "2", "--resume_from_checkpoint", "last", *change)
-        line = error_line(loop_train(x, *resumed, "--resume_with_changed_settings", "true"))
-        assert line.startswith(f"loop-train: error: resume_from_checkpoint: {x / 'checkpoint-1'} holds a LoRA adapter")
-        assert f"a tiny model's base that this launch would build otherwise ({says})" in line
+        for allowed in ((), ("--resume_with_changed_settings", "true")):
+            refused = loop_train(x, *resumed, *allowed)
+            line = error_line(refused)
+            assert line.startswith(
+                f"loop-train: error: resume_from_checkpoint: {x / 'checkpoint-1'} holds a LoRA adapter"
+            )
+            assert f"a tiny model's base that this launch would build otherwise ({says})" in line
+            assert "replaying" not in refused.stdout + refused.stderr  # refused before the base is built
     full = tmp_path / "full"
     assert loop_train(full, "--iterations", "1", "--tiny_instruct_steps", "3").returncode == 0
     assert read_loop_state(full / "checkpoint-1")["settings"]["tiny_base"] is None
