@@ -42,6 +42,7 @@ from ..rollout.backend import build_transformers_backend
 from ..rollout.sampling_parts import COMPILE_NEEDS_STATIC, SamplingPartsError, TransformersSamplingSettings
 from ..training.activation_checkpointing import peft_wrapping
 from ..training.checkpoints import LOOP_STATE_FILE, CheckpointError, is_complete, read_loop_state
+from ..training.settings import episode_settings
 from .recipe import RecipeError, ScriptArguments, parse_recipe
 
 __all__ = ["EvalArguments", "cli", "evaluate"]
@@ -125,7 +126,7 @@ class EvalArguments(ScriptArguments, EpisodeSettings):
             listed = ", ".join(names)
             raise RecipeError(f"model_episode_settings: {', '.join(unknown)} is not an episode setting ({listed})")
         try:
-            settings = EpisodeSettings(**{**{name: getattr(self, name) for name in names}, **(given or {})})
+            settings = dataclasses.replace(episode_settings(self), **(given or {}))
             check_ranges(settings)
             return settings
         except (TypeError, ValueError) as error:
@@ -443,17 +444,15 @@ def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalA
             taken["model_episode_settings"] = {**run, **(given_probe if isinstance(given_probe, dict) else {})}
     if lora and not eval_args.adapter and base:
         taken["adapter"], model_args.model_name_or_path = str(weights_dir), base
+    state = "" if weights_dir == run_dir else f" and {weights_dir / LOOP_STATE_FILE}"  # where taken values come from
     try:
         followed = dataclasses.replace(eval_args, **taken)  # __post_init__ checks the run's values as given ones
     except (TypeError, ValueError) as error:
-        state = "" if weights_dir == run_dir else f" and {weights_dir / LOOP_STATE_FILE}"
-        source = f"{run_dir / RECIPE_FILE}{state}"
-        raise RecipeError(f"{source}: {str(error).splitlines()[0]}") from None
+        raise RecipeError(f"{run_dir / RECIPE_FILE}{state}: {str(error).splitlines()[0]}") from None
     followed.effective_recipe = getattr(eval_args, "effective_recipe", {})  # type: ignore[attr-defined]
     if taken:
         listed = ", ".join(f"{key} {value}" for key, value in taken.items())
-        source = RECIPE_FILE if weights_dir == run_dir else f"{RECIPE_FILE} and {weights_dir.name}'s settings"
-        logger.info(f"loop-eval: following the run in {run_dir} ({source}): {listed}; a flag overrides any")
+        logger.info(f"loop-eval: following the run in {run_dir} ({RECIPE_FILE}{state}): {listed}; a flag overrides any")
     return followed, taken
 
 

@@ -19,13 +19,14 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM, AutoProcessor, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 from trl.trainer import add_fused_lm_head
 
-from ..config import EpisodeSettings, LOOPConfig, mapping_setting
+from ..config import LOOPConfig, mapping_setting
 from ..envs.base import Environment
 from ..evaluation import GreedySuccessOnTrainingTasks
 from ..models.packaged import resolve_model_path
 from ..models.tiny import INSTRUCT_PREFIX, build_tiny_from_spec, is_tiny_spec, warm_up_is_probed
 from .activation_checkpointing import get_peft_model, update_checkpointing_kwargs
 from .reference import AdapterDisabled, ReferencePolicy, frozen_copy
+from .settings import episode_settings
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +97,11 @@ def tiny_lora_base(model: str | PreTrainedModel, env: Environment, args: LOOPCon
     the base again."""
     if not isinstance(model, str) or not is_tiny_spec(model) or peft_config is None:
         return None
-    name = model
     inputs: dict[str, Any] = {"seed": args.seed}
-    if name.startswith(INSTRUCT_PREFIX):
+    if model.startswith(INSTRUCT_PREFIX):
         inputs["tiny_instruct_steps"] = args.tiny_instruct_steps
-    if warm_up_is_probed(name, env, args.tiny_instruct_steps):
-        inputs.update({f.name: getattr(args, f.name) for f in dataclasses.fields(EpisodeSettings)})
+    if warm_up_is_probed(model, env, args.tiny_instruct_steps):
+        inputs.update(dataclasses.asdict(episode_settings(args)))
     return inputs
 
 

@@ -184,7 +184,7 @@ def recorded_keys(config: LOOPConfig) -> dict[str, Any]:
     return {key: getattr(config, key) for key in RECORDED_KEYS}
 
 
-def episode_settings(config: LOOPConfig) -> EpisodeSettings:
+def episode_settings(config: EpisodeSettings) -> EpisodeSettings:
     """The episode limits and concurrency, as loop-eval has them (not the whole config)."""
     return EpisodeSettings(**{field.name: getattr(config, field.name) for field in dataclasses.fields(EpisodeSettings)})
 
