@@ -51,6 +51,7 @@ from typing import Any
 from ..envs.base import EnvironmentSetupError
 from .backend import GenerationBackend
 from .engine import EngineSetup, RolloutEngine
+from .env_metrics import EnvMetricsReader
 from .partial import CarriedGroup, ContinuingCollection
 from .records import RolloutBatch
 from .server_client import ServerClient, ServerSampler, ServerSampling
@@ -90,6 +91,7 @@ class ChildTotals:
     generation_retries: int = 0
     abandoned_calls: int = 0
     env_metrics: dict[str, float] = field(default_factory=dict)
+    metrics_call_failures: int = 0
     taken: int = 0
     """Its order among the child's answers: of two answered on the two pipes at once, the later totals win."""
 
@@ -405,7 +407,7 @@ class _Child:
         self._lock = threading.Lock()  # the two threads build the clients and the engine
         self._totals_lock = threading.Lock()
         self._answers = itertools.count(1)
-        self._env_metrics: dict[str, float] = {}
+        self._env_metrics = EnvMetricsReader(setup.env, "in the collection process")
 
     def sampler(self, sampling: ServerSampling) -> ServerSampler:
         with self._lock:
@@ -444,18 +446,16 @@ class _Child:
 
     def totals(self) -> ChildTotals:
         """The running totals now, numbered as they are taken (one at a time: a higher number is never older). If
-        the environment's ``metrics()`` fails, its last answer stands (logged), not an empty one."""
+        the environment's ``metrics()`` fails, its last answer stands (:class:`~.env_metrics.EnvMetricsReader`)."""
         with self._totals_lock:
-            try:
-                self._env_metrics = dict(self.setup.env.metrics())
-            except Exception as error:  # noqa: BLE001 - the answer still goes back
-                logger.error("the environment's metrics() failed in the collection process", exc_info=error)
+            env_metrics = self._env_metrics.read()
             engine = self.engine
             return ChildTotals(
-                engine.generation_retries if engine else 0,
-                engine.abandoned_calls if engine else 0,
-                dict(self._env_metrics),
-                next(self._answers),
+                generation_retries=engine.generation_retries if engine else 0,
+                abandoned_calls=engine.abandoned_calls if engine else 0,
+                env_metrics=env_metrics,
+                metrics_call_failures=self._env_metrics.failures,
+                taken=next(self._answers),
             )
 
     def serve(self, connection: multiprocessing.connection.Connection) -> None:

@@ -15,6 +15,7 @@ from ..evaluation import Evaluator
 from ..rollout import RolloutEngine
 from ..rollout.collection_process import ChildTotals, CollectionProcess
 from ..rollout.engine import EngineSetup
+from ..rollout.env_metrics import EnvMetricsReader
 from ..rollout.generator import RolloutGenerator
 
 
@@ -39,6 +40,7 @@ class RolloutResources:
         self._engine: RolloutEngine | None = None
         self._evaluator: Evaluator | None = None
         self._collection_process: CollectionProcess | None = None
+        self._env_metrics = EnvMetricsReader(env)
 
     @property
     def is_open(self) -> bool:
@@ -76,17 +78,19 @@ class RolloutResources:
         return self._collection_process
 
     def running_totals(self) -> dict[str, float]:
-        """The run's totals so far, logged each iteration: generation retries, abandoned environment calls and the
-        environment's own metrics (``env_``), the collection process's added to this process's."""
+        """The run's totals so far, logged each iteration: generation retries, abandoned environment calls, the
+        environment's own metrics (``env_``) and the calls of its ``metrics()`` that failed, the collection
+        process's added to this process's."""
         child = self._collection_process.totals if self._collection_process is not None else ChildTotals()
         totals = {
             "generation_retries": float(self.engine.generation_retries + child.generation_retries),
             "env_abandoned_calls": float(self.engine.abandoned_calls + child.abandoned_calls),
         }
-        env_metrics = dict(self.env.metrics())
+        env_metrics = self._env_metrics.read()
         for key, value in child.env_metrics.items():
             env_metrics[key] = env_metrics.get(key, 0.0) + value
-        return totals | {f"env_{key}": value for key, value in env_metrics.items()}
+        failures = {"metrics_call_failures": float(self._env_metrics.failures + child.metrics_call_failures)}
+        return totals | failures | {f"env_{key}": value for key, value in env_metrics.items()}
 
     @property
     def evaluator(self) -> Evaluator:

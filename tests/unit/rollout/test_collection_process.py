@@ -212,6 +212,29 @@ def test_the_childs_running_totals_come_back_with_each_batch(qwen_tokenizer, bac
         assert (process.totals.generation_retries, process.totals.abandoned_calls) == (0, 0)
 
 
+class MetricsThatFailAfterTheFirstEnv(CountingEnv):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def metrics(self) -> dict[str, float]:
+        self.calls += 1
+        if self.calls > 1:
+            raise ConnectionError("the environment's server is down")
+        return super().metrics()
+
+
+def test_a_failing_metrics_in_the_child_keeps_its_last_answer_and_is_counted(qwen_tokenizer, backend):
+    tasks = list(CountingEnv().tasks("train"))[:1]
+    with CollectionProcess(setup_for(MetricsThatFailAfterTheFirstEnv(), qwen_tokenizer)) as process:
+        process.collect(tasks, 2, backend=backend, seed=1)
+        answered = {"episodes": 2.0, "prepared": 1.0}
+        assert (process.totals.env_metrics, process.totals.metrics_call_failures) == (answered, 0)
+        for failed in (1, 2):  # the batches still come back
+            assert len(process.collect(tasks, 1, backend=backend, seed=2).trajectories) == 1
+            assert (process.totals.env_metrics, process.totals.metrics_call_failures) == (answered, failed)
+
+
 class UnsendableEpisode(ErrandsEpisode):
     def score(self) -> Score:
         score = super().score()

@@ -46,16 +46,31 @@ def test_the_running_totals_add_the_collection_processs_to_the_trainers(qwen_tok
         assert parts.running_totals() == {
             "generation_retries": 0.0,
             "env_abandoned_calls": 0.0,
+            "metrics_call_failures": 0.0,
             "env_restarts": 1.0,
             "env_timeouts": 4.0,
         }
         parts.engine.generation_retries = 2
-        child = SimpleNamespace(totals=ChildTotals(3, 1, {"restarts": 2.0, "retries": 5.0}), close=lambda: None)
+        totals = ChildTotals(3, 1, {"restarts": 2.0, "retries": 5.0}, metrics_call_failures=2)
+        child = SimpleNamespace(totals=totals, close=lambda: None)
         parts._collection_process = child  # type: ignore[assignment]
         assert parts.running_totals() == {
             "generation_retries": 5.0,
             "env_abandoned_calls": 1.0,
+            "metrics_call_failures": 2.0,
             "env_restarts": 3.0,
             "env_timeouts": 4.0,
             "env_retries": 5.0,
         }
+
+
+class FailingMetricsEnv(ErrandsEnv):
+    def metrics(self) -> dict[str, float]:
+        raise ConnectionError("the environment's server is down")
+
+
+def test_a_failing_metrics_does_not_end_the_iteration_it_is_counted(qwen_tokenizer):
+    with resources(qwen_tokenizer, FailingMetricsEnv(num_tasks=1)) as parts:
+        parts.running_totals()
+        totals = parts.running_totals()
+    assert totals == {"generation_retries": 0.0, "env_abandoned_calls": 0.0, "metrics_call_failures": 2.0}

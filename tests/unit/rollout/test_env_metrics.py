@@ -1,0 +1,59 @@
+"""The environment's running totals as the run reads them: a metrics() that raises costs its answer for that read,
+is counted, and is logged once per kind of error, not once per read."""
+
+from __future__ import annotations
+
+import logging
+
+from loop_trainer.envs.errands import ErrandsEnv
+from loop_trainer.rollout.env_metrics import EnvMetricsReader
+
+
+class ScriptedMetricsEnv(ErrandsEnv):
+    """metrics() answers or raises as ``script`` says, one entry per call: a dict, or an exception to raise."""
+
+    def __init__(self, script: list) -> None:
+        super().__init__(num_tasks=1)
+        self.script = list(script)
+
+    def metrics(self) -> dict[str, float]:
+        answer = self.script.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+
+def failure_logs(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "loop_trainer.rollout.env_metrics"]
+
+
+def test_a_failing_metrics_keeps_the_last_answer_counts_and_logs_once_per_kind(caplog):
+    env = ScriptedMetricsEnv(
+        [{"restarts": 1.0}, KeyError("a"), KeyError("b"), KeyError("c"), OSError("down"), {"restarts": 2.0}]
+    )
+    reader = EnvMetricsReader(env, "in the collection process")
+    with caplog.at_level(logging.INFO):
+        assert reader.read() == {"restarts": 1.0}
+        assert [reader.read() for _ in range(3)] == [{"restarts": 1.0}] * 3  # the last answer stands
+        assert reader.failures == 3
+        logged = failure_logs(caplog)
+        assert len(logged) == 1 and logged[0].levelno == logging.ERROR and logged[0].exc_info is not None
+        assert "metrics() failed in the collection process" in logged[0].getMessage()
+        assert "metrics_call_failures" in logged[0].getMessage()
+        assert reader.read() == {"restarts": 1.0}  # another kind of error: logged again
+        assert len(failure_logs(caplog)) == 2 and reader.failures == 4
+        assert reader.read() == {"restarts": 2.0}
+        answered_again = failure_logs(caplog)[2].getMessage()
+        assert "answered again in the collection process (4 calls failed so far)" in answered_again
+        assert reader.failures == 4  # a running total: an answer does not reset it
+
+
+def test_a_metrics_that_fails_from_the_start_reads_as_empty():
+    reader = EnvMetricsReader(ScriptedMetricsEnv([RuntimeError("no server")]))
+    assert reader.read() == {} and reader.failures == 1
+
+
+def test_a_read_is_a_copy_the_caller_may_change():
+    reader = EnvMetricsReader(ScriptedMetricsEnv([{"a": 1.0}, ValueError()]))
+    reader.read()["a"] = 5.0
+    assert reader.read() == {"a": 1.0}
