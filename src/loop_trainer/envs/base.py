@@ -196,7 +196,10 @@ class Environment(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release environment-wide resources (server pools, ...). Whoever created the environment
-        calls it (``loop-train`` and ``loop-eval`` do; the trainer never closes an env it was given)."""
+        calls it (``loop-train`` and ``loop-eval`` do; the trainer never closes an env it was given).
+        A collection process (``collection_process: true``) closes its own copy, also when it ends
+        early because the trainer's process is gone: then episodes may still be running, and the
+        process ends 10 s after close() started, whether it has returned or not."""
 
 
 def success_and_reward(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:

@@ -17,9 +17,10 @@ child's running totals (generation retries, abandoned environment calls, the env
 Only a generator the child can reach by itself can sample: a vLLM server (``vllm_mode: server``); and only an
 environment that pickles, whose class the child can import, and that does not say it must run in the trainer's
 process (:attr:`~..envs.base.Environment.in_process_only`). The child's copy is its own: it calls ``prepare()`` on
-it before its first batch, and ``close()`` when the parent closes it. The child is spawned (it imports the
-training script again: a script needs the ``if __name__ == "__main__":`` guard), a daemon, ignores SIGINT (the
-parent stops the run and closes it), and leaves as soon as the parent goes, even in the middle of a batch.
+it before its first batch, and ``close()`` when the parent closes it, or before it ends early. The child is
+spawned (it imports the training script again: a script needs the ``if __name__ == "__main__":`` guard), a daemon,
+ignores SIGINT (the parent stops the run and closes it), and leaves as soon as the parent goes, even in the middle
+of a batch, closing its environment first (within :data:`CLOSE_WHEN_LEAVING_S`), as it does on SIGTERM.
 
 With partial rollouts (``partial_rollouts: true``) the child holds the run's
 :class:`~.partial.ContinuingCollection`: the episodes carried across batches run there, and the parent drives them
@@ -48,7 +49,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..envs.base import EnvironmentSetupError
+from ..envs.base import Environment, EnvironmentSetupError
 from .backend import GenerationBackend
 from .engine import EngineSetup, RolloutEngine
 from .env_metrics import EnvMetricsReader
@@ -385,12 +386,71 @@ def _send(connection: multiprocessing.connection.Connection, kind: str, value: A
     connection.send_bytes(data)
 
 
-def _leave_with_the_parent() -> None:
+CLOSE_WHEN_LEAVING_S = 10.0
+"""How long the child waits for its environment's ``close()`` when it ends early, before it ends without it."""
+
+
+class _Leaving:
+    """How the child ends before its parent closes it: the parent is gone (killed, or exited without closing it:
+    then multiprocessing's exit sends SIGTERM), or the child's control thread failed. The environment's copy is
+    closed first, for at most :data:`CLOSE_WHEN_LEAVING_S` (the episodes still running may be using it: the process
+    ends right after), then the process ends at once (``os._exit``: a thread stuck in the environment cannot hold it
+    up). Without this, what ``close()`` releases (a sandbox, a container, a temporary folder) outlived the run:
+    ``os._exit`` and SIGTERM's default run no ``finally`` and no ``atexit`` hook, and a killed trainer cannot close
+    the child's copy.
+
+    The close runs on a thread of its own, started once, so that every path waits for the same one: the child's own
+    close (unbounded) and a SIGTERM that interrupts it (bounded: the parent's close sends it after 30 s)."""
+
+    def __init__(self) -> None:
+        self._closing: threading.Thread | None = None
+        self._started = False
+        # Re-entrant: SIGTERM's handler runs on the main thread, which may hold it (in close_env).
+        self._lock = threading.RLock()
+
+    def hold(self, env: Environment) -> None:
+        """``env`` is the child's to close from now on."""
+        with self._lock:
+            self._closing = threading.Thread(target=_close_logged, args=(env,), name="loop-collection-close")
+            self._closing.daemon = True
+
+    def close_env(self, timeout: float | None = None) -> None:
+        """Close the environment (started by the first call; a later one waits for that close), waiting at most
+        ``timeout`` seconds (None: until it returns)."""
+        with self._lock:
+            closing = self._closing
+            if closing is None:
+                return
+            if not self._started:
+                self._started = True
+                closing.start()
+        try:
+            closing.join(timeout)
+        except RuntimeError:  # SIGTERM's handler, run between `_started = True` and start(): it ends without it
+            return
+        if closing.is_alive():
+            logger.error("the environment's close() did not return within %g s: ending without it", timeout)
+
+    def now(self, why: str) -> None:
+        """End the process now, the environment closed first (within :data:`CLOSE_WHEN_LEAVING_S`)."""
+        logger.info("the collection process ends: %s", why)
+        self.close_env(CLOSE_WHEN_LEAVING_S)
+        os._exit(1)
+
+
+def _close_logged(env: Environment) -> None:
+    try:
+        env.close()
+    except BaseException as error:  # noqa: BLE001 - the process is ending anyway: logged, not raised
+        logger.error("the environment's close() failed as the collection process ended", exc_info=error)
+
+
+def _leave_with_the_parent(leaving: _Leaving) -> None:
     """End this process as soon as the trainer's process is gone, even in the middle of a batch."""
     parent = multiprocessing.parent_process()
     if parent is not None:
         parent.join()
-        os._exit(1)
+        leaving.now("the trainer's process is gone")
 
 
 class _Child:
@@ -399,8 +459,9 @@ class _Child:
 
     CONTINUING_METHODS = ("hold", "release", "collect", "finish_in_flight", "carried", "restore", "cancel_in_flight")
 
-    def __init__(self, setup: EngineSetup):
+    def __init__(self, setup: EngineSetup, leaving: _Leaving):
         self.setup = setup
+        self.leaving = leaving
         self.clients: dict[Any, ServerClient] = {}
         self.engine: RolloutEngine | None = None
         self.continuing: ContinuingCollection | None = None
@@ -483,7 +544,7 @@ class _Child:
             self.serve(connection)
         except BaseException as error:  # noqa: BLE001 - logged, then the process ends
             logger.error("the collection process's control thread failed: ending the process", exc_info=error)
-            os._exit(1)
+            self.leaving.now("its control thread failed")
 
     def close(self) -> None:
         if self.continuing is not None:
@@ -492,7 +553,7 @@ class _Child:
             self.engine.close()
         for client in self.clients.values():
             client.close()
-        self.setup.env.close()  # the child's copy: its own to close
+        self.leaving.close_env()  # the child's copy: its own to close
 
 
 def _serve(
@@ -505,7 +566,9 @@ def _serve(
     batches on ``connection``, here; the partial rollouts' other calls on ``control``, on a thread."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the parent decides
     logging.basicConfig(level=log_level, format="[collection process] %(levelname)s %(name)s: %(message)s")
-    threading.Thread(target=_leave_with_the_parent, name="loop-collection-parent", daemon=True).start()
+    leaving = _Leaving()
+    signal.signal(signal.SIGTERM, lambda *_: leaving.now("it was told to end (SIGTERM)"))
+    threading.Thread(target=_leave_with_the_parent, args=(leaving,), name="loop-collection-parent", daemon=True).start()
     try:
         setup: EngineSetup = pickle.loads(payload)
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
@@ -513,16 +576,17 @@ def _serve(
         _send(connection, "error", error, ChildTotals())
         return
     _send(connection, "rebuilt", None, ChildTotals())
+    leaving.hold(setup.env)  # this copy is the child's: prepared and closed here
     try:
-        setup.env.prepare()  # this copy is the child's: prepared and closed here
+        setup.env.prepare()
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
         if not isinstance(error, EnvironmentSetupError):  # a bug, not a setup's one-line refusal: its traceback
             logger.error("the environment's prepare() failed", exc_info=error)
         _send(connection, "error", error, ChildTotals())
-        setup.env.close()
+        leaving.close_env()
         return
     _send(connection, "prepared", None, ChildTotals())
-    child = _Child(setup)
+    child = _Child(setup, leaving)
     threading.Thread(target=child.serve_control, args=(control,), name="loop-collection-control", daemon=True).start()
     try:
         child.serve(connection)

@@ -465,6 +465,18 @@ def test_partial_rollouts_sample_through_a_vllm_server_only(gated_child, qwen_to
         gated_child.continuing(1, ScriptedBackend(qwen_tokenizer, lambda prompt: "x"))
 
 
+class ClosingEnv(ErrandsEnv):
+    """Writes the closing process's id to ``marker`` as it closes, a line per close()."""
+
+    def __init__(self, marker: Path) -> None:
+        super().__init__(num_tasks=1)
+        self.marker = marker
+
+    def close(self) -> None:
+        with open(self.marker, "a") as file:
+            file.write(f"{os.getpid()}\n")
+
+
 LEFT_BEHIND = """
 import os, pickle, signal, sys, threading, time
 from loop_trainer.envs.errands import ErrandsEnv
@@ -488,8 +500,10 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("how", ["exits without close", "mid-batch"])  # killed when idle: as mid-batch
 def test_the_child_does_not_outlive_its_trainer(qwen_tokenizer, tmp_path, how, server):
     """A trainer that exits without closing it does not hang on it, and one that is killed, even while its child
-    collects a batch (here one of several 4-second turns), does not leave it."""
-    (tmp_path / "setup.pkl").write_bytes(pickle.dumps(setup_for(ErrandsEnv(num_tasks=1), qwen_tokenizer)))
+    collects a batch (here one of several 4-second turns), does not leave it. Either way the child closes its copy
+    of the environment before it ends."""
+    marker = tmp_path / "closed"
+    (tmp_path / "setup.pkl").write_bytes(pickle.dumps(setup_for(ClosingEnv(marker), qwen_tokenizer)))
     (tmp_path / "script.py").write_text(LEFT_BEHIND)
     server.stall = 4.0 if how == "mid-batch" else 0.0
     try:
@@ -513,6 +527,54 @@ def test_the_child_does_not_outlive_its_trainer(qwen_tokenizer, tmp_path, how, s
     while Path(f"/proc/{child}").exists() and "zombie" not in _state(child) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not Path(f"/proc/{child}").exists() or "zombie" in _state(child)
+    assert marker.read_text().split() == [str(child)]  # closed once, by the child
+
+
+def test_a_child_closed_by_its_trainer_closes_its_environment_once(qwen_tokenizer, tmp_path):
+    marker = tmp_path / "closed"
+    process = CollectionProcess(setup_for(ClosingEnv(marker), qwen_tokenizer))
+    process.close()
+    assert marker.read_text().split() == [str(process.pid)]
+
+
+def test_a_child_told_to_end_closes_its_environment_first(qwen_tokenizer, tmp_path):
+    """SIGTERM: what the trainer's close() sends a child that did not end in time, and what multiprocessing sends
+    a daemon child as its parent exits."""
+    marker = tmp_path / "closed"
+    process = CollectionProcess(setup_for(ClosingEnv(marker), qwen_tokenizer))
+    os.kill(process.pid, signal.SIGTERM)
+    process._process.join(60)
+    assert process._process.exitcode == 1  # os._exit(1), not the signal's default end (-15)
+    assert marker.read_text().split() == [str(process.pid)]
+    process.close()
+
+
+class HangingCloseEnv(ErrandsEnv):
+    def __init__(self) -> None:
+        super().__init__(num_tasks=1)
+        self.release = threading.Event()
+
+    def close(self) -> None:
+        self.release.wait()
+
+
+def test_leaving_waits_a_bounded_time_for_a_close_that_hangs(monkeypatch, caplog):
+    from loop_trainer.rollout import collection_process
+
+    exits = []
+    monkeypatch.setattr(collection_process, "CLOSE_WHEN_LEAVING_S", 0.2)
+    monkeypatch.setattr(collection_process.os, "_exit", exits.append)
+    env = HangingCloseEnv()
+    leaving = collection_process._Leaving()
+    leaving.hold(env)
+    try:
+        leaving.now("the trainer's process is gone")
+        assert exits == [1]
+        assert "close() did not return within 0.2 s: ending without it" in caplog.text
+        leaving.now("again")  # waits for the same close, starts no other
+        assert exits == [1, 1] and sum(t.name == "loop-collection-close" for t in threading.enumerate()) == 1
+    finally:
+        env.release.set()
 
 
 def _state(pid: int) -> str:
