@@ -166,9 +166,25 @@ def range_of(settings_class: type, key: str) -> Range:
     return rule
 
 
+def _flag_allows(annotation: Any) -> str | None:
+    """What a flag annotated ``annotation`` allows (a flag has no range), None for any other annotation: as written
+    (``"bool | None"``), or as transformers' argument parser leaves it after it resolved the fields' types."""
+    if annotation in ("bool", bool):
+        return "true or false"
+    if annotation in ("bool | None", bool | None):
+        return "true, false or None"
+    return None
+
+
 def check_ranges(settings: Any) -> None:
-    """Raise ValueError with :meth:`Range.message` for the first field of ``settings`` outside its range."""
+    """Raise ValueError with :meth:`Range.message` for the first field of ``settings`` outside its range, or for a
+    flag declared with :func:`setting` whose value is not a bool (parsers type a flag; a mapping or the Python API
+    may not, and ``"false"`` is true)."""
     for spec in dataclasses.fields(settings):
+        value = getattr(settings, spec.name)
         rule = getattr(spec, "range", None)
-        if rule is not None and rule.applies(settings) and not rule.allows(getattr(settings, spec.name)):
-            raise ValueError(rule.message(spec.name, getattr(settings, spec.name)))
+        if rule is not None and rule.applies(settings) and not rule.allows(value):
+            raise ValueError(rule.message(spec.name, value))
+        allowed = _flag_allows(spec.type) if isinstance(spec, SettingField) else None
+        if allowed and not (isinstance(value, bool) or (value is None and "None" in allowed)):
+            raise ValueError(f"{spec.name} must be {allowed}, got {value!r}")

@@ -648,6 +648,7 @@ def test_loop_eval_takes_the_warm_up_probes_episode_settings_as_a_mapping_of_epi
     for value, says in (
         ('{"max_turn": 8}', "max_turn is not an episode setting"),
         ({"max_turns": 0}, "model_episode_settings: max_turns must be"),
+        ('{"context_strip_thinking": "false"}', "model_episode_settings: context_strip_thinking must be true or false"),
         ("[8]", "must be a mapping"),
         ("{8", "not valid JSON"),
     ):

@@ -197,6 +197,26 @@ def test_a_value_outside_its_range_is_one_line_naming_key_value_and_range(key, t
         LOOPConfig(output_dir=str(tmp_path / "o"), **{key: value})
 
 
+def test_a_flag_given_something_else_than_a_bool_is_refused_in_one_line(tmp_path):
+    """Parsers type a flag; the Python API and loop-eval's model_episode_settings (a JSON mapping) do not, and
+    "false" is true."""
+    for key, value, allowed in (
+        ("context_strip_thinking", "false", "true or false"),
+        ("gradient_checkpointing", 0, "true, false or None"),
+        ("static_decode", "no", "true, false or None"),
+    ):
+        with pytest.raises(ValueError) as caught:
+            LOOPConfig(output_dir=str(tmp_path / "o"), **{key: value})
+        assert str(caught.value) == f"LOOPConfig: {key} must be {allowed}, got {value!r}"
+    LOOPConfig(output_dir=str(tmp_path / "o"), static_decode=None, context_strip_thinking=True)
+    # transformers' argument parser replaces the fields' annotations with the types they name: the same check
+    from loop_trainer.config.ranges import _flag_allows
+
+    assert _flag_allows("bool | None") == _flag_allows(bool | None) == "true, false or None"
+    assert _flag_allows("bool") == _flag_allows(bool) == "true or false"
+    assert _flag_allows("int | None") is _flag_allows(int | None) is _flag_allows("bool | str") is None
+
+
 def test_save_steps_is_checked_only_when_checkpoints_are_saved(tmp_path):
     LOOPConfig(output_dir=str(tmp_path / "o"), save_strategy="no", save_steps=0)
     with pytest.raises(ValueError, match=r"^LOOPConfig: save_steps must be .* with save_strategy: steps, got 0 "):
