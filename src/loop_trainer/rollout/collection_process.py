@@ -149,7 +149,7 @@ class CollectionProcess:
             target=_serve,
             args=(child_end, control_end, payload, logging.getLogger("loop_trainer").getEffectiveLevel()),
             name="loop-collection",
-            daemon=True,  # never outlives this process, nor holds up its exit
+            daemon=True,  # never outlives this process (whose exit waits for it to close its environment)
         )
         self._process.start()
         child_end.close()
@@ -270,7 +270,11 @@ class CollectionProcess:
             if self._process.is_alive():
                 if not self._broken:
                     logger.warning("the collection process did not end within %g s: terminating it", timeout)
-                self._process.terminate()
+                self._process.terminate()  # it closes its environment first, within CLOSE_WHEN_LEAVING_S
+                self._process.join(CLOSE_WHEN_LEAVING_S + 5)
+            if self._process.is_alive():  # SIGTERM's handler could not run (a call that never returns to Python)
+                logger.warning("the collection process did not end on SIGTERM: killing it")
+                self._process.kill()
                 self._process.join(5)
             self._finalizer()
 
@@ -392,57 +396,73 @@ CLOSE_WHEN_LEAVING_S = 10.0
 
 class _Leaving:
     """How the child ends before its parent closes it: the parent is gone (killed, or exited without closing it:
-    then multiprocessing's exit sends SIGTERM), or the child's control thread failed. The environment's copy is
-    closed first, for at most :data:`CLOSE_WHEN_LEAVING_S` (the episodes still running may be using it: the process
-    ends right after), then the process ends at once (``os._exit``: a thread stuck in the environment cannot hold it
-    up). Without this, what ``close()`` releases (a sandbox, a container, a temporary folder) outlived the run:
-    ``os._exit`` and SIGTERM's default run no ``finally`` and no ``atexit`` hook, and a killed trainer cannot close
-    the child's copy.
+    then multiprocessing's exit sends SIGTERM), the parent's close timed out (SIGTERM), or the child's control
+    thread failed. The environment's copy is closed first, on a thread of its own, for at most
+    :data:`CLOSE_WHEN_LEAVING_S` (episodes may still be running on it: the process ends right after), then the
+    process ends at once (``os._exit``: a thread stuck in the environment cannot hold it up). Without this, what
+    ``close()`` releases (a sandbox, a container, a temporary folder) outlived the run: ``os._exit`` and SIGTERM's
+    default run no ``finally`` and no ``atexit`` hook, and a killed trainer cannot close the child's copy.
 
-    The close runs on a thread of its own, started once, so that every path waits for the same one: the child's own
-    close (unbounded) and a SIGTERM that interrupts it (bounded: the parent's close sends it after 30 s)."""
+    :meth:`now` runs on threads other than the main one, which may be in the child's own close (:meth:`close_env`,
+    on the main thread as before): then it waits for that close, within the same bound. SIGTERM's handler only
+    starts such a thread, so it never waits on the main thread it interrupted."""
 
     def __init__(self) -> None:
-        self._closing: threading.Thread | None = None
-        self._started = False
-        # Re-entrant: SIGTERM's handler runs on the main thread, which may hold it (in close_env).
-        self._lock = threading.RLock()
+        self._env: Environment | None = None
+        self._held = False
+        self._lock = threading.Lock()  # never taken by a signal handler: only the threads below take it
+        self._closed = threading.Event()  # the held environment's close has returned
 
     def hold(self, env: Environment) -> None:
         """``env`` is the child's to close from now on."""
         with self._lock:
-            self._closing = threading.Thread(target=_close_logged, args=(env,), name="loop-collection-close")
-            self._closing.daemon = True
+            self._env, self._held = env, True
 
-    def close_env(self, timeout: float | None = None) -> None:
-        """Close the environment (started by the first call; a later one waits for that close), waiting at most
-        ``timeout`` seconds (None: until it returns)."""
+    def _take(self) -> Environment | None:
         with self._lock:
-            closing = self._closing
-            if closing is None:
-                return
-            if not self._started:
-                self._started = True
-                closing.start()
-        try:
-            closing.join(timeout)
-        except RuntimeError:  # SIGTERM's handler, run between `_started = True` and start(): it ends without it
+            env, self._env = self._env, None
+            return env
+
+    def close_env(self) -> None:
+        """The child's own close, on this thread (the parent bounds how long it waits for it). Nothing to do once
+        taken: a thread of :meth:`now` closes it, and ends the process."""
+        env = self._take()
+        if env is None:
             return
-        if closing.is_alive():
-            logger.error("the environment's close() did not return within %g s: ending without it", timeout)
+        try:
+            env.close()
+        finally:
+            self._closed.set()
 
     def now(self, why: str) -> None:
-        """End the process now, the environment closed first (within :data:`CLOSE_WHEN_LEAVING_S`)."""
-        logger.info("the collection process ends: %s", why)
-        self.close_env(CLOSE_WHEN_LEAVING_S)
-        os._exit(1)
+        """End the process, the environment closed first (within :data:`CLOSE_WHEN_LEAVING_S`). Never on the main
+        thread."""
+        try:
+            logger.info("the collection process ends: %s", why)
+            env = self._take()
+            if env is not None:
+                threading.Thread(target=self._close, args=(env,), name="loop-collection-close", daemon=True).start()
+            if self._held and not self._closed.wait(CLOSE_WHEN_LEAVING_S):
+                logger.error(
+                    "the environment's close() did not return within %g s: ending without it", CLOSE_WHEN_LEAVING_S
+                )
+        finally:
+            os._exit(1)
 
+    def _close(self, env: Environment) -> None:
+        try:
+            env.close()
+        except BaseException as error:  # noqa: BLE001 - the process is ending anyway: logged, not raised
+            logger.error("the environment's close() failed as the collection process ended", exc_info=error)
+        finally:
+            self._closed.set()
 
-def _close_logged(env: Environment) -> None:
-    try:
-        env.close()
-    except BaseException as error:  # noqa: BLE001 - the process is ending anyway: logged, not raised
-        logger.error("the environment's close() failed as the collection process ended", exc_info=error)
+    def on_sigterm(self, signum: int, frame: Any) -> None:
+        """SIGTERM's handler (on the main thread): a second SIGTERM ends the process at once; this one ends it
+        through :meth:`now`, on a thread of its own."""
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        why = "it was told to end (SIGTERM)"
+        threading.Thread(target=self.now, args=(why,), name="loop-collection-leaving", daemon=True).start()
 
 
 def _leave_with_the_parent(leaving: _Leaving) -> None:
@@ -547,13 +567,15 @@ class _Child:
             self.leaving.now("its control thread failed")
 
     def close(self) -> None:
-        if self.continuing is not None:
-            self.continuing.close()
-        if self.engine is not None:
-            self.engine.close()
-        for client in self.clients.values():
-            client.close()
-        self.leaving.close_env()  # the child's copy: its own to close
+        try:
+            if self.continuing is not None:
+                self.continuing.close()
+            if self.engine is not None:
+                self.engine.close()
+            for client in self.clients.values():
+                client.close()
+        finally:
+            self.leaving.close_env()  # the child's copy: its own to close
 
 
 def _serve(
@@ -567,7 +589,7 @@ def _serve(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the parent decides
     logging.basicConfig(level=log_level, format="[collection process] %(levelname)s %(name)s: %(message)s")
     leaving = _Leaving()
-    signal.signal(signal.SIGTERM, lambda *_: leaving.now("it was told to end (SIGTERM)"))
+    signal.signal(signal.SIGTERM, leaving.on_sigterm)
     threading.Thread(target=_leave_with_the_parent, args=(leaving,), name="loop-collection-parent", daemon=True).start()
     try:
         setup: EngineSetup = pickle.loads(payload)
@@ -587,8 +609,10 @@ def _serve(
         return
     _send(connection, "prepared", None, ChildTotals())
     child = _Child(setup, leaving)
-    threading.Thread(target=child.serve_control, args=(control,), name="loop-collection-control", daemon=True).start()
     try:
+        control_thread = threading.Thread(target=child.serve_control, args=(control,), name="loop-collection-control")
+        control_thread.daemon = True
+        control_thread.start()
         child.serve(connection)
     finally:
         child.close()

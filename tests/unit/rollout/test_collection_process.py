@@ -549,6 +549,22 @@ def test_a_child_told_to_end_closes_its_environment_first(qwen_tokenizer, tmp_pa
     process.close()
 
 
+class SlowClosingEnv(ClosingEnv):
+    def close(self) -> None:
+        time.sleep(3.0)
+        super().close()
+
+
+def test_a_sigterm_during_the_childs_own_close_lets_that_close_finish(qwen_tokenizer, tmp_path):
+    """The trainer's close waits 1 s here, then terminates the child, which is still closing its environment (3 s):
+    that close is not cut short, and not run twice; the child ends on its own, not killed."""
+    marker = tmp_path / "closed"
+    process = CollectionProcess(setup_for(SlowClosingEnv(marker), qwen_tokenizer))
+    process.close(timeout=1.0)
+    assert process._process.exitcode in (0, 1)  # returned from its close, or ended by the SIGTERM's thread after it
+    assert marker.read_text().split() == [str(process.pid)]
+
+
 class HangingCloseEnv(ErrandsEnv):
     def __init__(self) -> None:
         super().__init__(num_tasks=1)
