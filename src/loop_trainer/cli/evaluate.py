@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import sys
+from argparse import ArgumentTypeError
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import yaml
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers.hf_argparser import string_to_bool
 from trl import ModelConfig
 
 from ..chat import ChatFormatter, stop_token_ids
@@ -385,6 +387,19 @@ def _checkpoint_settings(checkpoint: Path) -> dict[str, Any]:
     return {key: value for key, value in {**recorded, **(recorded.get("tiny_base") or {})}.items() if key in keys}
 
 
+def _as_parsed(settings: dict[str, Any]) -> dict[str, Any]:
+    """Episode settings read from a run's recipe, a flag written as text (``"true"``, which loop-train's parser
+    read as a bool: the recipe file is kept as written) as the bool it parsed to; text that parses to none is left
+    for the range check to refuse."""
+    flags = {f.name for f in dataclasses.fields(EpisodeSettings) if "bool" in str(f.type)}
+    parsed = dict(settings)
+    for key, value in settings.items():
+        if key in flags and isinstance(value, str):
+            with contextlib.suppress(ArgumentTypeError):
+                parsed[key] = string_to_bool(value)
+    return parsed
+
+
 def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalArguments, dict[str, Any]]:
     """Where ``--model_name_or_path`` (or ``--adapter``) is a run's ``output_dir`` (it holds the ``recipe.yaml``
     loop-train writes), take the run's environment (loop-train's default where its recipe names none) with its
@@ -416,7 +431,7 @@ def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalA
             taken["environment_kwargs"] = recipe["environment_kwargs"]
         if "split" not in given and recipe.get("eval_split"):
             taken["split"] = recipe["eval_split"]
-    taken.update({key: recipe[key] for key in EPISODE_KEYS if key in recipe and key not in given})
+    taken.update(_as_parsed({key: recipe[key] for key in EPISODE_KEYS if key in recipe and key not in given}))
     base = recipe.get("model_name_or_path")
     lora = bool(recipe.get("use_peft")) and (weights_dir / "adapter_config.json").is_file()
     if lora and base and is_tiny_spec(str(base)):
@@ -439,7 +454,7 @@ def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalA
             # those given here go over them
             probed = (f.name for f in dataclasses.fields(EpisodeSettings))
             defaults = LOOPConfig.__dataclass_fields__
-            run = {key: recipe.get(key, defaults[key].default) for key in probed}
+            run = _as_parsed({key: recipe.get(key, defaults[key].default) for key in probed})
             given_probe = eval_args.model_episode_settings if "model_episode_settings" in given else None
             taken["model_episode_settings"] = {**run, **(given_probe if isinstance(given_probe, dict) else {})}
     if lora and not eval_args.adapter and base:

@@ -166,14 +166,17 @@ def range_of(settings_class: type, key: str) -> Range:
     return rule
 
 
+_FLAG = {"bool": "true or false", "bool|None": "true, false or None", "None|bool": "true, false or None"}
+
+
 def _flag_allows(annotation: Any) -> str | None:
     """What a flag annotated ``annotation`` allows (a flag has no range), None for any other annotation: as written
-    (``"bool | None"``), or as transformers' argument parser leaves it after it resolved the fields' types."""
-    if annotation in ("bool", bool):
-        return "true or false"
-    if annotation in ("bool | None", bool | None):
-        return "true, false or None"
-    return None
+    (``"bool | None"``, ``"Optional[bool]"``), or as transformers' argument parser leaves it after it resolved the
+    fields' types (``bool``, ``bool | None``)."""
+    if not isinstance(annotation, str):
+        annotation = "bool" if annotation is bool else "bool|None" if annotation == bool | None else ""
+    written = annotation.replace(" ", "").replace("typing.", "")
+    return _FLAG.get("bool|None" if written == "Optional[bool]" else written)
 
 
 def check_ranges(settings: Any) -> None:
@@ -181,10 +184,13 @@ def check_ranges(settings: Any) -> None:
     flag declared with :func:`setting` whose value is not a bool (parsers type a flag; a mapping or the Python API
     may not, and ``"false"`` is true)."""
     for spec in dataclasses.fields(settings):
-        value = getattr(settings, spec.name)
         rule = getattr(spec, "range", None)
-        if rule is not None and rule.applies(settings) and not rule.allows(value):
+        if rule is not None and rule.applies(settings) and not rule.allows(value := getattr(settings, spec.name)):
             raise ValueError(rule.message(spec.name, value))
         allowed = _flag_allows(spec.type) if isinstance(spec, SettingField) else None
-        if allowed and not (isinstance(value, bool) or (value is None and "None" in allowed)):
+        if allowed and _not_a_flag_value(value := getattr(settings, spec.name), "None" in allowed):
             raise ValueError(f"{spec.name} must be {allowed}, got {value!r}")
+
+
+def _not_a_flag_value(value: Any, none_allowed: bool) -> bool:
+    return not (isinstance(value, bool) or (value is None and none_allowed))

@@ -583,6 +583,10 @@ def test_loop_eval_follows_a_runs_recipe_key_by_key_and_a_lora_run_as_its_adapte
     assert follow_run(named, model_args)[0].model_seed == 7 and model_args.model_name_or_path == "tiny-instruct:vault"
     with pytest.raises(RecipeError, match="holds a LoRA adapter on 'tiny-instruct:vault', not on 'tiny:vault'"):
         follow_run(named, ModelConfig(model_name_or_path="tiny:vault"))
+    # a flag the run's recipe file holds as text, as loop-train's parser read it
+    assert follow('context_strip_thinking: "true"\n', {})[1].context_strip_thinking is True
+    with pytest.raises(RecipeError, match="context_strip_thinking must be true or false, got 'maybe'"):
+        follow('context_strip_thinking: "maybe"\n', {})
     with pytest.raises(RecipeError, match="not a run's recipe"):
         follow("- a list\n", {})
     assert follow_run(EvalArguments(output_dir=str(tmp_path / "e")), ModelConfig(model_name_or_path="x"))[1] == {}

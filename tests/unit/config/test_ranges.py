@@ -215,6 +215,21 @@ def test_a_flag_given_something_else_than_a_bool_is_refused_in_one_line(tmp_path
     assert _flag_allows("bool | None") == _flag_allows(bool | None) == "true, false or None"
     assert _flag_allows("bool") == _flag_allows(bool) == "true or false"
     assert _flag_allows("int | None") is _flag_allows(int | None) is _flag_allows("bool | str") is None
+    assert _flag_allows("Optional[bool]") == _flag_allows("None | bool") == "true, false or None"
+
+
+def test_every_flag_declared_with_setting_is_checked_as_one():
+    """A flag annotated in a way the check does not read would be left unchecked: none is."""
+    from loop_trainer.cli.evaluate import EvalArguments
+    from loop_trainer.config.ranges import SettingField, _flag_allows
+
+    flags = [
+        (cls.__name__, spec.name, spec.type)
+        for cls in (LOOPConfig, EvalArguments, EpisodeSettings)
+        for spec in dataclasses.fields(cls)
+        if isinstance(spec, SettingField) and "bool" in str(spec.type)
+    ]
+    assert len(flags) > 10 and [flag for flag in flags if _flag_allows(flag[2]) is None] == []
 
 
 def test_save_steps_is_checked_only_when_checkpoints_are_saved(tmp_path):
