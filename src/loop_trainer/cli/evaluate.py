@@ -93,6 +93,15 @@ class EvalArguments(ScriptArguments, EpisodeSettings):
         range_of(LOOPConfig, "tiny_instruct_steps"),
     )
 
+    model_environment_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "tiny:<env> / tiny-instruct:<env> models: the environment_kwargs of the world they are built from "
+            "(its warm-up demonstrations and depth come from the environment), as loop-train's run's (a tiny LoRA run "
+            "followed with other environment_kwargs given: the run's); unset: environment_kwargs. The evaluation "
+            "runs under environment_kwargs."
+        },
+    )
     model_episode_settings: dict | str | None = field(
         default=None,
         metadata={
@@ -113,6 +122,15 @@ class EvalArguments(ScriptArguments, EpisodeSettings):
             except json.JSONDecodeError as error:
                 raise RecipeError(f"model_episode_settings is not valid JSON: {error}") from None
         self.warm_up_probe_settings()  # a mapping of episode settings, each in its range
+        if isinstance(self.model_environment_kwargs, str):
+            try:
+                self.model_environment_kwargs = json.loads(self.model_environment_kwargs)
+            except json.JSONDecodeError as error:
+                raise RecipeError(f"model_environment_kwargs is not valid JSON: {error}") from None
+        if self.model_environment_kwargs is not None and not isinstance(self.model_environment_kwargs, dict):
+            raise RecipeError(
+                "model_environment_kwargs must be a mapping (the environment_kwargs a tiny model is built from)"
+            )
         static = self.static_decode if self.static_decode is not None else torch.cuda.is_available()  # unset: by device
         if self.compile_decode_step is True and not static:
             raise RecipeError(COMPILE_NEEDS_STATIC)
@@ -145,6 +163,35 @@ def _resolve(model_args: ModelConfig, name: str) -> str:
     return resolved
 
 
+@contextlib.contextmanager
+def tiny_model_world(env: Environment, eval_args: EvalArguments) -> Iterator[Environment]:
+    """The environment a tiny model is built from: the evaluated ``env``, or, where ``model_environment_kwargs``
+    names other kwargs than ``environment_kwargs``, the environment built from them (closed after), whose words the
+    evaluated one must not outgrow (the model's word tokenizer holds the building world's)."""
+    kwargs = eval_args.model_environment_kwargs
+    if kwargs is None or kwargs == (eval_args.environment_kwargs or {}):
+        yield env
+        return
+    try:
+        world = make_environment(eval_args.environment, **mapping_setting(kwargs, "model_environment_kwargs"))
+    except (ValueError, EnvironmentSetupError) as error:
+        raise RecipeError(f"model_environment_kwargs: {error}") from None
+    try:
+        unknown = set()
+        if hasattr(world, "vocabulary") and hasattr(env, "vocabulary"):  # else building a tiny model is refused
+            unknown = set(env.vocabulary()) - set(world.vocabulary())
+        if missing := sorted(unknown):
+            raise RecipeError(
+                f"the evaluated environment (environment_kwargs {json.dumps(eval_args.environment_kwargs)}) uses "
+                f"words that a tiny model built from model_environment_kwargs {json.dumps(kwargs)} has no token "
+                f"for ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): evaluate it under "
+                f"environment_kwargs {json.dumps(kwargs)}"
+            )
+        yield world
+    finally:
+        world.close()
+
+
 def load_policy(model_args: ModelConfig, eval_args: EvalArguments, env: Environment) -> tuple[Any, Any]:
     name = model_args.model_name_or_path
     if not name:
@@ -153,14 +200,15 @@ def load_policy(model_args: ModelConfig, eval_args: EvalArguments, env: Environm
     tokenizer: PreTrainedTokenizerBase
     if is_tiny_spec(name):
         try:
-            model, tokenizer = build_tiny_from_spec(
-                name,
-                env,
-                seed=eval_args.seed if eval_args.model_seed is None else eval_args.model_seed,
-                env_timeout=eval_args.env_timeout,
-                warm_up_steps=eval_args.tiny_instruct_steps,
-                greedy_success=GreedySuccessOnTrainingTasks(env, eval_args.warm_up_probe_settings()),
-            )
+            with tiny_model_world(env, eval_args) as world:
+                model, tokenizer = build_tiny_from_spec(
+                    name,
+                    world,
+                    seed=eval_args.seed if eval_args.model_seed is None else eval_args.model_seed,
+                    env_timeout=eval_args.env_timeout,
+                    warm_up_steps=eval_args.tiny_instruct_steps,
+                    greedy_success=GreedySuccessOnTrainingTasks(world, eval_args.warm_up_probe_settings()),
+                )
         except ValueError as error:
             raise RecipeError(str(error)) from None
     else:
@@ -208,7 +256,8 @@ def load_tokenizer_only(model_args: ModelConfig, eval_args: EvalArguments, env: 
             raise RecipeError(
                 f"'{name}' is a tiny model for the '{label}' environment; the environment is '{env.name}'"
             )
-        return build_word_tokenizer(env.vocabulary())
+        with tiny_model_world(env, eval_args) as world:  # the model's words: those of the world it is built from
+            return build_word_tokenizer(world.vocabulary() if hasattr(world, "vocabulary") else env.vocabulary())
     name = _resolve(model_args, name)
     kwargs: dict[str, Any] = {
         "revision": model_args.model_revision,
@@ -280,6 +329,13 @@ def evaluate(
     the end. With a ``generation_backend`` only the tokenizer is loaded, never the model."""
     torch.manual_seed(eval_args.seed)
     owns_env = env is None
+    model_kwargs = eval_args.model_environment_kwargs
+    other_world = model_kwargs is not None and model_kwargs != (eval_args.environment_kwargs or {})
+    if not owns_env and other_world and is_tiny_spec(str(model_args.model_name_or_path or "")):
+        raise RecipeError(
+            "model_environment_kwargs builds the tiny model's world from environment, which an env given to "
+            "evaluate() replaces: build the model yourself, or let loop-eval build the environment"
+        )
     if env is None:
         try:
             env = make_environment(
@@ -444,6 +500,18 @@ def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalA
                 f"{weights_dir} holds a LoRA adapter on '{base}', not on '{named}': evaluate it with "
                 f"--model_name_or_path {base} (or without one)"
             )
+        # Its world too (its demonstrations and depth come from the environment), where other environment_kwargs are
+        # given to evaluate under: the run's build the base. (Another environment: the spec names the run's.)
+        run_kwargs = recipe.get("environment_kwargs") or {}
+        with contextlib.suppress(json.JSONDecodeError, TypeError):  # written as JSON text: compared as its mapping
+            run_kwargs = json.loads(run_kwargs) if isinstance(run_kwargs, str) else run_kwargs
+        if (
+            "environment_kwargs" in given
+            and "model_environment_kwargs" not in given
+            and ("environment" not in given or eval_args.environment == environment)
+            and (eval_args.environment_kwargs or {}) != run_kwargs
+        ):
+            taken["model_environment_kwargs"] = run_kwargs
         model_args.model_name_or_path = base
         for key, run_key in (("model_seed", "seed"), ("tiny_instruct_steps", "tiny_instruct_steps")):
             if key not in given:

@@ -578,6 +578,23 @@ def test_loop_eval_follows_a_runs_recipe_key_by_key_and_a_lora_run_as_its_adapte
     assert "model_episode_settings" not in follow(tiny, {}, adapter=True)[3]
     _, flagged, *_ = follow(tiny_lora, {"model_seed": 1}, adapter=True, model_seed=1)  # a flag wins
     assert (flagged.model_seed, flagged.tiny_instruct_steps) == (1, 50)
+    # evaluated under other environment_kwargs, the base is still built from the run's world (its demonstrations)
+    worlds = tiny_lora + "environment: vault\nenvironment_kwargs: {num_tasks: 64}\n"
+    assert "model_environment_kwargs" not in follow(worlds, {}, adapter=True)[3]  # the run's: no other world
+    other = {"num_tasks": 8}
+    _, followed, _, taken = follow(worlds, {"environment_kwargs": other}, adapter=True, environment_kwargs=other)
+    assert (followed.environment_kwargs, taken["model_environment_kwargs"]) == (other, {"num_tasks": 64})
+    same = {"num_tasks": 64}
+    flags = {"environment_kwargs": same}
+    assert "model_environment_kwargs" not in follow(worlds, flags, adapter=True, **flags)[3]
+    given = {"environment_kwargs": other, "model_environment_kwargs": other}  # a flag wins
+    _, followed, _, taken = follow(worlds, given, adapter=True, **given)
+    assert followed.model_environment_kwargs == other and "model_environment_kwargs" not in taken
+    elsewhere = {"environment": "errands", "environment_kwargs": other}  # another environment: not the run's world
+    assert "model_environment_kwargs" not in follow(worlds, elsewhere, adapter=True, **elsewhere)[3]
+    full = worlds.replace("use_peft: true", "use_peft: false")  # a full fine-tune's weights are all saved
+    flags = {"environment_kwargs": other}
+    assert "model_environment_kwargs" not in follow(full, flags, adapter=True, **flags)[3]
     named = EvalArguments(output_dir=str(tmp_path / "eval"), adapter=str(tiny_run))  # --adapter names the run
     model_args = ModelConfig()
     assert follow_run(named, model_args)[0].model_seed == 7 and model_args.model_name_or_path == "tiny-instruct:vault"
@@ -660,6 +677,44 @@ def test_loop_eval_takes_the_warm_up_probes_episode_settings_as_a_mapping_of_epi
             probe_of(value)
 
 
+def test_a_tiny_model_is_built_from_the_world_model_environment_kwargs_names(tmp_path, monkeypatch):
+    """Its world built apart and closed after; one whose words the evaluated world outgrows is refused."""
+    from loop_trainer.cli import evaluate as loop_eval
+    from loop_trainer.cli.evaluate import EvalArguments, tiny_model_world
+    from loop_trainer.envs.vault import VaultEnv
+
+    built = []
+
+    class Closing(VaultEnv):
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    def make(name, **kwargs):
+        built.append(Closing(**kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(loop_eval, "make_environment", make)
+    evaluated = VaultEnv(num_tasks=3)
+
+    def world_of(**flags):
+        with tiny_model_world(evaluated, EvalArguments(output_dir=str(tmp_path), **flags)) as world:
+            return world
+
+    assert world_of() is evaluated and world_of(model_environment_kwargs={}) is evaluated and built == []
+    same = {"num_tasks": 3}
+    assert world_of(environment_kwargs=same, model_environment_kwargs=same) is evaluated and built == []
+    world = world_of(environment_kwargs={"num_tasks": 3}, model_environment_kwargs='{"num_tasks": 8}')
+    assert world is built[-1] and world.num_tasks == 8 and world.closed
+    monkeypatch.setattr(Closing, "vocabulary", staticmethod(lambda: VaultEnv.vocabulary()[:-2]))
+    with pytest.raises(RecipeError, match="uses words that a tiny model built from model_environment_kwargs"):
+        world_of(model_environment_kwargs={"num_tasks": 8})
+    assert built[-1].closed
+    with pytest.raises(RecipeError, match="model_environment_kwargs must be a mapping"):
+        EvalArguments(output_dir=str(tmp_path), model_environment_kwargs="[1]")
+
+
 def test_loop_eval_puts_a_tiny_lora_runs_adapter_on_the_base_it_trained(tmp_path, monkeypatch):
     """The base is rebuilt with the run's seed and warm-up (not loop-eval's sampling seed): every weight of the
     evaluated model, base and adapter, is the trained policy's."""
@@ -685,3 +740,10 @@ def test_loop_eval_puts_a_tiny_lora_runs_adapter_on_the_base_it_trained(tmp_path
         assert any("lora_A" in key for key in shared) and any("base_layer" in key for key in shared)
         assert any("embed_tokens" in key for key in shared)
         assert [key for key in sorted(shared) if not torch.equal(trained[key], evaluated[key])] == []
+    # evaluated on fewer tasks: the base is still built from the run's world (its demonstrations replay its tasks)
+    argv = ["--model_name_or_path", str(out), "--max_tasks", "2", "--environment_kwargs", '{"num_tasks": 8}']
+    assert loop_eval.cli([*argv, "--output_dir", str(tmp_path / "e" / "fewer")]) == 0
+    evaluated = loaded[-1][0].state_dict()
+    assert [key for key in sorted(shared) if not torch.equal(trained[key], evaluated[key])] == []
+    rows = (tmp_path / "e" / "fewer" / "results.jsonl").read_text().splitlines()
+    assert len(rows) == 2
