@@ -80,6 +80,10 @@ TINY_BASE = "tiny_base"
 changeable on resume, since its checkpoints hold only the adapter, trained on that base."""
 
 
+_TINY_WORLD = ("environment", "environment_kwargs")
+"""The run settings a tiny model's base is built from besides :data:`TINY_BASE`: its world."""
+
+
 def jsonable(value: Any) -> Any:
     """``value`` as it reads back from JSON (enums by value, tuples as lists), for comparison."""
     return json.loads(json.dumps(getattr(value, "value", value), default=lambda v: getattr(v, "value", str(v))))
@@ -137,6 +141,14 @@ def compare_settings(
             f"resume_from_checkpoint: {checkpoint} holds a LoRA adapter trained on a tiny model's base that this "
             f"launch would build otherwise ({', '.join(differ)}); the adapter needs its own base: resume with the "
             "checkpoint's values, or start a fresh run (another output_dir, or overwrite_output_dir: true)"
+        )
+    world = [f"{key} {_show(old)} -> {_show(new)}" for key, old, new in changed if key in _TINY_WORLD]
+    if world and recorded.get(TINY_BASE) is not None:  # the base is built from the environment too
+        raise CheckpointError(
+            f"resume_from_checkpoint: {checkpoint} holds a LoRA adapter trained on a tiny model's base, which is built "
+            f"from the run's environment (its demonstrations), and this launch would build it from another "
+            f"({', '.join(world)}); the adapter needs its own base: resume with the checkpoint's values, or start a "
+            "fresh run (another output_dir, or overwrite_output_dir: true)"
         )
     listed = ", ".join(f"{key} {_show(old)} -> {_show(new)}" for key, old, new in changed)
     fixed = [key for key, _, _ in changed if key in FIXED_KEYS]

@@ -321,6 +321,21 @@ def test_the_base_of_a_tiny_lora_run_cannot_change_on_resume(tmp_path):
             )
             assert f"a tiny model's base that this launch would build otherwise ({says})" in line
             assert "replaying" not in refused.stdout + refused.stderr  # refused before the base is built
+    # its world too: the warm-up replays the environment's training tasks
+    resumed = (
+        *lora,
+        "--iterations",
+        "2",
+        "--resume_from_checkpoint",
+        "last",
+        "--environment_kwargs",
+        '{"num_tasks": 6}',
+    )
+    refused = loop_train(x, *resumed, "--resume_with_changed_settings", "true")
+    line = error_line(refused)
+    assert "a tiny model's base, which is built from the run's environment" in line, line
+    assert "would build it from another (environment_kwargs" in line and '"num_tasks": 6' in line
+    assert "replaying" not in refused.stdout + refused.stderr
     full = tmp_path / "full"
     assert loop_train(full, "--iterations", "1", "--tiny_instruct_steps", "3").returncode == 0
     assert read_loop_state(full / "checkpoint-1")["settings"]["tiny_base"] is None
