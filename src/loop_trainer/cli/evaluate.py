@@ -45,7 +45,7 @@ from ..rollout.sampling_parts import COMPILE_NEEDS_STATIC, SamplingPartsError, T
 from ..training.activation_checkpointing import peft_wrapping
 from ..training.checkpoints import LOOP_STATE_FILE, CheckpointError, is_complete, read_loop_state
 from ..training.settings import episode_settings
-from .recipe import RecipeError, ScriptArguments, parse_recipe
+from .recipe import RecipeError, ScriptArguments, given_mapping, parse_recipe
 
 __all__ = ["EvalArguments", "cli", "evaluate"]
 logger = logging.getLogger("loop_trainer")
@@ -116,21 +116,15 @@ class EvalArguments(ScriptArguments, EpisodeSettings):
         super().__post_init__()  # checks every field's range
         if problem := output_dir_problem(self.output_dir):
             raise RecipeError(problem)
-        if isinstance(self.model_episode_settings, str):
-            try:
-                self.model_episode_settings = json.loads(self.model_episode_settings)
-            except json.JSONDecodeError as error:
-                raise RecipeError(f"model_episode_settings is not valid JSON: {error}") from None
-        self.warm_up_probe_settings()  # a mapping of episode settings, each in its range
-        if isinstance(self.model_environment_kwargs, str):
-            try:
-                self.model_environment_kwargs = json.loads(self.model_environment_kwargs)
-            except json.JSONDecodeError as error:
-                raise RecipeError(f"model_environment_kwargs is not valid JSON: {error}") from None
-        if self.model_environment_kwargs is not None and not isinstance(self.model_environment_kwargs, dict):
-            raise RecipeError(
-                "model_environment_kwargs must be a mapping (the environment_kwargs a tiny model is built from)"
-            )
+        self.model_episode_settings = given_mapping(
+            self.model_episode_settings, "model_episode_settings", " of episode settings (max_turns, ...)"
+        )
+        self.warm_up_probe_settings()  # each an episode setting in its range
+        self.model_environment_kwargs = given_mapping(
+            self.model_environment_kwargs,
+            "model_environment_kwargs",
+            " (the environment_kwargs a tiny model is built from)",
+        )
         static = self.static_decode if self.static_decode is not None else torch.cuda.is_available()  # unset: by device
         if self.compile_decode_step is True and not static:
             raise RecipeError(COMPILE_NEEDS_STATIC)

@@ -76,13 +76,20 @@ class ScriptArguments:
             raise RecipeError(str(error)) from None
         if self.dry_run_show_config and not self.dry_run:
             raise RecipeError("dry_run_show_config prints the configuration of a dry run: add --dry-run, or remove it")
-        if isinstance(self.environment_kwargs, str):
-            try:
-                self.environment_kwargs = json.loads(self.environment_kwargs)
-            except json.JSONDecodeError as error:
-                raise RecipeError(f"environment_kwargs is not valid JSON: {error}") from None
-        if self.environment_kwargs is not None and not isinstance(self.environment_kwargs, dict):
-            raise RecipeError("environment_kwargs must be a mapping")
+        self.environment_kwargs = given_mapping(self.environment_kwargs, "environment_kwargs")
+
+
+def given_mapping(value: Any, key: str, what: str = "") -> Any:
+    """A mapping-valued key as given: a mapping, the JSON text of one (the command line's) parsed, or None;
+    anything else refused in one line (``what``: what the mapping holds, for that line)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise RecipeError(f"{key} is not valid JSON: {error}") from None
+    if value is not None and not isinstance(value, dict):
+        raise RecipeError(f"{key} must be a mapping{what}")
+    return value
 
 
 # Options parse_recipe itself reads, besides the dataclasses' keys.
