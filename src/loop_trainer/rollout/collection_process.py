@@ -43,6 +43,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Mapping, Sequence
@@ -411,40 +412,54 @@ class _Leaving:
         self._env: Environment | None = None
         self._held = False
         self._lock = threading.Lock()  # never taken by a signal handler: only the threads below take it
-        self._closed = threading.Event()  # the held environment's close has returned
+        self._ready = threading.Event()  # the held environment's prepare() has returned (or raised)
+        self._closed = threading.Event()  # the held environment's close has returned (or raised)
 
     def hold(self, env: Environment) -> None:
-        """``env`` is the child's to close from now on."""
+        """``env`` is the child's to close from now on; :meth:`prepared` follows its ``prepare()``."""
         with self._lock:
             self._env, self._held = env, True
 
-    def _take(self) -> Environment | None:
+    def prepared(self) -> None:
+        """The held environment's ``prepare()`` has returned or raised: an early end may close it now (not while
+        it prepares, which would start what the close had just released)."""
+        self._ready.set()
+
+    def _take(self) -> tuple[Environment | None, bool]:
         with self._lock:
             env, self._env = self._env, None
-            return env
+            return env, self._held
 
     def close_env(self) -> None:
-        """The child's own close, on this thread (the parent bounds how long it waits for it). Nothing to do once
-        taken: a thread of :meth:`now` closes it, and ends the process."""
-        env = self._take()
+        """The child's own close, on the main thread (the parent bounds how long it waits for it). Once a thread of
+        :meth:`now` has taken the environment, wait for that close instead: returning would end the interpreter,
+        and with it the close's daemon thread, part-way."""
+        env, held = self._take()
         if env is None:
+            if held:
+                self._closed.wait(CLOSE_WHEN_LEAVING_S)  # the thread of now() ends the process when it returns
             return
-        try:
-            env.close()
-        finally:
-            self._closed.set()
+        self._close(env)
 
     def now(self, why: str) -> None:
-        """End the process, the environment closed first (within :data:`CLOSE_WHEN_LEAVING_S`). Never on the main
-        thread."""
+        """End the process, the environment closed first (within :data:`CLOSE_WHEN_LEAVING_S` in all, a
+        ``prepare()`` under way waited for first). Never on the main thread."""
         try:
+            deadline = time.monotonic() + CLOSE_WHEN_LEAVING_S
             logger.info("the collection process ends: %s", why)
-            env = self._take()
-            if env is not None:
-                threading.Thread(target=self._close, args=(env,), name="loop-collection-close", daemon=True).start()
-            if self._held and not self._closed.wait(CLOSE_WHEN_LEAVING_S):
+            with self._lock:
+                held = self._held
+            ready = held and self._ready.wait(CLOSE_WHEN_LEAVING_S)
+            if ready:
+                env, _ = self._take()
+                if env is not None:
+                    threading.Thread(target=self._close, args=(env,), name="loop-collection-close", daemon=True).start()
+            if held and not self._closed.wait(max(0.0, deadline - time.monotonic())):
+                late = "close()" if ready else "prepare()"
                 logger.error(
-                    "the environment's close() did not return within %g s: ending without it", CLOSE_WHEN_LEAVING_S
+                    "the environment's %s did not return within %g s: ending without closing it",
+                    late,
+                    CLOSE_WHEN_LEAVING_S,
                 )
         finally:
             os._exit(1)
@@ -452,8 +467,8 @@ class _Leaving:
     def _close(self, env: Environment) -> None:
         try:
             env.close()
-        except BaseException as error:  # noqa: BLE001 - the process is ending anyway: logged, not raised
-            logger.error("the environment's close() failed as the collection process ended", exc_info=error)
+        except BaseException as error:  # noqa: BLE001 - the child ends after it anyway: logged, not raised
+            logger.error("the environment's close() failed in the collection process", exc_info=error)
         finally:
             self._closed.set()
 
@@ -598,21 +613,26 @@ def _serve(
         _send(connection, "error", error, ChildTotals())
         return
     _send(connection, "rebuilt", None, ChildTotals())
-    leaving.hold(setup.env)  # this copy is the child's: prepared and closed here
+    leaving.hold(setup.env)  # this copy is the child's: prepared and closed here, whatever happens from now on
+    child: _Child | None = None
     try:
-        setup.env.prepare()
-    except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
-        if not isinstance(error, EnvironmentSetupError):  # a bug, not a setup's one-line refusal: its traceback
-            logger.error("the environment's prepare() failed", exc_info=error)
-        _send(connection, "error", error, ChildTotals())
-        leaving.close_env()
-        return
-    _send(connection, "prepared", None, ChildTotals())
-    child = _Child(setup, leaving)
-    try:
+        try:
+            setup.env.prepare()
+        except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
+            if not isinstance(error, EnvironmentSetupError):  # a bug, not a setup's one-line refusal: its traceback
+                logger.error("the environment's prepare() failed", exc_info=error)
+            leaving.prepared()
+            _send(connection, "error", error, ChildTotals())
+            return
+        leaving.prepared()
+        _send(connection, "prepared", None, ChildTotals())
+        child = _Child(setup, leaving)
         control_thread = threading.Thread(target=child.serve_control, args=(control,), name="loop-collection-control")
         control_thread.daemon = True
         control_thread.start()
         child.serve(connection)
     finally:
-        child.close()
+        if child is not None:
+            child.close()  # the environment's close last
+        else:
+            leaving.close_env()

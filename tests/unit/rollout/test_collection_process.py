@@ -477,6 +477,15 @@ class ClosingEnv(ErrandsEnv):
             file.write(f"{os.getpid()}\n")
 
 
+class SlowClosingEnv(ClosingEnv):
+    """Takes 3 s to close, then writes the closing process's id and thread's name."""
+
+    def close(self) -> None:
+        time.sleep(3.0)
+        with open(self.marker, "a") as file:
+            file.write(f"{os.getpid()} {threading.current_thread().name}\n")
+
+
 LEFT_BEHIND = """
 import os, pickle, signal, sys, threading, time
 from loop_trainer.envs.errands import ErrandsEnv
@@ -497,13 +506,15 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("how", ["exits without close", "mid-batch"])  # killed when idle: as mid-batch
+@pytest.mark.parametrize("how", ["exits without close", "mid-batch", "killed when idle"])
 def test_the_child_does_not_outlive_its_trainer(qwen_tokenizer, tmp_path, how, server):
     """A trainer that exits without closing it does not hang on it, and one that is killed, even while its child
     collects a batch (here one of several 4-second turns), does not leave it. Either way the child closes its copy
-    of the environment before it ends."""
+    of the environment before it ends, once, and to the end: killed when idle, the child's main thread (its pipe
+    closed) and its watch on the trainer both end it, here with a close that takes 3 s."""
     marker = tmp_path / "closed"
-    (tmp_path / "setup.pkl").write_bytes(pickle.dumps(setup_for(ClosingEnv(marker), qwen_tokenizer)))
+    env = SlowClosingEnv(marker) if how == "killed when idle" else ClosingEnv(marker)
+    (tmp_path / "setup.pkl").write_bytes(pickle.dumps(setup_for(env, qwen_tokenizer)))
     (tmp_path / "script.py").write_text(LEFT_BEHIND)
     server.stall = 4.0 if how == "mid-batch" else 0.0
     try:
@@ -527,7 +538,8 @@ def test_the_child_does_not_outlive_its_trainer(qwen_tokenizer, tmp_path, how, s
     while Path(f"/proc/{child}").exists() and "zombie" not in _state(child) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not Path(f"/proc/{child}").exists() or "zombie" in _state(child)
-    assert marker.read_text().split() == [str(child)]  # closed once, by the child
+    assert marker.read_text().splitlines()[0].split()[0] == str(child)  # closed by the child, to the end
+    assert len(marker.read_text().splitlines()) == 1  # once
 
 
 def test_a_child_closed_by_its_trainer_closes_its_environment_once(qwen_tokenizer, tmp_path):
@@ -549,20 +561,36 @@ def test_a_child_told_to_end_closes_its_environment_first(qwen_tokenizer, tmp_pa
     process.close()
 
 
-class SlowClosingEnv(ClosingEnv):
-    def close(self) -> None:
-        time.sleep(3.0)
-        super().close()
+def test_the_childs_own_close_waits_for_the_close_an_early_end_started(monkeypatch, tmp_path):
+    """Killed when idle, the child's main thread (its pipe closed) may find the environment already taken by the
+    watch on the trainer: it waits for that close, since returning would end the interpreter, and the close's
+    thread with it, part-way."""
+    from loop_trainer.rollout import collection_process
+
+    exits: list[int] = []
+    monkeypatch.setattr(collection_process.os, "_exit", exits.append)
+    marker = tmp_path / "closed"
+    leaving = collection_process._Leaving()
+    leaving.hold(SlowClosingEnv(marker))
+    leaving.prepared()
+    ending = threading.Thread(target=leaving.now, args=("the trainer's process is gone",))
+    ending.start()
+    while not any(t.name == "loop-collection-close" for t in threading.enumerate()):
+        time.sleep(0.01)
+    leaving.close_env()  # the main thread's own close: the environment is taken already
+    assert marker.read_text().split()[1] == "loop-collection-close"  # returned only once that close had
+    ending.join(5)
+    assert exits == [1]
 
 
 def test_a_sigterm_during_the_childs_own_close_lets_that_close_finish(qwen_tokenizer, tmp_path):
-    """The trainer's close waits 1 s here, then terminates the child, which is still closing its environment (3 s):
-    that close is not cut short, and not run twice; the child ends on its own, not killed."""
+    """The trainer's close waits 2 s here, then terminates the child, which is still closing its environment on its
+    main thread (3 s): that close is not cut short, and not run twice; the child ends on its own, not killed."""
     marker = tmp_path / "closed"
     process = CollectionProcess(setup_for(SlowClosingEnv(marker), qwen_tokenizer))
-    process.close(timeout=1.0)
+    process.close(timeout=2.0)
     assert process._process.exitcode in (0, 1)  # returned from its close, or ended by the SIGTERM's thread after it
-    assert marker.read_text().split() == [str(process.pid)]
+    assert marker.read_text().split() == [str(process.pid), "MainThread"]
 
 
 class HangingCloseEnv(ErrandsEnv):
@@ -583,10 +611,11 @@ def test_leaving_waits_a_bounded_time_for_a_close_that_hangs(monkeypatch, caplog
     env = HangingCloseEnv()
     leaving = collection_process._Leaving()
     leaving.hold(env)
+    threading.Timer(0.1, leaving.prepared).start()  # a prepare() under way is waited for first
     try:
         leaving.now("the trainer's process is gone")
         assert exits == [1]
-        assert "close() did not return within 0.2 s: ending without it" in caplog.text
+        assert "close() did not return within 0.2 s: ending without closing it" in caplog.text
         leaving.now("again")  # waits for the same close, starts no other
         assert exits == [1, 1] and sum(t.name == "loop-collection-close" for t in threading.enumerate()) == 1
     finally:
