@@ -80,8 +80,9 @@ TINY_BASE = "tiny_base"
 changeable on resume, since its checkpoints hold only the adapter, trained on that base."""
 
 
-_TINY_WORLD = ("environment", "environment_kwargs")
-"""The run settings a tiny model's base is built from besides :data:`TINY_BASE`: its world."""
+_TINY_WORLD = ("environment", "environment_kwargs", "num_train_tasks")
+"""The run settings a tiny model's base is built from besides :data:`TINY_BASE`: its world (the warm-up replays its
+training tasks; a Python-API run records no ``environment_kwargs``, but the size of the split)."""
 
 
 def jsonable(value: Any) -> Any:
@@ -143,7 +144,8 @@ def compare_settings(
             "checkpoint's values, or start a fresh run (another output_dir, or overwrite_output_dir: true)"
         )
     world = [f"{key} {_show(old)} -> {_show(new)}" for key, old, new in changed if key in _TINY_WORLD]
-    if world and recorded.get(TINY_BASE) is not None:  # the base is built from the environment too
+    # The base is built from the environment too; where the launch builds none, the model's change says why not.
+    if world and isinstance(recorded.get(TINY_BASE), dict) and isinstance(current.get(TINY_BASE), dict):
         raise CheckpointError(
             f"resume_from_checkpoint: {checkpoint} holds a LoRA adapter trained on a tiny model's base, which is built "
             f"from the run's environment (its demonstrations), and this launch would build it from another "

@@ -151,3 +151,26 @@ def test_a_changed_tiny_base_is_refused_even_with_changes_allowed(tmp_path):
     assert "otherwise (tiny_instruct_steps null -> 5, a greedy probe would no longer end the warm-up)" in str(
         refused.value
     )
+
+
+def test_a_tiny_lora_runs_world_is_part_of_its_base(tmp_path):
+    """Its warm-up replays the environment's training tasks: another environment, other kwargs or another number
+    of training tasks (all a Python-API run records of its world) would build another base. A launch that builds no
+    tiny base is refused for what it does change, not for a world it does not build from."""
+    import json
+
+    from loop_trainer.training.checkpoints import LOOP_STATE_FILE, CheckpointError
+
+    base = {"seed": 7, "tiny_instruct_steps": 3}
+    settings = {"environment": "vault", "environment_kwargs": {"num_tasks": 8}, "num_train_tasks": 8, "tiny_base": base}
+    (tmp_path / LOOP_STATE_FILE).write_text(json.dumps({"iteration": 3, "settings": settings}))
+    for change, says in (
+        ({"environment_kwargs": {"num_tasks": 6}, "num_train_tasks": 6}, 'environment_kwargs {"num_tasks": 8} -> {'),
+        ({"num_train_tasks": 6}, "num_train_tasks 8 -> 6"),
+    ):
+        with pytest.raises(CheckpointError, match="which is built from the run's environment") as refused:
+            resume.compare_settings(tmp_path, {**settings, **change}, allow_changes=True)
+        assert says in str(refused.value)
+    elsewhere = {**settings, "environment_kwargs": {"num_tasks": 6}, "tiny_base": None}  # no tiny base built now
+    changes = resume.compare_settings(tmp_path, elsewhere, allow_changes=True)
+    assert [key for key, _, _ in changes] == ["environment_kwargs", "tiny_base"]
