@@ -437,16 +437,21 @@ def _checkpoint_settings(checkpoint: Path) -> dict[str, Any]:
     return {key: value for key, value in {**recorded, **(recorded.get("tiny_base") or {})}.items() if key in keys}
 
 
+_PARSERS: dict[str, Callable[[str], Any]] = {"bool": string_to_bool, "int": int, "float": float}
+
+
 def _as_parsed(settings: dict[str, Any]) -> dict[str, Any]:
-    """Episode settings read from a run's recipe, a flag written as text (``"true"``, which loop-train's parser
-    read as a bool: the recipe file is kept as written) as the bool it parsed to; text that parses to none is left
-    for the range check to refuse."""
-    flags = {f.name for f in dataclasses.fields(EpisodeSettings) if "bool" in str(f.type)}
+    """Episode settings read from a run's recipe file, a value written as text (``"true"``, ``"8"``: a recipe file
+    given to the Python API as ``recipe_path`` is kept as written, or one edited by hand) parsed as loop-train's
+    parser reads it, by the key's type; text that parses to nothing is left for the range check to refuse."""
     parsed = dict(settings)
-    for key, value in settings.items():
-        if key in flags and isinstance(value, str):
-            with contextlib.suppress(ArgumentTypeError):
-                parsed[key] = string_to_bool(value)
+    for spec in dataclasses.fields(EpisodeSettings):
+        value = settings.get(spec.name)
+        annotation = spec.type if isinstance(spec.type, str) else getattr(spec.type, "__name__", None) or str(spec.type)
+        parse = _PARSERS.get(annotation.replace(" ", "").removesuffix("|None"))
+        if isinstance(value, str) and parse is not None:
+            with contextlib.suppress(ArgumentTypeError, ValueError):
+                parsed[spec.name] = parse(value)
     return parsed
 
 

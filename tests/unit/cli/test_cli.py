@@ -602,6 +602,7 @@ def test_loop_eval_follows_a_runs_recipe_key_by_key_and_a_lora_run_as_its_adapte
         follow_run(named, ModelConfig(model_name_or_path="tiny:vault"))
     # a flag the run's recipe file holds as text, as loop-train's parser read it
     assert follow('context_strip_thinking: "true"\n', {})[1].context_strip_thinking is True
+    assert follow('max_turns: "8"\n', {})[1].max_turns == 8  # a number too
     with pytest.raises(RecipeError, match="context_strip_thinking must be true or false, got 'maybe'"):
         follow('context_strip_thinking: "maybe"\n', {})
     with pytest.raises(RecipeError, match="not a run's recipe"):
