@@ -199,7 +199,8 @@ class Environment(ABC):
         calls it (``loop-train`` and ``loop-eval`` do; the trainer never closes an env it was given).
         A collection process (``collection_process: true``) closes its own copy, also when it ends
         early because the trainer's process is gone: then episodes may still be running, close()
-        runs on a thread of its own, and the process ends once it returns or after 10 s at most."""
+        runs on a thread of its own (after a prepare() still under way), and the process ends once
+        it returns or after 10 s in all."""
 
 
 def success_and_reward(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
