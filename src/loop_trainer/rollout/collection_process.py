@@ -411,14 +411,19 @@ class _Leaving:
     def __init__(self) -> None:
         self._env: Environment | None = None
         self._held = False
+        self._leaving = False  # now() has begun: nothing is held (and prepared) from then on
         self._lock = threading.Lock()  # never taken by a signal handler: only the threads below take it
         self._ready = threading.Event()  # the held environment's prepare() has returned (or raised)
         self._closed = threading.Event()  # the held environment's close has returned (or raised)
 
-    def hold(self, env: Environment) -> None:
-        """``env`` is the child's to close from now on; :meth:`prepared` follows its ``prepare()``."""
+    def hold(self, env: Environment) -> bool:
+        """``env`` is the child's to close from now on; :meth:`prepared` follows its ``prepare()``. False (nothing
+        held) once the process is ending: then do not prepare it."""
         with self._lock:
+            if self._leaving:
+                return False
             self._env, self._held = env, True
+            return True
 
     def prepared(self) -> None:
         """The held environment's ``prepare()`` has returned or raised: an early end may close it now (not while
@@ -448,7 +453,7 @@ class _Leaving:
             deadline = time.monotonic() + CLOSE_WHEN_LEAVING_S
             logger.info("the collection process ends: %s", why)
             with self._lock:
-                held = self._held
+                held, self._leaving = self._held, True
             ready = held and self._ready.wait(CLOSE_WHEN_LEAVING_S)
             if ready:
                 env, _ = self._take()
@@ -613,7 +618,8 @@ def _serve(
         _send(connection, "error", error, ChildTotals())
         return
     _send(connection, "rebuilt", None, ChildTotals())
-    leaving.hold(setup.env)  # this copy is the child's: prepared and closed here, whatever happens from now on
+    if not leaving.hold(setup.env):  # this copy is the child's: prepared and closed here, whatever happens next
+        return  # ending already (SIGTERM while it was rebuilt): nothing prepared, nothing to close
     child: _Child | None = None
     try:
         try:

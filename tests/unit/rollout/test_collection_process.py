@@ -561,6 +561,34 @@ def test_a_child_told_to_end_closes_its_environment_first(qwen_tokenizer, tmp_pa
     process.close()
 
 
+def test_an_early_end_waits_for_a_prepare_under_way_before_it_closes(monkeypatch, caplog):
+    """A close while prepare() runs would release what prepare() then starts: the early end waits for it first
+    (within the same bound), and one that does not end in time is ended without a close."""
+    from loop_trainer.rollout import collection_process
+
+    exits: list[int] = []
+    monkeypatch.setattr(collection_process.os, "_exit", exits.append)
+    env = HangingCloseEnv()
+    closing = threading.Event()
+    monkeypatch.setattr(env, "close", lambda: closing.set())
+    leaving = collection_process._Leaving()
+    assert leaving.hold(env)
+    ending = threading.Thread(target=leaving.now, args=("the trainer's process is gone",))
+    ending.start()
+    assert not closing.wait(0.5)  # prepare() under way: no close yet
+    leaving.prepared()
+    assert closing.wait(5)
+    ending.join(5)
+    assert exits == [1]
+    assert not leaving.hold(env)  # ending: a later hold takes nothing, and the child prepares nothing
+
+    monkeypatch.setattr(collection_process, "CLOSE_WHEN_LEAVING_S", 0.2)
+    never = collection_process._Leaving()
+    never.hold(HangingCloseEnv())  # its prepare() never returns
+    never.now("the trainer's process is gone")
+    assert exits == [1, 1] and "prepare() did not return within 0.2 s: ending without closing it" in caplog.text
+
+
 def test_the_childs_own_close_waits_for_the_close_an_early_end_started(monkeypatch, tmp_path):
     """Killed when idle, the child's main thread (its pipe closed) may find the environment already taken by the
     watch on the trainer: it waits for that close, since returning would end the interpreter, and the close's
@@ -575,7 +603,9 @@ def test_the_childs_own_close_waits_for_the_close_an_early_end_started(monkeypat
     leaving.prepared()
     ending = threading.Thread(target=leaving.now, args=("the trainer's process is gone",))
     ending.start()
+    deadline = time.monotonic() + 10
     while not any(t.name == "loop-collection-close" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "now() started no close"
         time.sleep(0.01)
     leaving.close_env()  # the main thread's own close: the environment is taken already
     assert marker.read_text().split()[1] == "loop-collection-close"  # returned only once that close had
@@ -611,7 +641,7 @@ def test_leaving_waits_a_bounded_time_for_a_close_that_hangs(monkeypatch, caplog
     env = HangingCloseEnv()
     leaving = collection_process._Leaving()
     leaving.hold(env)
-    threading.Timer(0.1, leaving.prepared).start()  # a prepare() under way is waited for first
+    leaving.prepared()
     try:
         leaving.now("the trainer's process is gone")
         assert exits == [1]
