@@ -33,7 +33,7 @@ from trl import ModelConfig
 
 from ..chat import ChatFormatter, stop_token_ids
 from ..config import EpisodeSettings, LOOPConfig, check_ranges, mapping_setting, output_dir_problem, range_of
-from ..config.ranges import setting
+from ..config.ranges import annotation_text, setting
 from ..envs import Environment, EnvironmentSetupError, make_environment
 from ..evaluation import Evaluator, GreedySuccessOnTrainingTasks, format_metrics, write_evaluation_viewer
 from ..models.packaged import PackagedModelError, resolve_model_path
@@ -129,6 +129,13 @@ class EvalArguments(ScriptArguments, EpisodeSettings):
         if self.compile_decode_step is True and not static:
             raise RecipeError(COMPILE_NEEDS_STATIC)
 
+    def other_model_world(self) -> dict[str, Any] | None:
+        """``model_environment_kwargs`` where they name another world than ``environment_kwargs``, else None."""
+        kwargs = self.model_environment_kwargs
+        if kwargs is None or kwargs == (self.environment_kwargs or {}):
+            return None
+        return mapping_setting(kwargs, "model_environment_kwargs")
+
     def warm_up_probe_settings(self) -> EpisodeSettings:
         """The episode settings a tiny-instruct model's warm-up probe runs under: ``model_episode_settings`` over this
         evaluation's."""
@@ -162,12 +169,12 @@ def tiny_model_world(env: Environment, eval_args: EvalArguments) -> Iterator[Env
     """The environment a tiny model is built from: the evaluated ``env``, or, where ``model_environment_kwargs``
     names other kwargs than ``environment_kwargs``, the environment built from them (closed after), whose words the
     evaluated one must not outgrow (the model's word tokenizer holds the building world's)."""
-    kwargs = eval_args.model_environment_kwargs
-    if kwargs is None or kwargs == (eval_args.environment_kwargs or {}):
+    kwargs = eval_args.other_model_world()
+    if kwargs is None:
         yield env
         return
     try:
-        world = make_environment(eval_args.environment, **mapping_setting(kwargs, "model_environment_kwargs"))
+        world = make_environment(eval_args.environment, **kwargs)
     except (ValueError, EnvironmentSetupError) as error:
         raise RecipeError(f"model_environment_kwargs: {error}") from None
     try:
@@ -323,8 +330,7 @@ def evaluate(
     the end. With a ``generation_backend`` only the tokenizer is loaded, never the model."""
     torch.manual_seed(eval_args.seed)
     owns_env = env is None
-    model_kwargs = eval_args.model_environment_kwargs
-    other_world = model_kwargs is not None and model_kwargs != (eval_args.environment_kwargs or {})
+    other_world = eval_args.other_model_world() is not None
     if not owns_env and other_world and is_tiny_spec(str(model_args.model_name_or_path or "")):
         raise RecipeError(
             "model_environment_kwargs builds the tiny model's world from environment, which an env given to "
@@ -447,8 +453,7 @@ def _as_parsed(settings: dict[str, Any]) -> dict[str, Any]:
     parsed = dict(settings)
     for spec in dataclasses.fields(EpisodeSettings):
         value = settings.get(spec.name)
-        annotation = spec.type if isinstance(spec.type, str) else getattr(spec.type, "__name__", None) or str(spec.type)
-        parse = _PARSERS.get(annotation.replace(" ", "").removesuffix("|None"))
+        parse = _PARSERS.get(annotation_text(spec.type).removesuffix("|None"))
         if isinstance(value, str) and parse is not None:
             with contextlib.suppress(ArgumentTypeError, ValueError):
                 parsed[spec.name] = parse(value)
@@ -502,8 +507,8 @@ def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalA
         # Its world too (its demonstrations and depth come from the environment), where other environment_kwargs are
         # given to evaluate under: the run's build the base. (Another environment: the spec names the run's.)
         run_kwargs = recipe.get("environment_kwargs") or {}
-        with contextlib.suppress(json.JSONDecodeError, TypeError):  # written as JSON text: compared as its mapping
-            run_kwargs = json.loads(run_kwargs) if isinstance(run_kwargs, str) else run_kwargs
+        with contextlib.suppress(RecipeError):  # JSON text compared as its mapping; one that is none is refused below
+            run_kwargs = given_mapping(run_kwargs, "environment_kwargs") or {}
         if (
             "environment_kwargs" in given
             and "model_environment_kwargs" not in given

@@ -166,16 +166,20 @@ def range_of(settings_class: type, key: str) -> Range:
     return rule
 
 
+def annotation_text(annotation: Any) -> str:
+    """A field's annotation as text without spaces (``"bool|None"``, ``"Optional[bool]"``), whether as written or as
+    transformers' argument parser leaves it after it resolved the fields' types (``bool``, ``bool | None``)."""
+    if not isinstance(annotation, str):
+        annotation = annotation.__name__ if isinstance(annotation, type) else str(annotation)
+    return annotation.replace(" ", "").replace("typing.", "")
+
+
 _FLAG = {"bool": "true or false", "bool|None": "true, false or None", "None|bool": "true, false or None"}
 
 
 def _flag_allows(annotation: Any) -> str | None:
-    """What a flag annotated ``annotation`` allows (a flag has no range), None for any other annotation: as written
-    (``"bool | None"``, ``"Optional[bool]"``), or as transformers' argument parser leaves it after it resolved the
-    fields' types (``bool``, ``bool | None``)."""
-    if not isinstance(annotation, str):
-        annotation = "bool" if annotation is bool else "bool|None" if annotation == bool | None else ""
-    written = annotation.replace(" ", "").replace("typing.", "")
+    """What a flag annotated ``annotation`` allows (a flag has no range), None for any other annotation."""
+    written = annotation_text(annotation)
     return _FLAG.get("bool|None" if written == "Optional[bool]" else written)
 
 
