@@ -182,7 +182,9 @@ class Environment(ABC):
 
     def metrics(self) -> dict[str, float]:
         """Running totals worth logging each iteration (server restarts, retries, ...), logged
-        with an ``env_`` prefix."""
+        with an ``env_`` prefix. Called on a thread of its own, while episodes may run, within
+        ``env_timeout``: a call that raises or does not return in time keeps the last answer and is
+        counted (``metrics_call_failures``), and none starts again until a hung one returns."""
         return {}
 
     def summarize(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:

@@ -508,7 +508,7 @@ class _Child:
         self._lock = threading.Lock()  # the two threads build the clients and the engine
         self._totals_lock = threading.Lock()
         self._answers = itertools.count(1)
-        self._env_metrics = EnvMetricsReader(setup.env, "in the collection process")
+        self._env_metrics = EnvMetricsReader(setup.env, "in the collection process", setup.env_timeout)
 
     def sampler(self, sampling: ServerSampling) -> ServerSampler:
         with self._lock:

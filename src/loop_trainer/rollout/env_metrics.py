@@ -1,53 +1,89 @@
 """An environment's running totals (:meth:`~..envs.base.Environment.metrics`), read each iteration by the trainer
 and with each answer of a collection process.
 
-Why not call ``metrics()`` directly: they are diagnostics, and a ``metrics()`` that raises (a bug in the
-environment, a server that is down) must not end a run that collects and trains well. Its last answer stands, the
-failure is counted (the run's ``metrics_call_failures``) and logged with its traceback once, and again only when a
-different kind of error follows or once it answers again: a ``metrics()`` that always fails costs one log line,
-not one per iteration.
+Why not call ``metrics()`` directly: they are diagnostics, and a ``metrics()`` that raises or never returns (a bug
+in the environment, a server that is down or hangs) must not end or stall a run that collects and trains well.
+
+- A read gets no answer when the call raised, or did not return within ``env_timeout`` (the bound of every
+  environment call). Then the last answer stands, and the read is counted (the run's ``metrics_call_failures``).
+- The call runs on a daemon thread of its own, so one that never returns holds up neither the run nor its exit.
+  While it runs, no other starts: a later read only looks whether it has returned since (without waiting), and
+  takes its answer if it has. A hung ``metrics()`` thus costs one wait of ``env_timeout``, not one per iteration.
+- A failure is logged once, and again only when a different kind follows or once ``metrics()`` answers again: a
+  ``metrics()`` that always fails costs one log line, not one per iteration.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 from ..envs.base import Environment
 
 logger = logging.getLogger(__name__)
 
 
-class EnvMetricsReader:
-    """Reads ``env.metrics()``; see the module. Not thread-safe: one reader per caller, or a lock around it."""
+class _MetricsCall:
+    """One ``metrics()`` call on a daemon thread of its own, and its outcome once :attr:`returned` is set."""
 
-    def __init__(self, env: Environment, where: str = ""):
+    def __init__(self, env: Environment):
+        self.returned = threading.Event()
+        self.answer: dict[str, float] = {}
+        self.error: BaseException | None = None
+        threading.Thread(target=self._run, args=(env,), name="env-metrics", daemon=True).start()
+
+    def _run(self, env: Environment) -> None:
+        try:
+            self.answer = dict(env.metrics())
+        except BaseException as error:  # noqa: BLE001 - the reader counts and logs it
+            self.error = error
+        finally:
+            self.returned.set()
+
+
+class EnvMetricsReader:
+    """Reads ``env.metrics()`` within ``timeout`` seconds (the run's ``env_timeout``); see the module. Not
+    thread-safe: one reader per caller, or a lock around it."""
+
+    def __init__(self, env: Environment, where: str = "", timeout: float = 300.0):
         self.env = env
         self.where = f" {where}" if where else ""
+        self.timeout = timeout
         self.failures = 0
-        """``metrics()`` calls that raised, so far."""
+        """Reads that got no answer so far: ``metrics()`` raised, or had not returned within ``timeout``."""
         self._last: dict[str, float] = {}
-        self._failing: str | None = None  # the kind of error the calls raise now, None while they answer
+        self._failing: str | None = None  # the kind of failure the reads get now, None while they are answered
+        self._late: _MetricsCall | None = None  # a call that outlived its read, still running when last looked at
 
     def read(self) -> dict[str, float]:
-        """The environment's answer now, or its last one (empty before any) if this call raised."""
-        try:
-            answer = dict(self.env.metrics())
-        except Exception as error:  # noqa: BLE001 - counted and logged: the run goes on with the last answer
-            self.failures += 1
-            kind = f"{type(error).__module__}.{type(error).__qualname__}"
-            if kind != self._failing:
-                logger.error(
-                    "the environment's metrics() failed%s (the last answer stands; counted in "
-                    "metrics_call_failures, this error logged once until it changes or metrics() answers)",
-                    self.where,
-                    exc_info=error,
-                )
-            self._failing = kind
-            return dict(self._last)
+        """The environment's answer now, or its last one (empty before any) if this read got none."""
+        call, wait = (self._late, 0.0) if self._late is not None else (_MetricsCall(self.env), self.timeout)
+        if not call.returned.wait(wait):
+            self._late = call
+            late = "has still not returned" if wait == 0 else f"did not return within env_timeout ({self.timeout:g}s)"
+            return self._failed("hang", f"the environment's metrics() {late}{self.where}", None)
+        self._late = None
+        if call.error is not None:
+            kind = f"{type(call.error).__module__}.{type(call.error).__qualname__}"
+            return self._failed(kind, f"the environment's metrics() failed{self.where}", call.error)
         if self._failing is not None:
             logger.warning(
-                "the environment's metrics() answered again%s (%d calls failed so far)", self.where, self.failures
+                "the environment's metrics() answered again%s (%d reads got no answer so far)",
+                self.where,
+                self.failures,
             )
             self._failing = None
-        self._last = answer
-        return dict(answer)
+        self._last = call.answer
+        return dict(call.answer)
+
+    def _failed(self, kind: str, what: str, error: BaseException | None) -> dict[str, float]:
+        self.failures += 1
+        if kind != self._failing:
+            logger.error(
+                "%s (the last answer stands; counted in metrics_call_failures, logged once until the kind of failure "
+                "changes or metrics() answers)",
+                what,
+                exc_info=error,
+            )
+        self._failing = kind
+        return dict(self._last)

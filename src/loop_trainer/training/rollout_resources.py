@@ -40,7 +40,7 @@ class RolloutResources:
         self._engine: RolloutEngine | None = None
         self._evaluator: Evaluator | None = None
         self._collection_process: CollectionProcess | None = None
-        self._env_metrics = EnvMetricsReader(env)
+        self._env_metrics = EnvMetricsReader(env, timeout=settings.env_timeout)
 
     @property
     def is_open(self) -> bool:

@@ -45,9 +45,11 @@ def backend(server, tmp_path):
         yield backend
 
 
-def setup_for(env: Environment, tokenizer: Any, max_turns: int = LIMITS.max_turns) -> EngineSetup:
+def setup_for(
+    env: Environment, tokenizer: Any, max_turns: int = LIMITS.max_turns, env_timeout: float = 60.0
+) -> EngineSetup:
     limits = EpisodeLimits(max_turns=max_turns, max_new_tokens_per_turn=LIMITS.max_new_tokens_per_turn)
-    return EngineSetup(env, ChatFormatter(tokenizer), limits, 60.0, None, 8)
+    return EngineSetup(env, ChatFormatter(tokenizer), limits, env_timeout, None, 8)
 
 
 def fields(trajectories):
@@ -233,6 +235,33 @@ def test_a_failing_metrics_in_the_child_keeps_its_last_answer_and_is_counted(qwe
         for failed in (1, 2):  # the batches still come back
             assert len(process.collect(tasks, 1, backend=backend, seed=2).trajectories) == 1
             assert (process.totals.env_metrics, process.totals.metrics_call_failures) == (answered, failed)
+
+
+class MetricsThatHangAfterTheFirstEnv(CountingEnv):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def metrics(self) -> dict[str, float]:
+        self.calls += 1
+        if self.calls > 1:
+            threading.Event().wait()  # never returns: the child's exit is not held up by it either
+        return super().metrics()
+
+
+def test_a_hanging_metrics_in_the_child_is_bounded_by_env_timeout_and_counted(qwen_tokenizer, backend, capfd):
+    tasks = list(CountingEnv().tasks("train"))[:1]
+    setup = setup_for(MetricsThatHangAfterTheFirstEnv(), qwen_tokenizer, env_timeout=0.2)
+    with CollectionProcess(setup) as process:
+        process.collect(tasks, 2, backend=backend, seed=1)
+        answered = {"episodes": 2.0, "prepared": 1.0}
+        assert (process.totals.env_metrics, process.totals.metrics_call_failures) == (answered, 0)
+        for failed in (1, 2):  # the batches still come back
+            assert len(process.collect(tasks, 1, backend=backend, seed=2).trajectories) == 1
+            assert (process.totals.env_metrics, process.totals.metrics_call_failures) == (answered, failed)
+    assert process._process.exitcode == 0  # ended by its own close, the hung call's thread left behind
+    logged = capfd.readouterr().err  # the child's log lines
+    assert logged.count("metrics() did not return within env_timeout (0.2s) in the collection process") == 1
 
 
 class UnsendableEpisode(ErrandsEpisode):

@@ -1,9 +1,11 @@
-"""The environment's running totals as the run reads them: a metrics() that raises costs its answer for that read,
-is counted, and is logged once per kind of error, not once per read."""
+"""The environment's running totals as the run reads them: a metrics() that raises, or does not return within
+env_timeout, costs its answer for that read, is counted, and is logged once per kind of failure, not once per read;
+one that hangs is waited for once, and never started again while it runs."""
 
 from __future__ import annotations
 
 import logging
+import threading
 
 from loop_trainer.envs.errands import ErrandsEnv
 from loop_trainer.rollout.env_metrics import EnvMetricsReader
@@ -44,7 +46,7 @@ def test_a_failing_metrics_keeps_the_last_answer_counts_and_logs_once_per_kind(c
         assert len(failure_logs(caplog)) == 2 and reader.failures == 4
         assert reader.read() == {"restarts": 2.0}
         answered_again = failure_logs(caplog)[2].getMessage()
-        assert "answered again in the collection process (4 calls failed so far)" in answered_again
+        assert "answered again in the collection process (4 reads got no answer so far)" in answered_again
         assert reader.failures == 4  # a running total: an answer does not reset it
 
 
@@ -57,3 +59,57 @@ def test_a_read_is_a_copy_the_caller_may_change():
     reader = EnvMetricsReader(ScriptedMetricsEnv([{"a": 1.0}, ValueError()]))
     reader.read()["a"] = 5.0
     assert reader.read() == {"a": 1.0}
+
+
+class HangingMetricsEnv(ErrandsEnv):
+    """metrics() answers its first call; the later ones wait until ``release`` is set, then answer or raise as
+    ``then`` says."""
+
+    def __init__(self, then: dict | BaseException) -> None:
+        super().__init__(num_tasks=1)
+        self.then = then
+        self.release = threading.Event()
+        self.calls = 0
+
+    def metrics(self) -> dict[str, float]:
+        self.calls += 1
+        if self.calls > 1:
+            self.release.wait()
+            if isinstance(self.then, BaseException):
+                raise self.then
+            return self.then
+        return {"restarts": 1.0}
+
+
+def test_a_hanging_metrics_is_waited_for_once_within_the_timeout_and_never_started_twice(caplog):
+    env = HangingMetricsEnv(then={"restarts": 2.0})
+    reader = EnvMetricsReader(env, "in the collection process", timeout=0.05)
+    with caplog.at_level(logging.INFO):
+        assert reader.read() == {"restarts": 1.0}
+        assert [reader.read() for _ in range(3)] == [{"restarts": 1.0}] * 3  # the last answer stands
+        assert env.calls == 2  # the hung call is looked at again, not called again
+        assert reader.failures == 3
+        logged = failure_logs(caplog)
+        assert len(logged) == 1 and logged[0].levelno == logging.ERROR and logged[0].exc_info is None
+        message = logged[0].getMessage()
+        assert "metrics() did not return within env_timeout (0.05s) in the collection process" in message
+        env.release.set()
+        assert reader._late is not None and reader._late.returned.wait(5)
+        assert reader.read() == {"restarts": 2.0}  # its late answer is taken, without another call
+        assert env.calls == 2 and reader.failures == 3
+        assert "answered again" in failure_logs(caplog)[1].getMessage()
+
+
+def test_a_hung_metrics_that_raises_at_last_is_logged_as_its_error(caplog):
+    env = HangingMetricsEnv(then=ConnectionError("the server is down"))
+    reader = EnvMetricsReader(env, timeout=0.05)
+    with caplog.at_level(logging.INFO):
+        reader.read()
+        assert reader.read() == {"restarts": 1.0} and reader.failures == 1
+        env.release.set()
+        assert reader._late is not None and reader._late.returned.wait(5)
+        assert reader.read() == {"restarts": 1.0} and reader.failures == 2
+        assert env.calls == 2
+        logged = failure_logs(caplog)
+        assert len(logged) == 2 and isinstance(logged[1].exc_info[1], ConnectionError)
+        assert "metrics() failed" in logged[1].getMessage()

@@ -3,6 +3,7 @@ process's added to the trainer's own."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 from loop_trainer.chat import ChatFormatter
@@ -19,12 +20,12 @@ class RestartingEnv(ErrandsEnv):
         return {"restarts": 1.0, "timeouts": 4.0}
 
 
-def resources(tokenizer, env=None) -> RolloutResources:
+def resources(tokenizer, env=None, env_timeout: float = 12.0) -> RolloutResources:
     backend = ScriptedBackend(tokenizer, lambda prompt: "x")
     return RolloutResources(
         env or RestartingEnv(num_tasks=1),
         ChatFormatter(tokenizer),
-        EpisodeSettings(max_turns=5, max_concurrent_episodes=64, env_timeout=12.0),
+        EpisodeSettings(max_turns=5, max_concurrent_episodes=64, env_timeout=env_timeout),
         open_generator=lambda: RolloutGenerator(backend, owns_backend=False),
         eval_temperature=0.0,
     )
@@ -74,3 +75,24 @@ def test_a_failing_metrics_does_not_end_the_iteration_it_is_counted(qwen_tokeniz
         parts.running_totals()
         totals = parts.running_totals()
     assert totals == {"generation_retries": 0.0, "env_abandoned_calls": 0.0, "metrics_call_failures": 2.0}
+
+
+class HangingMetricsEnv(ErrandsEnv):
+    def __init__(self) -> None:
+        super().__init__(num_tasks=1)
+        self.release = threading.Event()
+
+    def metrics(self) -> dict[str, float]:
+        self.release.wait()
+        return {"restarts": 1.0}
+
+
+def test_a_hanging_metrics_is_bounded_by_env_timeout_and_counted(qwen_tokenizer, caplog):
+    env = HangingMetricsEnv()
+    try:
+        with resources(qwen_tokenizer, env, env_timeout=0.05) as parts:
+            assert parts.running_totals()["metrics_call_failures"] == 1.0
+            assert parts.running_totals()["metrics_call_failures"] == 2.0
+    finally:
+        env.release.set()
+    assert "metrics() did not return within env_timeout (0.05s)" in caplog.text
