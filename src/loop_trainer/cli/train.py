@@ -27,7 +27,7 @@ from ..envs import Environment, EnvironmentSetupError, make_environment
 from ..models.packaged import PackagedModelError, resolve_model_path
 from ..models.tiny import INSTRUCT_PREFIX, is_tiny_spec, load_tokenizer
 from ..rollout import RolloutFailureBudgetExceeded
-from ..rollout.collection_process import CollectionProcessError
+from ..rollout.collection_protocol import CollectionProcessError
 from ..rollout.generator import GeneratorConfigError, VLLMNotInstalledError
 from ..rollout.weight_sync import WeightSyncError
 from ..training.checkpoints import CheckpointError, check_fresh_output_dir, is_fresh, last_complete_checkpoint

@@ -13,7 +13,8 @@ from ..config import EpisodeSettings
 from ..envs.base import Environment
 from ..evaluation import Evaluator
 from ..rollout import RolloutEngine
-from ..rollout.collection_process import ChildTotals, CollectionProcess
+from ..rollout.collection_process import CollectionProcess
+from ..rollout.collection_protocol import ChildTotals
 from ..rollout.engine import EngineSetup
 from ..rollout.env_metrics import EnvMetricsReader
 from ..rollout.generator import RolloutGenerator

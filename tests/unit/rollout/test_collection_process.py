@@ -22,7 +22,8 @@ from loop_trainer.chat import ChatFormatter
 from loop_trainer.envs.base import Environment, EnvironmentSetupError, Episode, Message, Score, Step
 from loop_trainer.envs.errands import ErrandsEnv, ErrandsEpisode
 from loop_trainer.rollout import EpisodeLimits, RolloutFailureBudgetExceeded
-from loop_trainer.rollout.collection_process import ChildTotals, CollectionProcess, CollectionProcessError
+from loop_trainer.rollout.collection_process import CollectionProcess
+from loop_trainer.rollout.collection_protocol import ChildTotals, CollectionProcessError
 from loop_trainer.rollout.engine import EngineSetup
 from loop_trainer.rollout.vllm_server import VLLMServerBackend
 from support.fake_vllm_server import serving
@@ -593,14 +594,14 @@ def test_a_child_told_to_end_closes_its_environment_first(qwen_tokenizer, tmp_pa
 def test_an_early_end_waits_for_a_prepare_under_way_before_it_closes(monkeypatch, caplog):
     """A close while prepare() runs would release what prepare() then starts: the early end waits for it first
     (within the same bound), and one that does not end in time is ended without a close."""
-    from loop_trainer.rollout import collection_process
+    from loop_trainer.rollout import collection_child
 
     exits: list[int] = []
-    monkeypatch.setattr(collection_process.os, "_exit", exits.append)
+    monkeypatch.setattr(collection_child.os, "_exit", exits.append)
     env = HangingCloseEnv()
     closing = threading.Event()
     monkeypatch.setattr(env, "close", lambda: closing.set())
-    leaving = collection_process._Leaving()
+    leaving = collection_child._Leaving()
     assert leaving.hold(env)
     ending = threading.Thread(target=leaving.now, args=("the trainer's process is gone",))
     ending.start()
@@ -611,8 +612,8 @@ def test_an_early_end_waits_for_a_prepare_under_way_before_it_closes(monkeypatch
     assert exits == [1]
     assert not leaving.hold(env)  # ending: a later hold takes nothing, and the child prepares nothing
 
-    monkeypatch.setattr(collection_process, "CLOSE_WHEN_LEAVING_S", 0.2)
-    never = collection_process._Leaving()
+    monkeypatch.setattr(collection_child, "CLOSE_WHEN_LEAVING_S", 0.2)
+    never = collection_child._Leaving()
     never.hold(HangingCloseEnv())  # its prepare() never returns
     never.now("the trainer's process is gone")
     assert exits == [1, 1] and "prepare() did not return within 0.2 s: ending without closing it" in caplog.text
@@ -622,12 +623,12 @@ def test_the_childs_own_close_waits_for_the_close_an_early_end_started(monkeypat
     """Killed when idle, the child's main thread (its pipe closed) may find the environment already taken by the
     watch on the trainer: it waits for that close, since returning would end the interpreter, and the close's
     thread with it, part-way."""
-    from loop_trainer.rollout import collection_process
+    from loop_trainer.rollout import collection_child
 
     exits: list[int] = []
-    monkeypatch.setattr(collection_process.os, "_exit", exits.append)
+    monkeypatch.setattr(collection_child.os, "_exit", exits.append)
     marker = tmp_path / "closed"
-    leaving = collection_process._Leaving()
+    leaving = collection_child._Leaving()
     leaving.hold(SlowClosingEnv(marker))
     leaving.prepared()
     ending = threading.Thread(target=leaving.now, args=("the trainer's process is gone",))
@@ -662,13 +663,13 @@ class HangingCloseEnv(ErrandsEnv):
 
 
 def test_leaving_waits_a_bounded_time_for_a_close_that_hangs(monkeypatch, caplog):
-    from loop_trainer.rollout import collection_process
+    from loop_trainer.rollout import collection_child
 
     exits = []
-    monkeypatch.setattr(collection_process, "CLOSE_WHEN_LEAVING_S", 0.2)
-    monkeypatch.setattr(collection_process.os, "_exit", exits.append)
+    monkeypatch.setattr(collection_child, "CLOSE_WHEN_LEAVING_S", 0.2)
+    monkeypatch.setattr(collection_child.os, "_exit", exits.append)
     env = HangingCloseEnv()
-    leaving = collection_process._Leaving()
+    leaving = collection_child._Leaving()
     leaving.hold(env)
     leaving.prepared()
     try:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from loop_trainer.chat import ChatFormatter
 from loop_trainer.config import EpisodeSettings
 from loop_trainer.envs.errands import ErrandsEnv
-from loop_trainer.rollout.collection_process import ChildTotals
+from loop_trainer.rollout.collection_protocol import ChildTotals
 from loop_trainer.rollout.generator import RolloutGenerator
 from loop_trainer.training.rollout_resources import RolloutResources
 from support.helpers import ScriptedBackend

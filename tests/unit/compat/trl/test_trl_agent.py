@@ -212,7 +212,8 @@ def test_setup_errors_are_one_line(qwen_tokenizer):
 def test_a_trl_environment_is_refused_a_collection_process_because_its_rewards_read_the_trainer_state(qwen_tokenizer):
     from loop_trainer.chat import ChatFormatter
     from loop_trainer.rollout import EpisodeLimits
-    from loop_trainer.rollout.collection_process import CollectionProcess, CollectionProcessError
+    from loop_trainer.rollout.collection_process import CollectionProcess
+    from loop_trainer.rollout.collection_protocol import CollectionProcessError
     from loop_trainer.rollout.engine import EngineSetup
 
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "Count."}], "start": 0, "target": 1}])
