@@ -45,8 +45,8 @@ class _Leaving:
     default run no ``finally`` and no ``atexit`` hook, and a killed trainer cannot close the child's copy.
 
     :meth:`now` runs on threads other than the main one, which may be in the child's own close (:meth:`close_env`,
-    on the main thread as before): then it waits for that close, within the same bound. SIGTERM's handler only
-    starts such a thread, so it never waits on the main thread it interrupted."""
+    on the main thread as before): then it waits for that close, within the same bound. A SIGTERM only starts such a
+    thread (:func:`_end_on_sigterm`), so it needs nothing of the main thread, wherever that is."""
 
     def __init__(self) -> None:
         self._env: Environment | None = None
@@ -117,12 +117,39 @@ class _Leaving:
         finally:
             self._closed.set()
 
-    def on_sigterm(self, signum: int, frame: Any) -> None:
-        """SIGTERM's handler (on the main thread): a second SIGTERM ends the process at once; this one ends it
-        through :meth:`now`, on a thread of its own."""
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        why = "it was told to end (SIGTERM)"
-        threading.Thread(target=self.now, args=(why,), name="loop-collection-leaving", daemon=True).start()
+
+def _end_on_sigterm(leaving: _Leaving) -> None:
+    """From now on a SIGTERM ends the process through ``leaving.now()``, a second one at once. On the main thread.
+
+    Seen by a thread of its own, not by a Python handler: that would run only once the main thread is back in
+    Python, and a main thread stuck in native code (an environment's C call that never returns) never is. The
+    interpreter's own C-level handler writes the signal's number to the wakeup fd at once, wherever the main thread
+    is; the Python handler it needs installed does nothing."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)  # the C handler must never block
+    signal.signal(signal.SIGTERM, _sigterm_seen_by_its_thread)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    threading.Thread(
+        target=_watch_for_sigterm, args=(read_end, leaving), name="loop-collection-signals", daemon=True
+    ).start()
+
+
+def _sigterm_seen_by_its_thread(signum: int, frame: Any) -> None:
+    """SIGTERM's Python handler: nothing to do (:func:`_end_on_sigterm`)."""
+
+
+def _watch_for_sigterm(read_end: int, leaving: _Leaving) -> None:
+    told = False
+    while numbers := os.read(read_end, 64):  # the write end stays open: the interpreter holds it
+        for number in numbers:
+            if number != signal.SIGTERM:
+                continue
+            if told:  # a second SIGTERM: end now, without waiting for the close
+                os._exit(1)
+            else:
+                told = True
+                why = "it was told to end (SIGTERM)"
+                threading.Thread(target=leaving.now, args=(why,), name="loop-collection-leaving", daemon=True).start()
 
 
 def _leave_with_the_parent(leaving: _Leaving) -> None:
@@ -249,7 +276,7 @@ def serve_collection(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the parent decides
     logging.basicConfig(level=log_level, format="[collection process] %(levelname)s %(name)s: %(message)s")
     leaving = _Leaving()
-    signal.signal(signal.SIGTERM, leaving.on_sigterm)
+    _end_on_sigterm(leaving)
     threading.Thread(target=_leave_with_the_parent, args=(leaving,), name="loop-collection-parent", daemon=True).start()
     try:
         setup: EngineSetup = pickle.loads(payload)

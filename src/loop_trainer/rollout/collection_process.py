@@ -232,7 +232,7 @@ class CollectionProcess:
                     logger.warning("the collection process did not end within %g s: terminating it", timeout)
                 self._process.terminate()  # it closes its environment first, within CLOSE_WHEN_LEAVING_S
                 self._process.join(CLOSE_WHEN_LEAVING_S + 5)
-            if self._process.is_alive():  # SIGTERM's handler could not run (a call that never returns to Python)
+            if self._process.is_alive():  # none of its threads could run (a C call holding the interpreter lock)
                 logger.warning("the collection process did not end on SIGTERM: killing it")
                 self._process.kill()
                 self._process.join(5)

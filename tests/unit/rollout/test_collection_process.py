@@ -4,6 +4,8 @@ partial rollouts it holds, driven from the parent."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import os
 import pickle
 import signal
@@ -589,6 +591,91 @@ def test_a_child_told_to_end_closes_its_environment_first(qwen_tokenizer, tmp_pa
     assert process._process.exitcode == 1  # os._exit(1), not the signal's default end (-15)
     assert marker.read_text().split() == [str(process.pid)]
     process.close()
+
+
+class StuckInNativeCodeEpisode(ErrandsEpisode):
+    """Its step() runs on the event loop (the child's main thread) and deadlocks there in C: it locks a pthread
+    mutex it holds already, a call that never returns to Python, so no Python signal handler can run."""
+
+    def __init__(self, task, form: str, marker: Path) -> None:
+        super().__init__(task, form)
+        self.marker = marker
+
+    async def step(self, reply: str) -> Step:
+        libc = ctypes.CDLL(None)
+        mutex = ctypes.create_string_buffer(64)  # zeroed: an initialised default mutex (glibc)
+        libc.pthread_mutex_lock(mutex)
+        with open(self.marker, "a") as file:
+            file.write("stuck\n")
+        libc.pthread_mutex_lock(mutex)
+        raise AssertionError("unreachable: a default mutex locked twice by one thread deadlocks")
+
+
+class StuckInNativeCodeEnv(ClosingEnv):
+    def __init__(self, marker: Path, stuck: Path) -> None:
+        super().__init__(marker)
+        self.stuck = stuck
+
+    def episode(self, task):
+        return StuckInNativeCodeEpisode(task, self.form, self.stuck)
+
+
+def test_a_child_stuck_in_native_code_still_ends_on_sigterm_closing_its_environment(qwen_tokenizer, backend, tmp_path):
+    """A Python handler would wait for the main thread to come back to Python, for ever here: then multiprocessing's
+    exit (SIGTERM, then a join without a bound) would hang the trainer's. The child sees it on a thread instead."""
+    marker, stuck = tmp_path / "closed", tmp_path / "stuck"
+    process = CollectionProcess(setup_for(StuckInNativeCodeEnv(marker, stuck), qwen_tokenizer))
+    try:
+        tasks = list(ErrandsEnv(num_tasks=1).tasks("train"))[:1]
+        collecting = threading.Thread(target=_collect_ignoring_errors, args=(process, tasks, backend), daemon=True)
+        collecting.start()
+        deadline = time.monotonic() + 60
+        while not stuck.exists():
+            assert time.monotonic() < deadline and process._process.is_alive(), "the episode never got stuck"
+            time.sleep(0.05)
+        os.kill(process.pid, signal.SIGTERM)
+        process._process.join(30)  # CLOSE_WHEN_LEAVING_S (10 s) and more; unbounded without the fix
+        assert process._process.exitcode == 1  # os._exit(1) after the close, not killed
+        assert marker.read_text().split() == [str(process.pid)]
+    finally:
+        if process._process.is_alive():  # close() would wait for the batch it is collecting: for ever
+            process._process.kill()
+        process.close(timeout=1)
+
+
+def test_the_childs_first_sigterm_ends_it_through_its_close_a_second_at_once(monkeypatch):
+    from loop_trainer.rollout import collection_child
+
+    exits: list[int] = []
+    monkeypatch.setattr(collection_child.os, "_exit", exits.append)
+    nows: list[str] = []
+    read_end, write_end = os.pipe()
+    watcher = threading.Thread(
+        target=collection_child._watch_for_sigterm, args=(read_end, SimpleNamespace(now=nows.append)), daemon=True
+    )
+    watcher.start()
+    try:
+        os.write(write_end, bytes([signal.SIGINT, signal.SIGTERM]))  # the wakeup fd gets every handled signal
+        deadline = time.monotonic() + 10
+        while not nows:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert nows == ["it was told to end (SIGTERM)"] and exits == []
+        os.write(write_end, bytes([signal.SIGTERM]))
+        while not exits:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert exits == [1] and len(nows) == 1
+    finally:
+        os.close(write_end)
+        watcher.join(5)
+        os.close(read_end)
+    assert not watcher.is_alive()
+
+
+def _collect_ignoring_errors(process: CollectionProcess, tasks: list, backend: Any) -> None:
+    with contextlib.suppress(CollectionProcessError):  # the child ends mid-batch
+        process.collect(tasks, 1, backend=backend)
 
 
 def test_an_early_end_waits_for_a_prepare_under_way_before_it_closes(monkeypatch, caplog):
