@@ -9,6 +9,7 @@ is gone, or sent SIGTERM), within :data:`CLOSE_WHEN_LEAVING_S`, before the proce
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -46,7 +47,7 @@ class _Leaving:
 
     :meth:`now` runs on threads other than the main one, which may be in the child's own close (:meth:`close_env`,
     on the main thread as before): then it waits for that close, within the same bound. A SIGTERM only starts such a
-    thread (:func:`_end_on_sigterm`), so it needs nothing of the main thread, wherever that is."""
+    thread (:class:`_SigtermWatch`), so it needs nothing of the main thread, wherever that is."""
 
     def __init__(self) -> None:
         self._env: Environment | None = None
@@ -118,38 +119,64 @@ class _Leaving:
             self._closed.set()
 
 
-def _end_on_sigterm(leaving: _Leaving) -> None:
-    """From now on a SIGTERM ends the process through ``leaving.now()``, a second one at once. On the main thread.
-
-    Seen by a thread of its own, not by a Python handler: that would run only once the main thread is back in
-    Python, and a main thread stuck in native code (an environment's C call that never returns) never is. The
-    interpreter's own C-level handler writes the signal's number to the wakeup fd at once, wherever the main thread
-    is; the Python handler it needs installed does nothing."""
-    read_end, write_end = os.pipe()
-    os.set_blocking(write_end, False)  # the C handler must never block
-    signal.signal(signal.SIGTERM, _sigterm_seen_by_its_thread)
-    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-    threading.Thread(
-        target=_watch_for_sigterm, args=(read_end, leaving), name="loop-collection-signals", daemon=True
-    ).start()
+_SEEN_BY_THE_HANDLER = 0
+"""What SIGTERM's Python handler writes to the watch's pipe: not a signal's number, so never a second SIGTERM."""
 
 
-def _sigterm_seen_by_its_thread(signum: int, frame: Any) -> None:
-    """SIGTERM's Python handler: nothing to do (:func:`_end_on_sigterm`)."""
+class _SigtermWatch:
+    """From :meth:`start` on, a SIGTERM ends the process through ``leaving.now()``, and a second one at once.
+
+    Seen by a thread of its own (:meth:`watch`), not by a Python handler alone: that runs only once the main thread is
+    back in Python, and a main thread stuck in native code (an environment's C call that never returns, releasing the
+    interpreter lock) never is. The interpreter's C-level handler writes the signal's number to the wakeup fd, this
+    watch's pipe, at once, wherever the main thread is. The Python handler, when it runs, puts SIGTERM's default back
+    (a second one then ends the process in the kernel) and writes to the pipe too, which counts only if the C handler
+    has not: code on the main thread may have taken the wakeup fd over (an event loop's ``add_signal_handler``)."""
+
+    def __init__(self, leaving: _Leaving):
+        self.leaving = leaving
+        self._read_end, self._write_end = os.pipe()  # neither is inherited by a program a subprocess runs
+        os.set_blocking(self._write_end, False)  # the C handler must never block
+
+    def start(self) -> None:
+        """On the main thread, once."""
+        signal.set_wakeup_fd(self._write_end, warn_on_full_buffer=False)
+        signal.signal(signal.SIGTERM, self.on_sigterm)
+        os.register_at_fork(after_in_child=_forget_sigterm)
+        threading.Thread(target=self.watch, name="loop-collection-signals", daemon=True).start()
+
+    def on_sigterm(self, signum: int, frame: Any) -> None:
+        """SIGTERM's Python handler (see the class)."""
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with contextlib.suppress(OSError):  # the pipe is full: the watch has a SIGTERM to read already
+            os.write(self._write_end, bytes([_SEEN_BY_THE_HANDLER]))
+
+    def watch(self) -> None:
+        """Read the pipe: the first SIGTERM starts ``leaving.now()`` on a thread of its own, a second (that the C
+        handler wrote: the Python handler's SIGTERM default was not back yet) ends the process at once."""
+        signals, told = 0, False
+        while numbers := os.read(self._read_end, 64):  # the write end stays open: this watch holds it
+            for number in numbers:
+                if number == signal.SIGTERM:
+                    signals += 1
+                    if signals > 1:  # without waiting for the close
+                        os._exit(1)
+                elif number != _SEEN_BY_THE_HANDLER:
+                    continue  # another signal with a Python handler
+                if not told:
+                    told = True
+                    why = "it was told to end (SIGTERM)"
+                    ending = threading.Thread(target=self.leaving.now, args=(why,), name="loop-collection-leaving")
+                    ending.daemon = True
+                    ending.start()
 
 
-def _watch_for_sigterm(read_end: int, leaving: _Leaving) -> None:
-    told = False
-    while numbers := os.read(read_end, 64):  # the write end stays open: the interpreter holds it
-        for number in numbers:
-            if number != signal.SIGTERM:
-                continue
-            if told:  # a second SIGTERM: end now, without waiting for the close
-                os._exit(1)
-            else:
-                told = True
-                why = "it was told to end (SIGTERM)"
-                threading.Thread(target=leaving.now, args=(why,), name="loop-collection-leaving", daemon=True).start()
+def _forget_sigterm() -> None:
+    """In a process forked from the child without exec (by an environment or a library): SIGTERM's default, and no
+    wakeup fd writing into the child's watch."""
+    with contextlib.suppress(ValueError):  # not the main thread: nothing of the child's to forget here
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _leave_with_the_parent(leaving: _Leaving) -> None:
@@ -276,7 +303,7 @@ def serve_collection(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the parent decides
     logging.basicConfig(level=log_level, format="[collection process] %(levelname)s %(name)s: %(message)s")
     leaving = _Leaving()
-    _end_on_sigterm(leaving)
+    _SigtermWatch(leaving).start()
     threading.Thread(target=_leave_with_the_parent, args=(leaving,), name="loop-collection-parent", daemon=True).start()
     try:
         setup: EngineSetup = pickle.loads(payload)

@@ -254,7 +254,7 @@ class MetricsThatHangAfterTheFirstEnv(CountingEnv):
 
 def test_a_hanging_metrics_in_the_child_is_bounded_by_env_timeout_and_counted(qwen_tokenizer, backend, capfd):
     tasks = list(CountingEnv().tasks("train"))[:1]
-    setup = setup_for(MetricsThatHangAfterTheFirstEnv(), qwen_tokenizer, env_timeout=0.2)
+    setup = setup_for(MetricsThatHangAfterTheFirstEnv(), qwen_tokenizer, env_timeout=2.0)
     with CollectionProcess(setup) as process:
         process.collect(tasks, 2, backend=backend, seed=1)
         answered = {"episodes": 2.0, "prepared": 1.0}
@@ -264,7 +264,7 @@ def test_a_hanging_metrics_in_the_child_is_bounded_by_env_timeout_and_counted(qw
             assert (process.totals.env_metrics, process.totals.metrics_call_failures) == (answered, failed)
     assert process._process.exitcode == 0  # ended by its own close, the hung call's thread left behind
     logged = capfd.readouterr().err  # the child's log lines
-    assert logged.count("metrics() did not return within env_timeout (0.2s) in the collection process") == 1
+    assert logged.count("metrics() did not return within env_timeout (2s) in the collection process") == 1
 
 
 class UnsendableEpisode(ErrandsEpisode):
@@ -643,34 +643,73 @@ def test_a_child_stuck_in_native_code_still_ends_on_sigterm_closing_its_environm
         process.close(timeout=1)
 
 
-def test_the_childs_first_sigterm_ends_it_through_its_close_a_second_at_once(monkeypatch):
+def _until(condition: Any, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time given"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("wakeup_fd", ["the watch's", "taken over"])
+def test_the_childs_first_sigterm_ends_it_through_its_close_a_second_at_once(monkeypatch, wakeup_fd):
+    """What reaches the watch's pipe: the C handler's signal numbers while the wakeup fd is the watch's (every signal
+    with a Python handler, the Python handler's own mark after a SIGTERM); only the Python handler's mark once code on
+    the main thread has taken the wakeup fd over. Either way one close, and a second SIGTERM the C handler wrote ends
+    the process at once."""
     from loop_trainer.rollout import collection_child
 
     exits: list[int] = []
     monkeypatch.setattr(collection_child.os, "_exit", exits.append)
     nows: list[str] = []
-    read_end, write_end = os.pipe()
-    watcher = threading.Thread(
-        target=collection_child._watch_for_sigterm, args=(read_end, SimpleNamespace(now=nows.append)), daemon=True
-    )
+    watch = collection_child._SigtermWatch(SimpleNamespace(now=nows.append))
+    watcher = threading.Thread(target=watch.watch, daemon=True)
     watcher.start()
+    before = signal.signal(signal.SIGTERM, watch.on_sigterm)  # as start() installs it
     try:
-        os.write(write_end, bytes([signal.SIGINT, signal.SIGTERM]))  # the wakeup fd gets every handled signal
-        deadline = time.monotonic() + 10
-        while not nows:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        if wakeup_fd == "the watch's":
+            os.write(watch._write_end, bytes([signal.SIGINT, signal.SIGTERM]))
+        watch.on_sigterm(signal.SIGTERM, None)  # on this (main) thread, as the interpreter calls it
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # a second SIGTERM: the kernel's default end
+        _until(lambda: nows)
+        time.sleep(0.2)  # the watch has read both marks by now: still one close
         assert nows == ["it was told to end (SIGTERM)"] and exits == []
-        os.write(write_end, bytes([signal.SIGTERM]))
-        while not exits:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        os.write(watch._write_end, bytes([signal.SIGTERM] * (2 if wakeup_fd == "taken over" else 1)))
+        _until(lambda: exits)
         assert exits == [1] and len(nows) == 1
     finally:
-        os.close(write_end)
+        signal.signal(signal.SIGTERM, before)
+        os.close(watch._write_end)
         watcher.join(5)
-        os.close(read_end)
+        os.close(watch._read_end)
     assert not watcher.is_alive()
+
+
+class SignalHandlingLoopEnv(ClosingEnv):
+    """Its prepare() (on the child's main thread) leaves an event loop there with a handler for SIGUSR1, as an
+    asyncio library's signal receiver does: the loop takes the wakeup fd over."""
+
+    def prepare(self) -> None:
+        import asyncio
+
+        self.loop = asyncio.new_event_loop()
+        self.loop.add_signal_handler(signal.SIGUSR1, lambda: None)
+
+    def __getstate__(self) -> dict:
+        return {key: value for key, value in self.__dict__.items() if key != "loop"}
+
+
+def test_a_child_whose_wakeup_fd_was_taken_over_still_ends_on_sigterm_closing_its_environment(qwen_tokenizer, tmp_path):
+    marker = tmp_path / "closed"
+    process = CollectionProcess(setup_for(SignalHandlingLoopEnv(marker), qwen_tokenizer))
+    try:
+        os.kill(process.pid, signal.SIGTERM)
+        process._process.join(30)
+        assert process._process.exitcode == 1  # os._exit(1) after the close
+        assert marker.read_text().split() == [str(process.pid)]
+    finally:
+        if process._process.is_alive():
+            process._process.kill()
+        process.close(timeout=1)
 
 
 def _collect_ignoring_errors(process: CollectionProcess, tasks: list, backend: Any) -> None:
