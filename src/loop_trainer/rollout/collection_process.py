@@ -82,7 +82,7 @@ def sampling_of(backend: GenerationBackend) -> ServerSampling:
 
 
 class CollectionProcess:
-    """A child process that collects batches (:meth:`collect`, the signature of :meth:`RolloutEngine.collect`),
+    """A child process that collects batches (:meth:`collect`, the signature of :meth:`~.engine.RolloutEngine.collect`),
     one at a time, or holds a run's partial rollouts (:meth:`continuing`); started (its environment rebuilt and
     prepared) by the time the constructor returns. Release it with :meth:`close`; a daemon, it is also ended when
     this process exits."""

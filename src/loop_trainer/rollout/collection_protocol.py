@@ -19,7 +19,7 @@ class CollectionProcessError(RuntimeError):
 
 @dataclass(frozen=True)
 class CollectionJob:
-    """One batch: :meth:`RolloutEngine.collect`'s arguments, its sampler as settings."""
+    """One batch: :meth:`~.engine.RolloutEngine.collect`'s arguments, its sampler as settings."""
 
     tasks: list[Mapping[str, Any]]
     rollouts_per_task: int

@@ -11,6 +11,10 @@ in the environment, a server that is down or hangs) must not end or stall a run 
   takes its answer if it has. A hung ``metrics()`` thus costs one wait of ``env_timeout``, not one per iteration.
 - A failure is logged once, and again only when a different kind follows or once ``metrics()`` answers again: a
   ``metrics()`` that always fails costs one log line, not one per iteration.
+- A call may still run when the environment's creator closes it (a hung one, or one a read stopped waiting for):
+  unlike an episode's ``close()``, the environment's is not held back for it.
+- In a collection process the read comes with every answer, so the one wait delays that answer: a batch, or a
+  call around a weight change.
 """
 
 from __future__ import annotations
@@ -57,10 +61,16 @@ class EnvMetricsReader:
 
     def read(self) -> dict[str, float]:
         """The environment's answer now, or its last one (empty before any) if this read got none."""
-        call, wait = (self._late, 0.0) if self._late is not None else (_MetricsCall(self.env), self.timeout)
+        if self._late is not None:
+            call, wait = self._late, 0.0
+        else:
+            try:
+                call, wait = _MetricsCall(self.env), self.timeout
+            except RuntimeError as error:  # no thread to call it on (the process is at its limit)
+                return self._failed("no thread", f"the environment's metrics() could not be called{self.where}", error)
         if not call.returned.wait(wait):
             self._late = call
-            late = "has still not returned" if wait == 0 else f"did not return within env_timeout ({self.timeout:g}s)"
+            late = f"did not return within env_timeout ({self.timeout:g}s)"
             return self._failed("hang", f"the environment's metrics() {late}{self.where}", None)
         self._late = None
         if call.error is not None:

@@ -80,7 +80,7 @@ class RolloutResources:
 
     def running_totals(self) -> dict[str, float]:
         """The run's totals so far, logged each iteration: generation retries, abandoned environment calls, the
-        environment's own metrics (``env_``) and the calls of its ``metrics()`` that failed, the collection
+        environment's own metrics (``env_``) and the reads of its ``metrics()`` that got no answer, the collection
         process's added to this process's."""
         child = self._collection_process.totals if self._collection_process is not None else ChildTotals()
         totals = {
