@@ -256,9 +256,8 @@ def parse_recipe(argv: Sequence[str] | None = None, classes: Sequence[type] = DA
         raise
     except (ValueError, TypeError, argparse.ArgumentError) as error:
         raise RecipeError(str(error).splitlines()[0]) from None
-    # The recipe as run (YAML keys in order, those set to null among them, then flags, after overrides), for the model
-    # card, the Hub, and what loop-eval counts as given.
-    given = [*config, *(t[2:].split("=", 1)[0].replace("-", "_") for t in argv if t.startswith("--"))]
+    # The recipe as run (YAML keys and flags, after overrides), for the model card and the Hub.
+    given = [t[2:].split("=", 1)[0].replace("-", "_") for t in config_flags + argv if t.startswith("--")]
     effective = {}
     for key in dict.fromkeys(given):
         value = next(getattr(obj, key) for obj in parsed if hasattr(obj, key))

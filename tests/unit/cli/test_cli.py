@@ -462,31 +462,6 @@ def test_every_key_of_the_shipped_recipes_is_documented():
             assert f"`{key}`" in documented, (recipe, key)
 
 
-def test_a_key_set_to_null_in_the_recipe_counts_as_given(tmp_path):
-    """A YAML null is a parser default, not a flag: it is still part of the recipe as run, and loop-eval following a
-    run does not put the run's value in its place."""
-    from trl import ModelConfig
-
-    from loop_trainer.cli.evaluate import EvalArguments, follow_run
-
-    path = write(tmp_path, "output_dir: out\nmax_completion_tokens: null\niterations: 7\n")
-    script, _, _ = parse_recipe(["--config", path, "--iterations", "3"])
-    assert list(script.effective_recipe.items()) == [
-        ("output_dir", "out"),
-        ("max_completion_tokens", None),
-        ("iterations", 3),
-    ]
-
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "recipe.yaml").write_text("environment: errands\nenvironment_kwargs: {levels: [1]}\nmax_turns: 9\n")
-    recipe = write(tmp_path, f"model_name_or_path: {run}\noutput_dir: {tmp_path / 'eval'}\nenvironment_kwargs: null\n")
-    eval_args, model_args = parse_recipe(["--config", recipe], (EvalArguments, ModelConfig))
-    followed, taken = follow_run(eval_args, model_args)
-    assert (followed.environment, followed.environment_kwargs, followed.max_turns) == ("errands", None, 9)
-    assert "environment_kwargs" not in taken
-
-
 def test_loop_eval_pointed_at_a_run_follows_its_environment_and_episode_limits(tmp_path, capsys, caplog):
     """A run's output_dir holds the recipe.yaml loop-train wrote: loop-eval takes the world, its kwargs and the
     episode limits the policy trained under from it (not its own 40 turns of 1,500 tokens), the split from the
