@@ -414,6 +414,10 @@ EPISODE_KEYS = (
 and the context policy the policy was trained under (a policy trained on 6 turns of 4 tokens is not evaluated on
 40 of 1,500). How it samples (static_decode, batch limits, concurrency) is this machine's, not the run's."""
 
+NULL_IS_A_VALUE = frozenset({"environment_kwargs", *EPISODE_KEYS})
+"""The keys :func:`follow_run` takes from the run whose null in ``--config`` is a value, not "unset": no kwargs, no
+budget, no context policy. (A null ``split``, ``model_seed`` or ``tiny_instruct_steps`` there still follows the run.)"""
+
 
 def _run_of(directory: Path) -> tuple[Path, Path] | None:
     """The run ``directory`` belongs to, as (the folder holding its ``recipe.yaml``, the folder holding the weights
@@ -482,6 +486,7 @@ def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalA
     if weights_dir != run_dir:  # a checkpoint: the settings it was trained under (a resume may have changed some)
         recipe = {**recipe, **_checkpoint_settings(weights_dir)}
     given = set(getattr(eval_args, "effective_recipe", None) or {})
+    given |= NULL_IS_A_VALUE & set(getattr(eval_args, "nulls_given", None) or ())
     taken: dict[str, Any] = {}
     environment = recipe.get("environment", ScriptArguments.environment)  # loop-train's default, if unnamed
     if "environment" not in given:
@@ -537,6 +542,7 @@ def follow_run(eval_args: EvalArguments, model_args: ModelConfig) -> tuple[EvalA
     except (TypeError, ValueError) as error:
         raise RecipeError(f"{run_dir / RECIPE_FILE}{state}: {str(error).splitlines()[0]}") from None
     followed.effective_recipe = getattr(eval_args, "effective_recipe", {})  # type: ignore[attr-defined]
+    followed.nulls_given = getattr(eval_args, "nulls_given", [])  # type: ignore[attr-defined]
     if taken:
         listed = ", ".join(f"{key} {value}" for key, value in taken.items())
         logger.info(f"loop-eval: following the run in {run_dir} ({RECIPE_FILE}{state}): {listed}; a flag overrides any")

@@ -213,6 +213,7 @@ def parse_recipe(argv: Sequence[str] | None = None, classes: Sequence[type] = DA
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = make_parser(classes)
     config_flags: list[str] = []
+    nulls: dict[str, Any] = {}
     config: dict[str, Any] = {}
     index = next((i for i, token in enumerate(argv) if token == "--config" or token.startswith("--config=")), None)
     if index is not None:
@@ -266,4 +267,7 @@ def parse_recipe(argv: Sequence[str] | None = None, classes: Sequence[type] = DA
         if isinstance(obj, ModelConfig):
             refuse_unused_model_keys(obj)
     parsed[0].effective_recipe = effective
+    # The keys the YAML sets to null (none of them a flag): a parser default, left out of the recipe as run (which
+    # would record their value as resolved), but set: loop-eval keeps those whose None is a value of its own.
+    parsed[0].nulls_given = [key for key in nulls if key not in effective]
     return parsed

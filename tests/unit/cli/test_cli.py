@@ -462,6 +462,46 @@ def test_every_key_of_the_shipped_recipes_is_documented():
             assert f"`{key}`" in documented, (recipe, key)
 
 
+def test_loop_eval_keeps_a_null_whose_none_is_a_value_and_follows_the_run_for_the_others(tmp_path):
+    """A YAML null reaches the parser as a default, not a flag: for the environment's kwargs and the episode settings
+    None is a value (no kwargs, no budget), which following the run must not replace; for the split it is unset."""
+    from trl import ModelConfig
+
+    from loop_trainer.cli.evaluate import EvalArguments, follow_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "recipe.yaml").write_text(
+        "environment: errands\nenvironment_kwargs: {levels: [1]}\neval_split: train\nmax_turns: 9\n"
+        "max_completion_tokens: 64\n"
+    )
+    recipe = write(
+        tmp_path,
+        f"""
+        model_name_or_path: {run}
+        output_dir: {tmp_path / "eval"}
+        environment_kwargs: null
+        max_completion_tokens: null
+        split: null
+        """,
+    )
+    eval_args, model_args = parse_recipe(["--config", recipe], (EvalArguments, ModelConfig))
+    assert "max_completion_tokens" not in eval_args.effective_recipe  # the recipe as run records no resolved null
+    followed, taken = follow_run(eval_args, model_args)
+    assert (followed.environment, followed.environment_kwargs, followed.max_completion_tokens) == (
+        "errands",
+        None,
+        None,
+    )
+    assert (followed.split, followed.max_turns) == ("train", 9)
+    assert set(taken) == {"environment", "split", "max_turns"}
+    # a flag over a YAML null is the flag's value
+    eval_args, model_args = parse_recipe(
+        ["--config", recipe, "--max_completion_tokens", "32"], (EvalArguments, ModelConfig)
+    )
+    assert follow_run(eval_args, model_args)[0].max_completion_tokens == 32
+
+
 def test_loop_eval_pointed_at_a_run_follows_its_environment_and_episode_limits(tmp_path, capsys, caplog):
     """A run's output_dir holds the recipe.yaml loop-train wrote: loop-eval takes the world, its kwargs and the
     episode limits the policy trained under from it (not its own 40 turns of 1,500 tokens), the split from the
