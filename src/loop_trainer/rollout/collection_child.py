@@ -172,11 +172,11 @@ class _SigtermWatch:
 
 
 def _forget_sigterm() -> None:
-    """In a process forked from the child without exec (by an environment or a library): SIGTERM's default, and no
-    wakeup fd writing into the child's watch."""
-    with contextlib.suppress(ValueError):  # not the main thread: nothing of the child's to forget here
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    """In a process forked from the child without exec by ``os.fork()`` (an environment's or a library's Python; a
+    fork in C runs no such hook): SIGTERM's default, and no wakeup fd writing into the child's watch. The forking
+    thread is the new process's main thread, which may set both."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _leave_with_the_parent(leaving: _Leaving) -> None:

@@ -4,8 +4,9 @@ and with each answer of a collection process.
 Why not call ``metrics()`` directly: they are diagnostics, and a ``metrics()`` that raises or never returns (a bug
 in the environment, a server that is down or hangs) must not end or stall a run that collects and trains well.
 
-- A read gets no answer when the call raised, or did not return within ``env_timeout`` (the bound of every
-  environment call). Then the last answer stands, and the read is counted (the run's ``metrics_call_failures``).
+- A read gets no answer when the call raised, did not return within ``env_timeout`` (the bound of every
+  environment call), or could not start (no thread to run it on). Then the last answer stands, and the read is
+  counted (the run's ``metrics_call_failures``).
 - The call runs on a daemon thread of its own, so one that never returns holds up neither the run nor its exit.
   While it runs, no other starts: a later read only looks whether it has returned since (without waiting), and
   takes its answer if it has. A hung ``metrics()`` thus costs one wait of ``env_timeout``, not one per iteration.
@@ -13,8 +14,9 @@ in the environment, a server that is down or hangs) must not end or stall a run 
   ``metrics()`` that always fails costs one log line, not one per iteration.
 - A call may still run when the environment's creator closes it (a hung one, or one a read stopped waiting for):
   unlike an episode's ``close()``, the environment's is not held back for it.
-- In a collection process the read comes with every answer, so the one wait delays that answer: a batch, or a
-  call around a weight change.
+- In a collection process the read comes with every answer, so the one wait delays that answer (a batch, or a
+  call around a weight change), and a hung call there is counted once per answer, not per iteration. Its copy of
+  the environment has a reader of its own: a ``metrics()`` that hangs in both costs a wait in each.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ class EnvMetricsReader:
         self.where = f" {where}" if where else ""
         self.timeout = timeout
         self.failures = 0
-        """Reads that got no answer so far: ``metrics()`` raised, or had not returned within ``timeout``."""
+        """Reads that got no answer so far: ``metrics()`` raised, had not returned within ``timeout``, or could not
+        start."""
         self._last: dict[str, float] = {}
         self._failing: str | None = None  # the kind of failure the reads get now, None while they are answered
         self._late: _MetricsCall | None = None  # a call that outlived its read, still running when last looked at

@@ -118,16 +118,12 @@ def test_a_hung_metrics_that_raises_at_last_is_logged_as_its_error(caplog):
 def test_a_read_with_no_thread_to_call_on_is_counted_not_raised(monkeypatch):
     from loop_trainer.rollout import env_metrics
 
-    class NoThreads:
-        def __init__(self, *args, **kwargs) -> None:
-            pass
-
-        def start(self) -> None:
-            raise RuntimeError("can't start new thread")
+    def no_thread(env) -> None:
+        raise RuntimeError("can't start new thread")  # what Thread.start() raises at the process's limit
 
     reader = EnvMetricsReader(ScriptedMetricsEnv([{"a": 1.0}, {"a": 2.0}]))
     assert reader.read() == {"a": 1.0}
-    monkeypatch.setattr(env_metrics.threading, "Thread", NoThreads)
+    monkeypatch.setattr(env_metrics, "_MetricsCall", no_thread)
     assert reader.read() == {"a": 1.0} and reader.failures == 1
     monkeypatch.undo()
     assert reader.read() == {"a": 2.0} and reader.failures == 1
