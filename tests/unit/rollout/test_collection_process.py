@@ -218,43 +218,27 @@ def test_the_childs_running_totals_come_back_with_each_batch(qwen_tokenizer, bac
 
 
 class MetricsThatFailAfterTheFirstEnv(CountingEnv):
-    def __init__(self) -> None:
+    """metrics() answers its first call; the later ones raise, or never return (``hang``)."""
+
+    def __init__(self, hang: bool = False) -> None:
         super().__init__()
+        self.hang = hang
         self.calls = 0
 
     def metrics(self) -> dict[str, float]:
         self.calls += 1
+        if self.calls > 1 and self.hang:
+            threading.Event().wait()  # never returns: the child's exit is not held up by it either
         if self.calls > 1:
             raise ConnectionError("the environment's server is down")
         return super().metrics()
 
 
-def test_a_failing_metrics_in_the_child_keeps_its_last_answer_and_is_counted(qwen_tokenizer, backend):
+@pytest.mark.parametrize("failure", ["raises", "hangs"])
+def test_a_failing_metrics_in_the_child_keeps_its_last_answer_and_is_counted(qwen_tokenizer, backend, capfd, failure):
+    """One that hangs is bounded by env_timeout (here 2 s), once."""
     tasks = list(CountingEnv().tasks("train"))[:1]
-    with CollectionProcess(setup_for(MetricsThatFailAfterTheFirstEnv(), qwen_tokenizer)) as process:
-        process.collect(tasks, 2, backend=backend, seed=1)
-        answered = {"episodes": 2.0, "prepared": 1.0}
-        assert (process.totals.env_metrics, process.totals.metrics_call_failures) == (answered, 0)
-        for failed in (1, 2):  # the batches still come back
-            assert len(process.collect(tasks, 1, backend=backend, seed=2).trajectories) == 1
-            assert (process.totals.env_metrics, process.totals.metrics_call_failures) == (answered, failed)
-
-
-class MetricsThatHangAfterTheFirstEnv(CountingEnv):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def metrics(self) -> dict[str, float]:
-        self.calls += 1
-        if self.calls > 1:
-            threading.Event().wait()  # never returns: the child's exit is not held up by it either
-        return super().metrics()
-
-
-def test_a_hanging_metrics_in_the_child_is_bounded_by_env_timeout_and_counted(qwen_tokenizer, backend, capfd):
-    tasks = list(CountingEnv().tasks("train"))[:1]
-    setup = setup_for(MetricsThatHangAfterTheFirstEnv(), qwen_tokenizer, env_timeout=2.0)
+    setup = setup_for(MetricsThatFailAfterTheFirstEnv(hang=failure == "hangs"), qwen_tokenizer, env_timeout=2.0)
     with CollectionProcess(setup) as process:
         process.collect(tasks, 2, backend=backend, seed=1)
         answered = {"episodes": 2.0, "prepared": 1.0}
@@ -262,9 +246,10 @@ def test_a_hanging_metrics_in_the_child_is_bounded_by_env_timeout_and_counted(qw
         for failed in (1, 2):  # the batches still come back
             assert len(process.collect(tasks, 1, backend=backend, seed=2).trajectories) == 1
             assert (process.totals.env_metrics, process.totals.metrics_call_failures) == (answered, failed)
-    assert process._process.exitcode == 0  # ended by its own close, the hung call's thread left behind
+    assert process._process.exitcode == 0  # ended by its own close (a hung call's thread left behind)
     logged = capfd.readouterr().err  # the child's log lines
-    assert logged.count("metrics() did not return within env_timeout (2s) in the collection process") == 1
+    hung = logged.count("metrics() did not return within env_timeout (2s) in the collection process")
+    assert hung == (1 if failure == "hangs" else 0)
 
 
 class UnsendableEpisode(ErrandsEpisode):
