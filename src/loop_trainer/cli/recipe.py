@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
+import enum
 import json
 import os
 from collections.abc import Sequence
@@ -205,6 +206,21 @@ def launch_deepspeed_config() -> dict[str, Any] | None:
     return settings
 
 
+def as_written(value: Any) -> Any:
+    """``value`` as a recipe writes it (``yaml.safe_dump`` writes nothing else): a settings object (transformers'
+    ``AcceleratorConfig``) as its mapping, an enum (``DebugOption``, ``IntervalStrategy``) as its value, tuples as
+    lists, at any depth."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, enum.Enum):
+        return as_written(value.value)
+    if isinstance(value, dict):
+        return {str(key): as_written(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [as_written(item) for item in value]
+    return value
+
+
 def parse_recipe(argv: Sequence[str] | None = None, classes: Sequence[type] = DATACLASSES) -> tuple[Any, ...]:
     """Parse ``[--config recipe.yaml] [--key value ...]`` into one instance of each of ``classes``
     (by default ScriptArguments, LOOPConfig, ModelConfig); raise :class:`RecipeError` on mistakes."""
@@ -262,7 +278,7 @@ def parse_recipe(argv: Sequence[str] | None = None, classes: Sequence[type] = DA
     effective = {}
     for key in dict.fromkeys(given):
         value = next(getattr(obj, key) for obj in parsed if hasattr(obj, key))
-        effective[key] = getattr(value, "value", value)
+        effective[key] = as_written(value)
     for obj in parsed:
         if isinstance(obj, ModelConfig):
             refuse_unused_model_keys(obj)

@@ -84,6 +84,21 @@ def test_recipe_mistakes_are_one_line(tmp_path, recipe, flags, message):
         parse_recipe(["--config", path, *flags])
 
 
+def test_the_recipe_as_run_is_plain_yaml_for_settings_objects_and_enums(tmp_path):
+    """transformers turns accelerator_config into an AcceleratorConfig and debug into a list of DebugOption: the
+    recipe as run (recipe.yaml, the model card) writes them as the mapping and the names a recipe gives."""
+    import yaml
+
+    path = write(tmp_path, "output_dir: out\naccelerator_config: {split_batches: true}\ndebug: underflow_overflow\n")
+    script, args, _ = parse_recipe(["--config", path])
+    assert args.accelerator_config.split_batches is True  # the object itself is transformers' own
+    written = yaml.safe_load(yaml.safe_dump(script.effective_recipe, sort_keys=False))
+    assert written == script.effective_recipe
+    assert written["accelerator_config"]["split_batches"] is True and written["debug"] == ["underflow_overflow"]
+    again, _, _ = parse_recipe(["--config", write(tmp_path, yaml.safe_dump(written))])  # it runs again as written
+    assert again.effective_recipe == written
+
+
 def test_config_in_the_equals_form(tmp_path):
     path = write(tmp_path, "output_dir: out\niterations: 7\n")
     script, args, model = parse_recipe([f"--config={path}", "--iterations=3"])
