@@ -87,7 +87,7 @@ class CollectionProcess:
     prepared) by the time the constructor returns. Release it with :meth:`close`; a daemon, it is also ended when
     this process exits."""
 
-    def __init__(self, setup: EngineSetup, *, start_timeout: float = 300.0):
+    def __init__(self, setup: EngineSetup, *, start_timeout: float = 300.0, close_timeout: float = 30.0):
         env_name = type(setup.env).__name__
         if setup.env.in_process_only:
             raise CollectionProcessError(
@@ -120,6 +120,8 @@ class CollectionProcess:
         self.totals = ChildTotals()
         self._closed = False
         self._broken = False  # a wait for an answer was interrupted: a pipe is out of step
+        self._ended_by_close = False  # close() ended it while a batch was being collected
+        self.close_timeout = close_timeout
         # Dropped without close(): the pipes close, so the child reads its end and leaves.
         self._finalizer = weakref.finalize(self, _close_all, self._connection, self._control)
         try:
@@ -168,6 +170,10 @@ class CollectionProcess:
             except (EOFError, OSError):
                 self._broken = True
                 self._process.join(timeout=5)
+                if self._ended_by_close:
+                    raise CollectionProcessError(
+                        f"the collection process was ended by close() while {doing(request)}"
+                    ) from None
                 raise CollectionProcessError(
                     f"the collection process died (exit code {self._process.exitcode}) while {doing(request)}: its "
                     "log lines above say why; set collection_process: false to collect on a thread"
@@ -217,9 +223,22 @@ class CollectionProcess:
         """Neither closed nor broken: it still answers."""
         return not (self._closed or self._broken)
 
-    def close(self, timeout: float = 30.0) -> None:
-        """End the child (after the batch it is collecting, if any; its partial rollouts cancelled); idempotent."""
-        with self._lock:
+    def close(self, timeout: float | None = None) -> None:
+        """End the child; idempotent. A batch it is collecting may finish first, within ``timeout`` (by default
+        ``close_timeout``, 30 s); one that does not is abandoned (its wait raises :class:`CollectionProcessError`),
+        and the child is ended: an episode stuck where no bound reaches it (an environment's ``step`` blocking the
+        event loop in C) would otherwise hold this close, and the trainer's, for ever. The child closes its
+        environment either way; its partial rollouts are cancelled."""
+        timeout = self.close_timeout if timeout is None else timeout
+        if not self._lock.acquire(timeout=timeout):  # a batch is being collected: its wait holds the lock
+            logger.warning(
+                "the batch the collection process collects did not end within %g s of close(): ending the process",
+                timeout,
+            )
+            self._ended_by_close = True
+            self._end()  # the batch's wait then sees the pipe end, and lets go of the lock
+            self._lock.acquire()
+        try:
             if self._closed:
                 return
             self._closed = True
@@ -227,16 +246,23 @@ class CollectionProcess:
                 self._connection.send(None)
             # A broken one may be blocked sending the answer nobody will read: no use waiting for it.
             self._process.join(0 if self._broken else timeout)
-            if self._process.is_alive():
-                if not self._broken:
-                    logger.warning("the collection process did not end within %g s: terminating it", timeout)
-                self._process.terminate()  # it closes its environment first, within CLOSE_WHEN_LEAVING_S
-                self._process.join(CLOSE_WHEN_LEAVING_S + 5)
-            if self._process.is_alive():  # none of its threads could run (a C call holding the interpreter lock)
-                logger.warning("the collection process did not end on SIGTERM: killing it")
-                self._process.kill()
-                self._process.join(5)
+            if self._process.is_alive() and not self._broken:
+                logger.warning("the collection process did not end within %g s: terminating it", timeout)
+            self._end()
             self._finalizer()
+        finally:
+            self._lock.release()
+
+    def _end(self) -> None:
+        """SIGTERM (the child closes its environment first, within CLOSE_WHEN_LEAVING_S), then SIGKILL if none of
+        its threads could run (a C call holding the interpreter lock); nothing if it has ended."""
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(CLOSE_WHEN_LEAVING_S + 5)
+        if self._process.is_alive():
+            logger.warning("the collection process did not end on SIGTERM: killing it")
+            self._process.kill()
+            self._process.join(5)
 
     def __enter__(self) -> CollectionProcess:
         return self

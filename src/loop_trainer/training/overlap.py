@@ -155,8 +155,19 @@ class OverlappedRollouts:
             ", ".join(str(i + 1) for i in self.iterations),
         )
 
+    def cancel_queued(self) -> None:
+        """Cancel the queued batches whose collection has not started (as the run ends: nothing will take them);
+        after it, none starts. The one being collected goes on: :meth:`close` waits for it."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
     def close(self) -> None:
-        self.wait()
+        """Wait for the collections under way (their errors dropped: nothing takes their batches now), forget the
+        queue and release the thread; idempotent. A run that goes on after it queues its batches anew."""
+        for queued in self._queue:
+            if queued.share is not None and not queued.share.cancelled():
+                queued.share.exception()
+        self._queue = []
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

@@ -107,13 +107,22 @@ class RolloutResources:
             )
         return self._evaluator
 
+    def close_collection_process(self) -> None:
+        """End the collection process, if one is open (a batch it is collecting may finish first, within its
+        close's bound): what :meth:`close` does first, and what the trainer does before it waits for the batches
+        queued ahead, so that a batch stuck in the child cannot hold that wait for ever."""
+        if self._collection_process is not None:
+            process, self._collection_process = self._collection_process, None
+            process.close()
+
     def close(self) -> None:
         """Release thread pools and the generator (a vLLM engine, its temporary files); idempotent.
         The environment is its creator's to close."""
-        for part in (self._collection_process, self._evaluator, self._engine, self._generator):
+        self.close_collection_process()
+        for part in (self._evaluator, self._engine, self._generator):
             if part is not None:
                 part.close()
-        self._evaluator = self._engine = self._generator = self._collection_process = None
+        self._evaluator = self._engine = self._generator = None
 
     def __enter__(self) -> RolloutResources:
         return self

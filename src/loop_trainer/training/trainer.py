@@ -628,10 +628,16 @@ class LOOPTrainer(Trainer):
         return self.rollout_resources.evaluator
 
     def close(self) -> None:
-        """Release what the trainer opened: rollout thread pools, the generator (a vLLM engine, its
-        temporary files). The environment is its creator's to close. Safe to call twice; anything
-        used afterwards is opened again."""
+        """Release what the trainer opened: rollout thread pools, the collection process, the generator (a vLLM
+        engine, its temporary files). The batches queued ahead (``max_staleness``) are dropped: those not started
+        are cancelled, the one being collected finishes first (in a collection process, within its close's bound;
+        then the process is ended). The environment is its creator's to close. Safe to call twice; anything used
+        afterwards is opened again."""
         try:
+            self.overlap.cancel_queued()  # the batches queued ahead and not started: nothing will take them now
+            # The batch a collection process collects ends within its close's bound, or with the process: one stuck
+            # in the child (a step blocking its event loop in C) would otherwise hold the wait below for ever.
+            self.rollout_resources.close_collection_process()
             self.overlap.close()  # a collection in flight finishes first: it uses the generator
         finally:
             try:

@@ -21,13 +21,18 @@ from typing import Any
 import pytest
 
 from loop_trainer.chat import ChatFormatter
+from loop_trainer.config import EpisodeSettings
 from loop_trainer.envs.base import Environment, EnvironmentSetupError, Episode, Message, Score, Step
 from loop_trainer.envs.errands import ErrandsEnv, ErrandsEpisode
 from loop_trainer.rollout import EpisodeLimits, RolloutFailureBudgetExceeded
 from loop_trainer.rollout.collection_process import CollectionProcess
 from loop_trainer.rollout.collection_protocol import ChildTotals, CollectionProcessError
 from loop_trainer.rollout.engine import EngineSetup
+from loop_trainer.rollout.generator import RolloutGenerator
 from loop_trainer.rollout.vllm_server import VLLMServerBackend
+from loop_trainer.training.overlap import OverlappedRollouts
+from loop_trainer.training.rollout_resources import RolloutResources
+from loop_trainer.training.trainer import LOOPTrainer
 from support.fake_vllm_server import serving
 from support.helpers import ScriptedBackend
 
@@ -623,8 +628,55 @@ def test_a_child_stuck_in_native_code_still_ends_on_sigterm_closing_its_environm
         assert process._process.exitcode == 1  # os._exit(1) after the close, not killed
         assert marker.read_text().split() == [str(process.pid)]
     finally:
-        if process._process.is_alive():  # close() would wait for the batch it is collecting: for ever
+        if process._process.is_alive():
             process._process.kill()
+        process.close(timeout=1)
+
+
+def test_a_trainer_closing_with_a_batch_stuck_in_its_child_ends_the_child_and_starts_no_other(
+    qwen_tokenizer, backend, tmp_path
+):
+    """A run stopped mid-way (an error, Ctrl-C) closes with batches queued ahead: here the one its child collects is
+    stuck in C, where no bound reaches it, and the next has not started. The trainer's close waits for the stuck one
+    a bounded time (``close_timeout``), then ends the child, which closes its environment; the next never starts.
+    Before, the close waited for the stuck batch for ever."""
+    marker, stuck = tmp_path / "closed", tmp_path / "stuck"
+    process = CollectionProcess(setup_for(StuckInNativeCodeEnv(marker, stuck), qwen_tokenizer), close_timeout=1.0)
+    resources = RolloutResources(
+        ErrandsEnv(num_tasks=1),
+        ChatFormatter(qwen_tokenizer),
+        EpisodeSettings(max_turns=3),
+        open_generator=lambda: RolloutGenerator(backend, owns_backend=False),
+        eval_temperature=0.0,
+    )
+    resources._collection_process = process
+    overlap = OverlappedRollouts(max_staleness=2)
+    tasks = list(ErrandsEnv(num_tasks=1).tasks("train"))[:1]
+    started: list[int] = []
+
+    def collect(iteration: int) -> Any:
+        started.append(iteration)
+        return process.collect(tasks, 1, backend=backend)
+
+    trainer = SimpleNamespace(overlap=overlap, _continuing=None, rollout_resources=resources)
+    closing = threading.Thread(target=LOOPTrainer.close, args=(trainer,), daemon=True)
+    try:
+        overlap.start(1, 0, lambda: collect(1))
+        overlap.start(2, 0, lambda: collect(2))
+        first = overlap._queue[0].share
+        _until(stuck.exists, 60)
+        closing.start()
+        closing.join(60)  # close_timeout (1 s), then the child's own close (CLOSE_WHEN_LEAVING_S, 10 s) and more
+        assert not closing.is_alive(), "the trainer's close waited for the stuck batch"
+        assert started == [1]  # the second batch was cancelled before it started
+        assert overlap.iterations == [] and resources._collection_process is None
+        assert first is not None and "ended by close() while collecting a batch" in str(first.exception(0))
+        assert process._process.exitcode == 1  # SIGTERM: os._exit(1) after the child closed its environment
+        assert marker.read_text().split() == [str(process.pid)]
+    finally:
+        if process._process.is_alive():  # the stuck batch's thread then ends, and the closing one with it
+            process._process.kill()
+        closing.join(60)
         process.close(timeout=1)
 
 

@@ -16,6 +16,7 @@ from trl.trainer.utils import add_fused_lm_head
 from loop_trainer import LOOPTrainer
 from loop_trainer.chat import stop_token_ids
 from loop_trainer.training.batching import collate
+from loop_trainer.training.overlap import OverlappedRollouts
 from loop_trainer.training.settings import update_settings
 from loop_trainer.training.update import STALE_IMPORTANCE_CAP, PolicyUpdate, importance_cap
 from support.apart import ApartBackend, VersionedApartBackend
@@ -342,3 +343,27 @@ def test_partial_rollouts_carry_the_groups_running_at_the_cut_and_continue_them_
     assert [r["policy_staleness_min"] for r in history[1:]] == [1.0] * 4
     assert max(r["policy_staleness_max"] for r in history) == 2.0  # a carried turn by the policy before
     assert sum(r["num_rollouts"] + r["dropped_stale_episodes"] for r in history[1:]) > 4 * 4  # stragglers trained
+
+
+def test_closing_cancels_the_batches_not_started_and_waits_for_the_one_being_collected():
+    """As a run ends with batches queued ahead: those not started never start; the one being collected finishes
+    (it uses the generator), its error dropped (nothing takes its batch); the queue is empty for a run after it."""
+    overlap = OverlappedRollouts(max_staleness=3)
+    collecting, release, started = threading.Event(), threading.Event(), []
+
+    def first():
+        started.append(1)
+        collecting.set()
+        release.wait(30)
+        raise RuntimeError("the generator was closed under it")
+
+    overlap.start(1, 0, first)
+    overlap.start(2, 0, lambda: started.append(2))
+    overlap.start(3, 0, lambda: started.append(3))
+    assert collecting.wait(30)
+    overlap.cancel_queued()
+    release.set()
+    overlap.close()
+    assert started == [1] and overlap.iterations == []
+    overlap.close()  # idempotent
+    assert overlap.to_queue(0, 10) == range(1, 4)  # queued anew from the iteration it is at
