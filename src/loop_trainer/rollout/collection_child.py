@@ -200,9 +200,11 @@ class _Child:
         self.engine: RolloutEngine | None = None
         self.continuing: ContinuingCollection | None = None
         self._lock = threading.Lock()  # the two threads build the clients and the engine
-        self._totals_lock = threading.Lock()
+        self._totals_lock = threading.Lock()  # held only to number the totals: never while metrics() is read
         self._answers = itertools.count(1)
         self._env_metrics = EnvMetricsReader(setup.env, "in the collection process", setup.env_timeout)
+        self._metrics_lock = threading.Lock()  # one read of metrics() at a time (the reader is not thread-safe)
+        self._metrics_read: tuple[dict[str, float], int] = ({}, 0)  # the last read's answer, and failures so far
 
     def sampler(self, sampling: ServerSampling) -> ServerSampler:
         with self._lock:
@@ -240,16 +242,25 @@ class _Child:
         return getattr(self.continuing, request.method)(*args, **request.kwargs)
 
     def totals(self) -> ChildTotals:
-        """The running totals now, numbered as they are taken (one at a time: a higher number is never older). If
-        the environment's ``metrics()`` fails, its last answer stands (:class:`~.env_metrics.EnvMetricsReader`)."""
+        """The running totals now, numbered as they are taken (a higher number is never older). The environment's
+        ``metrics()`` is read first (:class:`~.env_metrics.EnvMetricsReader`: a failure keeps its last answer),
+        unless the other thread is reading it: a read may wait ``env_timeout`` for a hung call, and the answer of
+        a call around a weight change must not wait behind a batch's. Then the last read's answer stands."""
+        if self._metrics_lock.acquire(blocking=False):
+            try:
+                env_metrics = self._env_metrics.read()
+                with self._totals_lock:
+                    self._metrics_read = (env_metrics, self._env_metrics.failures)
+            finally:
+                self._metrics_lock.release()
         with self._totals_lock:
-            env_metrics = self._env_metrics.read()
+            env_metrics, failures = self._metrics_read
             engine = self.engine
             return ChildTotals(
                 generation_retries=engine.generation_retries if engine else 0,
                 abandoned_calls=engine.abandoned_calls if engine else 0,
-                env_metrics=env_metrics,
-                metrics_call_failures=self._env_metrics.failures,
+                env_metrics=dict(env_metrics),
+                metrics_call_failures=failures,
                 taken=next(self._answers),
             )
 

@@ -25,6 +25,7 @@ from loop_trainer.config import EpisodeSettings
 from loop_trainer.envs.base import Environment, EnvironmentSetupError, Episode, Message, Score, Step
 from loop_trainer.envs.errands import ErrandsEnv, ErrandsEpisode
 from loop_trainer.rollout import EpisodeLimits, RolloutFailureBudgetExceeded
+from loop_trainer.rollout.collection_child import _Child, _Leaving
 from loop_trainer.rollout.collection_process import CollectionProcess
 from loop_trainer.rollout.collection_protocol import ChildTotals, CollectionProcessError
 from loop_trainer.rollout.engine import EngineSetup
@@ -255,6 +256,47 @@ def test_a_failing_metrics_in_the_child_keeps_its_last_answer_and_is_counted(qwe
     logged = capfd.readouterr().err  # the child's log lines
     hung = logged.count("metrics() did not return within env_timeout (2s) in the collection process")
     assert hung == (1 if failure == "hangs" else 0)
+
+
+class GatedMetricsEnv(ErrandsEnv):
+    """metrics() answers its n-th call with n, once the test lets it (``release``); ``called`` says it started."""
+
+    def __init__(self) -> None:
+        super().__init__(num_tasks=1)
+        self.called, self.release = threading.Event(), threading.Event()
+        self.calls = 0
+
+    def metrics(self) -> dict[str, float]:
+        self.calls += 1
+        self.called.set()
+        assert self.release.wait(60)
+        return {"calls": float(self.calls)}
+
+
+def test_an_answer_does_not_wait_for_the_metrics_the_childs_other_thread_is_reading(qwen_tokenizer):
+    """The child's two threads each send their totals with their answer: the control thread's (around a weight
+    change) carries the last read while the batch thread waits for a slow or hung metrics(), instead of waiting
+    behind it; then the batch thread's, numbered after it, carries the new read (the parent keeps the newest)."""
+    env = GatedMetricsEnv()
+    child = _Child(setup_for(env, qwen_tokenizer, env_timeout=60.0), _Leaving())
+    env.release.set()
+    assert child.totals().env_metrics == {"calls": 1.0}
+    env.called.clear()
+    env.release.clear()
+    batch_answer: list[ChildTotals] = []
+    reading = threading.Thread(target=lambda: batch_answer.append(child.totals()), daemon=True)
+    reading.start()
+    try:
+        assert env.called.wait(60)
+        control_answer = child.totals()  # while the batch thread's read waits for metrics() to return
+        assert reading.is_alive()  # still waiting: released only below
+        assert (control_answer.env_metrics, control_answer.metrics_call_failures) == ({"calls": 1.0}, 0)
+        assert env.calls == 2  # no second call started beside the one running
+    finally:
+        env.release.set()
+        reading.join(60)
+    assert batch_answer[0].env_metrics == {"calls": 2.0}
+    assert batch_answer[0].taken > control_answer.taken
 
 
 class UnsendableEpisode(ErrandsEpisode):
