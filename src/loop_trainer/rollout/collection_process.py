@@ -39,7 +39,9 @@ import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import pickle
+import socket
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -236,7 +238,8 @@ class CollectionProcess:
                 timeout,
             )
             self._ended_by_close = True
-            self._end()  # the batch's wait then sees the pipe end, and lets go of the lock
+            self._end()
+            self._stop_waiting()  # the batch's wait sees the pipe end, and lets go of the lock
             self._lock.acquire()
         try:
             if self._closed:
@@ -252,6 +255,13 @@ class CollectionProcess:
             self._finalizer()
         finally:
             self._lock.release()
+
+    def _stop_waiting(self) -> None:
+        """Make a wait for an answer on the batch pipe end (it reads EOF), even where the child's end is still open:
+        held by a grandchild the environment forked without exec, which survives the child's end. The pipe is a
+        socket pair, whose shutdown wakes a ``recv`` (or ``send``) on another thread."""
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(self._connection.fileno())) as end:
+            end.shutdown(socket.SHUT_RDWR)  # OSError: closed already
 
     def _end(self) -> None:
         """SIGTERM (the child closes its environment first, within CLOSE_WHEN_LEAVING_S), then SIGKILL if none of

@@ -15,9 +15,10 @@ in the environment, a server that is down or hangs) must not end or stall a run 
 - A call may still run when the environment's creator closes it (a hung one, or one a read stopped waiting for):
   unlike an episode's ``close()``, the environment's is not held back for it.
 - In a collection process the read comes with every answer, so the one wait delays that answer, and a hung call
-  there is counted once per answer, not per iteration. An answer given while the child's other thread is reading
-  (a call around a weight change, beside a batch's answer) does not wait: it carries the last read's answer. Its
-  copy of the environment has a reader of its own: a ``metrics()`` that hangs in both costs a wait in each.
+  there is counted once per read (about one per answer), not per iteration. An answer given while the child's
+  other thread is reading (a call around a weight change, beside a batch's answer) does not wait: it carries the
+  last read's answer. Its copy of the environment has a reader of its own: a ``metrics()`` that hangs in both
+  costs a wait in each.
 """
 
 from __future__ import annotations

@@ -112,8 +112,8 @@ class RolloutResources:
         close's bound): what :meth:`close` does first, and what the trainer does before it waits for the batches
         queued ahead, so that a batch stuck in the child cannot hold that wait for ever."""
         if self._collection_process is not None:
-            process, self._collection_process = self._collection_process, None
-            process.close()
+            self._collection_process.close()
+            self._collection_process = None  # only once closed: an interrupted close is tried again by close()
 
     def close(self) -> None:
         """Release thread pools and the generator (a vLLM engine, its temporary files); idempotent.

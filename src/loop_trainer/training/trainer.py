@@ -533,10 +533,14 @@ class LOOPTrainer(Trainer):
         by this policy (just synced), their tasks drawn now; let the generator forget the versions no queued batch
         needs."""
         args = self.args
+        # Taken here, not on the collection thread: a batch that starts as the run closes then finds the process
+        # closed, instead of opening another.
+        collector = self.rollout_resources.collection_process if self.collection_settings.collection_process else None
         for ahead in self.overlap.to_queue(iteration, args.iterations):
             tasks = [self.train_dataset[i] for i in self.task_sampler.next(args.tasks_per_iteration)]
             sampler = self.generator.sampler(iteration)
-            self.overlap.start(ahead, iteration, functools.partial(self._collect_share, tasks, ahead, sampler))
+            collect = functools.partial(self._collect_share, tasks, ahead, sampler, collector)
+            self.overlap.start(ahead, iteration, collect)
         self.generator.release_versions_below(self.overlap.oldest_version(default=iteration))
 
     def _sync_generator(self, version: int) -> dict[str, float]:
@@ -573,12 +577,15 @@ class LOOPTrainer(Trainer):
         return ContinuingCollection(self.rollout_engine, max_span=self.args.max_staleness)
 
     def _collect_share(
-        self, tasks: list[Mapping[str, Any]], iteration: int, sampler: GenerationBackend
+        self,
+        tasks: list[Mapping[str, Any]],
+        iteration: int,
+        sampler: GenerationBackend,
+        collector: CollectionProcess | None = None,
     ) -> RolloutBatch:
         """This process's share of iteration ``iteration``'s batch, sampled by ``sampler``; on the collection
-        thread, so no collective (the shares are gathered when the batch is taken); ``collection_process``: by the
-        child process, the thread waiting for it."""
-        collector = self.rollout_resources.collection_process if self.collection_settings.collection_process else None
+        thread, so no collective (the shares are gathered when the batch is taken); ``collector`` (with
+        ``collection_process``): by that child process, the thread waiting for it."""
         return self._share(tasks, iteration, sampler=sampler, collector=collector)
 
     def update_policy(self, samples: list[TrainingSample]) -> dict[str, float]:
@@ -638,14 +645,16 @@ class LOOPTrainer(Trainer):
             # The batch a collection process collects ends within its close's bound, or with the process: one stuck
             # in the child (a step blocking its event loop in C) would otherwise hold the wait below for ever.
             self.rollout_resources.close_collection_process()
-            self.overlap.close()  # a collection in flight finishes first: it uses the generator
         finally:
             try:
-                if self._continuing is not None:
-                    continuing, self._continuing = self._continuing, None
-                    continuing.close()
+                self.overlap.close()  # a collection in flight finishes first: it uses the generator
             finally:
-                self.rollout_resources.close()
+                try:
+                    if self._continuing is not None:
+                        continuing, self._continuing = self._continuing, None
+                        continuing.close()
+                finally:
+                    self.rollout_resources.close()
 
     def __enter__(self) -> Self:
         return self

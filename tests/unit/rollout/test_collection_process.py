@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import os
 import pickle
 import signal
@@ -718,8 +719,121 @@ def test_a_trainer_closing_with_a_batch_stuck_in_its_child_ends_the_child_and_st
     finally:
         if process._process.is_alive():  # the stuck batch's thread then ends, and the closing one with it
             process._process.kill()
-        closing.join(60)
+        if closing.is_alive():
+            closing.join(60)
         process.close(timeout=1)
+
+
+def test_a_batch_that_starts_after_its_collection_process_closed_opens_no_other(qwen_tokenizer, backend):
+    """The batches queued ahead are bound to the collection process open when they were queued: one that starts
+    only as the run closes (taken off the queue just before the cancel) finds it closed, instead of spawning a new
+    child on the collection thread while the trainer's close waits for that thread."""
+    process = CollectionProcess(setup_for(ErrandsEnv(num_tasks=1), qwen_tokenizer))
+    resources = RolloutResources(
+        ErrandsEnv(num_tasks=1),
+        ChatFormatter(qwen_tokenizer),
+        EpisodeSettings(max_turns=3),
+        open_generator=lambda: RolloutGenerator(backend, owns_backend=False),
+        eval_temperature=0.0,
+    )
+    resources._collection_process = process
+    gate = threading.Event()
+
+    def share(tasks, iteration, sampler=None, collector=None):
+        assert gate.wait(60)
+        return collector.collect(tasks, 1, backend=sampler)
+
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(iterations=4, tasks_per_iteration=1),
+        overlap=OverlappedRollouts(max_staleness=2),
+        train_dataset=list(ErrandsEnv(num_tasks=1).tasks("train")),
+        task_sampler=SimpleNamespace(next=lambda count: [0] * count),
+        generator=SimpleNamespace(sampler=lambda version: backend, release_versions_below=lambda version: None),
+        collection_settings=SimpleNamespace(collection_process=True),
+        rollout_resources=resources,
+        _share=share,
+    )
+    trainer._collect_share = functools.partial(LOOPTrainer._collect_share, trainer)
+    try:
+        LOOPTrainer._queue_ahead(trainer, 0)
+        shares = [queued.share for queued in trainer.overlap._queue]
+        resources.close_collection_process()
+        gate.set()  # the queued batches start now, the process closed
+        errors = [share.exception(60) for share in shares]
+        assert [str(error) for error in errors] == ["the collection process is closed"] * 2
+        assert resources._collection_process is None  # none opened anew
+    finally:
+        gate.set()
+        trainer.overlap.close()
+        resources.close()
+
+
+class ForkingThenStuckEpisode(ErrandsEpisode):
+    """Its step() forks a grandchild (no exec: it inherits the child's end of the trainer's pipes) that outlives the
+    child, writes its pid to ``marker``, then blocks the event loop (a sleep that releases the interpreter lock)."""
+
+    def __init__(self, task, form: str, marker: Path) -> None:
+        super().__init__(task, form)
+        self.marker = marker
+
+    async def step(self, reply: str) -> Step:
+        grandchild = os.fork()
+        if grandchild == 0:
+            time.sleep(120)
+            os._exit(0)
+        self.marker.write_text(str(grandchild))
+        time.sleep(3600)
+        raise AssertionError("unreachable: the child is ended first")
+
+
+class ForkingThenStuckEnv(ClosingEnv):
+    def __init__(self, marker: Path, forked: Path) -> None:
+        super().__init__(marker)
+        self.forked = forked
+
+    def episode(self, task):
+        return ForkingThenStuckEpisode(task, self.form, self.forked)
+
+
+def test_closing_stops_waiting_for_a_stuck_batch_even_where_a_grandchild_holds_the_childs_pipe(
+    qwen_tokenizer, backend, tmp_path
+):
+    """Ending the child does not end the batch's wait while a process the environment forked holds the child's end
+    of the pipe open: the close shuts the trainer's end down, so the wait reads its end instead of waiting for ever."""
+    marker, forked = tmp_path / "closed", tmp_path / "forked"
+    process = CollectionProcess(setup_for(ForkingThenStuckEnv(marker, forked), qwen_tokenizer), close_timeout=1.0)
+    tasks = list(ErrandsEnv(num_tasks=1).tasks("train"))[:1]
+    errors: list[BaseException] = []
+
+    def collect() -> None:
+        try:
+            process.collect(tasks, 1, backend=backend)
+        except CollectionProcessError as error:
+            errors.append(error)
+
+    collecting = threading.Thread(target=collect, daemon=True)
+    closing = threading.Thread(target=process.close, daemon=True)
+    grandchild = 0
+    try:
+        collecting.start()
+        _until(lambda: forked.exists() and forked.read_text() != "", 60)
+        grandchild = int(forked.read_text())
+        closing.start()
+        closing.join(60)  # close_timeout (1 s), then the child's own close (CLOSE_WHEN_LEAVING_S, 10 s) and more
+        assert not closing.is_alive(), "the close waited for a batch whose pipe a grandchild holds open"
+        collecting.join(5)
+        ended = "the collection process was ended by close() while collecting a batch"
+        assert [str(error) for error in errors] == [ended]
+        assert Path(f"/proc/{grandchild}").exists()  # still holding the pipe: the wait ended without it closing
+        assert process._process.exitcode == 1 and marker.read_text().split() == [str(process.pid)]
+    finally:
+        if grandchild:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(grandchild, signal.SIGKILL)
+        if process._process.is_alive():
+            process._process.kill()
+        if closing.is_alive():
+            closing.join(60)
 
 
 def _until(condition: Any, seconds: float = 10) -> None:

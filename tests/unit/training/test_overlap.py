@@ -54,9 +54,9 @@ def test_the_next_batch_is_sampled_by_this_policy_while_this_update_runs(vault_t
         note_start(iteration)
         return collect(tasks, collection_round, iteration=iteration)
 
-    def collect_ahead(tasks, iteration, sampler):  # a later iteration's share, on the collection thread
+    def collect_ahead(tasks, iteration, sampler, collector):  # a later iteration's share, on the collection thread
         note_start(iteration)
-        return collect_share(tasks, iteration, sampler)
+        return collect_share(tasks, iteration, sampler, collector)
 
     loaded: list[float] = []
 
@@ -208,10 +208,10 @@ def test_two_steps_of_staleness_sample_each_batch_by_the_policy_two_iterations_b
     checked: list[float] = []
     collect_share = trainer._collect_share
 
-    def collect_ahead(tasks, iteration, sampler):
+    def collect_ahead(tasks, iteration, sampler, collector):
         (version,) = [v for v, view in backend.views.items() if view is sampler]
         sampled_by[iteration] = version
-        share = collect_share(tasks, iteration, sampler)
+        share = collect_share(tasks, iteration, sampler, collector)
         # the sampler's log-probs are that version's (a copy the trainer has moved on from since)
         trajectory = next(t for t in share.trajectories if t.num_sampled_tokens)
         ids = torch.tensor([trajectory.token_ids])
@@ -360,10 +360,12 @@ def test_closing_cancels_the_batches_not_started_and_waits_for_the_one_being_col
     overlap.start(1, 0, first)
     overlap.start(2, 0, lambda: started.append(2))
     overlap.start(3, 0, lambda: started.append(3))
+    being_collected = overlap._queue[0].share
     assert collecting.wait(30)
     overlap.cancel_queued()
-    release.set()
+    threading.Timer(0.5, release.set).start()  # after close() has begun: it must wait for it
     overlap.close()
+    assert being_collected is not None and being_collected.done()
     assert started == [1] and overlap.iterations == []
     overlap.close()  # idempotent
     assert overlap.to_queue(0, 10) == range(1, 4)  # queued anew from the iteration it is at
