@@ -242,16 +242,15 @@ class CollectionProcess:
             self._stop_waiting()  # the batch's wait sees the pipe end, and lets go of the lock
             self._lock.acquire()
         try:
-            if self._closed:
-                return
-            self._closed = True
-            with contextlib.suppress(OSError):  # it is gone already
-                self._connection.send(None)
-            # A broken one may be blocked sending the answer nobody will read: no use waiting for it.
-            self._process.join(0 if self._broken else timeout)
-            if self._process.is_alive() and not self._broken:
-                logger.warning("the collection process did not end within %g s: terminating it", timeout)
-            self._end()
+            if not self._closed:
+                self._closed = True
+                with contextlib.suppress(OSError):  # it is gone already
+                    self._connection.send(None)
+                # A broken one may be blocked sending the answer nobody will read: no use waiting for it.
+                self._process.join(0 if self._broken else timeout)
+                if self._process.is_alive() and not self._broken:
+                    logger.warning("the collection process did not end within %g s: terminating it", timeout)
+            self._end()  # also where a close before was interrupted (Ctrl-C) before it ended the child
             self._finalizer()
         finally:
             self._lock.release()

@@ -107,12 +107,13 @@ class RolloutResources:
             )
         return self._evaluator
 
-    def close_collection_process(self) -> None:
-        """End the collection process, if one is open (a batch it is collecting may finish first, within its
-        close's bound): what :meth:`close` does first, and what the trainer does before it waits for the batches
-        queued ahead, so that a batch stuck in the child cannot hold that wait for ever."""
+    def close_collection_process(self, timeout: float | None = None) -> None:
+        """End the collection process, if one is open (a batch it is collecting may finish first, within
+        ``timeout``: by default its ``close_timeout``): what :meth:`close` does first, and what the trainer does
+        before it waits for the batches queued ahead, so that a batch stuck in the child cannot hold that wait for
+        ever."""
         if self._collection_process is not None:
-            self._collection_process.close()
+            self._collection_process.close(timeout)
             self._collection_process = None  # only once closed: an interrupted close is tried again by close()
 
     def close(self) -> None:

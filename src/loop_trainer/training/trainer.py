@@ -643,18 +643,25 @@ class LOOPTrainer(Trainer):
         try:
             self.overlap.cancel_queued()  # the batches queued ahead and not started: nothing will take them now
             # The batch a collection process collects ends within its close's bound, or with the process: one stuck
-            # in the child (a step blocking its event loop in C) would otherwise hold the wait below for ever.
+            # in the child (a step blocking its event loop in C) would otherwise hold the waits below for ever.
             self.rollout_resources.close_collection_process()
         finally:
             try:
-                self.overlap.close()  # a collection in flight finishes first: it uses the generator
+                self.rollout_resources.close_collection_process(timeout=0)  # if interrupted above: ended at once
             finally:
-                try:
-                    if self._continuing is not None:
-                        continuing, self._continuing = self._continuing, None
-                        continuing.close()
-                finally:
-                    self.rollout_resources.close()
+                self._close_collections()
+
+    def _close_collections(self) -> None:
+        """Wait for the collection under way, if any, then close the partial rollouts and the sampling parts."""
+        try:
+            self.overlap.close()  # a collection in flight finishes first: it uses the generator
+        finally:
+            try:
+                if self._continuing is not None:
+                    continuing, self._continuing = self._continuing, None
+                    continuing.close()
+            finally:
+                self.rollout_resources.close()
 
     def __enter__(self) -> Self:
         return self

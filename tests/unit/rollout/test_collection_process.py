@@ -676,23 +676,39 @@ def test_a_child_stuck_in_native_code_still_ends_on_sigterm_closing_its_environm
         process.close(timeout=1)
 
 
-def test_a_trainer_closing_with_a_batch_stuck_in_its_child_ends_the_child_and_starts_no_other(
-    qwen_tokenizer, backend, tmp_path
-):
-    """A run stopped mid-way (an error, Ctrl-C) closes with batches queued ahead: here the one its child collects is
-    stuck in C, where no bound reaches it, and the next has not started. The trainer's close waits for the stuck one
-    a bounded time (``close_timeout``), then ends the child, which closes its environment; the next never starts.
-    Before, the close waited for the stuck batch for ever."""
-    marker, stuck = tmp_path / "closed", tmp_path / "stuck"
-    process = CollectionProcess(setup_for(StuckInNativeCodeEnv(marker, stuck), qwen_tokenizer), close_timeout=1.0)
-    resources = RolloutResources(
+def trainer_resources(tokenizer: Any, backend: Any) -> RolloutResources:
+    """The trainer's sampling parts, to hold a collection process as a run does (``_collection_process``)."""
+    return RolloutResources(
         ErrandsEnv(num_tasks=1),
-        ChatFormatter(qwen_tokenizer),
+        ChatFormatter(tokenizer),
         EpisodeSettings(max_turns=3),
         open_generator=lambda: RolloutGenerator(backend, owns_backend=False),
         eval_temperature=0.0,
     )
+
+
+@pytest.mark.parametrize("interrupted", [False, True], ids=["waits", "interrupted"])
+def test_a_trainer_closing_with_a_batch_stuck_in_its_child_ends_the_child_and_starts_no_other(
+    qwen_tokenizer, backend, tmp_path, interrupted
+):
+    """A run stopped mid-way (an error, Ctrl-C) closes with batches queued ahead: here the one its child collects is
+    stuck in C, where no bound reaches it, and the next has not started. The trainer's close waits for the stuck one
+    a bounded time (``close_timeout``), then ends the child, which closes its environment; the next never starts.
+    Before, the close waited for the stuck batch for ever. ``interrupted``: a second Ctrl-C during that wait ends
+    the child at once, and the close still returns (raising it)."""
+    marker, stuck = tmp_path / "closed", tmp_path / "stuck"
+    resources = trainer_resources(qwen_tokenizer, backend)
+    process = CollectionProcess(setup_for(StuckInNativeCodeEnv(marker, stuck), qwen_tokenizer), close_timeout=1.0)
     resources._collection_process = process
+    if interrupted:
+        close_collection_process = resources.close_collection_process
+
+        def interrupted_wait(timeout: float | None = None) -> None:
+            if timeout is None:  # the wait for the stuck batch
+                raise KeyboardInterrupt
+            close_collection_process(timeout)
+
+        resources.close_collection_process = interrupted_wait  # type: ignore[method-assign]
     overlap = OverlappedRollouts(max_staleness=2)
     tasks = list(ErrandsEnv(num_tasks=1).tasks("train"))[:1]
     started: list[int] = []
@@ -702,7 +718,16 @@ def test_a_trainer_closing_with_a_batch_stuck_in_its_child_ends_the_child_and_st
         return process.collect(tasks, 1, backend=backend)
 
     trainer = SimpleNamespace(overlap=overlap, _continuing=None, rollout_resources=resources)
-    closing = threading.Thread(target=LOOPTrainer.close, args=(trainer,), daemon=True)
+    trainer._close_collections = functools.partial(LOOPTrainer._close_collections, trainer)
+    raised: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            LOOPTrainer.close(trainer)  # type: ignore[arg-type]
+        except BaseException as error:  # noqa: BLE001 - checked below
+            raised.append(error)
+
+    closing = threading.Thread(target=close, daemon=True)
     try:
         overlap.start(1, 0, lambda: collect(1))
         overlap.start(2, 0, lambda: collect(2))
@@ -711,6 +736,7 @@ def test_a_trainer_closing_with_a_batch_stuck_in_its_child_ends_the_child_and_st
         closing.start()
         closing.join(60)  # close_timeout (1 s), then the child's own close (CLOSE_WHEN_LEAVING_S, 10 s) and more
         assert not closing.is_alive(), "the trainer's close waited for the stuck batch"
+        assert [type(error) for error in raised] == ([KeyboardInterrupt] if interrupted else [])
         assert started == [1]  # the second batch was cancelled before it started
         assert overlap.iterations == [] and resources._collection_process is None
         assert first is not None and "ended by close() while collecting a batch" in str(first.exception(0))
@@ -724,18 +750,44 @@ def test_a_trainer_closing_with_a_batch_stuck_in_its_child_ends_the_child_and_st
         process.close(timeout=1)
 
 
+class SleepingCloseEnv(ErrandsEnv):
+    """Its close() never returns in time (it pickles, unlike an Event's wait)."""
+
+    def close(self) -> None:
+        time.sleep(3600)
+
+
+def test_a_close_interrupted_before_it_ended_the_child_ends_it_when_called_again(qwen_tokenizer):
+    """Ctrl-C during close()'s wait for the child to end (here its environment's close never returns): the next
+    close() ends it, instead of returning at once because the first had begun."""
+    process = CollectionProcess(setup_for(SleepingCloseEnv(num_tasks=1), qwen_tokenizer))
+    join = process._process.join
+    interrupts = [KeyboardInterrupt()]
+
+    def interrupted_join(timeout: float | None = None) -> None:
+        if interrupts:
+            raise interrupts.pop()
+        join(timeout)
+
+    process._process.join = interrupted_join  # type: ignore[method-assign]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            process.close(timeout=1)
+        assert process._process.is_alive()  # told to end, in its environment's close
+        process.close(timeout=1)
+        assert not process._process.is_alive()
+        assert process._process.exitcode == 1  # SIGTERM: the child waited for its close a bounded time, then left
+    finally:
+        if process._process.is_alive():
+            process._process.kill()
+
+
 def test_a_batch_that_starts_after_its_collection_process_closed_opens_no_other(qwen_tokenizer, backend):
     """The batches queued ahead are bound to the collection process open when they were queued: one that starts
     only as the run closes (taken off the queue just before the cancel) finds it closed, instead of spawning a new
     child on the collection thread while the trainer's close waits for that thread."""
+    resources = trainer_resources(qwen_tokenizer, backend)
     process = CollectionProcess(setup_for(ErrandsEnv(num_tasks=1), qwen_tokenizer))
-    resources = RolloutResources(
-        ErrandsEnv(num_tasks=1),
-        ChatFormatter(qwen_tokenizer),
-        EpisodeSettings(max_turns=3),
-        open_generator=lambda: RolloutGenerator(backend, owns_backend=False),
-        eval_temperature=0.0,
-    )
     resources._collection_process = process
     gate = threading.Event()
 
@@ -834,6 +886,7 @@ def test_closing_stops_waiting_for_a_stuck_batch_even_where_a_grandchild_holds_t
             process._process.kill()
         if closing.is_alive():
             closing.join(60)
+        process.close(timeout=1)
 
 
 def _until(condition: Any, seconds: float = 10) -> None:

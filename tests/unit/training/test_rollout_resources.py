@@ -53,7 +53,7 @@ def test_the_running_totals_add_the_collection_processs_to_the_trainers(qwen_tok
         }
         parts.engine.generation_retries = 2
         totals = ChildTotals(3, 1, {"restarts": 2.0, "retries": 5.0}, metrics_call_failures=2)
-        child = SimpleNamespace(totals=totals, close=lambda: None)
+        child = SimpleNamespace(totals=totals, close=lambda timeout=None: None)
         parts._collection_process = child  # type: ignore[assignment]
         assert parts.running_totals() == {
             "generation_retries": 5.0,
