@@ -94,6 +94,12 @@ def full_parameters(parameters):
     return contextlib.nullcontext()
 
 
+def _device(offload: object) -> str:
+    """An offload setting's device ("none", "cpu", "nvme"), whether DeepSpeed holds it as its enum or its value."""
+    device = getattr(offload, "device", "none")
+    return str(getattr(device, "value", device))
+
+
 def deepspeed_facts(trainer, wrapped) -> dict:
     """What DeepSpeed was configured with and how ZeRO-3 split the parameters on this rank."""
     import deepspeed
@@ -109,6 +115,7 @@ def deepspeed_facts(trainer, wrapped) -> dict:
         "zero_stage": wrapped.zero_optimization_stage(),
         "optimizer": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
         "offload_optimizer": wrapped.zero_cpu_offload(),
+        "offload_param": _device(wrapped.zero_offload_param()) == "cpu",
         "master_devices": sorted({str(m.device) for m in masters}),
         "master_numel": sum(m.numel() for m in masters),
         "gradient_clipping": wrapped.gradient_clipping(),

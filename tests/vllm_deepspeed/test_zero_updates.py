@@ -1,13 +1,15 @@
-"""A LOOP update on 2 DeepSpeed processes equals the update on 1 plain process: ZeRO-3, ZeRO-2, and ZeRO-2 with
-the optimizer state on the CPU (ZeRO-Offload).
+"""A LOOP update on 2 DeepSpeed processes equals the update on 1 plain process: ZeRO-3, ZeRO-3 with the optimizer
+state on the CPU and with the parameters there too, ZeRO-2, ZeRO-2 with the optimizer state on the CPU
+(ZeRO-Offload), and ZeRO-1.
 
 tests/support/ddp_driver.py runs ``LOOPTrainer.update_policy`` on fixed trajectories once on one process without
 DeepSpeed and once under ``accelerate launch --config_file <recipe> --num_processes 2 --mixed_precision no`` for
-each launch: the repository's accelerate recipes recipes/accelerate/zero3.yaml and zero2-offload.yaml, and the
-latter with ``offload_optimizer_device: none`` (fp32 on CPU, gloo; accelerate swaps the Trainer's AdamW for
-DeepSpeed's CPU Adam under offload). Each optimizer step's loss and gradient norm (the global pre-clip norm), the
-metrics and the weights after the update must agree to fp32 precision, and the two ranks must really split what the
-stage shards: ZeRO-3 half of the parameters each, ZeRO-2 half of the fp32 master weights each. The cases cover full
+each launch: the repository's accelerate recipes recipes/accelerate/zero3.yaml and zero2-offload.yaml, and each
+with the offload devices or the stage changed (``LAUNCHES``; fp32 on CPU, gloo; accelerate swaps the Trainer's
+AdamW for DeepSpeed's CPU Adam under optimizer offload). Each optimizer step's loss and gradient norm (the global
+pre-clip norm), the metrics and the weights after the update must agree to fp32 precision, and the two ranks must
+really split what the stage shards: ZeRO-3 half of the parameters each, ZeRO-1/2 half of the fp32 master weights
+each. The cases cover full
 fine-tuning and LoRA, per-device batches of 1 (two micro-batches accumulated into one ZeRO step) and 2, minibatches
 that split unevenly (3 = 2 + 1: the rank with less work runs zero stand-ins so every collective forward/backward is
 matched) or leave a rank without a trajectory, activation checkpointing, a decaying learning rate, and the skip
@@ -41,13 +43,20 @@ ROOT = Path(__file__).resolve().parents[2]
 ACCELERATE = ROOT / "recipes" / "accelerate"
 LAUNCHES = {  # the accelerate recipe each DeepSpeed run launches with, and what it changes there
     "zero3": (ACCELERATE / "zero3.yaml", {}),
+    # ZeRO-3 with the optimizer state on the CPU, and with the parameters there too (ZeRO-Infinity's CPU tier)
+    "zero3_offload": (ACCELERATE / "zero3.yaml", {"offload_optimizer_device": "cpu"}),
+    "zero3_offload_params": (
+        ACCELERATE / "zero3.yaml",
+        {"offload_optimizer_device": "cpu", "offload_param_device": "cpu"},
+    ),
     "zero2": (ACCELERATE / "zero2-offload.yaml", {"offload_optimizer_device": "none"}),  # the optimizer on the GPU
     "zero2_offload": (ACCELERATE / "zero2-offload.yaml", {}),
+    "zero1": (ACCELERATE / "zero2-offload.yaml", {"zero_stage": 1, "offload_optimizer_device": "none"}),
 }
 # Relative agreement of losses, gradient norms and the update: fp32 summed in another order on 2 ranks. DeepSpeed's
 # CPU Adam (under offload) also rounds each element's update its own way, a weight ulp or two from torch's AdamW a
 # step (about 1e-6 of the update), which the next steps' losses carry at up to ~1e-5.
-RELATIVE = {"zero3": 1e-5, "zero2": 1e-5, "zero2_offload": 1e-4}
+RELATIVE = {launch: 1e-4 if "offload" in launch else 1e-5 for launch in LAUNCHES}
 TIMEOUT = 400  # ~40 s warm; the first run also compiles (~85 s, and ~60 s for CPU Adam under offload)
 MAX_GRAD_NORM = 1e-3  # the driver's default: every step below clips
 KL_ABORT = 0.01  # above the KL of a minibatch before any update (0), below the KL after one (~0.03)
@@ -142,22 +151,25 @@ def test_deepspeed_on_two_processes_matches_one_process(single, launched, case):
     for rank, facts in enumerate(double["deepspeed"]["ranks"]):
         assert facts["gradient_clipping"] == MAX_GRAD_NORM, (rank, facts)
         assert facts["gradient_accumulation_steps"] == 1, (rank, facts)
-        if launch == "zero3":
+        offload = launch.startswith(("zero2_offload", "zero3_offload"))
+        adam = "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam" if offload else "torch.optim.adamw.AdamW"
+        if launch.startswith("zero3"):
             # every parameter is split, each rank holds half of the elements and none outside a gather
-            assert facts["zero_stage"] == 3 and not facts["offload_optimizer"], (rank, facts)
+            assert facts["zero_stage"] == 3 and facts["offload_optimizer"] == offload, (rank, facts)
             assert facts["num_partitioned"] == facts["num_params"] > 0, (rank, facts)
             assert facts["local_numel"] * 2 == pytest.approx(facts["full_numel"], rel=1e-3), (rank, facts)
             assert facts["visible_numel"] == facts["visible_numel_after"] == 0, (rank, facts)
+            assert facts["optimizer"] == adam, (rank, facts)
+            assert facts["offload_param"] == (launch == "zero3_offload_params"), (rank, facts)
         else:
             # whole parameters on each rank and half of the trainable ones' fp32 masters each; under offload on
             # the CPU, stepped by DeepSpeed's CPU Adam (accelerate's swap for the Trainer's AdamW)
-            offload = launch == "zero2_offload"
-            assert facts["zero_stage"] == 2 and facts["offload_optimizer"] == offload, (rank, facts)
+            assert facts["zero_stage"] == (1 if launch == "zero1" else 2), (rank, facts)
+            assert facts["offload_optimizer"] == offload, (rank, facts)
             assert facts["num_partitioned"] == 0, (rank, facts)
             assert facts["master_devices"] == ["cpu"], (rank, facts)  # the CPU is this test's device either way
-            adam = "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam" if offload else "torch.optim.adamw.AdamW"
             assert facts["optimizer"] == adam, (rank, facts)
-    if launch != "zero3" and case != "lora":
+    if not launch.startswith("zero3") and case != "lora":
         masters = [facts["master_numel"] for facts in double["deepspeed"]["ranks"]]
         total = sum(w.numel() for w in double_weights.values())
         assert sum(masters) == pytest.approx(total, rel=1e-3) and masters[0] == pytest.approx(masters[1], rel=1e-3)
