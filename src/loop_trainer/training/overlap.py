@@ -116,10 +116,10 @@ class OverlappedRollouts:
         return queued.gathered
 
     def wait(self) -> None:
-        """Let every queued collection finish (before the generator's weights change under it); their errors
-        surface at :meth:`take`. No collective."""
+        """Let every queued collection finish (before the generator's weights change under it; one cancelled by
+        :meth:`cancel_queued` never runs); their errors surface at :meth:`take`. No collective."""
         for queued in self._queue:
-            if queued.share is not None:
+            if queued.share is not None and not queued.share.cancelled():
                 queued.share.exception()
 
     def settle(self) -> None:
@@ -164,9 +164,7 @@ class OverlappedRollouts:
     def close(self) -> None:
         """Wait for the collections under way (their errors dropped: nothing takes their batches now), forget the
         queue and release the thread; idempotent. A run that goes on after it queues its batches anew."""
-        for queued in self._queue:
-            if queued.share is not None and not queued.share.cancelled():
-                queued.share.exception()
+        self.wait()
         self._queue = []
         if self._executor is not None:
             self._executor.shutdown(wait=True)

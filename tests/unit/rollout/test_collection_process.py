@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 
 from loop_trainer.chat import ChatFormatter
-from loop_trainer.config import EpisodeSettings
 from loop_trainer.envs.base import Environment, EnvironmentSetupError, Episode, Message, Score, Step
 from loop_trainer.envs.errands import ErrandsEnv, ErrandsEpisode
 from loop_trainer.rollout import EpisodeLimits, RolloutFailureBudgetExceeded
@@ -30,13 +29,12 @@ from loop_trainer.rollout.collection_child import _Child, _Leaving
 from loop_trainer.rollout.collection_process import CollectionProcess
 from loop_trainer.rollout.collection_protocol import ChildTotals, CollectionProcessError
 from loop_trainer.rollout.engine import EngineSetup
-from loop_trainer.rollout.generator import RolloutGenerator
 from loop_trainer.rollout.vllm_server import VLLMServerBackend
 from loop_trainer.training.overlap import OverlappedRollouts
-from loop_trainer.training.rollout_resources import RolloutResources
 from loop_trainer.training.trainer import LOOPTrainer
 from support.fake_vllm_server import serving
 from support.helpers import ScriptedBackend
+from unit.training.test_rollout_resources import resources as sampling_parts
 
 LIMITS = EpisodeLimits(max_turns=3, max_new_tokens_per_turn=3)
 
@@ -644,20 +642,22 @@ class StuckInNativeCodeEpisode(ErrandsEpisode):
         raise AssertionError("unreachable: a default mutex locked twice by one thread deadlocks")
 
 
-class StuckInNativeCodeEnv(ClosingEnv):
-    def __init__(self, marker: Path, stuck: Path) -> None:
+class StuckEpisodesEnv(ClosingEnv):
+    """Its episodes are ``episode_class`` (one of the stuck ones here), told ``episode_marker``."""
+
+    def __init__(self, marker: Path, episode_marker: Path, episode_class: type = StuckInNativeCodeEpisode) -> None:
         super().__init__(marker)
-        self.stuck = stuck
+        self.episode_marker, self.episode_class = episode_marker, episode_class
 
     def episode(self, task):
-        return StuckInNativeCodeEpisode(task, self.form, self.stuck)
+        return self.episode_class(task, self.form, self.episode_marker)
 
 
 def test_a_child_stuck_in_native_code_still_ends_on_sigterm_closing_its_environment(qwen_tokenizer, backend, tmp_path):
     """A Python handler would wait for the main thread to come back to Python, for ever here: then multiprocessing's
     exit (SIGTERM, then a join without a bound) would hang the trainer's. The child sees it on a thread instead."""
     marker, stuck = tmp_path / "closed", tmp_path / "stuck"
-    process = CollectionProcess(setup_for(StuckInNativeCodeEnv(marker, stuck), qwen_tokenizer))
+    process = CollectionProcess(setup_for(StuckEpisodesEnv(marker, stuck), qwen_tokenizer))
     try:
         tasks = list(ErrandsEnv(num_tasks=1).tasks("train"))[:1]
         collecting = threading.Thread(target=_collect_ignoring_errors, args=(process, tasks, backend), daemon=True)
@@ -676,17 +676,6 @@ def test_a_child_stuck_in_native_code_still_ends_on_sigterm_closing_its_environm
         process.close(timeout=1)
 
 
-def trainer_resources(tokenizer: Any, backend: Any) -> RolloutResources:
-    """The trainer's sampling parts, to hold a collection process as a run does (``_collection_process``)."""
-    return RolloutResources(
-        ErrandsEnv(num_tasks=1),
-        ChatFormatter(tokenizer),
-        EpisodeSettings(max_turns=3),
-        open_generator=lambda: RolloutGenerator(backend, owns_backend=False),
-        eval_temperature=0.0,
-    )
-
-
 @pytest.mark.parametrize("interrupted", [False, True], ids=["waits", "interrupted"])
 def test_a_trainer_closing_with_a_batch_stuck_in_its_child_ends_the_child_and_starts_no_other(
     qwen_tokenizer, backend, tmp_path, interrupted
@@ -697,8 +686,8 @@ def test_a_trainer_closing_with_a_batch_stuck_in_its_child_ends_the_child_and_st
     Before, the close waited for the stuck batch for ever. ``interrupted``: a second Ctrl-C during that wait ends
     the child at once, and the close still returns (raising it)."""
     marker, stuck = tmp_path / "closed", tmp_path / "stuck"
-    resources = trainer_resources(qwen_tokenizer, backend)
-    process = CollectionProcess(setup_for(StuckInNativeCodeEnv(marker, stuck), qwen_tokenizer), close_timeout=1.0)
+    resources = sampling_parts(qwen_tokenizer, backend=backend)
+    process = CollectionProcess(setup_for(StuckEpisodesEnv(marker, stuck), qwen_tokenizer), close_timeout=1.0)
     resources._collection_process = process
     if interrupted:
         close_collection_process = resources.close_collection_process
@@ -786,7 +775,7 @@ def test_a_batch_that_starts_after_its_collection_process_closed_opens_no_other(
     """The batches queued ahead are bound to the collection process open when they were queued: one that starts
     only as the run closes (taken off the queue just before the cancel) finds it closed, instead of spawning a new
     child on the collection thread while the trainer's close waits for that thread."""
-    resources = trainer_resources(qwen_tokenizer, backend)
+    resources = sampling_parts(qwen_tokenizer, backend=backend)
     process = CollectionProcess(setup_for(ErrandsEnv(num_tasks=1), qwen_tokenizer))
     resources._collection_process = process
     gate = threading.Event()
@@ -838,22 +827,14 @@ class ForkingThenStuckEpisode(ErrandsEpisode):
         raise AssertionError("unreachable: the child is ended first")
 
 
-class ForkingThenStuckEnv(ClosingEnv):
-    def __init__(self, marker: Path, forked: Path) -> None:
-        super().__init__(marker)
-        self.forked = forked
-
-    def episode(self, task):
-        return ForkingThenStuckEpisode(task, self.form, self.forked)
-
-
 def test_closing_stops_waiting_for_a_stuck_batch_even_where_a_grandchild_holds_the_childs_pipe(
     qwen_tokenizer, backend, tmp_path
 ):
     """Ending the child does not end the batch's wait while a process the environment forked holds the child's end
     of the pipe open: the close shuts the trainer's end down, so the wait reads its end instead of waiting for ever."""
     marker, forked = tmp_path / "closed", tmp_path / "forked"
-    process = CollectionProcess(setup_for(ForkingThenStuckEnv(marker, forked), qwen_tokenizer), close_timeout=1.0)
+    env = StuckEpisodesEnv(marker, forked, ForkingThenStuckEpisode)
+    process = CollectionProcess(setup_for(env, qwen_tokenizer), close_timeout=1.0)
     tasks = list(ErrandsEnv(num_tasks=1).tasks("train"))[:1]
     errors: list[BaseException] = []
 

@@ -20,8 +20,9 @@ class RestartingEnv(ErrandsEnv):
         return {"restarts": 1.0, "timeouts": 4.0}
 
 
-def resources(tokenizer, env=None, env_timeout: float = 12.0) -> RolloutResources:
-    backend = ScriptedBackend(tokenizer, lambda prompt: "x")
+def resources(tokenizer, env=None, env_timeout: float = 12.0, backend=None) -> RolloutResources:
+    """A run's sampling parts, its generator on ``backend`` (default: one that replies "x")."""
+    backend = backend or ScriptedBackend(tokenizer, lambda prompt: "x")
     return RolloutResources(
         env or RestartingEnv(num_tasks=1),
         ChatFormatter(tokenizer),
