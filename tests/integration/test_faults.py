@@ -141,6 +141,8 @@ def test_the_cli_reports_a_failure_budget_stop_in_one_line(tmp_path, capsys):
             "0.1",
             "--activation_checkpointing",
             "false",
+            "--memory_stress_test",  # at the default 32,000 tokens: half a minute
+            "false",
             "--report_to",
             "none",
             "--disable_tqdm",

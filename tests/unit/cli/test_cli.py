@@ -241,6 +241,8 @@ TINY_RUN = [
     "true",
     "--plot_curves",
     "false",
+    "--memory_stress_test",  # at the default 32,000 tokens: half a minute
+    "false",
 ]
 
 
