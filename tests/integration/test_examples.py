@@ -76,9 +76,13 @@ def test_the_custom_environment_example_trains_through_the_python_api_and_loop_t
     from loop_trainer.training.run_log import read_metrics
 
     example = load_example("custom_env")
-    # max_trajectory_tokens as the example sets it: the default 32,000 sizes a start-up stress test of a minute on CPU
-    small = {"iterations": 1, "tasks_per_iteration": 2, "rollouts_per_task": 2, "minibatch_size": 4}
-    small["max_trajectory_tokens"] = 512
+    small = {
+        "iterations": 1,
+        "tasks_per_iteration": 2,
+        "rollouts_per_task": 2,
+        "minibatch_size": 4,
+        "max_trajectory_tokens": 512,  # as the example sets it: the default 32,000 sizes a minute's stress test on CPU
+    }
     args = LOOPConfig(output_dir=str(tmp_path / "api"), tiny_instruct_steps=3, max_turns=4, disable_tqdm=True, **small)
     LOOPTrainer("tiny-instruct:courier", example.CourierEnv(num_tasks=4), args).train()
     assert read_metrics(args.output_dir)[-1]["iteration"] == 1
