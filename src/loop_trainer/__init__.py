@@ -1,12 +1,38 @@
-"""loop_trainer: LOOP (Leave-One-Out PPO) for multi-turn LLM agents, as a TRL trainer."""
+"""loop_trainer: LOOP (Leave-One-Out PPO) for multi-turn LLM agents, as a TRL trainer.
 
-from .config import LOOPConfig
-from .envs import Environment, Episode, Score, Step, make_environment
-from .objective import advantage_keep_mask, leave_one_out_advantages, loop_policy_loss
-from .training.trainer import LOOPTrainer
-from .trajectory import Trajectory
+The names below import on first use (:mod:`.lazy_exports`): ``from loop_trainer import LOOPTrainer`` loads torch and
+transformers' trainer, while a process that imports one light module of the package (a collection child) does not.
+"""
+
+from typing import TYPE_CHECKING
+
+from .lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from .config import LOOPConfig
+    from .envs import Environment, Episode, Score, Step, make_environment
+    from .objective import advantage_keep_mask, leave_one_out_advantages, loop_policy_loss
+    from .training.trainer import LOOPTrainer
+    from .trajectory import Trajectory
 
 __version__ = "0.1.0"
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "LOOPConfig": ".config",
+        "Environment": ".envs",
+        "Episode": ".envs",
+        "Score": ".envs",
+        "Step": ".envs",
+        "make_environment": ".envs",
+        "advantage_keep_mask": ".objective",
+        "leave_one_out_advantages": ".objective",
+        "loop_policy_loss": ".objective",
+        "LOOPTrainer": ".training.trainer",
+        "Trajectory": ".trajectory",
+    },
+)
 
 __all__ = [
     "Environment",

@@ -24,15 +24,9 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..compat.openenv import OpenEnvEnvironment, from_openenv  # imports openenv only when used
-from ..compat.trl import TRLAgentEnvironment
-from ..compat.verifiers import (  # imports verifiers only when used
-    VerifiersEnvironment,
-    VerifiersTasksetEnvironment,
-    from_verifiers,
-)
+from ..lazy_exports import lazy_exports
 from .base import (
     Environment,
     EnvironmentSetupError,
@@ -52,6 +46,25 @@ from .base import (
 from .contacts import ContactsEnv
 from .errands import ErrandsEnv
 from .vault import VaultEnv
+
+if TYPE_CHECKING:
+    from ..compat.openenv import OpenEnvEnvironment, from_openenv
+    from ..compat.trl import TRLAgentEnvironment
+    from ..compat.verifiers import VerifiersEnvironment, VerifiersTasksetEnvironment, from_verifiers
+
+# The adapters of other libraries import on first use: TRL's imports transformers' trainer (and torch), which a
+# process that only runs episodes (a collection child) does not need (lazy_exports.py).
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "OpenEnvEnvironment": "..compat.openenv",
+        "from_openenv": "..compat.openenv",
+        "TRLAgentEnvironment": "..compat.trl",
+        "VerifiersEnvironment": "..compat.verifiers",
+        "VerifiersTasksetEnvironment": "..compat.verifiers",
+        "from_verifiers": "..compat.verifiers",
+    },
+)
 
 __all__ = [
     "Environment",

@@ -1,10 +1,45 @@
-"""Multi-turn rollouts: generation backends and the concurrent episode engine."""
+"""Multi-turn rollouts: generation backends and the concurrent episode engine.
 
-from .backend import Completion, GenerationBackend, TransformersBackend, build_transformers_backend
-from .collection import run_coroutine
-from .engine import RolloutEngine
-from .records import EpisodeLimits, GenerationError, RolloutBatch, RolloutFailureBudgetExceeded, mix_seed
-from .sampling_parts import TransformersSamplingSettings
+The names below import on first use (:mod:`loop_trainer.lazy_exports`): the transformers backend needs torch, which
+a process that only runs episodes against a vLLM server (a collection child) does not.
+"""
+
+from typing import TYPE_CHECKING
+
+from ..lazy_exports import lazy_exports
+
+if TYPE_CHECKING:
+    from .backend import TransformersBackend, build_transformers_backend
+    from .collection import run_coroutine
+    from .engine import RolloutEngine
+    from .records import (
+        Completion,
+        EpisodeLimits,
+        GenerationBackend,
+        GenerationError,
+        RolloutBatch,
+        RolloutFailureBudgetExceeded,
+        mix_seed,
+    )
+    from .sampling_parts import TransformersSamplingSettings
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "Completion": ".records",
+        "GenerationBackend": ".records",
+        "TransformersBackend": ".backend",
+        "build_transformers_backend": ".backend",
+        "run_coroutine": ".collection",
+        "RolloutEngine": ".engine",
+        "EpisodeLimits": ".records",
+        "GenerationError": ".records",
+        "RolloutBatch": ".records",
+        "RolloutFailureBudgetExceeded": ".records",
+        "mix_seed": ".records",
+        "TransformersSamplingSettings": ".sampling_parts",
+    },
+)
 
 __all__ = [
     "Completion",

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext, suppress
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
@@ -23,7 +23,7 @@ from .continuous_batch import DecodeBatch, DecodeSettings, Request
 from .kv_layout import KVLayout
 from .merged_adapter import MergedAdapter, merge_problem
 from .prefix_cache import PrefixCache, PrefixReuse, SharedPrefixes
-from .records import Completion, DecodeCounters, settle
+from .records import Completion, DecodeCounters, GenerationBackend, settle
 from .row_storage import PaddedRows, SlotRows
 from .sampled_policy import SampledPolicy
 from .sampling_parts import COMPILE_NEEDS_STATIC, TransformersSamplingSettings, compile_problem, resolve_sampling_parts
@@ -39,14 +39,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class GenerationBackend(Protocol):
-    async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
-        """Sample one reply. With a ``seed``, the reply must depend only on the prompt, the weights
-        and the seed -- not on what else is batched with it -- so runs (and resumed runs) repeat."""
-        ...
 
 
 class TemperatureView:

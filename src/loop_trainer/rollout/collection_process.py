@@ -47,12 +47,11 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .backend import GenerationBackend
 from .collection_child import CLOSE_WHEN_LEAVING_S, serve_collection
 from .collection_protocol import ChildTotals, CollectionJob, CollectionProcessError, ContinuingCall, Request, doing
 from .engine import EngineSetup
 from .partial import CarriedGroup
-from .records import RolloutBatch
+from .records import GenerationBackend, RolloutBatch
 from .server_client import ServerSampling
 from .vllm_server import server_sampling
 

@@ -36,11 +36,19 @@ from typing import Any, Protocol, TypeVar
 from ..chat import ChatFormatter
 from ..envs.base import Environment, Episode, EpisodeContractError, Message, Reply, Step, as_score, check_messages
 from ..trajectory import Trajectory
-from .backend import Completion, GenerationBackend
 from .collection import collect_batch, run_coroutine
 from .context import ContextPolicy, extends
 from .env_threads import AbandonedCalls, EnvThreads, EpisodeCalls, deliver
-from .records import MAX_CHARS_PER_TOKEN, DroppedEpisode, EpisodeLimits, GenerationError, RolloutBatch, mix_seed
+from .records import (
+    MAX_CHARS_PER_TOKEN,
+    Completion,
+    DroppedEpisode,
+    EpisodeLimits,
+    GenerationBackend,
+    GenerationError,
+    RolloutBatch,
+    mix_seed,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -20,8 +20,8 @@ training leans towards short solutions. Here the cut only closes the batch:
 The episodes run on an event loop of the collection's own, on a thread of its own, so they outlive a batch (an
 environment's episode cannot be stopped and restarted). A checkpoint cannot hold a running episode either, so
 before one is saved :meth:`ContinuingCollection.finish_in_flight` runs every carried episode to its end with the
-policy of the moment; the finished groups are written beside the weights (:func:`save_carried`) and join the next
-batch of the resumed run, as they join the next batch of the run that went on.
+policy of the moment; the finished groups are written beside the weights (:func:`.carried_groups.save_carried`) and
+join the next batch of the resumed run, as they join the next batch of the run that went on.
 """
 
 from __future__ import annotations
@@ -34,23 +34,17 @@ import threading
 import time
 from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
-from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from ..trajectory import Trajectory
-from .backend import GenerationBackend
 from .collection import check_failure_budget
 from .engine import RolloutEngine
-from .records import DroppedEpisode, RolloutBatch, mix_seed
+from .records import DroppedEpisode, GenerationBackend, RolloutBatch, mix_seed
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-CARRIED_FILE = "carried_episodes.pt"
 
 
 class PolicyGate:
@@ -306,33 +300,3 @@ class ContinuingCollection:
 
 def _task_order(trajectory: Trajectory) -> tuple[int, int]:
     return trajectory.group, trajectory.rollout
-
-
-def gather_carried(groups: list[CarriedGroup], num_processes: int) -> list[CarriedGroup]:
-    """Every process's carried groups, on every process (a collective)."""
-    if num_processes == 1:
-        return groups
-    return [group for part in gather_object([groups]) for group in part]
-
-
-def save_carried(groups: Sequence[CarriedGroup], directory: Path) -> None:
-    """Write the carried groups into a checkpoint ``directory`` (nothing if none)."""
-    if groups:
-        saved = [
-            {"iteration": g.iteration, "task_index": g.task_index, "size": g.size, "ended": g.ended} for g in groups
-        ]
-        torch.save({"groups": saved}, directory / CARRIED_FILE)
-
-
-def load_carried(checkpoint: str | Path, num_processes: int = 1, process_index: int = 0) -> list[CarriedGroup]:
-    """This process's carried groups in a checkpoint (its tasks' share, as :func:`.sharding.collect_share`
-    deals them: task index modulo the process count); none if it holds none."""
-    path = Path(checkpoint) / CARRIED_FILE
-    if not path.is_file():
-        return []
-    saved = torch.load(path, weights_only=False)  # our own checkpoint: trajectories, not tensors only
-    groups = [
-        CarriedGroup(int(g["iteration"]), int(g["task_index"]), int(g["size"]), dict(g["ended"]))
-        for g in saved["groups"]
-    ]
-    return [g for g in groups if g.task_index % num_processes == process_index]

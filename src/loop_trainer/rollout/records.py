@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
-from ..stabilisers import tied_groups
 from ..trajectory import Trajectory
 
 
@@ -20,6 +21,16 @@ class Completion:
     """Log-prob of each sampled id under the sampling distribution (temperature applied)."""
     stopped: bool
     """True if the reply ended with a stop token, False if it hit ``max_new_tokens``."""
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """What samples a reply: the transformers backend, a vLLM engine or server, or a view of one."""
+
+    async def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, seed: int | None = None) -> Completion:
+        """Sample one reply. With a ``seed``, the reply must depend only on the prompt, the weights
+        and the seed -- not on what else is batched with it -- so runs (and resumed runs) repeat."""
+        ...
 
 
 @dataclass
@@ -127,6 +138,8 @@ class RolloutBatch:
         mean = sum(rewards) / len(rewards) if rewards else float("nan")
         turns = sum(t.num_turns for t in done)
         # groups whose rewards all tie: their leave-one-out advantages are 0, they teach nothing
+        from ..stabilisers import tied_groups  # here: stabilisers imports torch, which a collection child never loads
+
         tied = tied_groups(rewards, [t.group for t in done])
         var = sum((r - mean) ** 2 for r in rewards) / len(rewards) if rewards else float("nan")
         return {

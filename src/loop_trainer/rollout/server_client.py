@@ -22,8 +22,8 @@ import requests
 from requests.adapters import HTTPAdapter
 from requests.utils import get_environ_proxies, select_proxy
 
-from .backend import Completion
 from .keep_alive import KeepAliveConnections
+from .records import Completion
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 from accelerate.utils import gather_object
 
 from ..trajectory import Trajectory
-from .backend import GenerationBackend
 from .engine import RolloutBatch
+from .records import GenerationBackend
 
 
 class Collector(Protocol):

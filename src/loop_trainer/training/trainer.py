@@ -49,9 +49,10 @@ from ..envs.base import Environment, load_tasks
 from ..evaluation import Evaluator, write_evaluation_viewer
 from ..publishing.publisher import HubPublisher
 from ..rollout import GenerationBackend, RolloutBatch, RolloutEngine, TransformersBackend, mix_seed
+from ..rollout.carried_groups import gather_carried, load_carried, save_carried
 from ..rollout.collection_process import CollectionProcess, ContinuingInChild
 from ..rollout.generator import RolloutGenerator, build_generator, require_vllm
-from ..rollout.partial import CarriedGroup, ContinuingCollection, gather_carried, load_carried, save_carried
+from ..rollout.partial import CarriedGroup, ContinuingCollection
 from ..rollout.sharding import collect_share, gather_shares, task_share
 from ..rollout.weight_sync import is_peft
 from .activation_checkpointing import activation_offloading, enable_checkpointing, is_checkpointing

@@ -249,7 +249,7 @@ TINY_RUN = [
 def test_resuming_a_checkpoint_that_does_not_fit_is_one_line_before_the_model_is_loaded_where_it_can_be(
     tmp_path, capsys, monkeypatch
 ):
-    import loop_trainer.cli.train as train_cli
+    import loop_trainer.cli.train_run as train_cli
     from loop_trainer.training.checkpoints import read_loop_state
     from loop_trainer.training.resume import jsonable
 
@@ -303,7 +303,7 @@ def test_resuming_a_checkpoint_that_does_not_fit_is_one_line_before_the_model_is
 
 
 def test_a_process_group_that_cannot_be_ended_after_a_finished_run_is_one_warning_line(monkeypatch, capsys):
-    import loop_trainer.cli.train as train_cli
+    import loop_trainer.cli.train_run as train_cli
 
     def fails():
         raise RuntimeError("Connection closed by peer\nmore lines")

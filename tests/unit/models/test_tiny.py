@@ -113,7 +113,7 @@ def test_a_warm_up_at_its_step_limit_says_so_and_a_fixed_one_measures_nothing_he
 
 
 def test_tiny_instruct_steps_reaches_the_warm_up(monkeypatch):
-    from loop_trainer.cli import train as loop_train
+    from loop_trainer.cli import train_run as loop_train
     from loop_trainer.config import LOOPConfig
 
     seen = {}

@@ -34,6 +34,7 @@ from loop_trainer.training.overlap import OverlappedRollouts
 from loop_trainer.training.trainer import LOOPTrainer
 from support.fake_vllm_server import serving
 from support.helpers import ScriptedBackend
+from support.stack_watching_env import TRAINING_STACK, StackWatchingEnv
 from unit.training.test_rollout_resources import resources as sampling_parts
 
 LIMITS = EpisodeLimits(max_turns=3, max_new_tokens_per_turn=3)
@@ -501,6 +502,45 @@ def test_partial_rollouts_in_the_child_carry_finish_save_restore_and_cancel(gate
     finally:
         resumed.close()
     assert gated_child.is_usable
+
+
+def test_the_child_runs_batches_and_partial_rollouts_without_importing_the_training_stack(
+    qwen_tokenizer, backend, versions
+):
+    """The child imports the environment, the tokenizer and the rollout engine (loop_trainer's packages export
+    their names on first use: lazy_exports.py); pytest's main module, which a spawned child imports again, is
+    light too. That loop-train's is: test_the_modules_a_collection_child_imports_load_no_torch."""
+    imported_none = dict.fromkeys(TRAINING_STACK, 0.0)
+    env = StackWatchingEnv(num_tasks=1)
+    short = list(env.tasks("train"))[0]
+    with CollectionProcess(setup_for(env, qwen_tokenizer)) as process:
+        process.collect([short], 2, backend=backend, seed=1)
+        assert process.totals.env_metrics == imported_none
+        continuing = process.continuing(1, versions[0])
+        try:
+            continuing.release(0, versions[0])
+            batch = continuing.collect([short], 2, iteration=0, task_indices=[0], num_tasks=1, seed=2, **WHOLE)
+            assert len(batch.trajectories) == 2
+            continuing.hold()
+            continuing.release(1, versions[1])
+            continuing.finish_in_flight()
+            assert continuing.carried() == []
+        finally:
+            continuing.close()
+        process.collect([short], 1, backend=backend, seed=3)  # metrics are read as a batch ends
+        assert process.totals.env_metrics == imported_none
+
+
+def test_the_modules_a_collection_child_imports_load_no_torch():
+    """The child's own modules, and loop-train's entry point (``loop-train`` and ``-m loop_trainer.cli.train``),
+    which a spawned child imports again as its main module."""
+    code = (
+        "import sys, loop_trainer.cli.train, loop_trainer.rollout.collection_child; "
+        f"print([m for m in {TRAINING_STACK!r} if m in sys.modules])"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
 
 
 def _explode_outside(pid: int) -> None:

@@ -15,7 +15,8 @@ import pytest
 from loop_trainer.chat import ChatFormatter
 from loop_trainer.envs.base import Environment, Episode, Message, Score, Step
 from loop_trainer.rollout import EpisodeLimits, RolloutEngine
-from loop_trainer.rollout.partial import ContinuingCollection, load_carried, save_carried
+from loop_trainer.rollout.carried_groups import load_carried, save_carried
+from loop_trainer.rollout.partial import ContinuingCollection
 from loop_trainer.rollout.records import Completion
 from support.helpers import ScriptedBackend
 

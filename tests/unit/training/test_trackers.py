@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from loop_trainer import LOOPConfig, LOOPTrainer
-from loop_trainer.cli.train import cli, summary
+from loop_trainer.cli.train import cli
+from loop_trainer.cli.train_run import summary
 from loop_trainer.training.trackers import TABLE_COLUMNS, TrackerLog, TrackerSettings
 from support.helpers import PreferFindEnv, ScriptedBackend
 
