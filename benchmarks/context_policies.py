@@ -26,8 +26,8 @@ from loop_trainer.chat import ChatFormatter
 from loop_trainer.envs.base import Environment
 from loop_trainer.envs.errands import ErrandsEnv, solve
 from loop_trainer.rollout import EpisodeLimits, RolloutEngine
-from loop_trainer.rollout.backend import Completion
 from loop_trainer.rollout.context import ContextPolicy
+from loop_trainer.rollout.records import Completion
 from loop_trainer.training.batching import training_samples
 
 POLICIES: dict[str, dict[str, ContextPolicy]] = {

@@ -14,25 +14,25 @@ if TYPE_CHECKING:
     from .objective import advantage_keep_mask, leave_one_out_advantages, loop_policy_loss
     from .training.trainer import LOOPTrainer
     from .trajectory import Trajectory
+else:  # not for mypy, which would take any name imported from here as Any (lazy_exports.py)
+    __getattr__, __dir__ = lazy_exports(
+        __name__,
+        {
+            "LOOPConfig": ".config",
+            "Environment": ".envs",
+            "Episode": ".envs",
+            "Score": ".envs",
+            "Step": ".envs",
+            "make_environment": ".envs",
+            "advantage_keep_mask": ".objective",
+            "leave_one_out_advantages": ".objective",
+            "loop_policy_loss": ".objective",
+            "LOOPTrainer": ".training.trainer",
+            "Trajectory": ".trajectory",
+        },
+    )
 
 __version__ = "0.1.0"
-
-__getattr__, __dir__ = lazy_exports(
-    __name__,
-    {
-        "LOOPConfig": ".config",
-        "Environment": ".envs",
-        "Episode": ".envs",
-        "Score": ".envs",
-        "Step": ".envs",
-        "make_environment": ".envs",
-        "advantage_keep_mask": ".objective",
-        "leave_one_out_advantages": ".objective",
-        "loop_policy_loss": ".objective",
-        "LOOPTrainer": ".training.trainer",
-        "Trajectory": ".trajectory",
-    },
-)
 
 __all__ = [
     "Environment",

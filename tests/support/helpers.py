@@ -14,7 +14,7 @@ from loop_trainer import LOOPConfig
 from loop_trainer.envs.base import Environment, Episode, Message, Score, Step
 from loop_trainer.models.tiny import build_tiny_model
 from loop_trainer.models.tiny_chat import tiny_qwen_config
-from loop_trainer.rollout.backend import Completion
+from loop_trainer.rollout.records import Completion
 
 
 def tiny_qwen(tokenizer, seed=0) -> Qwen2ForCausalLM:

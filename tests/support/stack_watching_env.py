@@ -8,7 +8,8 @@ import sys
 
 from loop_trainer.envs.errands import ErrandsEnv
 
-# torch alone is 610 MiB and about 5 s of a child's start.
+# With them a child held 610 MiB and took about 7 s to start; 328 MiB and about 2 s without
+# (benchmarks/collection_child.py).
 TRAINING_STACK = ("torch", "transformers.trainer", "transformers.modeling_utils", "peft", "trl", "accelerate")
 
 

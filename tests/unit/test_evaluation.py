@@ -25,7 +25,9 @@ from support.helpers import AnyTemperature, ScriptedBackend
 
 def test_importing_the_core_does_not_import_appworld():
     script = (
-        "import sys, loop_trainer, loop_trainer.cli.train, loop_trainer.cli.evaluate, loop_trainer.evaluation\n"
+        "import sys, loop_trainer, loop_trainer.cli.train_run, loop_trainer.cli.evaluate, loop_trainer.evaluation\n"
+        "from loop_trainer import *  # every name loop_trainer exports on first use (the trainer among them)\n"
+        "from loop_trainer.envs import *\n"
         "print(sorted(m for m in sys.modules if m.startswith('loop_trainer.envs.appworld')))"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout

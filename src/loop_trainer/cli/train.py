@@ -5,8 +5,8 @@
     accelerate launch --config_file recipes/accelerate/zero3.yaml -m loop_trainer.cli.train --config RECIPE
 
 Like TRL's own scripts: ``make_parser()`` builds the TrlParser over (ScriptArguments, LOOPConfig,
-ModelConfig) and ``main(script_args, training_args, model_args)`` runs the job; both are in :mod:`.train_run`, and
-read from here too.
+ModelConfig) and ``main(script_args, training_args, model_args)`` runs the job (in :mod:`.recipe` and
+:mod:`.train_run`; both read from here too).
 
 This module is the entry point only, and imports nothing heavy itself: a process that multiprocessing spawns (a
 collection child, ``collection_process: true``) imports the launch's main module again, this one under
@@ -25,8 +25,8 @@ from ..lazy_exports import lazy_exports
 if TYPE_CHECKING:
     from .recipe import make_parser
     from .train_run import main
-
-__getattr__, __dir__ = lazy_exports(__name__, {"main": ".train_run", "make_parser": ".recipe"})
+else:  # not for mypy, which would take any name imported from here as Any (lazy_exports.py)
+    __getattr__, __dir__ = lazy_exports(__name__, {"main": ".train_run", "make_parser": ".recipe"})
 
 __all__ = ["cli", "main", "make_parser"]
 

@@ -47,24 +47,24 @@ from .contacts import ContactsEnv
 from .errands import ErrandsEnv
 from .vault import VaultEnv
 
+# The adapters of other libraries import on first use: TRL's imports transformers' trainer (and torch), which a
+# process that only runs episodes (a collection child) does not need (lazy_exports.py).
 if TYPE_CHECKING:
     from ..compat.openenv import OpenEnvEnvironment, from_openenv
     from ..compat.trl import TRLAgentEnvironment
     from ..compat.verifiers import VerifiersEnvironment, VerifiersTasksetEnvironment, from_verifiers
-
-# The adapters of other libraries import on first use: TRL's imports transformers' trainer (and torch), which a
-# process that only runs episodes (a collection child) does not need (lazy_exports.py).
-__getattr__, __dir__ = lazy_exports(
-    __name__,
-    {
-        "OpenEnvEnvironment": "..compat.openenv",
-        "from_openenv": "..compat.openenv",
-        "TRLAgentEnvironment": "..compat.trl",
-        "VerifiersEnvironment": "..compat.verifiers",
-        "VerifiersTasksetEnvironment": "..compat.verifiers",
-        "from_verifiers": "..compat.verifiers",
-    },
-)
+else:  # not for mypy, which would take any name imported from here as Any (lazy_exports.py)
+    __getattr__, __dir__ = lazy_exports(
+        __name__,
+        {
+            "OpenEnvEnvironment": "..compat.openenv",
+            "from_openenv": "..compat.openenv",
+            "TRLAgentEnvironment": "..compat.trl",
+            "VerifiersEnvironment": "..compat.verifiers",
+            "VerifiersTasksetEnvironment": "..compat.verifiers",
+            "from_verifiers": "..compat.verifiers",
+        },
+    )
 
 __all__ = [
     "Environment",

@@ -22,24 +22,24 @@ if TYPE_CHECKING:
         mix_seed,
     )
     from .sampling_parts import TransformersSamplingSettings
-
-__getattr__, __dir__ = lazy_exports(
-    __name__,
-    {
-        "Completion": ".records",
-        "GenerationBackend": ".records",
-        "TransformersBackend": ".backend",
-        "build_transformers_backend": ".backend",
-        "run_coroutine": ".collection",
-        "RolloutEngine": ".engine",
-        "EpisodeLimits": ".records",
-        "GenerationError": ".records",
-        "RolloutBatch": ".records",
-        "RolloutFailureBudgetExceeded": ".records",
-        "mix_seed": ".records",
-        "TransformersSamplingSettings": ".sampling_parts",
-    },
-)
+else:  # not for mypy, which would take any name imported from here as Any (lazy_exports.py)
+    __getattr__, __dir__ = lazy_exports(
+        __name__,
+        {
+            "Completion": ".records",
+            "GenerationBackend": ".records",
+            "TransformersBackend": ".backend",
+            "build_transformers_backend": ".backend",
+            "run_coroutine": ".collection",
+            "RolloutEngine": ".engine",
+            "EpisodeLimits": ".records",
+            "GenerationError": ".records",
+            "RolloutBatch": ".records",
+            "RolloutFailureBudgetExceeded": ".records",
+            "mix_seed": ".records",
+            "TransformersSamplingSettings": ".sampling_parts",
+        },
+    )
 
 __all__ = [
     "Completion",

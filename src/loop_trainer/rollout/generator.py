@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .backend import GenerationBackend, TransformersBackend, build_transformers_backend
+from .backend import TransformersBackend, build_transformers_backend
+from .records import GenerationBackend
 from .sampling_parts import SamplingPartsError, TransformersSamplingSettings
 from .vllm_backend import VLLMBackend, WeightLoadable, build_colocated_llm, holds_versions, sleep_mode_available
 from .vllm_server import GeneratorServerError, VLLMServerBackend

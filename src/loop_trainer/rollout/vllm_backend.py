@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import torch
 
 from ..net import free_local_port
-from .backend import Completion, TemperatureView
-from .records import settle
+from .backend import TemperatureView
+from .records import Completion, settle
 
 logger = logging.getLogger(__name__)
 

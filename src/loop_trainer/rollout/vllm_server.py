@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from .backend import Completion, GenerationBackend, TemperatureView
+from .backend import TemperatureView
+from .records import Completion, GenerationBackend
 from .server_client import GeneratorServerError, ServerClient, ServerEndpoint, ServerSampling
 
 __all__ = ["SERVER_ENV", "SERVER_FLAGS", "AdapterView", "GeneratorServerError", "VLLMServerBackend", "server_sampling"]

@@ -7,6 +7,15 @@ environment_factory=)`` trains with LOOP.
 * :mod:`.tool_calls`: tool calls parsed and run as GRPOTrainer does (shared by the verifiers and OpenEnv adapters).
 """
 
-from .environment import TRLAgentEnvironment
+from typing import TYPE_CHECKING
+
+from ...lazy_exports import lazy_exports
+
+# On first use: the environment imports transformers' TrainerCallback (and with it torch and accelerate), which the
+# verifiers and OpenEnv adapters, importing .tool_calls in a collection child, do not need (lazy_exports.py).
+if TYPE_CHECKING:
+    from .environment import TRLAgentEnvironment
+else:  # not for mypy, which would take any name imported from here as Any (lazy_exports.py)
+    __getattr__, __dir__ = lazy_exports(__name__, {"TRLAgentEnvironment": ".environment"})
 
 __all__ = ["TRLAgentEnvironment"]
