@@ -41,7 +41,8 @@ def measure(repeats: int) -> list[dict[str, Any]]:
     from loop_trainer.rollout.records import EpisodeLimits
 
     tokenizer = build_qwen25_tokenizer(Path.home() / ".cache" / "loop_trainer" / "test-assets")
-    setup = EngineSetup(ErrandsEnv(num_tasks=2), ChatFormatter(tokenizer), EpisodeLimits(), 60.0, None, 8)
+    env = ErrandsEnv(num_tasks=2, form="english")
+    setup = EngineSetup(env, ChatFormatter(tokenizer), EpisodeLimits(), 60.0, None, 8)
     starts = []
     for _ in range(repeats):
         started = time.perf_counter()
