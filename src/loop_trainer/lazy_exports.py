@@ -3,8 +3,8 @@
 Why: importing a package runs its ``__init__``, and importing any module inside it imports the package first. Were
 ``loop_trainer``'s ``__init__`` to import :class:`~loop_trainer.LOOPTrainer` eagerly, every process that needs one
 light module would load torch, transformers' trainer, PEFT and TRL: a collection child (``collection_process:
-true``), which needs the environment, the tokenizer and the rollout engine, held 610 MiB and took about 7 s to start
-with them, 328 MiB and 2.3 s without (``benchmarks/collection_child.py``). So ``loop_trainer``,
+true``), which needs the environment, the tokenizer and the rollout engine, held 610 MiB and took 6.8 s to start
+with them, 328 MiB and 2.4 s without (``benchmarks/collection_child.py``). So ``loop_trainer``,
 ``loop_trainer.rollout``, ``loop_trainer.envs`` and ``loop_trainer.compat.trl`` (the adapters of other libraries)
 and loop-train's entry point name their exports here, and ``from loop_trainer import LOOPTrainer`` imports the
 trainer when it runs, as before.
