@@ -18,17 +18,11 @@ else:  # not for mypy, which would take any name imported from here as Any (lazy
     __getattr__, __dir__ = lazy_exports(
         __name__,
         {
-            "LOOPConfig": ".config",
-            "Environment": ".envs",
-            "Episode": ".envs",
-            "Score": ".envs",
-            "Step": ".envs",
-            "make_environment": ".envs",
-            "advantage_keep_mask": ".objective",
-            "leave_one_out_advantages": ".objective",
-            "loop_policy_loss": ".objective",
-            "LOOPTrainer": ".training.trainer",
-            "Trajectory": ".trajectory",
+            ".config": ("LOOPConfig",),
+            ".envs": ("Environment", "Episode", "Score", "Step", "make_environment"),
+            ".objective": ("advantage_keep_mask", "leave_one_out_advantages", "loop_policy_loss"),
+            ".training.trainer": ("LOOPTrainer",),
+            ".trajectory": ("Trajectory",),
         },
     )
 

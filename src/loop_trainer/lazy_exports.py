@@ -22,21 +22,25 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
-def lazy_exports(module: str, exports: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_exports(
+    module: str, exports: Mapping[str, Sequence[str]]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """The ``__getattr__`` and ``__dir__`` of the module named ``module`` (a package's ``__init__`` or a module:
-    its ``__name__``), whose public names ``exports`` maps to the module that defines each, relative to the
-    module's package as its own relative imports are. A name read once is kept in the module's namespace."""
+    its ``__name__``), whose public names ``exports`` lists by the module they are imported from, relative to the
+    module's package as its own relative imports are: as its ``if TYPE_CHECKING:`` imports read. A name read once
+    is kept in the module's namespace."""
+    source_of = {name: source for source, names in exports.items() for name in names}
 
     def __getattr__(name: str) -> Any:
         namespace = sys.modules[module]
-        source = exports.get(name)
+        source = source_of.get(name)
         if source is not None:
             value = getattr(importlib.import_module(source, namespace.__package__), name)
-        elif "__path__" in vars(namespace) and not name.startswith("__") and is_submodule(f"{module}.{name}"):
+        elif "__path__" in vars(namespace) and not name.startswith("__") and _is_submodule(f"{module}.{name}"):
             value = importlib.import_module(f"{module}.{name}")  # a submodule, read as an attribute
         else:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
@@ -44,12 +48,12 @@ def lazy_exports(module: str, exports: Mapping[str, str]) -> tuple[Callable[[str
         return value
 
     def __dir__() -> list[str]:
-        return sorted({*vars(sys.modules[module]), *exports})
+        return sorted({*vars(sys.modules[module]), *source_of})
 
     return __getattr__, __dir__
 
 
-def is_submodule(name: str) -> bool:
+def _is_submodule(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
     except ImportError:  # ModuleNotFoundError, or a parent that cannot be imported: not a submodule to read

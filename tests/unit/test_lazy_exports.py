@@ -118,7 +118,7 @@ def test_a_module_reads_its_names_relative_to_its_package(monkeypatch):
     module = types.ModuleType("loop_trainer.cli.example_entry")
     module.__package__ = "loop_trainer.cli"
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    getter, lister = lazy_exports(module.__name__, {"parse_recipe": ".recipe"})
+    getter, lister = lazy_exports(module.__name__, {".recipe": ("parse_recipe",)})
     from loop_trainer.cli.recipe import parse_recipe
 
     assert "parse_recipe" in lister()

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .recipe import make_parser
     from .train_run import main
 else:  # not for mypy, which would take any name imported from here as Any (lazy_exports.py)
-    __getattr__, __dir__ = lazy_exports(__name__, {"main": ".train_run", "make_parser": ".recipe"})
+    __getattr__, __dir__ = lazy_exports(__name__, {".recipe": ("make_parser",), ".train_run": ("main",)})
 
 __all__ = ["cli", "main", "make_parser"]
 

@@ -57,12 +57,9 @@ else:  # not for mypy, which would take any name imported from here as Any (lazy
     __getattr__, __dir__ = lazy_exports(
         __name__,
         {
-            "OpenEnvEnvironment": "..compat.openenv",
-            "from_openenv": "..compat.openenv",
-            "TRLAgentEnvironment": "..compat.trl",
-            "VerifiersEnvironment": "..compat.verifiers",
-            "VerifiersTasksetEnvironment": "..compat.verifiers",
-            "from_verifiers": "..compat.verifiers",
+            "..compat.openenv": ("OpenEnvEnvironment", "from_openenv"),
+            "..compat.trl": ("TRLAgentEnvironment",),
+            "..compat.verifiers": ("VerifiersEnvironment", "VerifiersTasksetEnvironment", "from_verifiers"),
         },
     )
 

@@ -26,18 +26,19 @@ else:  # not for mypy, which would take any name imported from here as Any (lazy
     __getattr__, __dir__ = lazy_exports(
         __name__,
         {
-            "Completion": ".records",
-            "GenerationBackend": ".records",
-            "TransformersBackend": ".backend",
-            "build_transformers_backend": ".backend",
-            "run_coroutine": ".collection",
-            "RolloutEngine": ".engine",
-            "EpisodeLimits": ".records",
-            "GenerationError": ".records",
-            "RolloutBatch": ".records",
-            "RolloutFailureBudgetExceeded": ".records",
-            "mix_seed": ".records",
-            "TransformersSamplingSettings": ".sampling_parts",
+            ".backend": ("TransformersBackend", "build_transformers_backend"),
+            ".collection": ("run_coroutine",),
+            ".engine": ("RolloutEngine",),
+            ".records": (
+                "Completion",
+                "EpisodeLimits",
+                "GenerationBackend",
+                "GenerationError",
+                "RolloutBatch",
+                "RolloutFailureBudgetExceeded",
+                "mix_seed",
+            ),
+            ".sampling_parts": ("TransformersSamplingSettings",),
         },
     )
 

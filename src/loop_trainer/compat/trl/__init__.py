@@ -16,6 +16,6 @@ from ...lazy_exports import lazy_exports
 if TYPE_CHECKING:
     from .environment import TRLAgentEnvironment
 else:  # not for mypy, which would take any name imported from here as Any (lazy_exports.py)
-    __getattr__, __dir__ = lazy_exports(__name__, {"TRLAgentEnvironment": ".environment"})
+    __getattr__, __dir__ = lazy_exports(__name__, {".environment": ("TRLAgentEnvironment",)})
 
 __all__ = ["TRLAgentEnvironment"]
