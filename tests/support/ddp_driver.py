@@ -250,6 +250,11 @@ def main() -> None:
     options = parser.parse_args()
 
     torch.use_deterministic_algorithms(True)
+    # Deterministic kernels, but no NaN fill of every torch.empty: ZeRO-1/2 takes a fresh reduction bucket of
+    # reduce_bucket_size (5e8 fp32 elements, 2 GB) per micro-batch, and filling it on the CPU cost each ZeRO-2
+    # launch ~45 of its ~60 s in page faults. A read of memory nobody wrote still shows: the ranks' results are
+    # compared with one plain process's.
+    torch.utils.deterministic.fill_uninitialized_memory = False
     # The process group must exist before the training arguments: accelerate on a machine without
     # GPUs would otherwise count one process. For DDP, cpu=True is what makes it MULTI_CPU
     # (DDP-wrapped) rather than DistributedType.NO with two unsynchronised processes; for
