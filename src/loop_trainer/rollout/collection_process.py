@@ -82,6 +82,57 @@ def sampling_of(backend: GenerationBackend) -> ServerSampling:
     return sampling
 
 
+class _ChildProcess:
+    """The child's :class:`multiprocessing.Process`, waited for and polled by one thread at a time.
+
+    Three threads of the trainer's may look at the child at once: the batch's wait and the control pipe's wait each
+    join it when their pipe ends, and :meth:`CollectionProcess.close` ends it. multiprocessing's own waits are not
+    safe across threads (CPython gh-130895, open): the first ``waitpid`` reaps the child, a concurrent one gets
+    ECHILD, which ``poll()`` takes for "still running" until the first thread has stored the exit code. Measured
+    with three threads joining a child that had just ended: one in three times, a thread saw it alive after its
+    join (exit code None). Then a close warned that the child did not end, and signalled a process id that may
+    have been reused. Here each wait, poll and signal holds one lock, so a reap and the exit code it stores
+    happen together. (multiprocessing also polls every child it started, without this lock, when another process
+    starts: the trainer starts none while a collection process runs.)"""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess):
+        self._process = process
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    @property
+    def sentinel(self) -> int:
+        return self._process.sentinel
+
+    def start(self) -> None:
+        self._process.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the child's end, at most ``timeout`` (and for a join of another thread's under way)."""
+        with self._lock:
+            self._process.join(timeout)
+
+    def is_alive(self) -> bool:
+        with self._lock:
+            return self._process.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        with self._lock:
+            return self._process.exitcode
+
+    def terminate(self) -> None:
+        with self._lock:
+            self._process.terminate()  # nothing once its exit code is known: never a reused process id
+
+    def kill(self) -> None:
+        with self._lock:
+            self._process.kill()
+
+
 class CollectionProcess:
     """A child process that collects batches (:meth:`collect`, the signature of :meth:`~.engine.RolloutEngine.collect`),
     one at a time, or holds a run's partial rollouts (:meth:`continuing`); started (its environment rebuilt and
@@ -106,11 +157,13 @@ class CollectionProcess:
         self._connection, child_end = context.Pipe()
         # The calls around a weight change or a checkpoint, answered while a batch is collected on the first pipe.
         self._control, control_end = context.Pipe()
-        self._process = context.Process(
-            target=serve_collection,
-            args=(child_end, control_end, payload, logging.getLogger("loop_trainer").getEffectiveLevel()),
-            name="loop-collection",
-            daemon=True,  # never outlives this process (whose exit waits for it to close its environment)
+        self._process = _ChildProcess(
+            context.Process(
+                target=serve_collection,
+                args=(child_end, control_end, payload, logging.getLogger("loop_trainer").getEffectiveLevel()),
+                name="loop-collection",
+                daemon=True,  # never outlives this process (whose exit waits for it to close its environment)
+            )
         )
         self._process.start()
         child_end.close()

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import ctypes
 import functools
+import multiprocessing
 import os
 import pickle
 import signal
@@ -192,6 +193,30 @@ def test_a_child_that_dies_is_an_error_that_says_so(qwen_tokenizer, backend):
         with pytest.raises(CollectionProcessError, match="died \\(exit code -9\\).*collection_process: false"):
             process.collect(tasks, 1, backend=backend, seed=1)
     process.close()  # idempotent
+
+
+def test_threads_that_wait_for_the_child_at_once_all_see_its_end():
+    """The batch's wait, the control pipe's and a close may each wait for the child as it ends. With
+    multiprocessing's waits alone, the first reaps it and a concurrent one takes it for running (CPython gh-130895):
+    in about one trial in three here a thread saw it alive, exit code None, after its join."""
+    from loop_trainer.rollout.collection_process import _ChildProcess
+
+    context = multiprocessing.get_context("fork")  # a child that only sleeps: milliseconds to start
+    for _ in range(30):
+        child = _ChildProcess(context.Process(target=time.sleep, args=(0.02,)))
+        child.start()
+        seen: list[tuple[bool, int | None]] = []
+
+        def wait(child: _ChildProcess = child, seen: list = seen) -> None:
+            child.join(5)
+            seen.append((child.is_alive(), child.exitcode))
+
+        waits = [threading.Thread(target=wait) for _ in range(3)]
+        for thread in waits:
+            thread.start()
+        for thread in waits:
+            thread.join(10)
+        assert seen == [(False, 0)] * 3
 
 
 class CountingEnv(ErrandsEnv):
