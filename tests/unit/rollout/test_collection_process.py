@@ -3,9 +3,7 @@ partial rollouts it holds, driven from the parent."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import ctypes
 import functools
 import multiprocessing
 import os
@@ -15,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -23,8 +20,8 @@ from typing import Any
 import pytest
 
 from loop_trainer.chat import ChatFormatter
-from loop_trainer.envs.base import Environment, EnvironmentSetupError, Episode, Message, Score, Step
-from loop_trainer.envs.errands import ErrandsEnv, ErrandsEpisode
+from loop_trainer.envs.base import Environment
+from loop_trainer.envs.errands import ErrandsEnv
 from loop_trainer.rollout import EpisodeLimits, RolloutFailureBudgetExceeded
 from loop_trainer.rollout.collection_child import _Child, _Leaving
 from loop_trainer.rollout.collection_process import CollectionProcess
@@ -33,6 +30,23 @@ from loop_trainer.rollout.engine import EngineSetup
 from loop_trainer.rollout.vllm_server import VLLMServerBackend
 from loop_trainer.training.overlap import OverlappedRollouts
 from loop_trainer.training.trainer import LOOPTrainer
+from support.collection_envs import (
+    ClosingEnv,
+    CountingEnv,
+    ForkingThenStuckEpisode,
+    GatedEnv,
+    MetricsThatFailAfterTheFirstEnv,
+    SignalHandlingLoopEnv,
+    SleepingCloseEnv,
+    SlowClosingEnv,
+    StuckEpisodesEnv,
+    UnpreparedEnv,
+    Unrebuildable,
+    UnrebuildableEnv,
+    UnsendableEnv,
+    UnsendableMetricsEnv,
+    VanishingEnv,
+)
 from support.fake_vllm_server import serving
 from support.helpers import ScriptedBackend
 from support.stack_watching_env import TRAINING_STACK, StackWatchingEnv
@@ -135,39 +149,16 @@ def test_an_environment_that_does_not_pickle_is_refused_in_one_line(qwen_tokeniz
         CollectionProcess(setup_for(UnpicklableEnv(), qwen_tokenizer))
 
 
-def _cannot_rebuild() -> None:
-    raise ImportError("no module named my_private_env")
-
-
-class UnrebuildableEnv(ErrandsEnv):
-    def __reduce__(self):
-        return (_cannot_rebuild, ())
-
-
 def test_an_environment_the_child_cannot_rebuild_is_refused_as_it_starts(qwen_tokenizer):
     refusal = "could not rebuild the environment UnrebuildableEnv .*my_private_env.*importable module"
     with pytest.raises(CollectionProcessError, match=refusal) as refused:
         CollectionProcess(setup_for(UnrebuildableEnv(num_tasks=1), qwen_tokenizer))
-    assert "_cannot_rebuild" in str(refused.value.__cause__)  # the child's traceback
-
-
-class UnpreparedEnv(ErrandsEnv):
-    def prepare(self) -> None:
-        raise EnvironmentSetupError("the tool server at :9000 does not answer")
+    assert "cannot_rebuild" in str(refused.value.__cause__)  # the child's traceback
 
 
 def test_the_child_prepares_its_copy_and_a_failure_is_refused_as_it_starts(qwen_tokenizer):
     with pytest.raises(CollectionProcessError, match="UnpreparedEnv's prepare\\(\\) failed .*:9000 does not answer"):
         CollectionProcess(setup_for(UnpreparedEnv(num_tasks=1), qwen_tokenizer))
-
-
-def _exit_at_once() -> None:
-    os._exit(3)  # as a script without the __main__ guard may, or the OOM killer
-
-
-class VanishingEnv(ErrandsEnv):
-    def __reduce__(self):
-        return (_exit_at_once, ())
 
 
 def test_a_child_that_dies_as_it_starts_is_refused_naming_the_main_guard(qwen_tokenizer):
@@ -219,25 +210,6 @@ def test_threads_that_wait_for_the_child_at_once_all_see_its_end():
         assert seen == [(False, 0)] * 3
 
 
-class CountingEnv(ErrandsEnv):
-    """Counts its episodes in metrics() (a running total, as AppWorld's restarts are), and its prepare() calls."""
-
-    def __init__(self) -> None:
-        super().__init__(num_tasks=1)
-        self.episodes = 0
-        self.prepared = 0
-
-    def prepare(self) -> None:
-        self.prepared += 1
-
-    def episode(self, task):
-        self.episodes += 1
-        return super().episode(task)
-
-    def metrics(self) -> dict[str, float]:
-        return {"episodes": float(self.episodes), "prepared": float(self.prepared)}
-
-
 def test_the_childs_running_totals_come_back_with_each_batch(qwen_tokenizer, backend):
     tasks = list(CountingEnv().tasks("train"))[:1]
     with CollectionProcess(setup_for(CountingEnv(), qwen_tokenizer)) as process:
@@ -246,23 +218,6 @@ def test_the_childs_running_totals_come_back_with_each_batch(qwen_tokenizer, bac
         process.collect(tasks, 3, backend=backend, seed=2)
         assert process.totals.env_metrics == {"episodes": 5.0, "prepared": 1.0}
         assert (process.totals.generation_retries, process.totals.abandoned_calls) == (0, 0)
-
-
-class MetricsThatFailAfterTheFirstEnv(CountingEnv):
-    """metrics() answers its first call; the later ones raise, or never return (``hang``)."""
-
-    def __init__(self, hang: bool = False) -> None:
-        super().__init__()
-        self.hang = hang
-        self.calls = 0
-
-    def metrics(self) -> dict[str, float]:
-        self.calls += 1
-        if self.calls > 1 and self.hang:
-            threading.Event().wait()  # never returns: the child's exit is not held up by it either
-        if self.calls > 1:
-            raise ConnectionError("the environment's server is down")
-        return super().metrics()
 
 
 @pytest.mark.parametrize("failure", ["raises", "hangs"])
@@ -324,18 +279,6 @@ def test_an_answer_does_not_wait_for_the_metrics_the_childs_other_thread_is_read
     assert batch_answer[0].taken > control_answer.taken
 
 
-class UnsendableEpisode(ErrandsEpisode):
-    def score(self) -> Score:
-        score = super().score()
-        score.info["check"] = lambda: None  # not JSON, as Score.info asks, nor picklable
-        return score
-
-
-class UnsendableEnv(ErrandsEnv):
-    def episode(self, task):
-        return UnsendableEpisode(task, self.form)
-
-
 def test_a_batch_that_does_not_pickle_is_an_error_and_the_child_goes_on(qwen_tokenizer, backend):
     tasks = list(ErrandsEnv(num_tasks=1).tasks("train"))[:1]
     with CollectionProcess(setup_for(UnsendableEnv(num_tasks=1), qwen_tokenizer)) as process:
@@ -344,11 +287,6 @@ def test_a_batch_that_does_not_pickle_is_an_error_and_the_child_goes_on(qwen_tok
         with pytest.raises(CollectionProcessError, match="batch cannot be sent back"):
             process.collect(tasks, 1, backend=backend, seed=1)  # the child still answers
         assert process._process.is_alive()
-
-
-class UnsendableMetricsEnv(ErrandsEnv):
-    def metrics(self) -> dict[str, float]:
-        return {"check": lambda: None}  # type: ignore[dict-item]  # not a float, as metrics() asks
 
 
 def test_metrics_that_do_not_pickle_are_named_as_what_cannot_be_sent(qwen_tokenizer, backend):
@@ -374,37 +312,6 @@ def test_an_interrupted_wait_leaves_the_process_broken_not_out_of_step(qwen_toke
         monkeypatch.undo()
         with pytest.raises(CollectionProcessError, match="the collection process is broken"):
             process.collect(tasks, 1, backend=backend, seed=1)
-
-
-class GatedEpisode(Episode):
-    """Done after the task's ``turns`` replies; a task with ``wait_after`` waits after that many steps until the
-    file its ``gate`` names exists (an event another process can set)."""
-
-    def __init__(self, task: Mapping[str, Any]):
-        self.task, self.turn = task, 0
-
-    async def start(self) -> list[Message]:
-        return [{"role": "user", "content": f"task {self.task['task_id']}"}]
-
-    async def step(self, reply: str) -> Step:
-        self.turn += 1
-        if self.turn == self.task.get("wait_after"):
-            while not Path(self.task["gate"]).exists():
-                await asyncio.sleep(0.01)
-        return Step(messages=[{"role": "user", "content": f"obs {self.turn}"}], done=self.turn >= self.task["turns"])
-
-    async def score(self) -> Score:
-        return Score(reward=self.turn / 10, success=True)
-
-
-class GatedEnv(Environment):
-    name = "gated"
-
-    def tasks(self, split: str = "train") -> Any:
-        raise NotImplementedError
-
-    def episode(self, task: Mapping[str, Any]) -> GatedEpisode:
-        return GatedEpisode(task)
 
 
 @pytest.fixture(scope="module")
@@ -570,16 +477,6 @@ def test_the_modules_a_collection_child_imports_load_no_torch():
     assert result.stdout.strip() == "[]"
 
 
-def _explode_outside(pid: int) -> None:
-    if os.getpid() != pid:
-        raise RuntimeError("this group cannot be rebuilt in the child")
-
-
-class Unrebuildable:
-    def __reduce__(self):
-        return (_explode_outside, (os.getpid(),))
-
-
 def test_a_call_the_child_cannot_read_is_an_error_and_the_control_pipe_stays_in_step(gated_child, versions):
     continuing = gated_child.continuing(1, versions[0])
     try:
@@ -593,27 +490,6 @@ def test_a_call_the_child_cannot_read_is_an_error_and_the_control_pipe_stays_in_
 def test_partial_rollouts_sample_through_a_vllm_server_only(gated_child, qwen_tokenizer):
     with pytest.raises(CollectionProcessError, match="samples through a vLLM server, not ScriptedBackend"):
         gated_child.continuing(1, ScriptedBackend(qwen_tokenizer, lambda prompt: "x"))
-
-
-class ClosingEnv(ErrandsEnv):
-    """Writes the closing process's id to ``marker`` as it closes, a line per close()."""
-
-    def __init__(self, marker: Path) -> None:
-        super().__init__(num_tasks=1)
-        self.marker = marker
-
-    def close(self) -> None:
-        with open(self.marker, "a") as file:
-            file.write(f"{os.getpid()}\n")
-
-
-class SlowClosingEnv(ClosingEnv):
-    """Takes 3 s to close, then writes the closing process's id and thread's name."""
-
-    def close(self) -> None:
-        time.sleep(3.0)
-        with open(self.marker, "a") as file:
-            file.write(f"{os.getpid()} {threading.current_thread().name}\n")
 
 
 LEFT_BEHIND = """
@@ -689,35 +565,6 @@ def test_a_child_told_to_end_closes_its_environment_first(qwen_tokenizer, tmp_pa
     assert process._process.exitcode == 1  # os._exit(1), not the signal's default end (-15)
     assert marker.read_text().split() == [str(process.pid)]
     process.close()
-
-
-class StuckInNativeCodeEpisode(ErrandsEpisode):
-    """Its step() runs on the event loop (the child's main thread) and deadlocks there in C: it locks a pthread
-    mutex it holds already, a call that never returns to Python, so no Python signal handler can run."""
-
-    def __init__(self, task, form: str, marker: Path) -> None:
-        super().__init__(task, form)
-        self.marker = marker
-
-    async def step(self, reply: str) -> Step:
-        libc = ctypes.CDLL(None)
-        mutex = ctypes.create_string_buffer(64)  # zeroed: an initialised default mutex (glibc)
-        libc.pthread_mutex_lock(mutex)
-        with open(self.marker, "a") as file:
-            file.write("stuck\n")
-        libc.pthread_mutex_lock(mutex)
-        raise AssertionError("unreachable: a default mutex locked twice by one thread deadlocks")
-
-
-class StuckEpisodesEnv(ClosingEnv):
-    """Its episodes are ``episode_class`` (one of the stuck ones here), told ``episode_marker``."""
-
-    def __init__(self, marker: Path, episode_marker: Path, episode_class: type = StuckInNativeCodeEpisode) -> None:
-        super().__init__(marker)
-        self.episode_marker, self.episode_class = episode_marker, episode_class
-
-    def episode(self, task):
-        return self.episode_class(task, self.form, self.episode_marker)
 
 
 def test_a_child_stuck_in_native_code_still_ends_on_sigterm_closing_its_environment(qwen_tokenizer, backend, tmp_path):
@@ -806,13 +653,6 @@ def test_a_trainer_closing_with_a_batch_stuck_in_its_child_ends_the_child_and_st
         process.close(timeout=1)
 
 
-class SleepingCloseEnv(ErrandsEnv):
-    """Its close() never returns in time (it pickles, unlike an Event's wait)."""
-
-    def close(self) -> None:
-        time.sleep(3600)
-
-
 def test_a_close_interrupted_before_it_ended_the_child_ends_it_when_called_again(qwen_tokenizer):
     """Ctrl-C during close()'s wait for the child to end (here its environment's close never returns): the next
     close() ends it, instead of returning at once because the first had begun."""
@@ -874,24 +714,6 @@ def test_a_batch_that_starts_after_its_collection_process_closed_opens_no_other(
         gate.set()
         trainer.overlap.close()
         resources.close()
-
-
-class ForkingThenStuckEpisode(ErrandsEpisode):
-    """Its step() forks a grandchild (no exec: it inherits the child's end of the trainer's pipes) that outlives the
-    child, writes its pid to ``marker``, then blocks the event loop (a sleep that releases the interpreter lock)."""
-
-    def __init__(self, task, form: str, marker: Path) -> None:
-        super().__init__(task, form)
-        self.marker = marker
-
-    async def step(self, reply: str) -> Step:
-        grandchild = os.fork()
-        if grandchild == 0:
-            time.sleep(120)
-            os._exit(0)
-        self.marker.write_text(str(grandchild))
-        time.sleep(3600)
-        raise AssertionError("unreachable: the child is ended first")
 
 
 def test_closing_stops_waiting_for_a_stuck_batch_even_where_a_grandchild_holds_the_childs_pipe(
@@ -976,20 +798,6 @@ def test_the_childs_first_sigterm_ends_it_through_its_close_a_second_at_once(mon
         watcher.join(5)
         os.close(watch._read_end)
     assert not watcher.is_alive()
-
-
-class SignalHandlingLoopEnv(ClosingEnv):
-    """Its prepare() (on the child's main thread) leaves an event loop there with a handler for SIGUSR1, as an
-    asyncio library's signal receiver does: the loop takes the wakeup fd over."""
-
-    def prepare(self) -> None:
-        import asyncio
-
-        self.loop = asyncio.new_event_loop()
-        self.loop.add_signal_handler(signal.SIGUSR1, lambda: None)
-
-    def __getstate__(self) -> dict:
-        return {key: value for key, value in self.__dict__.items() if key != "loop"}
 
 
 def test_a_child_whose_wakeup_fd_was_taken_over_still_ends_on_sigterm_closing_its_environment(qwen_tokenizer, tmp_path):
