@@ -65,16 +65,24 @@ TINY = [
 ]
 
 
-def loop_train(*flags: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def loop_train(*flags: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [sys.executable, "-m", "loop_trainer.cli.train", *flags],
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=cwd,
         env=env,
     )
+
+
+def loop_train_here(capsys: pytest.CaptureFixture[str], *flags: str) -> subprocess.CompletedProcess:
+    """loop-train run in this process (:func:`cli`, what the command calls): its exit status and what it printed,
+    as :func:`loop_train` returns them, without a new interpreter's 6 s of imports. The refusals below run here;
+    test_the_loop_train_command_refuses_a_nonsense_value_with_one_line runs the command itself."""
+    status = cli(list(flags))
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(["loop-train", *flags], status, printed.out, printed.err)
 
 
 def assert_one_line_refusal(result: subprocess.CompletedProcess, message: str) -> None:
@@ -253,26 +261,37 @@ ISSUE_PROBES = [
 
 
 @pytest.mark.parametrize(("key", "flag", "value"), ISSUE_PROBES, ids=[f"{k}={f}" for k, f, _ in ISSUE_PROBES])
-def test_loop_train_refuses_a_nonsense_value_with_one_line(key, flag, value, tmp_path):
+def test_loop_train_refuses_a_nonsense_value_with_one_line(key, flag, value, tmp_path, capsys):
     """Before the fix these trained (max_grad_norm: -1 flipping every gradient, ...) or died with a traceback
     (learning_rate: -1 in the optimizer, epsilon: -1 a ZeroDivisionError, per_device_train_batch_size: 0)."""
-    result = loop_train("--output_dir", str(tmp_path / "o"), *TINY, f"--{key}", flag)
+    result = loop_train_here(capsys, "--output_dir", str(tmp_path / "o"), *TINY, f"--{key}", flag)
     assert_one_line_refusal(result, f"LOOPConfig: {range_message(key, value, range_of(LOOPConfig, key))}")
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("dry_run", [False, True], ids=["train", "dry-run"])
+def test_the_loop_train_command_refuses_a_nonsense_value_with_one_line(tmp_path, dry_run):
+    """The refusals above, from the command itself: exit status 2, one line, no traceback."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"output_dir: {tmp_path / 'o'}\nmodel_name_or_path: tiny:vault\nmax_grad_norm: -1\n")
+    result = loop_train("--config", str(recipe), *(["--dry-run"] if dry_run else TINY[2:]))
+    rule = range_of(LOOPConfig, "max_grad_norm")
+    assert_one_line_refusal(result, f"LOOPConfig: {range_message('max_grad_norm', -1.0, rule)}")
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize(("key", "flag", "value"), [("max_grad_norm", "-1", -1.0), ("save_steps", "0", 0.0)])
-def test_dry_run_refuses_a_nonsense_value_with_one_line(key, flag, value, tmp_path):
+def test_dry_run_refuses_a_nonsense_value_with_one_line(key, flag, value, tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"output_dir: {tmp_path / 'o'}\nmodel_name_or_path: tiny:vault\n{key}: {flag}\n")
-    result = loop_train("--config", str(recipe), "--dry-run")
+    result = loop_train_here(capsys, "--config", str(recipe), "--dry-run")
     assert_one_line_refusal(result, f"LOOPConfig: {range_message(key, value, range_of(LOOPConfig, key))}")
 
 
 # --- output_dir ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dry_run", [False, True], ids=["train", "dry-run"])
 @pytest.mark.parametrize("case", ["a file", "under a file"])
-def test_an_output_dir_that_cannot_be_a_directory_is_one_line(tmp_path, case, dry_run):
+def test_an_output_dir_that_cannot_be_a_directory_is_one_line(tmp_path, case, dry_run, capsys):
     (tmp_path / "taken").write_text("not a directory")
     output_dir = str(tmp_path / "taken") if case == "a file" else str(tmp_path / "taken" / "run")
     message = (
@@ -280,7 +299,7 @@ def test_an_output_dir_that_cannot_be_a_directory_is_one_line(tmp_path, case, dr
         if case == "a file"
         else f"output_dir {output_dir!r} cannot be created: {str(tmp_path / 'taken')!r} is a file, not a directory"
     )
-    result = loop_train("--output_dir", output_dir, *TINY, *(["--dry-run"] if dry_run else []))
+    result = loop_train_here(capsys, "--output_dir", output_dir, *TINY, *(["--dry-run"] if dry_run else []))
     assert_one_line_refusal(result, f"LOOPConfig: {message}")
 
 
@@ -332,15 +351,15 @@ def test_help_prints_the_help_and_exits_0():
     assert "Traceback" not in result.stderr
 
 
-def test_a_mistyped_config_flag_suggests_config(tmp_path):
-    result = loop_train("--confg=recipe.yaml", cwd=tmp_path)
+def test_a_mistyped_config_flag_suggests_config(capsys):
+    result = loop_train_here(capsys, "--confg=recipe.yaml")
     assert_one_line_refusal(result, "unknown option '--confg' (did you mean '--config'?)")
 
 
-def test_config_in_the_equals_form_suggests_nothing(tmp_path):
+def test_config_in_the_equals_form_suggests_nothing(tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"output_dir: {tmp_path / 'o'}\nmodel_name_or_path: tiny:vault\n")
-    result = loop_train(f"--config={recipe}", "--dry-run")
+    result = loop_train_here(capsys, f"--config={recipe}", "--dry-run")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "fsdp_config" not in result.stderr + result.stdout.split("[training]")[0]
 
