@@ -5,6 +5,7 @@ one line, and only advises resuming when there is a checkpoint (issue 12, defect
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import unittest.mock
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,20 @@ def loop_train(output_dir: Path, *flags: str, **popen: object) -> subprocess.Com
     )
 
 
+def refused_here(capsys: pytest.CaptureFixture[str], output_dir: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """:func:`loop_train` for a launch it refuses, run in this process (:func:`~loop_trainer.cli.train.cli`, what the
+    command calls) without a new interpreter's 6 s of imports: its exit status and what it printed. A launch that
+    trains runs in a process of its own: a finished run ends its process group, which a launch here that was not
+    refused would do to pytest's, were that not stubbed out."""
+    from loop_trainer.cli import train_run
+
+    with unittest.mock.patch.object(train_run, "end_process_group"):
+        status = train_run.run([*TINY, "--output_dir", str(output_dir), *flags])
+    printed = capsys.readouterr()
+    assert status == 2, printed.err[-3000:]
+    return subprocess.CompletedProcess(["loop-train", *flags], status, printed.out, printed.err)
+
+
 def checkpoints(output_dir: Path) -> list[str]:
     return sorted((p.name for p in output_dir.glob("checkpoint-*")), key=lambda name: int(name.split("-")[1]))
 
@@ -115,10 +131,10 @@ def copy_of(run: Path, tmp_path: Path) -> Path:
 
 
 # --- defect 1: a fresh run in another run's output_dir -------------------------------------------------------
-def test_a_fresh_run_into_another_runs_output_dir_is_refused_or_replaces_it_when_asked(finished_run, tmp_path):
+def test_a_fresh_run_into_another_runs_output_dir_is_refused_or_replaces_it_when_asked(finished_run, tmp_path, capsys):
     x = copy_of(finished_run, tmp_path)
     before = {p.relative_to(x): p.stat().st_mtime_ns for p in x.rglob("*")}
-    refused = loop_train(x, "--iterations", "2", "--seed", "1")
+    refused = refused_here(capsys, x, "--iterations", "2", "--seed", "1")
     assert refused.returncode == 2
     line = error_line(refused)
     assert line.startswith(
@@ -150,14 +166,14 @@ def test_a_fresh_run_into_another_runs_output_dir_is_refused_or_replaces_it_when
     assert [m["iteration"] for m in metrics(x)] == [1, 2, 3] and checkpoints(x) == ["checkpoint-2", "checkpoint-3"]
 
 
-def test_overwrite_output_dir_keeps_a_run_that_stopped_before_its_last_iteration(finished_run, tmp_path):
+def test_overwrite_output_dir_keeps_a_run_that_stopped_before_its_last_iteration(finished_run, tmp_path, capsys):
     """A recipe copied from the demo sets overwrite_output_dir: the second start after a crash must not delete
     the crashed run. A finished run says so (run_finished.json); one without it stopped early."""
     assert json.loads((finished_run / "run_finished.json").read_text()) == {"iteration": 3}
     x = copy_of(finished_run, tmp_path)
     (x / "run_finished.json").unlink()  # as if the machine was lost after checkpoint-3
     before = {p.relative_to(x): p.stat().st_mtime_ns for p in x.rglob("*")}
-    refused = loop_train(x, "--iterations", "2", "--overwrite_output_dir", "true")
+    refused = refused_here(capsys, x, "--iterations", "2", "--overwrite_output_dir", "true")
     assert refused.returncode == 2
     assert error_line(refused) == (
         f"loop-train: error: output_dir {x} holds a run that stopped before its last iteration (newest checkpoint "
@@ -236,9 +252,9 @@ def test_resume_last_skips_incomplete_checkpoints_and_says_so(finished_run, tmp_
     ],
     ids=["learning_rate", "seed", "tasks_per_iteration", "rollouts_per_task", "environment_kwargs", "two"],
 )
-def test_a_changed_setting_on_resume_is_refused_naming_it(finished_run, tmp_path, flags, named):
+def test_a_changed_setting_on_resume_is_refused_naming_it(finished_run, tmp_path, flags, named, capsys):
     x = copy_of(finished_run, tmp_path)
-    refused = loop_train(x, "--iterations", "4", "--resume_from_checkpoint", "last", *flags)
+    refused = refused_here(capsys, x, "--iterations", "4", "--resume_from_checkpoint", "last", *flags)
     assert refused.returncode == 2
     line = error_line(refused)
     assert line.startswith(f"loop-train: error: resume_from_checkpoint: settings differ from {x / 'checkpoint-3'}'s (")
@@ -300,7 +316,7 @@ def test_turning_balanced_draws_on_at_a_resume_starts_a_new_order(finished_run, 
     assert sampler["drawn"] == 2 * 2 and len(sampler["kinds"]) > 1  # iterations 4 and 5, 2 tasks each
 
 
-def test_the_base_of_a_tiny_lora_run_cannot_change_on_resume(tmp_path):
+def test_the_base_of_a_tiny_lora_run_cannot_change_on_resume(tmp_path, capsys):
     """A tiny LoRA run's checkpoints hold only the adapter, and a resume builds the base again: a seed or
     tiny_instruct_steps that would build another one is refused, even with changes allowed. A full-weight tiny
     run's checkpoints hold every weight: its tiny_instruct_steps only named how it started."""
@@ -314,7 +330,7 @@ def test_the_base_of_a_tiny_lora_run_cannot_change_on_resume(tmp_path):
     ):
         resumed = (*lora, "--iterations", "2", "--resume_from_checkpoint", "last", *change)
         for allowed in ((), ("--resume_with_changed_settings", "true")):
-            refused = loop_train(x, *resumed, *allowed)
+            refused = refused_here(capsys, x, *resumed, *allowed)
             line = error_line(refused)
             assert line.startswith(
                 f"loop-train: error: resume_from_checkpoint: {x / 'checkpoint-1'} holds a LoRA adapter"
@@ -331,7 +347,7 @@ def test_the_base_of_a_tiny_lora_run_cannot_change_on_resume(tmp_path):
         "--environment_kwargs",
         '{"num_tasks": 6}',
     )
-    refused = loop_train(x, *resumed, "--resume_with_changed_settings", "true")
+    refused = refused_here(capsys, x, *resumed, "--resume_with_changed_settings", "true")
     line = error_line(refused)
     assert "a tiny model's base, which is built from the run's environment" in line, line
     assert "would build it from another (environment_kwargs" in line and '"num_tasks": 6' in line
@@ -348,7 +364,9 @@ def test_a_run_that_fails_before_its_first_checkpoint_does_not_advise_resuming(t
     result = loop_train(tmp_path / "run", "--iterations", "2", "--environment", "test_output_dir:FailingVault")
     assert result.returncode == 1
     # the environment's failure is shown once with its traceback, down to its own line; the run's error is one line
-    assert result.stderr.count("Traceback") == 1 and f'{Path(__file__).name}", line 61, in episode' in result.stderr
+    raised_at = inspect.getsourcelines(FailingVault.episode)[1] + 1  # the line of its raise
+    assert result.stderr.count("Traceback") == 1
+    assert f'{Path(__file__).name}", line {raised_at}, in episode' in result.stderr
     line = [line for line in result.stderr.splitlines() if line.startswith("loop-train: ")][-1]
     assert line.startswith("loop-train: error: 4 of 4 rollouts failed")
     assert "resume_from_checkpoint" not in line and line.endswith(
