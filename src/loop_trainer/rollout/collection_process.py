@@ -92,8 +92,9 @@ class _ChildProcess:
     with three threads joining a child that had just ended: one in three times, a thread saw it alive after its
     join (exit code None). Then a close warned that the child did not end, and signalled a process id that may
     have been reused. Here each wait, poll and signal holds one lock, so a reap and the exit code it stores
-    happen together. (multiprocessing also polls every child it started, without this lock, when another process
-    starts: the trainer starts none while a collection process runs.)"""
+    happen together. (multiprocessing also polls every child it started without this lock: when another process
+    starts, in ``active_children()`` and at exit. The trainer starts no other process while a collection process
+    runs and calls neither; at exit, only a trainer that was not closed still has a child.)"""
 
     def __init__(self, process: multiprocessing.process.BaseProcess):
         self._process = process

@@ -68,11 +68,7 @@ TINY = [
 def loop_train(*flags: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "loop_trainer.cli.train", *flags],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
+        [sys.executable, "-m", "loop_trainer.cli.train", *flags], capture_output=True, text=True, timeout=300, env=env
     )
 
 
@@ -246,7 +242,7 @@ def test_save_steps_is_checked_only_when_checkpoints_are_saved(tmp_path):
         LOOPConfig(output_dir=str(tmp_path / "o"), save_steps=0)
 
 
-# --- through loop-train, in a subprocess (train and --dry-run) ------------------------------------------------
+# --- through loop-train (train and --dry-run) -------------------------------------------------------------------
 ISSUE_PROBES = [
     ("max_grad_norm", "-1", -1.0),
     ("kl_abort_threshold", "-1", -1.0),
@@ -351,7 +347,8 @@ def test_help_prints_the_help_and_exits_0():
     assert "Traceback" not in result.stderr
 
 
-def test_a_mistyped_config_flag_suggests_config(capsys):
+def test_a_mistyped_config_flag_suggests_config(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # were it not refused, transformers' default output_dir would be made here
     result = loop_train_here(capsys, "--confg=recipe.yaml")
     assert_one_line_refusal(result, "unknown option '--confg' (did you mean '--config'?)")
 

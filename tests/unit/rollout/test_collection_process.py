@@ -24,7 +24,7 @@ from loop_trainer.envs.base import Environment
 from loop_trainer.envs.errands import ErrandsEnv
 from loop_trainer.rollout import EpisodeLimits, RolloutFailureBudgetExceeded
 from loop_trainer.rollout.collection_child import _Child, _Leaving
-from loop_trainer.rollout.collection_process import CollectionProcess
+from loop_trainer.rollout.collection_process import CollectionProcess, _ChildProcess
 from loop_trainer.rollout.collection_protocol import ChildTotals, CollectionProcessError
 from loop_trainer.rollout.engine import EngineSetup
 from loop_trainer.rollout.vllm_server import VLLMServerBackend
@@ -190,11 +190,12 @@ def test_threads_that_wait_for_the_child_at_once_all_see_its_end():
     """The batch's wait, the control pipe's and a close may each wait for the child as it ends. With
     multiprocessing's waits alone, the first reaps it and a concurrent one takes it for running (CPython gh-130895):
     in about one trial in three here a thread saw it alive, exit code None, after its join."""
-    from loop_trainer.rollout.collection_process import _ChildProcess
-
-    context = multiprocessing.get_context("fork")  # a child that only sleeps: milliseconds to start
+    # Forked, not spawned as the trainer's child is: milliseconds to start, and a child that only sleeps, so the
+    # parent's threads (pytest-xdist's, the fake server's) cannot leave it a lock held. A daemon, and killed if it
+    # outlives the test: multiprocessing's exit would wait for it otherwise.
+    context = multiprocessing.get_context("fork")
     for _ in range(30):
-        child = _ChildProcess(context.Process(target=time.sleep, args=(0.02,)))
+        child = _ChildProcess(context.Process(target=time.sleep, args=(0.02,), daemon=True))
         child.start()
         seen: list[tuple[bool, int | None]] = []
 
@@ -203,10 +204,14 @@ def test_threads_that_wait_for_the_child_at_once_all_see_its_end():
             seen.append((child.is_alive(), child.exitcode))
 
         waits = [threading.Thread(target=wait) for _ in range(3)]
-        for thread in waits:
-            thread.start()
-        for thread in waits:
-            thread.join(10)
+        try:
+            for thread in waits:
+                thread.start()
+            for thread in waits:
+                thread.join(10)
+        finally:
+            if child.is_alive():
+                child.kill()
         assert seen == [(False, 0)] * 3
 
 
@@ -469,10 +474,13 @@ def test_the_modules_a_collection_child_imports_load_no_torch():
     (verifiers' and OpenEnv's; TRL's runs in the trainer's process only)."""
     code = (
         "import sys, loop_trainer.cli.train, loop_trainer.rollout.collection_child, loop_trainer.compat.verifiers, "
-        "loop_trainer.compat.verifiers_v1, loop_trainer.compat.openenv; "
+        "loop_trainer.compat.verifiers_v1, loop_trainer.compat.openenv, support.collection_envs; "
         f"print([m for m in {TRAINING_STACK!r} if m in sys.modules])"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    tests = {"PYTHONPATH": os.pathsep.join(sys.path)}  # support.collection_envs: what this file's children import
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, **tests}
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
 
@@ -657,7 +665,8 @@ def test_a_close_interrupted_before_it_ended_the_child_ends_it_when_called_again
     """Ctrl-C during close()'s wait for the child to end (here its environment's close never returns): the next
     close() ends it, instead of returning at once because the first had begun."""
     process = CollectionProcess(setup_for(SleepingCloseEnv(num_tasks=1), qwen_tokenizer))
-    join = process._process.join
+    child = process._process._process  # multiprocessing's Process: interrupted inside the wrapper's lock
+    join = child.join
     interrupts = [KeyboardInterrupt()]
 
     def interrupted_join(timeout: float | None = None) -> None:
@@ -665,7 +674,7 @@ def test_a_close_interrupted_before_it_ended_the_child_ends_it_when_called_again
             raise interrupts.pop()
         join(timeout)
 
-    process._process.join = interrupted_join  # type: ignore[method-assign]
+    child.join = interrupted_join  # type: ignore[method-assign]
     try:
         with pytest.raises(KeyboardInterrupt):
             process.close(timeout=1)
