@@ -23,6 +23,7 @@ from loop_trainer.cli.recipe import RecipeError, parse_recipe
 from loop_trainer.cli.train import cli
 from loop_trainer.config import EpisodeSettings, LOOPConfig, range_of
 from loop_trainer.config.ranges import Interval, Range, at_least, steps_or_fraction
+from support.in_process import loop_train_in_process
 
 ROOT = Path(__file__).resolve().parents[3]
 FIELDS = {spec.name: spec for spec in dataclasses.fields(LOOPConfig) if spec.init}
@@ -73,12 +74,9 @@ def loop_train(*flags: str) -> subprocess.CompletedProcess:
 
 
 def loop_train_here(capsys: pytest.CaptureFixture[str], *flags: str) -> subprocess.CompletedProcess:
-    """loop-train run in this process (:func:`cli`, what the command calls): its exit status and what it printed,
-    as :func:`loop_train` returns them, without a new interpreter's 6 s of imports. The refusals below run here;
+    """:func:`loop_train` in this process. The refusals below run here;
     test_the_loop_train_command_refuses_a_nonsense_value_with_one_line runs the command itself."""
-    status = cli(list(flags))
-    printed = capsys.readouterr()
-    return subprocess.CompletedProcess(["loop-train", *flags], status, printed.out, printed.err)
+    return loop_train_in_process(capsys, flags)
 
 
 def assert_one_line_refusal(result: subprocess.CompletedProcess, message: str) -> None:

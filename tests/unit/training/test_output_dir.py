@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-import unittest.mock
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ import yaml
 
 from loop_trainer.envs import VaultEnv
 from loop_trainer.training.checkpoints import CheckpointError, CheckpointStager, read_loop_state
+from support.in_process import loop_train_in_process
 
 HERE = Path(__file__).resolve().parent  # loop-train imports this module's environments by name
 TESTS = Path(__file__).resolve().parents[2]
@@ -86,17 +86,10 @@ def loop_train(output_dir: Path, *flags: str, **popen: object) -> subprocess.Com
 
 
 def refused_here(capsys: pytest.CaptureFixture[str], output_dir: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    """:func:`loop_train` for a launch it refuses, run in this process (:func:`~loop_trainer.cli.train.cli`, what the
-    command calls) without a new interpreter's 6 s of imports: its exit status and what it printed. A launch that
-    trains runs in a process of its own: a finished run ends its process group, which a launch here that was not
-    refused would do to pytest's, were that not stubbed out."""
-    from loop_trainer.cli import train_run
-
-    with unittest.mock.patch.object(train_run, "end_process_group"):
-        status = train_run.run([*TINY, "--output_dir", str(output_dir), *flags])
-    printed = capsys.readouterr()
-    assert status == 2, printed.err[-3000:]
-    return subprocess.CompletedProcess(["loop-train", *flags], status, printed.out, printed.err)
+    """:func:`loop_train` for a launch it refuses, in this process."""
+    refused = loop_train_in_process(capsys, [*TINY, "--output_dir", str(output_dir), *flags])
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    return refused
 
 
 def checkpoints(output_dir: Path) -> list[str]:
