@@ -20,5 +20,19 @@ if [ ! -f "$venv/.complete" ]; then
   "$venv/bin/python" -c "import vllm, deepspeed, trl" >/dev/null 2>&1 || { echo "vLLM venv: import check failed" >&2; exit 1; }
   touch "$venv/.complete"
 fi
+# DeepSpeed JIT-compiles its CPU ops on first use: the shared-memory communication op every CPU launch loads,
+# and CPU Adam for optimizer offload (about 2.5 minutes on 2 cores, inside the first test that launches
+# DeepSpeed). Compile them here once per venv, into the cache the tests' TORCH_EXTENSIONS_DIR names
+# (tests/vllm_deepspeed/conftest.py); torch rebuilds an op whose sources or flags have changed.
+extensions="$cache/torch-extensions"
+if [ ! -f "$venv/.deepspeed-ops" ] || [ ! -d "$extensions/deepspeed_shm_comm" ] || [ ! -d "$extensions/cpu_adam" ]; then
+  echo "compiling DeepSpeed's CPU ops into $extensions (first run only, ~2.5 minutes)" >&2
+  TORCH_EXTENSIONS_DIR="$extensions" "$venv/bin/python" -c '
+from deepspeed.accelerator import get_accelerator
+for builder in ("ShareMemCommBuilder", "CPUAdamBuilder"):
+    get_accelerator().create_op_builder(builder).load(verbose=False)
+' >/dev/null 2>&1 || { echo "vLLM venv: compiling DeepSpeed's CPU ops failed" >&2; exit 1; }
+  touch "$venv/.deepspeed-ops"
+fi
 flock -u 9
 bash tools/checkout_venv.sh "$venv" .vllm-venv

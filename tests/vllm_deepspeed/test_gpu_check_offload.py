@@ -3,8 +3,8 @@ in a child process; LOOP's under ``accelerate launch`` with recipes/accelerate/z
 optimizer state on the CPU and DeepSpeed's CPU Adam) on the tiny shape, fp32 and gloo, so the one-shot GPU run does
 not find its bugs. .venv has no DeepSpeed (there the section says it is skipped); this venv has it.
 
-The first run on a machine JIT-compiles DeepSpeed's CPU communication op and its CPU Adam (cached in
-``$LOOP_CACHE_DIR/torch-extensions``)."""
+DeepSpeed's CPU communication op and its CPU Adam are JIT-compiled once per venv by ``make vllm-venv``
+(tools/ensure_vllm_venv.sh, into ``$LOOP_CACHE_DIR/torch-extensions``); without them the first launch compiles them."""
 
 from __future__ import annotations
 

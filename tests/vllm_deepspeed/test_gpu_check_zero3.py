@@ -3,8 +3,8 @@ launch`` with recipes/accelerate/zero3.yaml on one process, LOOPTrainer with LoR
 iterations) on the tiny shape, fp32 and gloo, so the one-shot GPU run does not find its bugs.
 .venv has no DeepSpeed (there the section says it is skipped); this venv has it.
 
-The first run on a machine JIT-compiles DeepSpeed's CPU communication op (~85 s, cached in
-``$LOOP_CACHE_DIR/torch-extensions``)."""
+DeepSpeed's CPU communication op is JIT-compiled once per venv by ``make vllm-venv`` (tools/ensure_vllm_venv.sh,
+into ``$LOOP_CACHE_DIR/torch-extensions``); without it the first launch compiles it (~85 s)."""
 
 from __future__ import annotations
 

@@ -20,8 +20,9 @@ hung on unmatched collectives. Before a discarded step cleared ZeRO-2's accumula
 test's reached the first step; under offload the NaN minibatch's flag skipped the next step too, and a minibatch
 aborted on KL added its gradients to the next update's first step.)
 
-The first run on a machine JIT-compiles DeepSpeed's CPU communication op and its CPU Adam (~85 s and ~60 s;
-cached in ``$LOOP_CACHE_DIR/torch-extensions``).
+DeepSpeed's CPU communication op and its CPU Adam are JIT-compiled once per venv by ``make vllm-venv``
+(tools/ensure_vllm_venv.sh, into ``$LOOP_CACHE_DIR/torch-extensions``); without them the first launch compiles them
+(~85 s and ~60 s).
 """
 
 from __future__ import annotations
