@@ -60,13 +60,15 @@ lint: lint-venv venv
 # worker would spin-wait against each other (OpenMP). 16 instead of 24 minutes on 2 cores; TEST_WORKERS=0 runs
 # it in one process (of one thread).
 # The verifiers.v1 adapter's tests run a second time on verifiers 0.4.0 (.verifiers-0.4 first on PYTHONPATH).
+# The vLLM/DeepSpeed suite runs on TEST_WORKERS workers too: one process of it kept about one core busy (most of
+# its time is launches of DeepSpeed ranks that wait on each other); two took 7.7 instead of 10 minutes.
 TEST_WORKERS ?= 2
 test: lint venv appworld-venv vllm-venv verifiers-0.4
 	OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=17179869184 MALLOC_TRIM_THRESHOLD_=17179869184 $(VENV_BIN)/python -m pytest -q \
 		-n $(TEST_WORKERS) --dist loadfile --ignore=tests/vllm_deepspeed $(PYTEST_ARGS)
 	OMP_NUM_THREADS=1 PYTHONPATH=.verifiers-0.4 LOOP_EXPECT_VERIFIERS=0.4.0 $(VENV_BIN)/python -m pytest -q \
 		tests/unit/compat/test_verifiers_v1_env.py $(PYTEST_ARGS)
-	.vllm-venv/bin/python -m pytest -q tests/vllm_deepspeed $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 .vllm-venv/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/vllm_deepspeed $(PYTEST_ARGS)
 
 # The core tests (everything `make test` runs in .venv but the slow and AppWorld ones) against the newest
 # transformers, in .compat-venv on its own cached venv (requirements/compat.lock: cpu.lock with transformers

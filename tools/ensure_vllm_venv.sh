@@ -21,12 +21,12 @@ if [ ! -f "$venv/.complete" ]; then
   touch "$venv/.complete"
 fi
 # DeepSpeed JIT-compiles its CPU ops on first use: the shared-memory communication op every CPU launch loads,
-# and CPU Adam for optimizer offload (about 2.5 minutes on 2 cores, inside the first test that launches
+# and CPU Adam for optimizer offload (about 2 minutes on 2 cores, inside the first test that launches
 # DeepSpeed). Compile them here once per venv, into the cache the tests' TORCH_EXTENSIONS_DIR names
 # (tests/vllm_deepspeed/conftest.py); torch rebuilds an op whose sources or flags have changed.
 extensions="$cache/torch-extensions"
 if [ ! -f "$venv/.deepspeed-ops" ] || [ ! -d "$extensions/deepspeed_shm_comm" ] || [ ! -d "$extensions/cpu_adam" ]; then
-  echo "compiling DeepSpeed's CPU ops into $extensions (first run only, ~2.5 minutes)" >&2
+  echo "compiling DeepSpeed's CPU ops into $extensions (first run only, about 2 minutes)" >&2
   TORCH_EXTENSIONS_DIR="$extensions" "$venv/bin/python" -c '
 from deepspeed.accelerator import get_accelerator
 for builder in ("ShareMemCommBuilder", "CPUAdamBuilder"):
