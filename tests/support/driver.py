@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from support.launch_env import launch_environment
+
 ROOT = Path(__file__).resolve().parents[2]  # tests/support/ -> the repository
 DRIVER = ROOT / "tests" / "support" / "ddp_driver.py"
 PYTHON = [sys.executable]
@@ -41,16 +43,8 @@ def run_driver(
 ) -> dict[str, tuple[dict, dict[str, torch.Tensor]]]:
     """Run every case under ``launcher`` (e.g. ``[sys.executable]``); returns case -> (metrics, weights).
     Raises AssertionError with the driver's output if it fails or does not finish in ``timeout`` s."""
-    environment = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-        "WANDB_MODE": "offline",
-    }
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED"):
-        environment.pop(name, None)
-    environment.update(env or {})
+    quiet = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    environment = launch_environment(**{**quiet, **(env or {})})
     command = [*launcher, str(DRIVER), str(output_dir), json.dumps(dict(cases))]
     # Its own session, so that a hang (e.g. unmatched collectives) ends with all its processes.
     process = subprocess.Popen(

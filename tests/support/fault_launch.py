@@ -5,7 +5,6 @@ CPU, gloo): shared by the crash-and-resume tests of both test suites."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from loop_trainer.net import free_local_port
+from support.launch_env import launch_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "tests" / "support" / "fault_driver.py"
@@ -38,10 +38,7 @@ def launch_fault_driver(
     ``recipes/accelerate/<config>`` where a config is named, else one plain process or torchrun's. Returns the
     finished process (a killed run's return code is not 0)."""
     # (the DeepSpeed suite's conftest has set TORCH_EXTENSIONS_DIR, the cache of DeepSpeed's compiled CPU ops)
-    environment = {**os.environ, "PYTHONPATH": str(DRIVER.parent), "OMP_NUM_THREADS": "1"}
-    # The colocated vLLM tests before the DeepSpeed ones leave a distributed environment in this process's variables.
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_DEEPSPEED"):
-        environment.pop(name, None)
+    environment = launch_environment(PYTHONPATH=str(DRIVER.parent), OMP_NUM_THREADS="1")
     launcher = [sys.executable]
     if config is not None:
         launcher += ["-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_RECIPES / config)]

@@ -8,17 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from support.launch_env import launch_environment
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cpu_mode(out: Path, sections: list[str] | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
     """``python -m benchmarks.gpu_check --mode cpu`` with this interpreter from the repository root, no
     CUDA device visible; every section unless ``sections`` names some. Results in ``out``."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    # As from a shell: not the rendezvous of a process group this test process set up earlier (a colocated vLLM
-    # engine sets MASTER_PORT and listens on it), which a section's trainer would try to listen on too.
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
+    env = launch_environment(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     command = [sys.executable, "-m", "benchmarks.gpu_check", "--mode", "cpu", "--out", str(out)]
     return subprocess.run(
         command + (["--sections", *sections] if sections else []),
