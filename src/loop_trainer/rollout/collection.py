@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import signal
 import threading
 import time
 from collections import Counter
@@ -119,21 +120,42 @@ async def _held(coroutine: Coroutine[Any, Any, T]) -> _Held:
     return _Held(await coroutine)
 
 
-def _run_held(coroutine: Coroutine[Any, Any, T]) -> T:
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop, made with Ctrl-C held off until it is whole. A KeyboardInterrupt inside the loop's
+    constructor leaves a half-made loop whose finaliser fails ("Exception ignored ... no attribute '_ssock'"),
+    printed after loop-train's interrupt line. A Ctrl-C that arrives meanwhile is raised once the loop is made,
+    from the call that lets SIGINT through again, and the loop is closed first."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        return asyncio.new_event_loop()  # Python runs signal handlers on the main thread only
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    loop = asyncio.new_event_loop()
     try:
-        return cast(T, asyncio.run(_held(coroutine)).value)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # runs the handler of a SIGINT held meanwhile
     except BaseException:
-        # A Ctrl-C between asyncio.run's task and its first step cancels _held before it awaits ``coroutine``, which
-        # Python would then report at exit as "never awaited", after loop-train's last line: closed, it is not.
-        if inspect.getcoroutinestate(coroutine) == inspect.CORO_CREATED:
-            coroutine.close()
+        loop.close()
+        raise
+    return loop
+
+
+def _run_held(coroutine: Coroutine[Any, Any, T]) -> T:
+    held = _held(coroutine)
+    try:
+        with asyncio.Runner(loop_factory=_new_event_loop) as runner:
+            return cast(T, runner.run(held).value)
+    except BaseException:
+        # A Ctrl-C before the task's first step leaves ``held`` (interrupted before the task was made) or
+        # ``coroutine`` (the task cancelled unstarted) never awaited, which Python would report at exit, after
+        # loop-train's last line: closed, it is not.
+        for unstarted in (held, coroutine):
+            if inspect.getcoroutinestate(unstarted) == inspect.CORO_CREATED:
+                unstarted.close()
         raise
 
 
 def run_coroutine(coroutine: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine to completion from sync code, even where an event loop is already running
     (a notebook): then it runs on a fresh loop in a helper thread."""
-    # Why _Held: on the main thread, asyncio.run puts SIGINT's handler back at the end, and signal.signal
+    # Why _Held: on the main thread, asyncio's Runner puts SIGINT's handler back at the end, and signal.signal
     # formats the handler it replaces (a partial of the finished task) while converting it to an enum, which
     # reprs the task's result in full before shortening it: a RolloutBatch, every token id of every trajectory,
     # tens of MB of text for a batch of long trajectories, made and thrown away at the end of every collection.

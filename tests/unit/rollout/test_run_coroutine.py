@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import asyncio.selector_events as selector_events
 import gc
+import inspect
+import os
 import signal
+import sys
 import threading
 import warnings
 
 import pytest
 
-from loop_trainer.rollout import collection
 from loop_trainer.rollout.collection import run_coroutine
 
 
@@ -67,30 +69,66 @@ def test_an_error_reaches_the_caller():
         run_coroutine(fail())
 
 
-def test_a_ctrl_c_before_the_coroutine_starts_leaves_nothing_to_report_at_exit(monkeypatch):
-    """SIGINT between asyncio.run's creating its task and the task's first step: the task is cancelled unstarted, and
-    the coroutine it was to await must not be reported at exit ("coroutine ... was never awaited", printed after
-    loop-train's interrupt line)."""
-    real_run = asyncio.run
+async def collect():
+    return 1
 
-    def interrupted_before_the_first_step(main):
-        loop = asyncio.new_event_loop()
-        task = loop.create_task(main)
-        task.cancel()  # what asyncio.run's close does to the task the KeyboardInterrupt left behind
-        with contextlib.suppress(asyncio.CancelledError):
-            loop.run_until_complete(task)
-        loop.close()
-        raise KeyboardInterrupt
 
-    async def collect():
-        return 1
-
-    monkeypatch.setattr(collection.asyncio, "run", interrupted_before_the_first_step)
+@pytest.fixture()
+def reported_at_exit(monkeypatch):
+    """What Python would print at exit, after loop-train's interrupt line: warnings (a coroutine never awaited) and
+    errors raised by finalisers ("Exception ignored in ...")."""
+    unraisable: list = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with pytest.raises(KeyboardInterrupt):
-            run_coroutine(collect())
-        gc.collect()
-    assert [str(w.message) for w in caught if "never awaited" in str(w.message)] == []
-    monkeypatch.setattr(collection.asyncio, "run", real_run)
+        yield lambda: (gc.collect(), [str(w.message) for w in caught] + [repr(u.exc_value) for u in unraisable])[1]
+
+
+def ctrl_c_at(monkeypatch, owner, name, *, before):
+    """One real SIGINT to this process, the first time ``owner.name`` runs: ``before`` it runs or after."""
+    real, sent = getattr(owner, name), []
+
+    def ctrl_c() -> None:
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)  # raises KeyboardInterrupt here, if Python's handler is on
+
+    def interrupted(*args, **kwargs):
+        if before:
+            ctrl_c()
+        result = real(*args, **kwargs)
+        ctrl_c()
+        return result
+
+    monkeypatch.setattr(owner, name, interrupted)
+
+
+def test_a_ctrl_c_while_the_event_loop_is_made_leaves_nothing_to_report_at_exit(
+    monkeypatch, python_sigint, reported_at_exit
+):
+    """SIGINT inside the event loop's constructor, before its self-pipe exists: without care, the half-made loop's
+    finaliser fails ("'_UnixSelectorEventLoop' object has no attribute '_ssock'") and the coroutine that wraps the
+    collection is never awaited; loop-train printed both after its interrupt line, once in tens of runs."""
+    ctrl_c_at(monkeypatch, selector_events.BaseSelectorEventLoop, "_make_self_pipe", before=True)
+    coroutine = collect()
+    with pytest.raises(KeyboardInterrupt):
+        run_coroutine(coroutine)
+    assert reported_at_exit() == []
+    assert inspect.getcoroutinestate(coroutine) == inspect.CORO_CLOSED
+    monkeypatch.undo()
+    assert run_coroutine(collect()) == 1
+
+
+def test_a_ctrl_c_before_the_coroutine_starts_leaves_nothing_to_report_at_exit(
+    monkeypatch, python_sigint, reported_at_exit
+):
+    """SIGINT between the runner's creating its task and the task's first step: the task is cancelled unstarted, and
+    the coroutine it was to await must not be reported at exit either."""
+    ctrl_c_at(monkeypatch, asyncio.BaseEventLoop, "create_task", before=False)
+    coroutine = collect()
+    with pytest.raises(KeyboardInterrupt):
+        run_coroutine(coroutine)
+    assert reported_at_exit() == []
+    assert inspect.getcoroutinestate(coroutine) == inspect.CORO_CLOSED
+    monkeypatch.undo()
     assert run_coroutine(collect()) == 1
