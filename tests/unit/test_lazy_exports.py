@@ -81,6 +81,7 @@ def test_every_exported_name_is_the_object_of_the_module_that_defines_it(name):
 FRESH = """
 import json, sys
 import loop_trainer, loop_trainer.rollout, loop_trainer.envs, loop_trainer.compat.trl, loop_trainer.cli.train
+import loop_trainer.cli.entry_points  # the console scripts: light, so that a Ctrl-C while they import is theirs
 modules = (loop_trainer, loop_trainer.rollout, loop_trainer.envs, loop_trainer.compat.trl, loop_trainer.cli.train)
 unread = {m.__name__: sorted(set(m.__all__) - set(vars(m))) for m in modules}
 listed = all(set(m.__all__) <= set(dir(m)) for m in modules)

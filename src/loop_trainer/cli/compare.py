@@ -178,6 +178,9 @@ def cli(argv: Sequence[str] | None = None) -> int:
     except (RecipeError, EnvironmentSetupError) as error:
         print(f"loop-compare: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("loop-compare: interrupted; no table was written", file=sys.stderr)
+        return 130
     text = table(rows)
     out = Path(options.trained or training.output_dir) / "compare"
     (out / "compare.md").write_text(text + "\n")

@@ -32,11 +32,11 @@ __all__ = ["cli", "main", "make_parser"]
 
 
 def cli(argv: Sequence[str] | None = None) -> int:
-    """Entry point: one actionable line on user errors, exit status 2; Ctrl-C exits 130; the exit status of
-    :func:`.train_run.run`."""
-    from .train_run import run
+    """Entry point: one actionable line on user errors, exit status 2; Ctrl-C exits 130, while the run's modules are
+    imported too; the exit status of :func:`.train_run.run`."""
+    from .entry_points import loop_train
 
-    return run(argv)
+    return loop_train(argv)
 
 
 if __name__ == "__main__":

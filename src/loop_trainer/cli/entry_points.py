@@ -1,0 +1,34 @@
+"""``loop-train``, ``loop-eval`` and ``loop-compare``: the console scripts pyproject.toml names.
+
+Each imports its command only when it runs. Importing a command imports torch, transformers and TRL, seven seconds
+on a two-core CPU machine, and a Ctrl-C in those seconds would otherwise end in a traceback through the imports:
+here it ends like a Ctrl-C later on, in one line and exit status 130.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+
+def run_command(program: str, module: str, function: str, argv: Sequence[str] | None = None) -> int:
+    """``module.function(argv)``, its module imported first; a Ctrl-C during the import is one line, status 130."""
+    try:
+        command = getattr(importlib.import_module(module), function)
+    except KeyboardInterrupt:
+        print(f"{program}: interrupted while starting; nothing was run", file=sys.stderr)
+        return 130
+    return int(command(argv))
+
+
+def loop_train(argv: Sequence[str] | None = None) -> int:
+    return run_command("loop-train", "loop_trainer.cli.train_run", "run", argv)
+
+
+def loop_eval(argv: Sequence[str] | None = None) -> int:
+    return run_command("loop-eval", "loop_trainer.cli.evaluate", "cli", argv)
+
+
+def loop_compare(argv: Sequence[str] | None = None) -> int:
+    return run_command("loop-compare", "loop_trainer.cli.compare", "cli", argv)

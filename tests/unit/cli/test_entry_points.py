@@ -1,0 +1,81 @@
+"""The console scripts (cli/entry_points.py): a Ctrl-C while a command's modules are imported, seven seconds of torch,
+transformers and TRL on a CPU machine, ends in one line and exit status 130, like a Ctrl-C later on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from loop_trainer.cli.entry_points import run_command
+
+REPO = Path(__file__).resolve().parents[3]
+
+# Imported first by a process started with this folder on PYTHONPATH: a SIGINT to the process when the module named
+# in INTERRUPT_AT is first imported, as if the user pressed Ctrl-C then.
+SITECUSTOMIZE = """
+import importlib.abc, os, signal, sys
+
+class CtrlC(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["INTERRUPT_AT"]:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+"""
+
+
+@pytest.fixture()
+def python_sigint():
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_while_the_command_imports_is_one_line_and_status_130(tmp_path, monkeypatch, capsys, python_sigint):
+    (tmp_path / "slow_to_import.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert run_command("loop-train", "slow_to_import", "run", ["--help"]) == 130
+    assert capsys.readouterr().err == "loop-train: interrupted while starting; nothing was run\n"
+    sys.modules.pop("slow_to_import", None)
+
+
+def test_without_a_ctrl_c_the_command_runs_and_its_status_is_returned(tmp_path, monkeypatch):
+    (tmp_path / "a_command.py").write_text("def run(argv):\n    return len(argv)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert run_command("loop-train", "a_command", "run", ["a", "b", "c"]) == 3
+    sys.modules.pop("a_command", None)
+
+
+@pytest.mark.parametrize("program", ["loop-train", "loop-eval", "loop-compare"])
+def test_the_installed_console_scripts_say_one_line_on_a_ctrl_c_while_importing_transformers(tmp_path, program):
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert declared[program].startswith("loop_trainer.cli.entry_points:")  # the light module, not the command's own
+    script = Path(sys.executable).parent / program
+    assert script.is_file(), f"{script}: the checkout's venv has its console scripts (tools/checkout_venv.sh)"
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+        "INTERRUPT_AT": "transformers",  # torch is whole by then, and its modules' finalisers run at exit
+        "OMP_NUM_THREADS": "1",
+    }
+    result = subprocess.run(
+        [str(script), "--output_dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+        # a launch in the background inherits SIGINT ignored, and Python then leaves it ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert result.stderr == f"{program}: interrupted while starting; nothing was run\n"
+    assert not (tmp_path / "run").exists()
