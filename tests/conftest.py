@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -14,6 +15,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
+# A test run started in the background by a shell without job control ignores SIGINT, as would every process it
+# starts. The tests of Ctrl-C send SIGINT to loop-train and to themselves: they get Python's own handling, as in a
+# terminal (and the processes they start the default one, which Python replaces with its own).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # Warmed-up tiny models (loop_trainer.models.warm_up_cache) are kept for this test run only, in a folder named
 # here, in the process that starts the run: its pytest-xdist workers and every subprocess inherit the variable, so
 # they share the folder, which goes when the run ends. A run reuses its own warm-ups and never reads the user's or

@@ -325,7 +325,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         output_dir = training_args.output_dir if training_args else None
         print(f"loop-train: error: {error}. Fix the environment, then {resume_advice(output_dir)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # a checkpoint being written is completed first (checkpoints.deferred_interrupt)
+    except KeyboardInterrupt:  # a checkpoint being written is completed first (interrupts.deferred_interrupt)
         checkpoint = last_complete_checkpoint(training_args.output_dir) if training_args else None
         if checkpoint is None:
             print("loop-train: interrupted before the first checkpoint; nothing to resume", file=sys.stderr)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-import signal
 import threading
 import time
 from collections import Counter
@@ -16,6 +15,7 @@ from typing import Any, TypeVar, cast
 
 from tqdm.auto import tqdm
 
+from ..interrupts import deferred_interrupt
 from ..trajectory import Trajectory
 from .records import RolloutBatch, RolloutFailureBudgetExceeded, mix_seed
 
@@ -123,16 +123,14 @@ async def _held(coroutine: Coroutine[Any, Any, T]) -> _Held:
 def _new_event_loop() -> asyncio.AbstractEventLoop:
     """A new event loop, made with Ctrl-C held off until it is whole. A KeyboardInterrupt inside the loop's
     constructor leaves a half-made loop whose finaliser fails ("Exception ignored ... no attribute '_ssock'"),
-    printed after loop-train's interrupt line. A Ctrl-C that arrives meanwhile is raised once the loop is made,
-    from the call that lets SIGINT through again, and the loop is closed first."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
-        return asyncio.new_event_loop()  # Python runs signal handlers on the main thread only
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    loop = asyncio.new_event_loop()
+    printed after loop-train's interrupt line; one held meanwhile is raised once the loop is made, and closed."""
+    loop = None
     try:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # runs the handler of a SIGINT held meanwhile
-    except BaseException:
-        loop.close()
+        with deferred_interrupt():
+            loop = asyncio.new_event_loop()
+    except KeyboardInterrupt:
+        if loop is not None:
+            loop.close()
         raise
     return loop
 

@@ -20,14 +20,13 @@ import logging
 import os
 import re
 import shutil
-import signal
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..interrupts import deferred_interrupt
 from .console import quiet_transformers_bars
 
 logger = logging.getLogger(__name__)
@@ -295,24 +294,6 @@ def check_matches(checkpoint: str, model: Any) -> None:
 
 def _normalise(value: Any) -> Any:
     return sorted(value) if isinstance(value, (list, set, tuple)) else value
-
-
-@contextlib.contextmanager
-def deferred_interrupt() -> Iterator[None]:
-    """Hold a SIGINT (Ctrl-C) that arrives inside the block and raise it on leaving: a checkpoint
-    being renamed into place is then completed, never left half-published. Main thread only
-    (elsewhere Python delivers no signals, and the block runs as is)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda number, _frame: received.append(number))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
-    if received:
-        raise KeyboardInterrupt
 
 
 class CheckpointStager:

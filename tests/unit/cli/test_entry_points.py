@@ -73,8 +73,6 @@ def test_the_installed_console_scripts_say_one_line_on_a_ctrl_c_while_importing_
         text=True,
         env=environment,
         timeout=300,
-        # a launch in the background inherits SIGINT ignored, and Python then leaves it ignored
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert result.returncode == 130, result.stderr[-3000:]
     assert result.stderr == f"{program}: interrupted while starting; nothing was run\n"

@@ -1,0 +1,56 @@
+"""deferred_interrupt (interrupts.py): a Ctrl-C inside the block is raised on leaving it, once the block is whole."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from loop_trainer.interrupts import deferred_interrupt
+from support.interrupts import sigint_taken_by_another_thread
+
+
+@pytest.fixture()
+def sigint_handler():
+    """Sets SIGINT's handler for one test, and puts back the one before."""
+    previous = signal.getsignal(signal.SIGINT)
+    yield lambda handler: signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_inside_the_block_is_raised_after_it(sigint_handler):
+    sigint_handler(signal.default_int_handler)
+    done = []
+    with pytest.raises(KeyboardInterrupt), deferred_interrupt():
+        os.kill(os.getpid(), signal.SIGINT)
+        done.append("the rest of the block")
+    assert done == ["the rest of the block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_ctrl_c_taken_by_another_thread_is_held_too(sigint_handler):
+    """The kernel gives a process's signal to any thread that does not block it; Python runs the handler on the
+    main thread all the same, the deferring one inside the block."""
+    sigint_handler(signal.default_int_handler)
+    done = []
+    with pytest.raises(KeyboardInterrupt), deferred_interrupt():
+        sigint_taken_by_another_thread()
+        done.append("the rest of the block")
+    assert done == ["the rest of the block"]
+
+
+def test_a_process_that_ignores_sigint_keeps_ignoring_it(sigint_handler):
+    """Started in the background by a shell without job control: SIGINT is ignored, inside the block too."""
+    sigint_handler(signal.SIG_IGN)
+    with deferred_interrupt():
+        os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
+def test_a_handler_of_the_programs_own_is_left_to_handle_it(sigint_handler):
+    handled = []
+    sigint_handler(lambda number, _frame: handled.append(number))
+    with deferred_interrupt():
+        os.kill(os.getpid(), signal.SIGINT)
+        assert handled == [signal.SIGINT]
