@@ -16,6 +16,7 @@ from datasets import Dataset
 from tqdm.auto import tqdm
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from ..interrupts import deferred_interrupt
 from ..viewer import write_viewer
 from .console import IterationClock, format_duration, progress_bars_visible
 
@@ -249,7 +250,11 @@ class RunLog:
         if not self.plot_curves or not self.history or not self.writes:
             return None
         if force or time.monotonic() - self._last_plot >= PLOT_INTERVAL_SECONDS:
-            path = plot_learning_curve(self.history, self.curve_path)
+            # A Ctrl-C waits for the drawing: matplotlib makes and drops objects with weak references by the
+            # thousand, and a KeyboardInterrupt raised in a weak reference's callback is printed and lost (4 of 60
+            # Ctrl-Cs sent while drawing; the run went on to its last iteration), or turned into another error.
+            with deferred_interrupt():
+                path = plot_learning_curve(self.history, self.curve_path)
             self._last_plot = time.monotonic()
             return path
         return None

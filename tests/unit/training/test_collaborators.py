@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ from loop_trainer.training.checkpoints import CheckpointStager, read_loop_state
 from loop_trainer.training.run_log import RunLog, read_metrics
 from loop_trainer.training.update import PolicyUpdate
 from support.helpers import ScriptedBackend
+from support.interrupts import sigint_taken_by_another_thread
 from support.updates import policy_update, samples_for
 
 
@@ -91,6 +93,31 @@ def test_run_log_alone_writes_metrics_and_continues_a_resumed_history(tmp_path):
     silent.start()
     silent.record({"iteration": 1, "reward_mean": 0.0})
     assert not (tmp_path / "other").exists() and len(silent.history) == 1
+
+
+def test_a_ctrl_c_while_the_learning_curve_is_drawn_is_raised_once_it_is_written(tmp_path, monkeypatch):
+    """matplotlib loses a KeyboardInterrupt raised in one of its weak references' callbacks (the run went on to its
+    last iteration), or turns it into another error: the drawing finishes first, and the Ctrl-C is raised after."""
+    from matplotlib.figure import Figure
+
+    real_savefig = Figure.savefig
+
+    def interrupted(self, *args, **kwargs):
+        sigint_taken_by_another_thread()
+        return real_savefig(self, *args, **kwargs)
+
+    log = RunLog(tmp_path, writes=True, env_name="x", plot_curves=True)
+    log.start()
+    log.record({"iteration": 1, "reward_mean": 0.5, "reward_std": 0.1})  # drawn: the first curve
+    log.curve_path.unlink()
+    monkeypatch.setattr(Figure, "savefig", interrupted)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            log.plot(force=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert log.curve_path.read_bytes()[-8:] == b"IEND\xaeB`\x82"  # a whole PNG: its last chunk written
 
 
 class FakeWeightSync:
