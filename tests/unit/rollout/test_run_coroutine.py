@@ -107,6 +107,18 @@ def ctrl_c_at(monkeypatch, owner, name, *, before, by_another_thread=False):
     monkeypatch.setattr(owner, name, interrupted)
 
 
+def assert_the_ctrl_c_is_raised_and_nothing_is_left(monkeypatch, reported_at_exit) -> None:
+    """run_coroutine raises the KeyboardInterrupt, nothing is left to report at exit, the collection's coroutine is
+    closed, and with the interruption undone the next call runs."""
+    coroutine = collect()
+    with pytest.raises(KeyboardInterrupt):
+        run_coroutine(coroutine)
+    assert reported_at_exit() == []
+    assert inspect.getcoroutinestate(coroutine) == inspect.CORO_CLOSED
+    monkeypatch.undo()
+    assert run_coroutine(collect()) == 1
+
+
 @pytest.mark.parametrize("taken_by", ["the main thread", "another thread"])
 def test_a_ctrl_c_while_the_event_loop_is_made_leaves_nothing_to_report_at_exit(
     monkeypatch, python_sigint, reported_at_exit, taken_by
@@ -124,13 +136,7 @@ def test_a_ctrl_c_while_the_event_loop_is_made_leaves_nothing_to_report_at_exit(
         before=True,
         by_another_thread=by_another_thread,
     )
-    coroutine = collect()
-    with pytest.raises(KeyboardInterrupt):
-        run_coroutine(coroutine)
-    assert reported_at_exit() == []
-    assert inspect.getcoroutinestate(coroutine) == inspect.CORO_CLOSED
-    monkeypatch.undo()
-    assert run_coroutine(collect()) == 1
+    assert_the_ctrl_c_is_raised_and_nothing_is_left(monkeypatch, reported_at_exit)
 
 
 def test_a_ctrl_c_before_the_coroutine_starts_leaves_nothing_to_report_at_exit(
@@ -139,10 +145,4 @@ def test_a_ctrl_c_before_the_coroutine_starts_leaves_nothing_to_report_at_exit(
     """SIGINT between the runner's creating its task and the task's first step: the task is cancelled unstarted, and
     the coroutine it was to await must not be reported at exit either."""
     ctrl_c_at(monkeypatch, asyncio.BaseEventLoop, "create_task", before=False)
-    coroutine = collect()
-    with pytest.raises(KeyboardInterrupt):
-        run_coroutine(coroutine)
-    assert reported_at_exit() == []
-    assert inspect.getcoroutinestate(coroutine) == inspect.CORO_CLOSED
-    monkeypatch.undo()
-    assert run_coroutine(collect()) == 1
+    assert_the_ctrl_c_is_raised_and_nothing_is_left(monkeypatch, reported_at_exit)
