@@ -33,6 +33,15 @@ def pytest_sessionfinish(session):
         shutil.rmtree(WARM_UPS, ignore_errors=True)
 
 
+@pytest.fixture()
+def python_sigint():
+    """Python's own SIGINT handler for one test that sends itself SIGINT (asyncio's runner replaces it for a while,
+    and a test before it in the same process may have left another), and the one before put back after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="session")
 def qwen_tokenizer():
     from support.qwen import build_qwen25_tokenizer

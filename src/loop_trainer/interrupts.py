@@ -1,4 +1,5 @@
-"""Ctrl-C held off until a block of work is whole: a checkpoint renamed into place, an event loop made.
+"""Ctrl-C held off until a block of work is whole: a checkpoint renamed into place, an event loop made, the
+learning curve drawn.
 
 Python raises KeyboardInterrupt wherever the main thread happens to be when SIGINT's handler runs, inside a
 constructor or between two renames too. :func:`deferred_interrupt` swaps Python's handler for one that only notes
@@ -31,8 +32,16 @@ def deferred_interrupt() -> Iterator[None]:
     signal.signal(signal.SIGINT, lambda number, _frame: received.append(number))
     try:
         yield
-    finally:
-        # signal.signal runs the handlers of signals already received first: one received meanwhile is noted
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    except BaseException as error:
+        restore_python_handler()
+        if received:  # the Ctrl-C is what the user asked for; the block's failure is its cause
+            raise KeyboardInterrupt from error
+        raise
+    restore_python_handler()
     if received:
         raise KeyboardInterrupt
+
+
+def restore_python_handler() -> None:
+    # signal.signal runs the handlers of signals already received first: one received meanwhile is noted
+    signal.signal(signal.SIGINT, signal.default_int_handler)

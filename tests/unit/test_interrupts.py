@@ -54,3 +54,15 @@ def test_a_handler_of_the_programs_own_is_left_to_handle_it(sigint_handler):
     with deferred_interrupt():
         os.kill(os.getpid(), signal.SIGINT)
         assert handled == [signal.SIGINT]
+
+
+def test_a_ctrl_c_inside_a_block_that_then_fails_is_still_raised_with_the_failure_as_its_cause(sigint_handler):
+    """The user asked to stop: the run ends as interrupted (exit 130), the failure kept as the cause."""
+    sigint_handler(signal.default_int_handler)
+    with pytest.raises(KeyboardInterrupt) as raised, deferred_interrupt():
+        os.kill(os.getpid(), signal.SIGINT)
+        raise OSError("the disk is full")
+    assert isinstance(raised.value.__cause__, OSError)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(OSError, match="the disk is full"), deferred_interrupt():  # without a Ctrl-C: the failure
+        raise OSError("the disk is full")

@@ -10,8 +10,8 @@ ModelConfig) and ``main(script_args, training_args, model_args)`` runs the job (
 
 This module is the entry point only, and imports nothing heavy itself: a process that multiprocessing spawns (a
 collection child, ``collection_process: true``) imports the launch's main module again, this one under
-``-m loop_trainer.cli.train`` and ``loop-train``. The run, torch and transformers' trainer are imported when
-:func:`cli` runs, in the launch's own processes only.
+``-m loop_trainer.cli.train`` (under ``loop-train``, the console script, which imports :mod:`.entry_points`). The
+run, torch and transformers' trainer are imported when :func:`cli` runs, in the launch's own processes only.
 """
 
 from __future__ import annotations

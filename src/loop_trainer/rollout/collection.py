@@ -120,7 +120,7 @@ async def _held(coroutine: Coroutine[Any, Any, T]) -> _Held:
     return _Held(await coroutine)
 
 
-def _new_event_loop() -> asyncio.AbstractEventLoop:
+def make_event_loop() -> asyncio.AbstractEventLoop:
     """A new event loop, made with Ctrl-C held off until it is whole. A KeyboardInterrupt inside the loop's
     constructor leaves a half-made loop whose finaliser fails ("Exception ignored ... no attribute '_ssock'"),
     printed after loop-train's interrupt line; one held meanwhile is raised once the loop is made, and closed."""
@@ -136,16 +136,17 @@ def _new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 def _run_held(coroutine: Coroutine[Any, Any, T]) -> T:
-    held = _held(coroutine)
+    held = None
     try:
-        with asyncio.Runner(loop_factory=_new_event_loop) as runner:
+        held = _held(coroutine)
+        with asyncio.Runner(loop_factory=make_event_loop) as runner:
             return cast(T, runner.run(held).value)
     except BaseException:
         # A Ctrl-C before the task's first step leaves ``held`` (interrupted before the task was made) or
         # ``coroutine`` (the task cancelled unstarted) never awaited, which Python would report at exit, after
         # loop-train's last line: closed, it is not.
         for unstarted in (held, coroutine):
-            if inspect.getcoroutinestate(unstarted) == inspect.CORO_CREATED:
+            if unstarted is not None and inspect.getcoroutinestate(unstarted) == inspect.CORO_CREATED:
                 unstarted.close()
         raise
 

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 from tqdm.auto import tqdm
 
 from ..trajectory import Trajectory
-from .collection import check_failure_budget
+from .collection import check_failure_budget, make_event_loop
 from .engine import RolloutEngine
 from .records import DroppedEpisode, GenerationBackend, RolloutBatch, mix_seed
 
@@ -128,7 +128,7 @@ class ContinuingCollection:
         self.groups: list[CarriedGroup] = []
         self.num_dropped = 0
         """Episodes dropped for spanning more than ``max_span`` versions, since the collection was built."""
-        self._loop = asyncio.new_event_loop()
+        self._loop = make_event_loop()  # on the trainer's main thread: a Ctrl-C waits until the loop is whole
         self._thread = threading.Thread(target=self._loop.run_forever, name="loop-partial-rollouts", daemon=True)
         self._thread.start()
         self._limiter = asyncio.Semaphore(engine.max_concurrent_episodes)

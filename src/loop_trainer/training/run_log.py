@@ -66,13 +66,20 @@ def _moving_average(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
-def plot_learning_curve(history: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
-    """Reward (mean +- std per iteration, and a moving average) and success; kept fraction, tied groups and
-    clip fraction; the policy's entropy and the truncated fraction (the learning signals)."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display), imported on first use: seconds, the first time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_learning_curve(history: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
+    """Reward (mean +- std per iteration, and a moving average) and success; kept fraction, tied groups and
+    clip fraction; the policy's entropy and the truncated fraction (the learning signals)."""
+    plt = _pyplot()
 
     def series(key: str) -> list[float]:
         return [float(h[key]) if h.get(key) is not None else math.nan for h in history]
@@ -253,6 +260,7 @@ class RunLog:
             # A Ctrl-C waits for the drawing: matplotlib makes and drops objects with weak references by the
             # thousand, and a KeyboardInterrupt raised in a weak reference's callback is printed and lost (4 of 60
             # Ctrl-Cs sent while drawing; the run went on to its last iteration), or turned into another error.
+            _pyplot()  # imported before: a Ctrl-C during the import need not wait for it
             with deferred_interrupt():
                 path = plot_learning_curve(self.history, self.curve_path)
             self._last_plot = time.monotonic()

@@ -469,11 +469,12 @@ def test_the_child_runs_batches_and_partial_rollouts_without_importing_the_train
 
 
 def test_the_modules_a_collection_child_imports_load_no_torch():
-    """The child's own modules; loop-train's entry point (``loop-train`` and ``-m loop_trainer.cli.train``), which a
-    spawned child imports again as its main module; and the adapters of the environments that may run in a child
-    (verifiers' and OpenEnv's; TRL's runs in the trainer's process only)."""
+    """The child's own modules; loop-train's entry points (``-m loop_trainer.cli.train``, and the console scripts'
+    module), which a spawned child imports again with its main module; and the adapters of the environments that may
+    run in a child (verifiers' and OpenEnv's; TRL's runs in the trainer's process only)."""
     code = (
-        "import sys, loop_trainer.cli.train, loop_trainer.rollout.collection_child, loop_trainer.compat.verifiers, "
+        "import sys, loop_trainer.cli.train, loop_trainer.cli.entry_points, loop_trainer.rollout.collection_child, "
+        "loop_trainer.compat.verifiers, "
         "loop_trainer.compat.verifiers_v1, loop_trainer.compat.openenv, support.collection_envs; "
         f"print([m for m in {TRAINING_STACK!r} if m in sys.modules])"
     )

@@ -35,15 +35,6 @@ async def make(value):
     return value
 
 
-@pytest.fixture()
-def python_sigint():
-    """Python's own SIGINT handler, which asyncio.run replaces and restores (a test before this one in the same
-    process may have left another)."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
-
-
 def test_the_result_is_returned_and_never_formatted_on_the_main_thread(python_sigint):
     """asyncio.run, on the main thread, puts SIGINT's handler back at its end; signal.signal formats the handler it
     replaces, a partial of the finished task, whose repr shows the task's result."""
@@ -78,6 +69,7 @@ async def collect():
 def reported_at_exit(monkeypatch):
     """What Python would print at exit, after loop-train's interrupt line: warnings (a coroutine never awaited) and
     errors raised by finalisers ("Exception ignored in ...")."""
+    gc.collect()  # what earlier tests in this process left is finalised before, not counted
     unraisable: list = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     with warnings.catch_warnings(record=True) as caught:

@@ -399,7 +399,7 @@ def test_ctrl_c_prints_one_line_and_exits_130_with_the_checkpoints_complete(tmp_
     assert all((output / name / "loop_state.json").is_file() for name in checkpoints(output))
 
 
-def test_ctrl_c_while_a_checkpoint_is_published_completes_it_first(tmp_path):
+def test_ctrl_c_while_a_checkpoint_is_published_completes_it_first(tmp_path, python_sigint):
     stager = CheckpointStager(is_main_process=True, barrier=lambda: None, save_total_limit=2)
 
     def loop_state():  # Ctrl-C arrives after the Trainer wrote the checkpoint, while it is being published
