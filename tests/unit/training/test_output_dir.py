@@ -21,39 +21,11 @@ import yaml
 from loop_trainer.envs import VaultEnv
 from loop_trainer.training.checkpoints import CheckpointError, CheckpointStager, read_loop_state
 from support.in_process import loop_train_in_process
+from support.tiny_run import TINY_VAULT_RUN
 
 HERE = Path(__file__).resolve().parent  # loop-train imports this module's environments by name
 TESTS = Path(__file__).resolve().parents[2]
-TINY = [
-    "--model_name_or_path",
-    "tiny:vault",
-    "--environment_kwargs",
-    '{"num_tasks": 8}',
-    "--tasks_per_iteration",
-    "2",
-    "--rollouts_per_task",
-    "2",
-    "--max_turns",
-    "2",
-    "--max_new_tokens_per_turn",
-    "3",
-    "--max_trajectory_tokens",
-    "128",
-    "--minibatch_size",
-    "4",
-    "--per_device_train_batch_size",
-    "4",
-    "--learning_rate",
-    "0.0006",
-    "--activation_checkpointing",
-    "false",
-    "--disable_tqdm",
-    "true",
-    "--plot_curves",
-    "false",
-    "--seed",
-    "0",
-]
+TINY = [*TINY_VAULT_RUN, "--plot_curves", "false", "--seed", "0"]
 
 
 class FailingVault(VaultEnv):
