@@ -33,15 +33,15 @@ def deferred_interrupt() -> Iterator[None]:
     try:
         yield
     except BaseException as error:
-        restore_python_handler()
+        _restore_python_handler()
         if received:  # the Ctrl-C is what the user asked for; the block's failure is its cause
             raise KeyboardInterrupt from error
         raise
-    restore_python_handler()
+    _restore_python_handler()
     if received:
         raise KeyboardInterrupt
 
 
-def restore_python_handler() -> None:
+def _restore_python_handler() -> None:
     # signal.signal runs the handlers of signals already received first: one received meanwhile is noted
     signal.signal(signal.SIGINT, signal.default_int_handler)
