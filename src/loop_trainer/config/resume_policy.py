@@ -187,7 +187,8 @@ _FREE = (
     "vllm_sync_dir",
     # how one computation is spread over processes (1 and 2 processes agree to float tolerance); where that decides
     # whether a checkpoint's optimizer state can load at all (DeepSpeed, its ZeRO stage and process count), the
-    # trainer records it as the run setting optimizer_state_layout, never changeable (training/resume.py)
+    # trainer records it as the run setting optimizer_state_layout, compared on resume (training/resume.py: another
+    # process count under the same ZeRO stage is repartitioned, training/repartition.py; anything else is refused)
     "accelerator_config",
     "deepspeed",
     "local_rank",

@@ -216,12 +216,13 @@ def zero_stage(accelerator: Accelerator) -> int | None:
 def optimizer_state_layout(stage: int | None, num_processes: int) -> dict[str, int] | None:
     """How a checkpoint holds the optimizer state, where that ties a resume to the launch that wrote it: DeepSpeed
     writes its own checkpoint (``global_step*/``), whose ZeRO stage 1-3 partitions the state over the processes and
-    cannot load it into another stage or process count (DeepSpeed refuses: "a DP world size of 2 but the current world
-    size is 1"), while Trainer's ``optimizer.pt`` without DeepSpeed is whole, and a launch with DeepSpeed finds nothing
-    in it (nor does one without DeepSpeed in a DeepSpeed checkpoint: the optimizer would restart silently). None: the
-    whole state, any number of processes. Offloading the state to the CPU changes nothing here (a ZeRO-2 checkpoint
-    with and without ``offload_optimizer_device`` loads either way: measured). ``stage``: the launch's DeepSpeed
-    ZeRO stage (None: no DeepSpeed; :func:`zero_stage`); ``num_processes``: its process count."""
+    cannot load it into another stage, nor as it is into another process count (DeepSpeed refuses: "a DP world size
+    of 2 but the current world size is 1"; :mod:`.repartition` goes through its universal checkpoint), while
+    Trainer's ``optimizer.pt`` without DeepSpeed is whole, and a launch with DeepSpeed finds nothing in it (nor does
+    one without DeepSpeed in a DeepSpeed checkpoint: the optimizer would restart silently). None: the whole state,
+    any number of processes. Offloading the state to the CPU changes nothing here (a ZeRO-2 checkpoint with and
+    without ``offload_optimizer_device`` loads either way: measured). ``stage``: the launch's DeepSpeed ZeRO stage
+    (None: no DeepSpeed; :func:`zero_stage`); ``num_processes``: its process count."""
     if stage is None:
         return None
     return {"deepspeed_zero_stage": stage, "processes": num_processes} if stage else {"deepspeed_zero_stage": 0}

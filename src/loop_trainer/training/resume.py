@@ -31,6 +31,7 @@ from .checkpoints import (
     read_loop_state,
     resolve,
 )
+from .repartition import repartitions
 from .sampler import BalancedTaskSampler, TaskSampler
 
 logger = logging.getLogger(__name__)
@@ -73,8 +74,9 @@ RUN_SETTINGS = (
     "tiny_base",
 )
 OPTIMIZER_STATE_LAYOUT = "optimizer_state_layout"
-"""The run setting of how the checkpoint holds the optimizer state (``distribution.optimizer_state_layout``): never
-changeable on resume, since no launch of another layout can load it."""
+"""The run setting of how the checkpoint holds the optimizer state (``distribution.optimizer_state_layout``): its
+ZeRO stage, or none, never changes on resume, since no launch of another can load it; the process count under the
+same stage does, through DeepSpeed's universal checkpoint (:mod:`.repartition`)."""
 TINY_BASE = "tiny_base"
 """The run setting of what a tiny LoRA run's base weights are built from (``model_loading.tiny_lora_base``): never
 changeable on resume, since its checkpoints hold only the adapter, trained on that base."""
@@ -98,8 +100,8 @@ def compare_settings(
 ) -> list[tuple[str, Any, Any]]:
     """The settings that differ between ``checkpoint``'s record and ``current``, as (key, old, new).
     Raises :class:`CheckpointError` naming every change unless ``allow_changes``, and for a change no
-    resume can apply (``fixed`` in :mod:`~loop_trainer.config.resume_policy`, the optimizer state's layout, a tiny
-    LoRA run's base: :data:`TINY_BASE`) even then. A checkpoint
+    resume can apply (``fixed`` in :mod:`~loop_trainer.config.resume_policy`, the optimizer state's layout but its
+    process count under one ZeRO stage, a tiny LoRA run's base: :data:`TINY_BASE`) even then. A checkpoint
     written before settings were recorded is resumed with a warning (its weights, optimizer and sampler
     state are still exact; only the comparison is impossible). ``state``: the checkpoint's ``loop_state.json``
     where the caller has read it already."""
@@ -120,7 +122,13 @@ def compare_settings(
     if not changed:
         return []
     layout = next(((old, new) for key, old, new in changed if key == OPTIMIZER_STATE_LAYOUT), None)
-    if layout is not None:
+    if layout is not None and repartitions(*layout):
+        # the same ZeRO stage on another number of processes: DeepSpeed repartitions the state as it loads it
+        # (.repartition), which is the launch's to choose, like the process count of a run without DeepSpeed
+        changed = [change for change in changed if change[0] != OPTIMIZER_STATE_LAYOUT]
+        if not changed:
+            return []
+    elif layout is not None:
         written, launched = layout
         raise CheckpointError(
             f"resume_from_checkpoint: {checkpoint}'s optimizer state is {_describe_layout(written)} and this launch's "
@@ -185,7 +193,7 @@ def _launch_advice(layout: Mapping[str, int] | None) -> str:
     config = f"a DeepSpeed config of zero_stage {stage} (zero_optimization.stage in a DeepSpeed JSON)"
     if not stage:
         return f"accelerate launch with {config}"
-    return f"accelerate launch with {config} and --num_processes {layout['processes']}"
+    return f"accelerate launch with {config}, on any number of processes"
 
 
 def _new_run_advice(checkpoint: str | os.PathLike[str]) -> str:

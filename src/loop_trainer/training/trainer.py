@@ -64,6 +64,7 @@ from .logprobs import sequence_logprobs
 from .model_loading import load_policy, tiny_lora_base
 from .overlap import OverlappedRollouts, staleness_metrics, tag_versions
 from .reference import FrozenCopy
+from .repartition import UniversalResume, mend_zero3_load, universal_resume
 from .resume import OPTIMIZER_STATE_LAYOUT, TINY_BASE, apply_setting_changes, plan_start, resume_settings
 from .rollout_resources import RolloutResources
 from .run_log import LOOPPrinterCallback, LOOPProgressCallback, RunLog
@@ -238,6 +239,7 @@ class LOOPTrainer(Trainer):
         )
         self._continuing: ContinuingCollection | ContinuingInChild | None = None  # partial_rollouts: at the first sync
         self._restored_groups: list[CarriedGroup] = []  # partial_rollouts: from the checkpoint resumed
+        self._universal_resume: UniversalResume | None = None  # a ZeRO resume on another number of processes
         self.rollout_resources = RolloutResources(
             env,
             self.formatter,
@@ -302,6 +304,16 @@ class LOOPTrainer(Trainer):
             barrier=self.accelerator.wait_for_everyone,
         )
         checkpoint, self._resume_changes, self.setting_changes, self.recipe_path = plan
+        if checkpoint is not None:  # under ZeRO on another number of processes: DeepSpeed repartitions the state
+            plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+            self._universal_resume = universal_resume(
+                checkpoint,
+                (read_loop_state(checkpoint).get("settings") or {}).get(OPTIMIZER_STATE_LAYOUT),
+                optimizer_state_layout(zero_stage(self.accelerator), self.accelerator.num_processes),
+                plugin.deepspeed_config if plugin is not None else None,
+                is_main_process=self.is_world_process_zero(),
+                barrier=self.accelerator.wait_for_everyone,
+            )
         try:
             return super().train(
                 resume_from_checkpoint=checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
@@ -397,6 +409,10 @@ class LOOPTrainer(Trainer):
         model, _ = self._prepare_for_training(
             max_steps=max_optimizer_steps, train_dataloader=None, resume_from_checkpoint=resume_from_checkpoint
         )
+        if resume_from_checkpoint and self._universal_resume is not None:
+            mended = mend_zero3_load(self.optimizer, self._universal_resume)
+            if mended and self.is_world_process_zero():
+                logger.info("resume_from_checkpoint: mended DeepSpeed's ZeRO-3 universal load: %s", "; ".join(mended))
         strategy = DistributionStrategy(
             self.accelerator, self.model_wrapped, self.optimizer, self.lr_scheduler, args.max_grad_norm
         )

@@ -76,15 +76,15 @@ def test_a_lora_run_resumed_with_a_sampling_key_changed_is_refused_naming_it(vau
     [
         (
             {"deepspeed_zero_stage": 2, "processes": 2},
-            {"deepspeed_zero_stage": 2, "processes": 1},
-            "is DeepSpeed ZeRO-2's, partitioned over 2 processes and this launch's would be DeepSpeed ZeRO-2's, "
+            {"deepspeed_zero_stage": 3, "processes": 1},
+            "is DeepSpeed ZeRO-2's, partitioned over 2 processes and this launch's would be DeepSpeed ZeRO-3's, "
             "partitioned over 1 process, which cannot load it: resume it under a launch like the one that wrote it "
-            "(accelerate launch with a DeepSpeed config of zero_stage 2 (zero_optimization.stage in a DeepSpeed JSON) "
-            "and --num_processes 2)",
+            "(accelerate launch with a DeepSpeed config of zero_stage 2 (zero_optimization.stage in a DeepSpeed JSON), "
+            "on any number of processes)",
         ),
         ({"deepspeed_zero_stage": 3, "processes": 8}, None, "this launch's would be whole (no DeepSpeed)"),
         (None, {"deepspeed_zero_stage": 3, "processes": 8}, "without DeepSpeed, on any number of processes"),
-        ({"deepspeed_zero_stage": 2, "processes": 2}, {"deepspeed_zero_stage": 3, "processes": 2}, "ZeRO-3's"),
+        ({"deepspeed_zero_stage": 0}, {"deepspeed_zero_stage": 1, "processes": 2}, "DeepSpeed's, without ZeRO"),
     ],
 )
 def test_a_checkpoint_whose_optimizer_state_the_launch_cannot_load_is_refused_even_with_changes_allowed(
@@ -109,6 +109,26 @@ def test_a_checkpoint_whose_optimizer_state_the_launch_cannot_load_is_refused_ev
     assert f"--model_name_or_path {tmp_path} and another output_dir" in str(refused.value)
     # DDP on another number of processes loads the whole state: nothing to refuse
     assert resume.compare_settings(tmp_path, settings, allow_changes=False) == []
+
+
+def test_a_zero_checkpoint_resumes_on_another_number_of_processes_as_no_setting_change(tmp_path):
+    """DeepSpeed repartitions the state of one ZeRO stage over another process count (training/repartition.py), as
+    a run without DeepSpeed resumes on any: not a change to refuse, nor one to apply and record."""
+    import json
+
+    from loop_trainer.training.checkpoints import LOOP_STATE_FILE, CheckpointError
+
+    settings = {"learning_rate": 1e-4, "optimizer_state_layout": {"deepspeed_zero_stage": 3, "processes": 8}}
+    (tmp_path / LOOP_STATE_FILE).write_text(json.dumps({"iteration": 3, "settings": settings}))
+    for processes in (1, 2, 16):
+        fewer = {**settings, "optimizer_state_layout": {"deepspeed_zero_stage": 3, "processes": processes}}
+        assert resume.compare_settings(tmp_path, fewer, allow_changes=False) == []
+        # another change beside it is still the user's to allow, and the only one applied
+        changed = {**fewer, "learning_rate": 2e-4}
+        with pytest.raises(CheckpointError, match="settings differ") as refused:
+            resume.compare_settings(tmp_path, changed, allow_changes=False)
+        assert "optimizer_state_layout" not in str(refused.value)
+        assert resume.compare_settings(tmp_path, changed, allow_changes=True) == [("learning_rate", 1e-4, 2e-4)]
 
 
 def test_a_tiny_lora_runs_base_is_recorded_by_what_builds_it():
