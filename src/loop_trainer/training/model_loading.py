@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 from accelerate import PartialState
-from transformers import AutoModelForCausalLM, AutoProcessor, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
+from transformers import (
+    AutoModelForCausalLM,
+    AutoProcessor,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    ProcessorMixin,
+    set_seed,
+)
 from trl.trainer import add_fused_lm_head
 
 from ..config import LOOPConfig, mapping_setting
@@ -163,6 +170,9 @@ def wrap_for_training(model: PreTrainedModel, args: LOOPConfig, peft_config: Any
                 "the base model with the peft_config"
             )
         quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+        # The adapter's initial weights are drawn (LoRA's A matrices) before Trainer seeds the run: seeded here,
+        # they are the run's seed's, not whatever the random state was (two runs of one seed would start apart).
+        set_seed(args.seed)
         if zero3 and not quantized:
             policy = get_peft_model(model, peft_config, autocast_adapter_dtype=False)
         else:
