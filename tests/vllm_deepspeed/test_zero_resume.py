@@ -3,7 +3,7 @@ uninterrupted: DeepSpeed writes its own checkpoint (each process its share of th
 back whole through the staged checkpoint, and the optimizer on the host (ZeRO-Offload) must resume its Adam state.
 Resumed on another number of processes, DeepSpeed repartitions the state through its universal checkpoint
 (training/repartition.py) and the run ends where it would have, to the float tolerance that 1 and 2 processes
-agree to (1e-6 measured; a resume whose optimizer state is not carried over whole lands 1e-4 away).
+agree to (1e-6 measured; with DeepSpeed's ZeRO-3 universal load left unmended, 1e-4 away).
 
 Two launches of tests/support/fault_driver.py (4 iterations, 2 processes, fp32 on CPU, gloo):
 
