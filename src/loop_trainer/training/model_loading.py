@@ -16,14 +16,7 @@ from typing import Any
 
 import torch
 from accelerate import PartialState
-from transformers import (
-    AutoModelForCausalLM,
-    AutoProcessor,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    ProcessorMixin,
-    set_seed,
-)
+from transformers import AutoModelForCausalLM, AutoProcessor, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 from trl.trainer import add_fused_lm_head
 
 from ..config import LOOPConfig, mapping_setting
@@ -172,11 +165,14 @@ def wrap_for_training(model: PreTrainedModel, args: LOOPConfig, peft_config: Any
         quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
         # The adapter's initial weights are drawn (LoRA's A matrices) before Trainer seeds the run: seeded here,
         # they are the run's seed's, not whatever the random state was (two runs of one seed would start apart).
-        set_seed(args.seed)
-        if zero3 and not quantized:
-            policy = get_peft_model(model, peft_config, autocast_adapter_dtype=False)
-        else:
-            policy = get_peft_model(model, peft_config)
+        # On a random state of their own: the caller's is left as it was.
+        devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(args.seed)
+            if zero3 and not quantized:
+                policy = get_peft_model(model, peft_config, autocast_adapter_dtype=False)
+            else:
+                policy = get_peft_model(model, peft_config)
     if hasattr(policy, "peft_config") and args.activation_checkpointing:
         if zero3:
             update_checkpointing_kwargs(args, use_reentrant=True)

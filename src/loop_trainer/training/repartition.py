@@ -8,8 +8,9 @@ ZeRO stage on another number of processes goes this way:
 
 1. :func:`universal_resume` (before the engine is built): the main process converts the checkpoint once, with
    DeepSpeed's own script (``python -m deepspeed.checkpoint.ds_to_universal``), into ``global_stepN_universal/``
-   beside the original, which it leaves as it was; a conversion found complete from an earlier resume is reused.
-   Every process then switches ``load_universal`` on in the launch's DeepSpeed config.
+   beside the original, which it leaves as it was; a conversion found complete from an earlier resume (or made by
+   hand with the same command) is reused. Every process then switches ``load_universal`` on in the launch's
+   DeepSpeed config.
 2. Transformers' Trainer loads the checkpoint as ever, and DeepSpeed repartitions the state as it loads it.
 3. :func:`mend_zero3_load`: DeepSpeed 0.19's ZeRO-3 universal load restores two things wrongly, which a resume
    would otherwise carry into every later step (measured, a 2-process ZeRO-3 run resumed on 1: final weights
@@ -76,36 +77,55 @@ def universal_resume(
     deepspeed_config: dict[str, Any] | None,
     *,
     is_main_process: bool,
-    barrier: Callable[[], None],
+    all_gather: Callable[[Any], list[Any]],
 ) -> UniversalResume | None:
     """Before the DeepSpeed engine is built: where ``written`` :func:`repartitions` into ``launched``, convert
     ``checkpoint`` (the main process, once) and switch ``load_universal`` on in ``deepspeed_config`` (the launch's,
-    which accelerate builds the engine from). Every process calls it; None where nothing is repartitioned."""
+    which accelerate builds the engine from). Every process calls it; None where nothing is repartitioned.
+    ``all_gather``: each process's value, in process order, on every process (where the others wait for the main
+    process's conversion), so that a conversion that fails, or a process that cannot see it, stops every process
+    with the same line rather than leaving the others waiting at the engine's first collective."""
     if not repartitions(written, launched):
         return None
     assert written is not None and launched is not None  # by repartitions
     if deepspeed_config is None:
         raise CheckpointError(f"resume_from_checkpoint: {checkpoint} needs DeepSpeed's config, and accelerate has none")
     checkpoint = Path(checkpoint)
-    directory = checkpoint / (_tag(checkpoint) + UNIVERSAL_SUFFIX)
+    outcome: tuple[str, str] | None = None  # the main process's: ("converted", folder name) or ("failed", line)
     if is_main_process:
-        processes = f"{written['processes']} process{'es' if written['processes'] != 1 else ''}"
-        logger.warning(
-            "resume_from_checkpoint: %s holds ZeRO-%d's optimizer state partitioned over %s and this launch has %d: "
-            "DeepSpeed repartitions it from its universal checkpoint, %s",
-            checkpoint,
-            written["deepspeed_zero_stage"],
-            processes,
-            launched["processes"],
-            "converted earlier" if _converted(directory) else f"converting it now into {directory}",
-        )
-        if not _converted(directory):
-            convert(checkpoint, directory)
-    barrier()
-    if not _converted(directory):  # another machine's disk: the main process converted on its own
+        try:
+            directory = checkpoint / (_tag(checkpoint) + UNIVERSAL_SUFFIX)
+            processes = f"{written['processes']} process{'es' if written['processes'] != 1 else ''}"
+            logger.warning(
+                "resume_from_checkpoint: %s holds ZeRO-%d's optimizer state partitioned over %s and this launch has "
+                "%d: DeepSpeed repartitions it from its universal checkpoint, %s",
+                checkpoint,
+                written["deepspeed_zero_stage"],
+                processes,
+                launched["processes"],
+                "converted earlier" if _converted(directory) else f"converting it now into {directory}",
+            )
+            if not _converted(directory):
+                convert(checkpoint, directory)
+            outcome = ("converted", directory.name)
+        except CheckpointError as error:
+            outcome = ("failed", str(error))
+        except OSError as error:  # a checkpoint folder it cannot write, a full disk
+            outcome = (
+                "failed",
+                f"resume_from_checkpoint: {checkpoint} could not be converted into DeepSpeed's universal checkpoint "
+                f"({error}): make room or write access there, or resume on the number of processes that wrote it",
+            )
+    kind, value = all_gather(outcome)[0]
+    if kind == "failed":
+        raise CheckpointError(value)
+    directory = checkpoint / value
+    blind = [index for index, seen in enumerate(all_gather(_converted(directory))) if not seen]
+    if blind:  # another machine's disk: the main process converted a copy of its own
         raise CheckpointError(
-            f"resume_from_checkpoint: this process cannot see {directory}, the universal checkpoint the main process "
-            "converted: resume from a checkpoint on storage every machine shares"
+            f"resume_from_checkpoint: process{'es' if len(blind) > 1 else ''} {', '.join(map(str, blind))} cannot "
+            f"see {directory}, the universal checkpoint the main process converted: resume from a checkpoint on "
+            "storage every machine shares"
         )
     deepspeed_config.setdefault("checkpoint", {})["load_universal"] = True
     return UniversalResume(checkpoint, directory, written["deepspeed_zero_stage"])
@@ -124,9 +144,13 @@ def _tag(checkpoint: Path) -> str:
 
 
 def _converted(directory: Path) -> bool:
-    """Whether ``directory`` holds a whole conversion: DeepSpeed's script writes ``latest_universal`` last."""
-    latest = directory.parent / LATEST_UNIVERSAL
-    return latest.is_file() and latest.read_text().strip() == directory.name
+    """Whether ``directory`` holds a whole conversion: DeepSpeed's script writes ``latest_universal`` last (and the
+    folder may have been deleted since, for its size, leaving that small file behind)."""
+    try:
+        latest = (directory.parent / LATEST_UNIVERSAL).read_text().strip()
+    except OSError:
+        return False
+    return latest == directory.name and (directory / "zero" / "optimizer_state.pt").is_file()
 
 
 def convert(checkpoint: Path, directory: Path) -> None:
@@ -142,11 +166,14 @@ def convert(checkpoint: Path, directory: Path) -> None:
     with log.open("w") as output:
         finished = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     if finished.returncode != 0 or not _converted(directory):
-        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        if finished.returncode < 0:  # its workers hold shards of the state: the host's memory is the usual end
+            said = f"killed by signal {-finished.returncode}, out of host memory perhaps"
+        else:
+            lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+            said = f"exit code {finished.returncode}: {lines[-1].strip() if lines else 'no output'}"
         raise CheckpointError(
-            f"resume_from_checkpoint: DeepSpeed could not convert {source} into a universal checkpoint "
-            f"(exit code {finished.returncode}: {lines[-1] if lines else 'no output'}; all of it in {log}): resume "
-            "it on the number of processes that wrote it"
+            f"resume_from_checkpoint: DeepSpeed could not convert {source} into a universal checkpoint ({said}; all "
+            f"of its output in {log}): resume it on the number of processes that wrote it"
         )
     log.unlink()
 
@@ -159,7 +186,9 @@ def mend_zero3_load(optimizer: Any, resume: UniversalResume) -> list[str]:
     if resume.zero_stage != 3:
         return []
     torch_optimizer = _innermost(optimizer)
-    saved = torch.load(resume.directory / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False)
+    # the main process's share of the state, beside the groups: mapped, not read (only the groups are wanted)
+    path = resume.directory / "zero" / "optimizer_state.pt"
+    saved = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     saved_groups = saved["optimizer_state_dict"]["param_groups"]
     if len(saved_groups) != len(torch_optimizer.param_groups):
         raise CheckpointError(

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Self
 
 import torch
+from accelerate.utils import gather_object
 from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -304,16 +305,6 @@ class LOOPTrainer(Trainer):
             barrier=self.accelerator.wait_for_everyone,
         )
         checkpoint, self._resume_changes, self.setting_changes, self.recipe_path = plan
-        if checkpoint is not None:  # under ZeRO on another number of processes: DeepSpeed repartitions the state
-            plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-            self._universal_resume = universal_resume(
-                checkpoint,
-                (read_loop_state(checkpoint).get("settings") or {}).get(OPTIMIZER_STATE_LAYOUT),
-                optimizer_state_layout(zero_stage(self.accelerator), self.accelerator.num_processes),
-                plugin.deepspeed_config if plugin is not None else None,
-                is_main_process=self.is_world_process_zero(),
-                barrier=self.accelerator.wait_for_everyone,
-            )
         try:
             return super().train(
                 resume_from_checkpoint=checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
@@ -406,10 +397,11 @@ class LOOPTrainer(Trainer):
         for callback in self.env_callbacks:  # the environment sees the state, also when iterations are driven by hand
             callback.on_train_begin(args, self.state, self.control)
         self._enable_activation_checkpointing()
+        self._universal_resume = self._repartition(resume_from_checkpoint)
         model, _ = self._prepare_for_training(
             max_steps=max_optimizer_steps, train_dataloader=None, resume_from_checkpoint=resume_from_checkpoint
         )
-        if resume_from_checkpoint and self._universal_resume is not None:
+        if self._universal_resume is not None:
             mended = mend_zero3_load(self.optimizer, self._universal_resume)
             if mended and self.is_world_process_zero():
                 logger.info("resume_from_checkpoint: mended DeepSpeed's ZeRO-3 universal load: %s", "; ".join(mended))
@@ -429,6 +421,25 @@ class LOOPTrainer(Trainer):
             ),
         )
         return model
+
+    def _repartition(self, resume_from_checkpoint: str | None) -> UniversalResume | None:
+        """Where ``resume_from_checkpoint`` was written under this launch's ZeRO stage on another number of
+        processes: DeepSpeed's universal checkpoint, switched on in the launch's DeepSpeed config before the engine
+        is built (:mod:`.repartition`); and off again where this trainer switched it on for an earlier start."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        config = plugin.deepspeed_config if plugin is not None else None
+        if self._universal_resume is not None and config is not None:
+            config.get("checkpoint", {}).pop("load_universal", None)
+        if not resume_from_checkpoint:
+            return None
+        return universal_resume(
+            resume_from_checkpoint,
+            (read_loop_state(resume_from_checkpoint).get("settings") or {}).get(OPTIMIZER_STATE_LAYOUT),
+            optimizer_state_layout(zero_stage(self.accelerator), self.accelerator.num_processes),
+            config,
+            is_main_process=self.is_world_process_zero(),
+            all_gather=lambda value: gather_object([value]),
+        )
 
     def _prepared_update(self) -> PolicyUpdate:
         """The policy update, after :meth:`prepare_for_iterations` (run now if it has not been)."""

@@ -24,6 +24,11 @@ def test_the_adapters_initial_weights_are_the_runs_seeds(tmp_path):
         return {name: value.detach().clone() for name, value in policy.named_parameters() if "lora_A" in name}
 
     first, again, other = initial_adapter(3, 100), initial_adapter(3, 200), initial_adapter(4, 100)
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    initial_adapter(5, 7)
+    assert torch.equal(torch.rand(3), expected)  # the caller's random state, as it was
     assert first and first.keys() == again.keys() == other.keys()
     assert all(torch.equal(first[name], again[name]) for name in first)
     assert not any(torch.equal(first[name], other[name]) for name in first)

@@ -47,24 +47,41 @@ def deepspeed_checkpoint(path, tag="global_step8"):
 def converted(directory):
     """What DeepSpeed's script leaves when it has finished: the parameters' folder, then ``latest_universal``."""
     (directory / "zero").mkdir(parents=True, exist_ok=True)
+    (directory / "zero" / "optimizer_state.pt").write_bytes(b"")
     (directory.parent / "latest_universal").write_text(directory.name)
+
+
+def one_process(value):
+    return [value]
+
+
+def beside_the_main_process(*main_values):
+    """``all_gather`` as process 1 of 2 sees it, the main process's values scripted, one per call."""
+    values = iter(main_values)
+    return lambda value: [next(values), value]
 
 
 def test_the_main_process_converts_once_and_every_process_loads_the_universal_checkpoint(tmp_path, monkeypatch):
     checkpoint = deepspeed_checkpoint(tmp_path / "checkpoint-2")
-    conversions, barriers = [], []
+    conversions, gathered = [], []
     monkeypatch.setattr(repartition, "convert", lambda c, d: conversions.append((c, d)) or converted(d))
     config = {"zero_optimization": {"stage": 3}, "checkpoint": {"tag_validation": "Warn"}}
-    resume = universal_resume(
-        checkpoint, zero(3, 2), zero(3, 1), config, is_main_process=True, barrier=lambda: barriers.append(1)
-    )
-    assert resume == UniversalResume(checkpoint, checkpoint / "global_step8_universal", 3)
-    assert conversions == [(checkpoint, checkpoint / "global_step8_universal")] and barriers == [1]
+
+    def all_gather(value):
+        gathered.append(value)
+        return [value]
+
+    resume = universal_resume(checkpoint, zero(3, 2), zero(3, 1), config, is_main_process=True, all_gather=all_gather)
+    universal = checkpoint / "global_step8_universal"
+    assert resume == UniversalResume(checkpoint, universal, 3)
+    assert conversions == [(checkpoint, universal)]
+    assert gathered == [("converted", "global_step8_universal"), True]  # its outcome, then that it sees the folder
     assert config["checkpoint"] == {"tag_validation": "Warn", "load_universal": True}  # the user's keys kept
-    # another process (or a second resume) finds it converted
+    # another process, told by the main one, and a second resume find it converted
     other = {"zero_optimization": {"stage": 3}}
-    assert universal_resume(checkpoint, zero(3, 2), zero(3, 4), other, is_main_process=False, barrier=lambda: None)
-    assert universal_resume(checkpoint, zero(3, 2), zero(3, 1), other, is_main_process=True, barrier=lambda: None)
+    told = beside_the_main_process(("converted", "global_step8_universal"), True)
+    assert universal_resume(checkpoint, zero(3, 2), zero(3, 4), other, is_main_process=False, all_gather=told)
+    assert universal_resume(checkpoint, zero(3, 2), zero(3, 1), other, is_main_process=True, all_gather=one_process)
     assert len(conversions) == 1 and other["checkpoint"] == {"load_universal": True}
 
 
@@ -72,30 +89,62 @@ def test_nothing_is_converted_or_switched_where_the_launch_loads_the_checkpoint_
     monkeypatch.setattr(repartition, "convert", lambda *a: pytest.fail("converted"))
     config = {"zero_optimization": {"stage": 2}}
     for written, launched in ((zero(2, 2), zero(2, 2)), (None, None), (zero(0), zero(0))):
-        assert universal_resume(tmp_path, written, launched, config, is_main_process=True, barrier=pytest.fail) is None
+        assert (
+            universal_resume(tmp_path, written, launched, config, is_main_process=True, all_gather=pytest.fail) is None
+        )
     assert "checkpoint" not in config
 
 
-def test_a_process_that_cannot_see_the_conversion_stops_with_one_line(tmp_path, monkeypatch):
-    """Checkpoints on each machine's own disk: the main process converted its own copy, which no other sees."""
+def test_a_conversion_that_fails_on_the_main_process_stops_every_process_with_its_line(tmp_path, monkeypatch):
+    """Not the main process alone, leaving the others to wait at DeepSpeed's first collective until ddp_timeout."""
     checkpoint = deepspeed_checkpoint(tmp_path / "checkpoint-2")
-    with pytest.raises(CheckpointError, match="cannot see .*global_step8_universal.*storage every machine shares"):
-        universal_resume(checkpoint, zero(2, 2), zero(2, 4), {}, is_main_process=False, barrier=lambda: None)
+
+    def convert(c, d):
+        raise CheckpointError("resume_from_checkpoint: DeepSpeed could not convert it")
+
+    monkeypatch.setattr(repartition, "convert", convert)
+    with pytest.raises(CheckpointError, match="DeepSpeed could not convert it") as main:
+        universal_resume(checkpoint, zero(2, 2), zero(2, 1), {}, is_main_process=True, all_gather=one_process)
+    told = beside_the_main_process(("failed", str(main.value)))
+    with pytest.raises(CheckpointError, match="DeepSpeed could not convert it"):
+        universal_resume(checkpoint, zero(2, 2), zero(2, 1), {}, is_main_process=False, all_gather=told)
+
+    def unwritable(c, d):
+        raise PermissionError(13, "Permission denied", str(d))
+
+    monkeypatch.setattr(repartition, "convert", unwritable)
+    with pytest.raises(CheckpointError, match="Permission denied.*make room or write access there") as refused:
+        universal_resume(checkpoint, zero(2, 2), zero(2, 1), {}, is_main_process=True, all_gather=one_process)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_process_that_cannot_see_the_conversion_stops_every_process_with_one_line(tmp_path):
+    """Checkpoints on each machine's own disk: the main process converted its own copy, which process 1 does not
+    see; both stop (process 1 sees its own folder empty; the main process is told)."""
+    checkpoint = deepspeed_checkpoint(tmp_path / "checkpoint-2")
+    says = "process 1 cannot see .*global_step8_universal.*storage every machine shares"
+    told = beside_the_main_process(("converted", "global_step8_universal"), True)
+    with pytest.raises(CheckpointError, match=says):
+        universal_resume(checkpoint, zero(2, 2), zero(2, 4), {}, is_main_process=False, all_gather=told)
+    converted(checkpoint / "global_step8_universal")
+    with pytest.raises(CheckpointError, match=says):
+        universal_resume(checkpoint, zero(2, 2), zero(2, 4), {}, is_main_process=True, all_gather=lambda v: [v, False])
 
 
 def test_a_checkpoint_without_its_deepspeed_checkpoint_is_refused_in_one_line(tmp_path):
     checkpoint = tmp_path / "checkpoint-2"
     checkpoint.mkdir()
     with pytest.raises(CheckpointError, match="holds no DeepSpeed checkpoint"):
-        universal_resume(checkpoint, zero(2, 2), zero(2, 1), {}, is_main_process=True, barrier=lambda: None)
+        universal_resume(checkpoint, zero(2, 2), zero(2, 1), {}, is_main_process=True, all_gather=one_process)
 
 
-def test_a_conversion_cut_short_is_done_again(tmp_path, monkeypatch):
+def test_a_conversion_cut_short_or_deleted_is_done_again(tmp_path, monkeypatch):
     """DeepSpeed's script writes latest_universal last: a folder without it (or with it naming another) is a
-    conversion that did not finish, removed before the next."""
+    conversion that did not finish, removed before the next; so is a folder deleted for its size."""
     checkpoint = deepspeed_checkpoint(tmp_path / "checkpoint-2")
-    (checkpoint / "global_step8_universal" / "zero").mkdir(parents=True)
-    (checkpoint / "global_step8_universal" / "zero" / "half-written.pt").write_bytes(b"")
+    universal = checkpoint / "global_step8_universal"
+    (universal / "zero").mkdir(parents=True)
+    (universal / "zero" / "half-written.pt").write_bytes(b"")
     seen = []
 
     def convert(c, d):
@@ -103,34 +152,69 @@ def test_a_conversion_cut_short_is_done_again(tmp_path, monkeypatch):
         converted(d)
 
     monkeypatch.setattr(repartition, "convert", convert)
-    universal_resume(checkpoint, zero(2, 2), zero(2, 1), {}, is_main_process=True, barrier=lambda: None)
+    universal_resume(checkpoint, zero(2, 2), zero(2, 1), {}, is_main_process=True, all_gather=one_process)
     assert seen == [["half-written.pt", "zero"]]  # handed to convert, which starts afresh (below)
     (checkpoint / "latest_universal").write_text("global_step4_universal")  # an older conversion's
-    universal_resume(checkpoint, zero(2, 2), zero(2, 1), {}, is_main_process=True, barrier=lambda: None)
-    assert len(seen) == 2
+    universal_resume(checkpoint, zero(2, 2), zero(2, 1), {}, is_main_process=True, all_gather=one_process)
+    import shutil
+
+    shutil.rmtree(universal)  # latest_universal left behind
+    universal_resume(checkpoint, zero(2, 2), zero(2, 1), {}, is_main_process=True, all_gather=one_process)
+    assert seen[1:] == [["half-written.pt", "optimizer_state.pt", "zero"], None]
+
+
+def fake_interpreter(tmp_path, monkeypatch, script):
+    """``sys.executable`` replaced by a shell script: what convert runs DeepSpeed's script with."""
+    interpreter = tmp_path / "python"
+    interpreter.write_text("#!/bin/sh\n" + script)
+    interpreter.chmod(0o755)
+    monkeypatch.setattr(repartition.sys, "executable", str(interpreter))
 
 
 def test_a_conversion_that_fails_names_its_last_line_and_keeps_its_output(tmp_path, monkeypatch):
-    """Run for real: DeepSpeed's script in this interpreter, which has no DeepSpeed (the main test venv)."""
-    if importable("deepspeed"):
-        pytest.skip("DeepSpeed is installed here: the script would run")
     checkpoint = deepspeed_checkpoint(tmp_path / "checkpoint-2")
     stale = checkpoint / "global_step8_universal" / "zero"
     stale.mkdir(parents=True)
+    (checkpoint / "latest_universal").write_text("global_step8_universal")
+    fake_interpreter(
+        tmp_path, monkeypatch, "echo '*** 1. Extracting ZeRO fragments'\necho 'ValueError: no'  >&2\nexit 3\n"
+    )
     with pytest.raises(CheckpointError) as failed:
         repartition.convert(checkpoint, checkpoint / "global_step8_universal")
     message = str(failed.value)
-    assert "DeepSpeed could not convert" in message and "No module named 'deepspeed'" in message
+    assert "DeepSpeed could not convert" in message and "(exit code 3: ValueError: no;" in message
     assert "\n" not in message and "resume it on the number of processes that wrote it" in message
     log = checkpoint / "global_step8_universal.log"
-    assert f"all of it in {log}" in message and "No module named 'deepspeed'" in log.read_text()
-    assert not stale.exists() and not (checkpoint / "latest_universal").exists()
+    assert f"all of its output in {log}" in message and "Extracting ZeRO fragments" in log.read_text()
+    assert not stale.exists() and not (checkpoint / "latest_universal").exists()  # the old one, removed first
+
+    fake_interpreter(tmp_path, monkeypatch, "echo '  0%|   | 0/26'\nkill -9 $$\n")
+    with pytest.raises(CheckpointError, match="killed by signal 9, out of host memory perhaps"):
+        repartition.convert(checkpoint, checkpoint / "global_step8_universal")
 
 
-def importable(name):
-    import importlib.util
-
-    return importlib.util.find_spec(name) is not None
+def test_a_conversion_runs_deepspeeds_own_script_and_drops_its_output_when_it_succeeds(tmp_path, monkeypatch):
+    checkpoint = deepspeed_checkpoint(tmp_path / "checkpoint-2")
+    universal = checkpoint / "global_step8_universal"
+    # as the script does: the folder, then latest_universal; the arguments it was given, kept to be read
+    fake_interpreter(
+        tmp_path,
+        monkeypatch,
+        f'echo "$@" > {tmp_path}/arguments\nmkdir -p {universal}/zero\ntouch {universal}/zero/optimizer_state.pt\n'
+        f"printf global_step8_universal > {checkpoint}/latest_universal\n",
+    )
+    repartition.convert(checkpoint, universal)
+    arguments = (tmp_path / "arguments").read_text().split()
+    assert arguments == [
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(checkpoint / "global_step8"),
+        "--output_folder",
+        str(universal),
+        "--inject_missing_state",
+    ]
+    assert not (checkpoint / "global_step8_universal.log").exists()
 
 
 def zero3_optimizer():
