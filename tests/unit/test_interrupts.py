@@ -1,13 +1,15 @@
-"""deferred_interrupt (interrupts.py): a Ctrl-C inside the block is raised on leaving it, once the block is whole."""
+"""interrupts.py: deferred_interrupt raises a Ctrl-C inside the block on leaving it, once the block is whole;
+noted_interrupts notes a Ctrl-C whose KeyboardInterrupt something dropped."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
-from loop_trainer.interrupts import deferred_interrupt
+from loop_trainer.interrupts import deferred_interrupt, noted_interrupts
 from support.interrupts import sigint_taken_by_another_thread
 
 
@@ -66,3 +68,63 @@ def test_a_ctrl_c_inside_a_block_that_then_fails_is_still_raised_with_the_failur
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     with pytest.raises(OSError, match="the disk is full"), deferred_interrupt():  # without a Ctrl-C: the failure
         raise OSError("the disk is full")
+
+
+def a_library_dropping_a_ctrl_c():
+    """A Ctrl-C taken where a library's bare except swallows its KeyboardInterrupt."""
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # the KeyboardInterrupt ends it at once
+    except KeyboardInterrupt:
+        pass
+    else:
+        pytest.fail("no KeyboardInterrupt came")
+
+
+def test_a_ctrl_c_whose_keyboard_interrupt_was_dropped_is_noted(sigint_handler):
+    sigint_handler(signal.default_int_handler)
+    with noted_interrupts() as interrupted:
+        assert not interrupted()
+        a_library_dropping_a_ctrl_c()
+        assert interrupted() and interrupted()  # asked again, still so
+    assert signal.set_wakeup_fd(-1) == -1  # none left set
+
+
+def test_other_signals_are_not_taken_for_a_ctrl_c(sigint_handler):
+    sigint_handler(signal.default_int_handler)
+    previous = signal.signal(signal.SIGUSR1, lambda *_: None)
+    try:
+        with noted_interrupts() as interrupted:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.01)
+            assert not interrupted()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_wakeup_fd_set_before_is_left_alone_and_one_set_inside_stays(sigint_handler):
+    """asyncio's, where a loop handles signals: nothing is noted then (a SIGINT's byte goes to its owner)."""
+    sigint_handler(signal.default_int_handler)
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    try:
+        signal.set_wakeup_fd(write)
+        with noted_interrupts() as interrupted:
+            a_library_dropping_a_ctrl_c()
+            assert not interrupted()
+        assert signal.set_wakeup_fd(-1) == write and os.read(read, 16) == bytes([signal.SIGINT])
+        with noted_interrupts():
+            signal.set_wakeup_fd(write)
+        assert signal.set_wakeup_fd(-1) == write
+    finally:
+        signal.set_wakeup_fd(-1)
+        os.close(read)
+        os.close(write)
+
+
+def test_a_process_that_ignores_sigint_takes_none(sigint_handler):
+    sigint_handler(signal.SIG_IGN)
+    with noted_interrupts() as interrupted:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)
+        assert not interrupted()

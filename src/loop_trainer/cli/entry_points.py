@@ -2,7 +2,8 @@
 
 Each imports its command only when it runs. Importing a command imports torch, transformers and TRL, seven seconds
 on a two-core CPU machine, and a Ctrl-C in those seconds would otherwise end in a traceback through the imports:
-here it ends like a Ctrl-C later on, in one line and exit status 130.
+here it ends like a Ctrl-C later on, in one line and exit status 130, also where a library in those imports dropped
+the KeyboardInterrupt.
 """
 
 from __future__ import annotations
@@ -11,14 +12,20 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from ..interrupts import noted_interrupts
+
 
 def run_command(program: str, module: str, function: str, argv: Sequence[str] | None = None) -> int:
-    """``module.function(argv)``, its module imported first; a Ctrl-C during the import is one line, status 130."""
-    try:
-        command = getattr(importlib.import_module(module), function)
-    except KeyboardInterrupt:
-        print(f"{program}: interrupted while starting; nothing was run", file=sys.stderr)
-        return 130
+    """``module.function(argv)``, its module imported first; a Ctrl-C during the import is one line, status 130,
+    also one whose KeyboardInterrupt a library dropped (:func:`~loop_trainer.interrupts.noted_interrupts`)."""
+    with noted_interrupts() as interrupted:
+        try:
+            command = getattr(importlib.import_module(module), function)
+        except KeyboardInterrupt:
+            command = None
+        if command is None or interrupted():  # its KeyboardInterrupt raised, or dropped inside a library
+            print(f"{program}: interrupted while starting; nothing was run", file=sys.stderr)
+            return 130
     return int(command(argv))
 
 
