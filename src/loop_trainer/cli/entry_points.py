@@ -23,7 +23,13 @@ def run_command(program: str, module: str, function: str, argv: Sequence[str] | 
             command = getattr(importlib.import_module(module), function)
         except KeyboardInterrupt:
             command = None
-        if command is None or interrupted():  # its KeyboardInterrupt raised, or dropped inside a library
+        except Exception:
+            # a Ctrl-C can come out of an import as another error: a KeyboardInterrupt in a __set_name__ becomes
+            # a RuntimeError, which TRL's lazy modules wrap in one more ("Failed to import trl.trainer.utils")
+            if not interrupted():
+                raise
+            command = None
+        if command is None or interrupted():  # its KeyboardInterrupt raised, turned, or dropped inside a library
             print(f"{program}: interrupted while starting; nothing was run", file=sys.stderr)
             return 130
     return int(command(argv))

@@ -63,6 +63,29 @@ def test_a_ctrl_c_that_a_library_drops_while_the_command_imports_still_stops_it(
     sys.modules.pop("drops_it", None)
 
 
+def test_a_ctrl_c_that_a_library_turns_into_another_error_while_the_command_imports_is_one_line(
+    tmp_path, monkeypatch, capsys, python_sigint
+):
+    """Measured (benchmarks/ctrl_c.py): a KeyboardInterrupt inside a __set_name__ became a RuntimeError, which TRL's
+    lazy module wrapped in another, and the Ctrl-C ended in a traceback. The same error without a Ctrl-C is raised."""
+    (tmp_path / "turns_it.py").write_text(
+        "import os, signal, time\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(5)\n"
+        "except KeyboardInterrupt as error:\n"
+        "    raise RuntimeError('Failed to import trl.trainer.utils') from error\n"
+    )
+    (tmp_path / "fails_to_import.py").write_text("raise RuntimeError('Failed to import trl.trainer.utils')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert run_command("loop-train", "turns_it", "run", ["--help"]) == 130
+    assert capsys.readouterr().err == "loop-train: interrupted while starting; nothing was run\n"
+    with pytest.raises(RuntimeError, match="Failed to import"):
+        run_command("loop-train", "fails_to_import", "run", ["--help"])
+    for name in ("turns_it", "fails_to_import"):
+        sys.modules.pop(name, None)
+
+
 def test_without_a_ctrl_c_the_command_runs_and_its_status_is_returned(tmp_path, monkeypatch):
     (tmp_path / "a_command.py").write_text("def run(argv):\n    return len(argv)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
