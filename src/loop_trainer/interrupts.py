@@ -51,39 +51,55 @@ def _restore_python_handler() -> None:
 @contextlib.contextmanager
 def noted_interrupts() -> Iterator[Callable[[], bool]]:
     """Note every SIGINT (Ctrl-C) the process takes inside the block, whether or not its KeyboardInterrupt
-    survives, and yield a function that says whether one came. CPython drops a KeyboardInterrupt raised in a
-    ``__del__`` or a weak reference's callback (printing "Exception ignored in"), and a library's bare ``except``
-    drops it too: a Ctrl-C in the seconds a command spends importing torch, transformers and TRL was lost that way
-    about once in 20 (benchmarks/ctrl_c.py). Noted through ``signal.set_wakeup_fd``, to which the interpreter writes
-    each signal's number before any Python code runs; Python's handler stays as it is. Noting nothing (the function
-    always says no) off the main thread, or where a wakeup fd is set already (asyncio's, by a loop that handles
-    signals): that one is left in place. A process that ignores SIGINT takes none, and none is noted."""
-    if threading.current_thread() is not threading.main_thread():
+    survives, and yield a function that says whether one came (also after the block). CPython drops a
+    KeyboardInterrupt raised in a ``__del__`` or a weak reference's callback (printing "Exception ignored in"), and
+    a library's bare ``except`` drops it too: a Ctrl-C in the seconds a command spends importing torch, transformers
+    and TRL was lost that way about once in 20 (benchmarks/ctrl_c.py). Noted through ``signal.set_wakeup_fd``, to
+    which the interpreter writes each signal's number before any Python code runs; Python's handler stays as it is.
+
+    Noting nothing (the function always says no) off the main thread, where Python's own SIGINT handler is not on
+    (a process that ignores SIGINT, or handles it its own way), or where a wakeup fd is set already (asyncio's, by a
+    loop that handles signals): that one is put back at once, with any signal that came meanwhile. A process forked
+    inside the block (not exec'd) shares the pipe: its signals would be noted too."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         yield lambda: False
         return
     read, write = os.pipe()
+    taken, closed = bytearray(), False
+
+    def drain() -> None:
+        if not closed:
+            with contextlib.suppress(BlockingIOError):
+                while chunk := os.read(read, 512):
+                    taken.extend(chunk)
+
+    def interrupted() -> bool:
+        drain()
+        return signal.SIGINT in taken
+
     try:
         for end in (read, write):
             os.set_blocking(end, False)
         previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-        if previous != -1:
-            signal.set_wakeup_fd(previous)
-            yield lambda: False
-            return
-        taken = bytearray()
-
-        def interrupted() -> bool:
-            with contextlib.suppress(BlockingIOError):
-                while chunk := os.read(read, 512):
-                    taken.extend(chunk)
-            return signal.SIGINT in taken
-
-        try:
+        if previous == -1:
             yield interrupted
-        finally:
-            current = signal.set_wakeup_fd(-1)
-            if current != write:  # another was set inside the block: it stays
-                signal.set_wakeup_fd(current)
+        else:  # another's: theirs again, with what came meanwhile
+            signal.set_wakeup_fd(previous)
+            drain()
+            with contextlib.suppress(OSError):
+                os.write(previous, bytes(taken))
+            taken.clear()
+            yield lambda: False
     finally:
+        # whatever was left set (this block's, or one set inside it, which stays), also where a KeyboardInterrupt
+        # came between setting ours and the block: never the closed pipe's number, which the next file would reuse
+        current = signal.set_wakeup_fd(-1)
+        if current not in (-1, write):
+            signal.set_wakeup_fd(current)
+        drain()
+        closed = True
         os.close(read)
         os.close(write)

@@ -70,6 +70,18 @@ def test_a_ctrl_c_inside_a_block_that_then_fails_is_still_raised_with_the_failur
         raise OSError("the disk is full")
 
 
+@pytest.fixture()
+def no_wakeup_fd():
+    """No wakeup fd set for one test (noted_interrupts stands down beside another), and the one before put back."""
+    previous = signal.set_wakeup_fd(-1)
+    yield
+    signal.set_wakeup_fd(previous)
+
+
+def open_fds():
+    return sorted(os.listdir("/proc/self/fd"))
+
+
 def a_library_dropping_a_ctrl_c():
     """A Ctrl-C taken where a library's bare except swallows its KeyboardInterrupt."""
     try:
@@ -81,16 +93,19 @@ def a_library_dropping_a_ctrl_c():
         pytest.fail("no KeyboardInterrupt came")
 
 
-def test_a_ctrl_c_whose_keyboard_interrupt_was_dropped_is_noted(sigint_handler):
+def test_a_ctrl_c_whose_keyboard_interrupt_was_dropped_is_noted(sigint_handler, no_wakeup_fd):
     sigint_handler(signal.default_int_handler)
+    before = open_fds()
     with noted_interrupts() as interrupted:
         assert not interrupted()
         a_library_dropping_a_ctrl_c()
         assert interrupted() and interrupted()  # asked again, still so
+    assert interrupted()  # and after the block, its pipe closed
     assert signal.set_wakeup_fd(-1) == -1  # none left set
+    assert open_fds() == before
 
 
-def test_other_signals_are_not_taken_for_a_ctrl_c(sigint_handler):
+def test_other_signals_are_not_taken_for_a_ctrl_c(sigint_handler, no_wakeup_fd):
     sigint_handler(signal.default_int_handler)
     previous = signal.signal(signal.SIGUSR1, lambda *_: None)
     try:
@@ -102,11 +117,12 @@ def test_other_signals_are_not_taken_for_a_ctrl_c(sigint_handler):
         signal.signal(signal.SIGUSR1, previous)
 
 
-def test_a_wakeup_fd_set_before_is_left_alone_and_one_set_inside_stays(sigint_handler):
+def test_a_wakeup_fd_set_before_is_left_alone_and_one_set_inside_stays(sigint_handler, no_wakeup_fd):
     """asyncio's, where a loop handles signals: nothing is noted then (a SIGINT's byte goes to its owner)."""
     sigint_handler(signal.default_int_handler)
     read, write = os.pipe()
-    os.set_blocking(write, False)
+    for end in (read, write):
+        os.set_blocking(end, False)
     try:
         signal.set_wakeup_fd(write)
         with noted_interrupts() as interrupted:
@@ -117,14 +133,16 @@ def test_a_wakeup_fd_set_before_is_left_alone_and_one_set_inside_stays(sigint_ha
             signal.set_wakeup_fd(write)
         assert signal.set_wakeup_fd(-1) == write
     finally:
-        signal.set_wakeup_fd(-1)
         os.close(read)
         os.close(write)
 
 
-def test_a_process_that_ignores_sigint_takes_none(sigint_handler):
-    sigint_handler(signal.SIG_IGN)
+@pytest.mark.parametrize("handler", [signal.SIG_IGN, lambda *_: None], ids=["ignored", "handled its own way"])
+def test_nothing_is_noted_where_python_does_not_raise_a_ctrl_c(sigint_handler, no_wakeup_fd, handler):
+    """A process that ignores SIGINT takes none; one that handles it itself decides what a Ctrl-C means."""
+    sigint_handler(handler)
     with noted_interrupts() as interrupted:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.01)
         assert not interrupted()
+    assert signal.set_wakeup_fd(-1) == -1

@@ -23,16 +23,29 @@ def run_command(program: str, module: str, function: str, argv: Sequence[str] | 
             command = getattr(importlib.import_module(module), function)
         except KeyboardInterrupt:
             command = None
-        except Exception:
+        except Exception as error:
             # a Ctrl-C can come out of an import as another error: a KeyboardInterrupt in a __set_name__ becomes
-            # a RuntimeError, which TRL's lazy modules wrap in one more ("Failed to import trl.trainer.utils")
-            if not interrupted():
+            # a RuntimeError, which TRL's lazy modules wrap in one more ("Failed to import trl.trainer.utils");
+            # an error of its own, with or without a Ctrl-C about, is raised as it is
+            if not _caused_by_interrupt(error):
                 raise
             command = None
         if command is None or interrupted():  # its KeyboardInterrupt raised, turned, or dropped inside a library
             print(f"{program}: interrupted while starting; nothing was run", file=sys.stderr)
             return 130
     return int(command(argv))
+
+
+def _caused_by_interrupt(error: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is among ``error``'s causes and contexts."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def loop_train(argv: Sequence[str] | None = None) -> int:

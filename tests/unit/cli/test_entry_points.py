@@ -77,13 +77,27 @@ def test_a_ctrl_c_that_a_library_turns_into_another_error_while_the_command_impo
         "    raise RuntimeError('Failed to import trl.trainer.utils') from error\n"
     )
     (tmp_path / "fails_to_import.py").write_text("raise RuntimeError('Failed to import trl.trainer.utils')\n")
+    # an error of its own after a Ctrl-C that something dropped: the error, not a Ctrl-C, is what to show
+    (tmp_path / "fails_after_one.py").write_text(
+        "import os, signal, time\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(5)\n"
+        "except KeyboardInterrupt:\n"
+        "    pass\n"
+        "raise ImportError('No module named flash_attn')\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert run_command("loop-train", "turns_it", "run", ["--help"]) == 130
-    assert capsys.readouterr().err == "loop-train: interrupted while starting; nothing was run\n"
-    with pytest.raises(RuntimeError, match="Failed to import"):
-        run_command("loop-train", "fails_to_import", "run", ["--help"])
-    for name in ("turns_it", "fails_to_import"):
-        sys.modules.pop(name, None)
+    try:
+        assert run_command("loop-train", "turns_it", "run", ["--help"]) == 130
+        assert capsys.readouterr().err == "loop-train: interrupted while starting; nothing was run\n"
+        with pytest.raises(RuntimeError, match="Failed to import"):
+            run_command("loop-train", "fails_to_import", "run", ["--help"])
+        with pytest.raises(ImportError, match="flash_attn"):
+            run_command("loop-train", "fails_after_one", "run", ["--help"])
+    finally:
+        for name in ("turns_it", "fails_to_import", "fails_after_one"):
+            sys.modules.pop(name, None)
 
 
 def test_without_a_ctrl_c_the_command_runs_and_its_status_is_returned(tmp_path, monkeypatch):
