@@ -95,6 +95,7 @@ def universal_resume(
     if is_main_process:
         try:
             directory = checkpoint / (_tag(checkpoint) + UNIVERSAL_SUFFIX)
+            done = _converted(directory)
             processes = f"{written['processes']} process{'es' if written['processes'] != 1 else ''}"
             logger.warning(
                 "resume_from_checkpoint: %s holds ZeRO-%d's optimizer state partitioned over %s and this launch has "
@@ -103,9 +104,9 @@ def universal_resume(
                 written["deepspeed_zero_stage"],
                 processes,
                 launched["processes"],
-                "converted earlier" if _converted(directory) else f"converting it now into {directory}",
+                "converted earlier" if done else f"converting it now into {directory}",
             )
-            if not _converted(directory):
+            if not done:
                 convert(checkpoint, directory)
             outcome = ("converted", directory.name)
         except CheckpointError as error:
