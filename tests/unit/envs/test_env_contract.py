@@ -35,6 +35,7 @@ from loop_trainer.envs.base import (
 from loop_trainer.envs.vault import VaultEpisode
 from loop_trainer.rollout import EpisodeLimits, RolloutEngine
 from support.helpers import ScriptedBackend
+from support.tiny_run import TINY_VAULT_RUN
 
 HERE = Path(__file__).resolve().parent  # loop-train imports this module's environments by name
 TESTS = Path(__file__).resolve().parents[2]
@@ -351,71 +352,52 @@ class DuplicateIdsVault(VaultEnv):
         return Dataset.from_list([{**row, "task_id": f"{split}-{i % 2}"} for i, row in enumerate(super().tasks(split))])
 
 
-def loop_train(tmp_path, *flags: str) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable,
-        "-m",
-        "loop_trainer.cli.train",
-        "--model_name_or_path",
-        "tiny:vault",
-        "--output_dir",
-        str(tmp_path / "run"),
-        "--iterations",
-        "1",
-        "--tasks_per_iteration",
-        "2",
-        "--rollouts_per_task",
-        "2",
-        "--max_turns",
-        "2",
-        "--max_new_tokens_per_turn",
-        "3",
-        "--max_trajectory_tokens",
-        "128",
-        "--activation_checkpointing",
-        "false",
-        "--disable_tqdm",
-        "true",
-        "--report_to",
-        "none",
-        *flags,
-    ]
+TINY_RUN = [*TINY_VAULT_RUN, "--iterations", "1", "--report_to", "none"]  # flags later on a line win
+BROKEN_TASK_LISTS = {  # flags, and the line loop-train refuses them with
+    "no-tasks": (
+        ["--environment_kwargs", '{"num_tasks": 0}'],
+        "vault: num_tasks (environment_kwargs) is the number of tasks per split and must be an integer >= 1, got 0",
+    ),
+    "unknown-split": (
+        ["--environment_kwargs", '{"num_tasks": 8}', "--train_split", "dev"],
+        "vault has no split 'dev'; its splits are 'train' and 'test' (set train_split / eval_split to one of them)",
+    ),
+    "list": (
+        ["--environment", "test_env_contract:ListTasksVault"],
+        "environment 'vault', split 'train': tasks() returned a list, not a datasets.Dataset",
+    ),
+    "no-task-id": (
+        ["--environment", "test_env_contract:NoTaskIdVault"],
+        "environment 'vault', split 'train': the tasks have no 'task_id' column (columns: id, person, people,",
+    ),
+    "duplicate-ids": (
+        ["--environment", "test_env_contract:DuplicateIdsVault", "--environment_kwargs", '{"num_tasks": 8}'],
+        "environment 'vault', split 'train': 2 task ids occur more than once: 'train-0' (4x), 'train-1' (4x);",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN_TASK_LISTS))
+def test_loop_train_refuses_a_broken_task_list_with_one_line(tmp_path, capsys, case):
+    from loop_trainer.cli.train import cli
+
+    flags, message = BROKEN_TASK_LISTS[case]
+    assert cli([*TINY_RUN, "--output_dir", str(tmp_path / "run"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"loop-train: error: {message}") and err.count("\n") == 1, err
+
+
+def test_the_loop_train_command_refuses_a_broken_task_list_with_one_line_and_nothing_else(tmp_path):
+    """As the command, in a process of its own: the one line is all it writes (no warning or log line before it,
+    which the in-process test above cannot see: pytest keeps Python's warnings for itself)."""
+    flags, message = BROKEN_TASK_LISTS["list"]
+    command = [sys.executable, "-m", "loop_trainer.cli.train", *TINY_RUN, "--output_dir", str(tmp_path / "run"), *flags]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(HERE), str(TESTS), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",
     }
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-
-
-@pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        (
-            ["--environment_kwargs", '{"num_tasks": 0}'],
-            "vault: num_tasks (environment_kwargs) is the number of tasks per split and must be an integer >= 1, got 0",
-        ),
-        (
-            ["--environment_kwargs", '{"num_tasks": 8}', "--train_split", "dev"],
-            "vault has no split 'dev'; its splits are 'train' and 'test' (set train_split / eval_split to one of them)",
-        ),
-        (
-            ["--environment", "test_env_contract:ListTasksVault"],
-            "environment 'vault', split 'train': tasks() returned a list, not a datasets.Dataset",
-        ),
-        (
-            ["--environment", "test_env_contract:NoTaskIdVault"],
-            "environment 'vault', split 'train': the tasks have no 'task_id' column (columns: id, person, people,",
-        ),
-        (
-            ["--environment", "test_env_contract:DuplicateIdsVault", "--environment_kwargs", '{"num_tasks": 8}'],
-            "environment 'vault', split 'train': 2 task ids occur more than once: 'train-0' (4x), 'train-1' (4x);",
-        ),
-    ],
-    ids=["no-tasks", "unknown-split", "list", "no-task-id", "duplicate-ids"],
-)
-def test_loop_train_refuses_a_broken_task_list_with_one_line(tmp_path, flags, message):
-    result = loop_train(tmp_path, *flags)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.startswith(f"loop-train: error: {message}") and result.stderr.count("\n") == 1, result.stderr
 
