@@ -312,6 +312,15 @@ class LOOPTrainer(Trainer):
         finally:
             self.close()
 
+    def hyperparameter_search(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused in one line. Trainer's own search builds each trial's model with a ``model_init``, which
+        LOOPTrainer takes no argument for (a trial would need its own policy, generator and environment), and its
+        refusal would ask for one."""
+        raise NotImplementedError(
+            "LOOPTrainer does not run hyperparameter_search (each trial would need its own policy, generator and "
+            "environment): train one LOOPTrainer, or run one loop-train, per setting"
+        )
+
     def _inner_training_loop(
         self, batch_size=None, args=None, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None
     ) -> TrainOutput:

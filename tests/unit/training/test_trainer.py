@@ -365,6 +365,17 @@ def test_the_model_is_tagged_loop_not_grpo(tmp_path, vault_tiny):
     assert "loop" in model.model_tags and "grpo" not in model.model_tags
 
 
+def test_hyperparameter_search_is_refused_in_one_line_that_names_no_model_init(tmp_path, vault_tiny):
+    """Trainer's refusal asks for a model_init, which LOOPTrainer takes no argument for."""
+    env, model, tok = vault_tiny
+    trainer = LOOPTrainer(model, env, tiny_args(tmp_path, iterations=1), processing_class=tok)
+    with pytest.raises(NotImplementedError) as refused:
+        trainer.hyperparameter_search(n_trials=2)
+    message = str(refused.value)
+    assert message.startswith("LOOPTrainer does not run hyperparameter_search")
+    assert "\n" not in message and "model_init" not in message
+
+
 def test_the_generator_sleeps_after_a_periodic_evaluation_before_the_checkpoint(tmp_path, vault_tiny):
     """A separate engine (vLLM) woken to evaluate must not stay awake through the save that follows."""
     from types import SimpleNamespace
