@@ -1,5 +1,6 @@
 """The flags of a tiny loop-train run on the built-in vault, which trains an iteration in a fraction of a second on a
-CPU: what the tests of a whole run (tests/unit/training/test_output_dir.py) and ``benchmarks/ctrl_c.py`` start."""
+CPU: what the tests of a whole run (tests/unit/training/test_output_dir.py), the refusals of broken task lists
+(tests/unit/envs/test_env_contract.py) and ``benchmarks/ctrl_c.py`` start."""
 
 from __future__ import annotations
 

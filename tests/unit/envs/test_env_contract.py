@@ -388,8 +388,8 @@ def test_loop_train_refuses_a_broken_task_list_with_one_line(tmp_path, capsys, c
 
 
 def test_the_loop_train_command_refuses_a_broken_task_list_with_one_line_and_nothing_else(tmp_path):
-    """As the command, in a process of its own: the one line is all it writes (no warning or log line before it,
-    which the in-process test above cannot see: pytest keeps Python's warnings for itself)."""
+    """As the command, in a process of its own: the one line is all it writes. The in-process test above cannot see
+    a line before it: pytest keeps Python's warnings and log records for itself, and capsys misses writes to fd 2."""
     flags, message = BROKEN_TASK_LISTS["list"]
     command = [sys.executable, "-m", "loop_trainer.cli.train", *TINY_RUN, "--output_dir", str(tmp_path / "run"), *flags]
     env = {
